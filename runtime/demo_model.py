@@ -1,0 +1,131 @@
+"""Build the tiny demo model: llama architecture, seeded random weights, a real
+byte-level BPE tokenizer with a chat template, in mlx-lm's on-disk format.
+
+No download: the tokenizer is trained here on a small built-in corpus, the
+weights come from a seeded generator. Used by the demo mesh and by tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CORPUS = """
+A mesh of machines serves one model. Every rank holds a shard of every layer.
+The ranks step in lockstep: each token needs an all-reduce across the ring.
+When one rank dies the generation ends on every node and a new one starts.
+Drain before close: stop admitting, finish the step, synchronize, then exit.
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen jugs.
+user assistant system hello world what is the answer the tensor parallel model
+0 1 2 3 4 5 6 7 8 9 10 100 1000 + - * / = ( ) [ ] { } : ; , . ! ? ' " # @ $ %
+"""
+
+
+@dataclass(frozen=True)
+class DemoModelSpec:
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    intermediate_size: int = 128
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 8
+    vocab_size: int = 512
+    max_position_embeddings: int = 4096
+    seed: int = 0
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    return tok
+
+
+def build_demo_model(path: str | Path, spec: DemoModelSpec = DemoModelSpec()) -> Path:
+    """Write the model to `path` (created) and return it. Deterministic in `spec`."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _train_tokenizer(spec.vocab_size)
+    tok.save(str(path / "tokenizer.json"))
+    eos_id = tok.token_to_id("<|im_end|>")
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": CHAT_TEMPLATE,
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "pad_token": "<|endoftext|>",
+                "model_max_length": spec.max_position_embeddings,
+            },
+            indent=2,
+        )
+    )
+    config = {
+        "model_type": "llama",
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "intermediate_size": spec.intermediate_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "vocab_size": tok.get_vocab_size(),
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+        "meshd_demo": asdict(spec),
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+    mx.random.seed(spec.seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    # Scale the embeddings so random logits are spread out: greedy argmax then
+    # has clear winners, and a float reduction order cannot flip it.
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] * 4.0
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {}, "weight_map": {k: "model.safetensors" for k in weights}},
+            indent=2,
+        )
+    )
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", help="directory to write the model into")
+    defaults = DemoModelSpec()
+    for name, value in asdict(defaults).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    args = parser.parse_args(argv)
+    spec = DemoModelSpec(**{k: getattr(args, k) for k in asdict(defaults)})
+    print(build_demo_model(args.path, spec))
+
+
+if __name__ == "__main__":
+    main()

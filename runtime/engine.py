@@ -1,0 +1,272 @@
+"""Generation engines behind one small interface, stepped in lockstep.
+
+Every rank owns an engine and calls the same methods in the same order (the
+lockstep loop guarantees it), so each decision here must be a deterministic
+function of those calls: uids, batch composition, tape hits and evictions are
+then identical on every rank without further talk.
+
+- `BatchEngine`: continuous batching over mlx-lm's BatchGenerator, with the
+  token-tape prefix cache.
+- `SpeculativeEngine`: one request at a time, a draft model loaded whole on
+  every rank proposing tokens the sharded target verifies. An external drafter
+  (DSpark / MTP overlays) plugs in by providing another Engine.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, speculative_generate_step
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.sample_utils import apply_top_p
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request as every rank sees it (broadcast by rank 0)."""
+
+    rid: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class Emission:
+    rid: str
+    token: int | None
+    finish_reason: str | None
+
+
+def greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+class SeededSampler:
+    """Temperature / top-p sampling from the request's own key, split once per
+    token: the same seed replays the same tokens, on every rank, whatever else
+    shares the batch."""
+
+    def __init__(self, seed: int, temperature: float, top_p: float):
+        self._key = mx.random.key(seed)
+        self._inv_temp = 1.0 / temperature
+        self._top_p = top_p
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self._key, sub = mx.random.split(self._key)
+        if 0.0 < self._top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self._top_p)
+        return mx.random.categorical(logprobs * self._inv_temp, key=sub)
+
+
+def sampler_for(job: Job):
+    return greedy if job.temperature == 0.0 else SeededSampler(job.seed, job.temperature, job.top_p)
+
+
+class Engine(Protocol):
+    def insert(self, job: Job) -> int:
+        """Queue a job; returns how many prompt tokens came from the cache."""
+
+    def cancel(self, rid: str) -> None: ...
+
+    def step(self) -> list[Emission]:
+        """One prefill chunk or decode step; the tokens it produced."""
+
+    @property
+    def busy(self) -> bool: ...
+
+    def prompt_tokens_in_flight(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class TokenTape:
+    """Append-only tapes of post-template token ids with their KV caches.
+
+    A follow-up turn whose prompt extends a stored tape prefills only the new
+    tokens. Entries are kept in LRU order up to `capacity`."""
+
+    def __init__(self, capacity: int = 8):
+        self.capacity = capacity
+        self._entries: deque[tuple[tuple[int, ...], list]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def take(self, prompt: tuple[int, ...]) -> tuple[list | None, int]:
+        """The cache for the longest stored prefix of `prompt` (a copy, trimmed
+        to the shared prefix) and that prefix length; at least one prompt token
+        is always left to process."""
+        best, best_len = None, 0
+        for i, (tape, _) in enumerate(self._entries):
+            n = _common_prefix(tape, prompt)
+            if n > best_len:
+                best, best_len = i, n
+        best_len = min(best_len, len(prompt) - 1)
+        if best is None or best_len <= 0:
+            return None, 0
+        tape, cache = self._entries[best]
+        del self._entries[best]
+        self._entries.append((tape, cache))
+        cache = copy.deepcopy(cache)
+        trim_prompt_cache(cache, len(tape) - best_len)
+        return cache, best_len
+
+    def store(self, tape: tuple[int, ...], cache: list) -> None:
+        self._entries = deque((t, c) for t, c in self._entries if _common_prefix(t, tape) < len(t))
+        self._entries.append((tape, cache))
+        while len(self._entries) > self.capacity:
+            self._entries.popleft()
+
+
+def _common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class BatchEngine:
+    def __init__(self, model, eos_ids: set[int], *, prefill_step_size: int = 512,
+                 completion_batch_size: int = 16, tape_capacity: int = 8):
+        self._gen = BatchGenerator(
+            model,
+            stop_tokens=[[t] for t in sorted(eos_ids)],
+            sampler=greedy,
+            prefill_step_size=prefill_step_size,
+            completion_batch_size=completion_batch_size,
+        )
+        self._model = model
+        self._rid_by_uid: dict[int, str] = {}
+        self._uid_by_rid: dict[str, int] = {}
+        self._prompt_left: dict[str, int] = {}
+        self.tape = TokenTape(tape_capacity)
+
+    def insert(self, job: Job) -> int:
+        cache, cached = self.tape.take(job.prompt)
+        (uid,) = self._gen.insert(
+            [list(job.prompt[cached:])],
+            max_tokens=[job.max_tokens],
+            caches=[cache if cache is not None else make_prompt_cache(self._model)],
+            all_tokens=[list(job.prompt[:cached])],
+            samplers=[sampler_for(job)],
+        )
+        self._rid_by_uid[uid] = job.rid
+        self._uid_by_rid[job.rid] = uid
+        self._prompt_left[job.rid] = len(job.prompt) - cached
+        return cached
+
+    def cancel(self, rid: str) -> None:
+        uid = self._uid_by_rid.pop(rid, None)
+        if uid is not None:
+            self._gen.remove([uid])
+            self._rid_by_uid.pop(uid, None)
+            self._prompt_left.pop(rid, None)
+
+    def step(self) -> list[Emission]:
+        prompt_responses, gen_responses = self._gen.next()
+        for p in prompt_responses:
+            rid = self._rid_by_uid.get(p.uid)
+            if rid is not None:
+                self._prompt_left[rid] = p.progress[1] - p.progress[0]
+        out = []
+        for r in gen_responses:
+            rid = self._rid_by_uid.get(r.uid)
+            if rid is None:
+                continue
+            out.append(Emission(rid, r.token, r.finish_reason))
+            if r.finish_reason is not None:
+                self.tape.store(tuple(r.all_tokens), r.prompt_cache)
+                del self._rid_by_uid[r.uid]
+                del self._uid_by_rid[rid]
+                self._prompt_left.pop(rid, None)
+        return out
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._uid_by_rid)
+
+    def prompt_tokens_in_flight(self) -> int:
+        return sum(self._prompt_left.values())
+
+    def close(self) -> None:
+        mx.synchronize()
+        self._gen.close()
+
+
+class SpeculativeEngine:
+    """One request at a time (speculation is singleton-only); others wait FIFO."""
+
+    def __init__(self, model, draft_model, eos_ids: set[int], *, num_draft_tokens: int = 3,
+                 prefill_step_size: int = 512):
+        self._model = model
+        self._draft = draft_model
+        self._eos = eos_ids
+        self._num_draft = num_draft_tokens
+        self._prefill_step_size = prefill_step_size
+        self._queue: deque[Job] = deque()
+        self._active: Job | None = None
+        self._stream = None
+        self._count = 0
+
+    def insert(self, job: Job) -> int:
+        self._queue.append(job)
+        return 0
+
+    def cancel(self, rid: str) -> None:
+        if self._active is not None and self._active.rid == rid:
+            self._finish()
+        else:
+            self._queue = deque(j for j in self._queue if j.rid != rid)
+
+    def _finish(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+        self._active, self._stream = None, None
+
+    def step(self) -> list[Emission]:
+        if self._active is None:
+            if not self._queue:
+                return []
+            self._active = self._queue.popleft()
+            self._count = 0
+            self._stream = speculative_generate_step(
+                mx.array(self._active.prompt),
+                self._model,
+                self._draft,
+                num_draft_tokens=self._num_draft,
+                max_tokens=self._active.max_tokens,
+                sampler=sampler_for(self._active),
+                prefill_step_size=self._prefill_step_size,
+            )
+        job = self._active
+        try:
+            token, _, _ = next(self._stream)
+        except StopIteration:
+            self._finish()
+            return [Emission(job.rid, None, "length")]
+        token = int(token)
+        self._count += 1
+        reason = "stop" if token in self._eos else ("length" if self._count >= job.max_tokens else None)
+        if reason is not None:
+            self._finish()
+        return [Emission(job.rid, token, reason)]
+
+    @property
+    def busy(self) -> bool:
+        return self._active is not None or bool(self._queue)
+
+    def prompt_tokens_in_flight(self) -> int:
+        active = len(self._active.prompt) if self._active is not None and self._count == 0 else 0
+        return active + sum(len(j.prompt) for j in self._queue)
+
+    def close(self) -> None:
+        mx.synchronize()
+        self._finish()

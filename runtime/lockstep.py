@@ -1,0 +1,54 @@
+"""Lockstep control channel: rank 0 shares a list of control messages with every
+rank once per loop iteration, through the same collective the model uses.
+
+Each exchange is one `all_sum` of the payload size and, when there is a payload,
+one `all_sum` of its bytes. Every rank applies the same messages at the same
+iteration, which keeps batch composition, cancellations and drain identical
+across the mesh. While idle the loop still exchanges (empty) at a low pace, so
+a dead peer surfaces as a transport error instead of a silent wait.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generation_stream
+
+
+class Lockstep:
+    def __init__(self, group: "mx.distributed.Group"):
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+
+    def _all_sum(self, x: mx.array) -> mx.array:
+        # The generator evaluates the next forward pass asynchronously on its
+        # stream; a collective on any other stream could overtake the model's
+        # own all_sums on some ranks and not others, and mix their bytes.
+        out = mx.distributed.all_sum(x, group=self.group, stream=generation_stream)
+        mx.eval(out)
+        return out
+
+    def exchange(self, messages: list[dict] | None, doze: float = 0.0) -> tuple[list[dict], float]:
+        """Rank 0 passes its outbox and how long every rank may sleep before the
+        next exchange (when idle); other ranks pass None. All get rank 0's list
+        and the doze. Ranks sleep instead of waiting inside the collective
+        because the ring transport busy-polls while it waits."""
+        if self.size == 1:
+            return list(messages or []), doze
+        payload = json.dumps(messages).encode() if (self.rank == 0 and messages) else b""
+        header = [len(payload), int(doze * 1000)] if self.rank == 0 else [0, 0]
+        n, doze_ms = self._all_sum(mx.array(header, dtype=mx.int32)).tolist()
+        if n == 0:
+            return [], doze_ms / 1000
+        if self.rank == 0:
+            data = mx.array(np.frombuffer(payload, dtype=np.uint8))
+        else:
+            data = mx.zeros((n,), dtype=mx.uint8)
+        return json.loads(bytes(np.array(self._all_sum(data), copy=False))), doze_ms / 1000
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self._all_sum(mx.array([1], dtype=mx.int32))

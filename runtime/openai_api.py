@@ -1,0 +1,276 @@
+"""OpenAI request validation and response shapes, as pure functions.
+
+Every body built here validates against the official response schemas: `logprobs`
+and `refusal` are present as null, errors are `{"error": {message, type, param,
+code}}`. Validation turns a bad request into an `ApiError` naming the field, so a
+bad request never reaches the lockstep loop.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+@dataclass(frozen=True)
+class ApiError(Exception):
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    type: str = "invalid_request_error"
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated request; `kind` is "chat" or "text"."""
+
+    kind: str
+    model: str
+    stream: bool
+    include_usage: bool
+    params: SamplingParams
+    messages: tuple[dict, ...] = ()
+    prompt: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Limits:
+    model_name: str
+    default_max_tokens: int
+    max_tokens_limit: int
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _bad(name, f"'{name}' must be a number between {lo} and {hi}, got {value!r}")
+    if not lo <= value <= hi:
+        raise _bad(name, f"'{name}' must be between {lo} and {hi}, got {value}")
+    return float(value)
+
+
+def _max_tokens(body: dict, limits: Limits) -> int:
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    value = body.get(name)
+    if value is None:
+        return limits.default_max_tokens
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, f"'{name}' must be an integer, got {value!r}")
+    if value <= 0:
+        raise _bad(name, f"'{name}' must be at least 1, got {value}")
+    if value > limits.max_tokens_limit:
+        raise _bad(
+            name,
+            f"'{name}' is {value}, above this server's limit of {limits.max_tokens_limit}; "
+            "ask for fewer tokens",
+        )
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise _bad("stop", "'stop' must be a non-empty string or a list of up to 4 of them")
+    if len(stop) > 4:
+        raise _bad("stop", f"'stop' holds {len(stop)} sequences; at most 4 are allowed")
+    return tuple(stop)
+
+
+def _seed(body: dict) -> int | None:
+    seed = body.get("seed")
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise _bad("seed", f"'seed' must be an integer, got {seed!r}")
+    return seed % (2**63)
+
+
+def _messages(body: dict) -> tuple[dict, ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "'messages' must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(where, f"'{where}' must be an object with 'role' and 'content'")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}")
+        content = m.get("content", "")
+        if content is None:
+            content = ""
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise _bad(
+                        f"{where}.content[{j}]",
+                        f"'{where}.content[{j}]' must be a text part {{\"type\": \"text\", \"text\": ...}}",
+                    )
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise _bad(f"{where}.content", f"'{where}.content' must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return tuple(out)
+
+
+def parse_request(kind: str, body: Any, limits: Limits) -> CompletionRequest:
+    """Validate a decoded JSON body for `/v1/chat/completions` ("chat") or
+    `/v1/completions` ("text"). Raises ApiError naming the field at fault."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object", code="invalid_json")
+    model = body.get("model", limits.model_name)
+    if not isinstance(model, str):
+        raise _bad("model", f"'model' must be a string, got {model!r}")
+    if model not in (limits.model_name, "default", ""):
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{limits.model_name}' (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+    n = body.get("n", 1)
+    if n != 1:
+        raise _bad("n", f"'n' must be 1 on this server, got {n!r}")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("stream", f"'stream' must be true or false, got {stream!r}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise _bad("stream_options", "'stream_options' must be an object")
+    params = SamplingParams(
+        max_tokens=_max_tokens(body, limits),
+        temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        seed=_seed(body),
+        stop=_stop(body),
+    )
+    common = dict(
+        kind=kind,
+        model=limits.model_name,
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+        params=params,
+    )
+    if kind == "chat":
+        return CompletionRequest(messages=_messages(body), **common)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise _bad("prompt", "'prompt' must be a non-empty string")
+    return CompletionRequest(prompt=prompt, **common)
+
+
+def new_id(kind: str) -> str:
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_body(req: CompletionRequest, rid: str, created: int, text: str,
+                    finish_reason: str, usage_: dict) -> dict:
+    if req.kind == "chat":
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model,
+            "choices": [choice], "usage": usage_}
+
+
+def chunk_body(req: CompletionRequest, rid: str, created: int, text: str | None,
+               finish_reason: str | None, first: bool = False) -> dict:
+    if req.kind == "chat":
+        delta: dict = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
+
+
+def usage_chunk(req: CompletionRequest, rid: str, created: int, usage_: dict) -> dict:
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model,
+            "choices": [], "usage": usage_}
+
+
+def models_body(model_name: str, created: int | None = None) -> dict:
+    return {
+        "object": "list",
+        "data": [{"id": model_name, "object": "model",
+                  "created": int(created if created is not None else time.time()),
+                  "owned_by": "meshd"}],
+    }
+
+
+def find_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Index where the earliest stop sequence starts in `text`, or -1."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters of `text` could still grow into a stop
+    sequence, and so must not be sent yet."""
+    keep = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if s.startswith(text[-k:]):
+                keep = max(keep, k)
+                break
+    return keep

@@ -1,0 +1,276 @@
+"""`meshd-rank`: one rank of a tensor-parallel generation.
+
+Started with the MLX distributed environment (the agent sets what `mlx.launch`
+would), plus `MESHD_GENERATION` and `MESHD_STATUS_FILE`. Loads and shards the
+model with per-layer progress, waits at the arm barrier, then runs the lockstep
+loop until a drain: every rank leaves the loop at the same iteration,
+synchronizes, closes its generator and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from runtime.status import Heartbeat, RankStatus
+
+DISTRIBUTED_ENV = ("MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_WORLD_SIZE")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="meshd-rank", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="path of the model directory (mlx-lm format)")
+    p.add_argument("--meshd-generation", dest="generation", type=int,
+                   default=int(os.environ.get("MESHD_GENERATION", "0")),
+                   help="generation id (default: $MESHD_GENERATION)")
+    p.add_argument("--host", default="127.0.0.1", help="rank 0's internal HTTP address")
+    p.add_argument("--port", type=int, default=8100, help="rank 0's internal HTTP port")
+    p.add_argument("--seed", type=int, default=0, help="mx.random seed, the same on every rank")
+    p.add_argument("--status-file", default=os.environ.get("MESHD_STATUS_FILE"),
+                   help="heartbeat JSON path (default: $MESHD_STATUS_FILE)")
+    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
+    p.add_argument("--max-tokens-limit", type=int, default=8192, help="largest max_tokens accepted")
+    p.add_argument("--max-context", type=int, default=0,
+                   help="context length (default: the model's max_position_embeddings)")
+    p.add_argument("--model-name", default=None, help="model id served (default: the directory name)")
+    p.add_argument("--draft-model", default=None, help="draft model for speculative decoding")
+    p.add_argument("--num-draft-tokens", type=int, default=3)
+    p.add_argument("--prefill-step-size", type=int, default=512)
+    p.add_argument("--completion-batch-size", type=int, default=16)
+    p.add_argument("--drain-deadline", type=float, default=30.0,
+                   help="seconds a finishing drain may take before in-flight work is cancelled")
+    p.add_argument("--drain-wait", type=float, default=10.0,
+                   help="seconds a non-zero rank waits after SIGTERM for rank 0's drain")
+    p.add_argument("--idle-interval", type=float, default=0.5,
+                   help="longest pause between idle liveness collectives; ranks sleep in between")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5,
+                   help="seconds between status file writes while nothing changes state")
+    p.add_argument("--backend", default="any", help="mx.distributed backend (default: from the env)")
+    return p.parse_args(argv)
+
+
+def load_sharded(model_path: Path, group, on_progress):
+    """Load lazily, shard across `group`, then materialise layer by layer so
+    progress is real: (layers done, layers total)."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(model_path, lazy=True, strict=False)
+    if group.size() > 1:
+        if not hasattr(model, "shard"):
+            raise SystemExit(f"meshd-rank: {config.get('model_type')} models cannot be sharded "
+                             "(no tensor-parallel support in mlx-lm); run a single rank")
+        model.shard(group)
+    layers = list(model.layers)
+    total = len(layers) + 1
+    on_progress(0, total)
+    for i, layer in enumerate(layers):
+        mx.eval(layer.parameters())
+        on_progress(i + 1, total)
+    mx.eval(model.parameters())
+    on_progress(total, total)
+    return model
+
+
+class LockstepLoop:
+    """The loop every rank runs; rank 0 also feeds and drains the frontend."""
+
+    def __init__(self, engine, lockstep, heartbeat: Heartbeat, frontend=None, idle_interval: float = 0.1):
+        from runtime.engine import Job
+
+        self._job = Job
+        self.engine = engine
+        self.lockstep = lockstep
+        self.hb = heartbeat
+        self.fe = frontend
+        self.inflight: dict[str, int] = {}
+        self.draining: str | None = None
+        self.tokens = 0
+        self.idle_interval = idle_interval
+        self._active_at = time.monotonic()
+
+    def _apply(self, msg: dict) -> None:
+        op = msg["op"]
+        if op == "insert":
+            job = self._job(msg["rid"], tuple(msg["prompt"]), msg["max_tokens"], msg["temperature"],
+                            msg["top_p"], msg["seed"])
+            if self.draining:
+                self._refuse(job.rid)
+                return
+            cached = self.engine.insert(job)
+            self.inflight[job.rid] = len(job.prompt)
+            if self.fe:
+                self.fe.started(job.rid, cached)
+        elif op == "cancel":
+            if self.inflight.pop(msg["rid"], None) is not None:
+                self.engine.cancel(msg["rid"])
+        elif op == "drain":
+            self.draining = msg["mode"] if self.draining != "cancel" else "cancel"
+            if self.draining == "cancel":
+                for rid in list(self.inflight):
+                    self.engine.cancel(rid)
+                    self._refuse(rid)
+                self.inflight.clear()
+
+    def _refuse(self, rid: str) -> None:
+        if self.fe:
+            self.fe.fail(rid, "The generation is draining; this request was cancelled. Retry it")
+
+    def run(self) -> None:
+        doze = 0.0
+        while True:
+            outbox, idle_next = None, 0.0
+            if self.fe:
+                outbox = self.fe.collect(block=not self.engine.busy, timeout=doze)
+                if outbox or self.engine.busy or self.draining:
+                    self._active_at = time.monotonic()
+                else:
+                    # Short dozes right after activity keep a burst of requests
+                    # snappy; a mesh idle for long settles at idle_interval.
+                    idle_for = time.monotonic() - self._active_at
+                    idle_next = min(self.idle_interval, max(0.01, idle_for / 4))
+            msgs, doze = self.lockstep.exchange(outbox, idle_next)
+            for msg in msgs:
+                self._apply(msg)
+            if self.draining and not self.engine.busy:
+                return
+            if not self.engine.busy:
+                self.hb.update(progress=True, state="draining" if self.draining else "ready",
+                               requests_in_flight=0, prompt_tokens_in_flight=0)
+                if not self.fe and doze:
+                    time.sleep(doze)
+                continue
+            self.hb.update(state="draining" if self.draining else "busy",
+                           requests_in_flight=len(self.inflight),
+                           prompt_tokens_in_flight=self.engine.prompt_tokens_in_flight())
+            emissions = self.engine.step()
+            for e in emissions:
+                if e.token is not None:
+                    self.tokens += 1
+                if e.finish_reason is not None:
+                    self.inflight.pop(e.rid, None)
+            self.hb.update(progress=True, tokens=self.tokens)
+            if self.fe and emissions:
+                self.fe.emit(emissions)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    model_path = Path(args.model)
+    if not (model_path / "config.json").is_file():
+        sys.exit(f"meshd-rank: no model at {model_path} (config.json missing); "
+                 "pass --model with an mlx-lm model directory")
+
+    import mlx.core as mx
+
+    # The heartbeat starts before init: a rank waiting for its peers to connect
+    # is loading, not gone.
+    rank = int(os.environ.get("MLX_RANK", "0"))
+    hb = Heartbeat(args.status_file, RankStatus(args.generation, rank, 0, os.getpid()),
+                   interval=args.heartbeat_interval).start()
+    log = _logger(rank, args.generation)
+    strict = any(k in os.environ for k in DISTRIBUTED_ENV)
+    group = mx.distributed.init(strict=strict, backend=args.backend)
+    rank, world = group.rank(), group.size()
+    hb.update(rank=rank, world=world, flush=True)
+    mx.random.seed(args.seed)
+
+    from runtime import openai_api as oa
+    from runtime.engine import BatchEngine, SpeculativeEngine
+    from runtime.lockstep import Lockstep
+    from runtime.server import Frontend
+
+    def progress(done: int, total: int) -> None:
+        hb.update(progress=True, flush=True, load_done=done, load_total=total)
+        log(f"loading {done}/{total}")
+
+    from mlx_lm.utils import load_config, load_tokenizer
+
+    config = load_config(model_path)
+    tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+    frontend = None
+    context = args.max_context or int(config.get("max_position_embeddings", 4096))
+    if rank == 0:
+        limits = oa.Limits(args.model_name or model_path.name, args.max_tokens, args.max_tokens_limit)
+        frontend = Frontend(tokenizer, limits, generation=args.generation, context_length=context,
+                            host=args.host, port=args.port, drain_deadline=args.drain_deadline)
+        try:
+            frontend.start()
+        except OSError as e:
+            sys.exit(f"meshd-rank: cannot listen on {args.host}:{args.port} ({e}); pick a free --port")
+    model = load_sharded(model_path, group, progress)
+
+    eos = set(tokenizer.eos_token_ids)
+    if args.draft_model:
+        from mlx_lm import load as load_whole
+
+        draft, _ = load_whole(args.draft_model)
+        engine = SpeculativeEngine(model, draft, eos, num_draft_tokens=args.num_draft_tokens,
+                                   prefill_step_size=args.prefill_step_size)
+    else:
+        engine = BatchEngine(model, eos, prefill_step_size=args.prefill_step_size,
+                             completion_batch_size=args.completion_batch_size)
+
+    lockstep = Lockstep(group)
+    lockstep.barrier()  # the arm barrier: every rank is loaded past this line
+    hb.update(state="armed")
+    log("armed")
+    loop = LockstepLoop(engine, lockstep, hb, frontend, idle_interval=args.idle_interval)
+    _install_sigterm(rank, frontend, args.drain_wait, log)
+    if frontend:
+        frontend.armed()
+    hb.update(state="ready")
+    log(f"ready on {args.host}:{args.port}" if rank == 0 else "ready")
+    try:
+        loop.run()
+    except Exception:
+        traceback.print_exc()
+        if frontend:
+            frontend.fail_all("A rank of this generation failed; the request was not finished. Retry it")
+        hb.stop("exited")
+        sys.stderr.flush()
+        os._exit(1)
+    hb.update(state="draining")
+    mx.synchronize()
+    engine.close()
+    log("drained, exiting 0")
+    if frontend:
+        frontend.stop()
+    hb.stop("exited")
+
+
+def _logger(rank: int, generation: int):
+    def log(msg: str) -> None:
+        print(f"[meshd-rank g{generation} r{rank}] {msg}", file=sys.stderr, flush=True)
+    return log
+
+
+def _install_sigterm(rank: int, frontend, drain_wait: float, log) -> None:
+    """Rank 0 turns SIGTERM into a finishing drain. Another rank waits, bounded,
+    for rank 0's drain to reach it, then gives up with 128+SIGTERM."""
+
+    def on_term(signum, frame):
+        if frontend is not None:
+            log("SIGTERM: draining")
+            frontend.begin_drain("finish")
+            return
+        log(f"SIGTERM: waiting up to {drain_wait}s for rank 0's drain")
+
+        def give_up():
+            time.sleep(drain_wait)
+            log("no drain arrived, exiting")
+            os._exit(128 + signal.SIGTERM)
+
+        threading.Thread(target=give_up, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""Rank 0's HTTP frontend: the OpenAI API, readiness and drain routes.
+
+It runs an aiohttp server on its own thread and event loop. Requests are
+validated and tokenized here, then handed to the lockstep loop through
+`collect()` (called by the loop, on the main thread); the loop hands tokens
+back through `started()` / `emit()` / `fail_all()`. Nothing here touches MLX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from meshd.web import json_error, json_errors, read_json
+from runtime import openai_api as oa
+from runtime.engine import Emission
+
+ADMITTING, LOADING, DRAINING = "admitting", "loading", "draining"
+
+
+@dataclass
+class Pending:
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, event: tuple) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Frontend:
+    def __init__(self, tokenizer, limits: oa.Limits, *, generation: int, context_length: int,
+                 host: str, port: int, drain_deadline: float = 30.0, max_body_bytes: int = 4 << 20):
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.generation = generation
+        self.context_length = context_length
+        self.host, self.port = host, port
+        self.drain_deadline = drain_deadline
+        self.max_body_bytes = max_body_bytes
+        self.phase = LOADING
+        self._inbox: queue.Queue = queue.Queue()
+        self._pending: dict[str, Pending] = {}
+        self._lock = threading.Lock()
+        self._drain_started: float | None = None
+        self._drain_escalated = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._eos = set(tokenizer.eos_token_ids)
+
+    # --- lifecycle (main thread) ---------------------------------------------
+    def start(self) -> None:
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            try:
+                self._loop.run_until_complete(self._serve())
+            except BaseException as e:  # reported to the caller of start()
+                failure.append(e)
+                ready.set()
+                return
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="frontend", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
+
+    async def _serve(self) -> None:
+        app = web.Application(middlewares=[json_errors], client_max_size=self.max_body_bytes)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._text)
+        app.router.add_get("/internal/ready", self._ready)
+        app.router.add_post("/internal/drain", self._drain)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+
+    def stop(self) -> None:
+        if self._loop is None or self._runner is None:
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+        try:
+            fut.result(timeout=5)
+        except Exception:  # shutting down anyway; the process exits next
+            pass
+
+    # --- the loop's side (main thread) ----------------------------------------
+    def armed(self) -> None:
+        self.phase = ADMITTING
+
+    def begin_drain(self, mode: str) -> None:
+        with self._lock:
+            first = self.phase != DRAINING
+            self.phase = DRAINING
+            if first:
+                self._drain_started = time.monotonic()
+        self._inbox.put({"op": "drain", "mode": mode})
+
+    def collect(self, block: bool, timeout: float = 1.0) -> list[dict]:
+        """Messages for the next exchange. Blocks up to `timeout` when idle,
+        which paces the idle liveness collective."""
+        out = []
+        try:
+            out.append(self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait())
+            while True:
+                out.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        if (self._drain_started is not None and not self._drain_escalated
+                and time.monotonic() - self._drain_started > self.drain_deadline):
+            self._drain_escalated = True
+            out.append({"op": "drain", "mode": "cancel"})
+        return out
+
+    def _pending_for(self, rid: str) -> Pending | None:
+        with self._lock:
+            return self._pending.get(rid)
+
+    def started(self, rid: str, cached: int) -> None:
+        if (p := self._pending_for(rid)) is not None:
+            p.put(("started", cached))
+
+    def emit(self, emissions: list[Emission]) -> None:
+        for e in emissions:
+            if (p := self._pending_for(e.rid)) is not None:
+                p.put(("token", e.token, e.finish_reason))
+
+    def fail(self, rid: str, message: str) -> None:
+        if (p := self._pending_for(rid)) is not None:
+            p.put(("failed", message))
+
+    def fail_all(self, message: str) -> None:
+        with self._lock:
+            rids = list(self._pending)
+        for rid in rids:
+            self.fail(rid, message)
+
+    # --- HTTP (frontend thread) ------------------------------------------------
+    async def _ready(self, request: web.Request) -> web.Response:
+        body = {"ready": self.phase == ADMITTING, "phase": self.phase, "generation": self.generation}
+        return web.json_response(body, status=200 if self.phase == ADMITTING else 503)
+
+    async def _drain(self, request: web.Request) -> web.Response:
+        body = await read_json(request) if request.can_read_body else {}
+        mode = body.get("mode", "finish") if isinstance(body, dict) else None
+        if mode not in ("finish", "cancel"):
+            raise oa.ApiError(400, f"'mode' must be 'finish' or 'cancel', got {mode!r}", param="mode")
+        self.begin_drain(mode)
+        return web.json_response({"draining": True, "mode": mode, "generation": self.generation}, status=202)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(oa.models_body(self.limits.model_name))
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "chat")
+
+    async def _text(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "text")
+
+    def _unavailable(self) -> web.Response:
+        why = "loading the model" if self.phase == LOADING else "draining"
+        return json_error(503, f"Generation {self.generation} is {why} and admits no request; retry shortly",
+                          code="unavailable", type_="server_error", headers={"Retry-After": "2"})
+
+    def _tokenize(self, req: oa.CompletionRequest) -> list[int]:
+        if req.kind == "chat":
+            try:
+                ids = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True)
+            except Exception as e:  # a template that rejects these messages is the caller's input
+                raise oa.ApiError(400, f"The chat template rejected these messages: {e}", param="messages")
+            param = "messages"
+        else:
+            ids = self.tokenizer.encode(req.prompt)
+            param = "prompt"
+        room = self.context_length - req.params.max_tokens
+        if len(ids) > room:
+            raise oa.ApiError(
+                400,
+                f"The prompt is {len(ids)} tokens; with max_tokens={req.params.max_tokens} it exceeds "
+                f"the context length of {self.context_length}. Shorten the {param} or lower max_tokens",
+                param=param, code="context_length_exceeded")
+        return list(ids)
+
+    async def _complete(self, request: web.Request, kind: str) -> web.StreamResponse:
+        req = oa.parse_request(kind, await read_json(request), self.limits)
+        if self.phase != ADMITTING:
+            return self._unavailable()
+        prompt = self._tokenize(req)
+        rid = oa.new_id(kind)
+        pending = Pending(asyncio.get_running_loop())
+        seed = req.params.seed if req.params.seed is not None else random.getrandbits(63)
+        with self._lock:
+            if self.phase != ADMITTING:
+                return self._unavailable()
+            self._pending[rid] = pending
+        self._inbox.put({"op": "insert", "rid": rid, "prompt": prompt, "max_tokens": req.params.max_tokens,
+                         "temperature": req.params.temperature, "top_p": req.params.top_p, "seed": seed})
+        finished = False
+        try:
+            run = _Run(self, req, rid, len(prompt))
+            if req.stream:
+                resp = await run.stream(request, pending)
+            else:
+                resp = await run.whole(pending)
+            finished = run.finished
+            return resp
+        finally:
+            with self._lock:
+                self._pending.pop(rid, None)
+            if not finished:
+                self._inbox.put({"op": "cancel", "rid": rid})
+
+
+class _Run:
+    """Turns one request's token events into text, honouring stop strings."""
+
+    def __init__(self, fe: Frontend, req: oa.CompletionRequest, rid: str, prompt_tokens: int):
+        self.fe, self.req, self.rid = fe, req, rid
+        self.prompt_tokens = prompt_tokens
+        self.cached = 0
+        self.completion_tokens = 0
+        self.detok = fe.tokenizer.detokenizer
+        self.text = ""
+        self.sent = 0
+        self.finished = False
+        self.created = int(time.time())
+
+    def _advance(self, event: tuple) -> tuple[str, str | None]:
+        """Feed one token event; returns (new text to send, finish reason)."""
+        _, token, reason = event
+        if token is not None and not (reason == "stop" and token in self.fe._eos):
+            self.completion_tokens += 1
+            self.detok.add_token(token)
+        if reason is not None:
+            self.detok.finalize()
+        self.text = self.detok.text
+        stops = self.req.params.stop
+        cut = oa.find_stop(self.text, stops) if stops else -1
+        if cut >= 0:
+            self.text, reason = self.text[:cut], "stop"
+        if reason is not None:
+            self.finished = True
+            end = len(self.text)
+        else:
+            end = len(self.text) - (oa.held_back(self.text, stops) if stops else 0)
+        piece = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return piece, reason
+
+    def usage(self) -> dict:
+        return oa.usage(self.prompt_tokens, self.completion_tokens, self.cached)
+
+    async def _events(self, pending: Pending):
+        while True:
+            event = await pending.events.get()
+            if event[0] == "started":
+                self.cached = event[1]
+                continue
+            yield event
+
+    async def whole(self, pending: Pending) -> web.Response:
+        async for event in self._events(pending):
+            if event[0] == "failed":
+                return json_error(503, event[1], code="generation_failed", type_="server_error",
+                                  headers={"Retry-After": "2"})
+            _, reason = self._advance(event)
+            if reason is not None:
+                body = oa.completion_body(self.req, self.rid, self.created, self.text, reason, self.usage())
+                return web.json_response(body)
+        raise AssertionError("event stream ended without a finish")
+
+    async def stream(self, request: web.Request, pending: Pending) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+
+        async def send(obj) -> None:
+            await resp.write(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
+
+        first = True
+        async for event in self._events(pending):
+            if event[0] == "failed":
+                await send(oa.error_body(event[1], "server_error", None, "generation_failed"))
+                break
+            piece, reason = self._advance(event)
+            if piece or first or reason is not None:
+                if piece or first:
+                    await send(oa.chunk_body(self.req, self.rid, self.created, piece, None, first=first))
+                    first = False
+                if reason is not None:
+                    await send(oa.chunk_body(self.req, self.rid, self.created, None, reason))
+                    if self.req.include_usage:
+                        await send(oa.usage_chunk(self.req, self.rid, self.created, self.usage()))
+                    break
+        await send(b"[DONE]")
+        await resp.write_eof()
+        return resp

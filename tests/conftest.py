@@ -1,0 +1,41 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from runtime.demo_model import DemoModelSpec, build_demo_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory) -> Path:
+    return build_demo_model(tmp_path_factory.mktemp("models") / "demo")
+
+
+@pytest.fixture(scope="session")
+def draft_model(tmp_path_factory) -> Path:
+    spec = DemoModelSpec(hidden_size=32, num_hidden_layers=1, intermediate_size=64, seed=7)
+    return build_demo_model(tmp_path_factory.mktemp("models") / "draft", spec)
+
+
+@pytest.fixture(scope="session")
+def deep_model(tmp_path_factory) -> Path:
+    """Many layers and wider, so load and prefill take long enough to watch."""
+    spec = DemoModelSpec(hidden_size=256, num_hidden_layers=24, intermediate_size=512, seed=3)
+    return build_demo_model(tmp_path_factory.mktemp("models") / "deep", spec)
+
+
+@pytest.fixture(scope="session")
+def reference(demo_model):
+    """Single-process greedy decoding of the demo model, the yardstick for the mesh."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate
+
+    model, tokenizer = load(str(demo_model))
+
+    def run(prompt_ids: list[int], max_tokens: int) -> str:
+        return generate(model, tokenizer, prompt_ids, max_tokens=max_tokens, verbose=False)
+
+    run.tokenizer = tokenizer
+    return run

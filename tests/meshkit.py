@@ -1,0 +1,187 @@
+"""Test helpers: start real `meshd-rank` processes as a ring mesh on loopback,
+wait on what they report (never on sleeps), validate OpenAI bodies against the
+official schemas."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jsonschema
+import requests
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+SCHEMAS = Path(os.environ.get("MESHD_OPENAI_SCHEMAS", SHARED / "openai-response-schemas.json"))
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
+    """Poll `predicate` until it returns a truthy value; fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@dataclass
+class Mesh:
+    procs: list[subprocess.Popen]
+    port: int
+    status_files: list[Path]
+    logs: list[Path]
+    hostfile: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def status(self, rank: int) -> dict | None:
+        try:
+            return json.loads(self.status_files[rank].read_text())
+        except (OSError, ValueError):
+            return None
+
+    def ready(self) -> bool:
+        try:
+            return requests.get(f"{self.url}/internal/ready", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        def check():
+            for i, p in enumerate(self.procs):
+                if p.poll() is not None:
+                    raise AssertionError(f"rank {i} exited {p.returncode}:\n{self.log(i)}")
+            return self.ready()
+        wait_for(check, timeout, "the mesh to be ready", interval=0.1)
+
+    def log(self, rank: int) -> str:
+        return self.logs[rank].read_text(errors="replace")
+
+    def wait_exit(self, timeout: float = 60) -> list[int]:
+        return [p.wait(timeout=timeout) for p in self.procs]
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in self.procs:
+            p.wait(timeout=30)
+
+
+def start_mesh(model: Path, world: int, tmp: Path, *args: str, generation: int = 1) -> Mesh:
+    """Spawn `world` ranks with the env mlx.launch would give a ring hostfile
+    (MLX_RANK, MLX_HOSTFILE) on loopback."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    *ring_ports, http_port = free_ports(world + 1)
+    hostfile = None
+    env_base = dict(os.environ, MESHD_GENERATION=str(generation), PYTHONUNBUFFERED="1")
+    if world > 1:
+        hostfile = tmp / "ring.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring_ports]))
+        env_base["MLX_HOSTFILE"] = str(hostfile)
+    procs, status_files, logs = [], [], []
+    for rank in range(world):
+        status = tmp / f"status-{rank}.json"
+        log = tmp / f"rank-{rank}.log"
+        env = dict(env_base, MLX_RANK=str(rank), MESHD_STATUS_FILE=str(status))
+        cmd = [sys.executable, "-m", "runtime.rank", "--model", str(model), "--port", str(http_port),
+               "--meshd-generation", str(generation), *args]
+        with open(log, "wb") as out:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        status_files.append(status)
+        logs.append(log)
+    return Mesh(procs, http_port, status_files, logs, hostfile)
+
+
+class StatusTrace:
+    """Records every distinct status file content of one rank, from a thread."""
+
+    def __init__(self, path: Path, interval: float = 0.002):
+        self.path, self.interval = path, interval
+        self.snapshots: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self):
+        last = None
+        while not self._stop.is_set():
+            try:
+                raw = self.path.read_text()
+            except OSError:
+                raw = None
+            if raw and raw != last:
+                last = raw
+                try:
+                    self.snapshots.append(json.loads(raw))
+                except ValueError:
+                    raise AssertionError(f"status file was read half-written: {raw!r}")
+            time.sleep(self.interval)
+
+
+def _nullable_to_anyof(node):
+    """The schemas mark null the OpenAPI 3.0 way (`nullable: true`); turn that
+    into JSON Schema so a validator honours it."""
+    if isinstance(node, dict):
+        node = {k: _nullable_to_anyof(v) for k, v in node.items()}
+        if node.pop("nullable", False):
+            return {"anyOf": [node, {"type": "null"}]}
+        return node
+    if isinstance(node, list):
+        return [_nullable_to_anyof(v) for v in node]
+    return node
+
+
+_DOC = _nullable_to_anyof(json.loads(SCHEMAS.read_text()))
+_REGISTRY = Registry().with_resource("urn:openai", Resource.from_contents(_DOC, default_specification=DRAFT202012))
+
+
+def validate(body: dict, schema: str) -> None:
+    """Raise if `body` does not validate against components.schemas[schema]."""
+    validator = jsonschema.Draft202012Validator({"$ref": f"urn:openai#/components/schemas/{schema}"},
+                                                registry=_REGISTRY)
+    validator.validate(body)
+
+
+def sse_events(lines) -> list:
+    """Parse SSE `data:` lines into JSON objects; '[DONE]' stays a string."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
