@@ -31,23 +31,25 @@ class Lockstep:
         mx.eval(out)
         return out
 
-    def exchange(self, messages: list[dict] | None, doze: float = 0.0) -> tuple[list[dict], float]:
-        """Rank 0 passes its outbox and how long every rank may sleep before the
-        next exchange (when idle); other ranks pass None. All get rank 0's list
-        and the doze. Ranks sleep instead of waiting inside the collective
-        because the ring transport busy-polls while it waits."""
+    def exchange(self, messages: list[dict] | None, doze: float = 0.0,
+                 steps: int = 1) -> tuple[list[dict], float, int]:
+        """Rank 0 passes its outbox, how long every rank may sleep before the
+        next exchange (when idle) and how many engine steps to take before it
+        (when busy); other ranks pass None. All get rank 0's three values.
+        Ranks sleep instead of waiting inside the collective because the ring
+        transport busy-polls while it waits."""
         if self.size == 1:
-            return list(messages or []), doze
+            return list(messages or []), doze, steps
         payload = json.dumps(messages).encode() if (self.rank == 0 and messages) else b""
-        header = [len(payload), int(doze * 1000)] if self.rank == 0 else [0, 0]
-        n, doze_ms = self._all_sum(mx.array(header, dtype=mx.int32)).tolist()
+        header = [len(payload), int(doze * 1000), steps] if self.rank == 0 else [0, 0, 0]
+        n, doze_ms, steps = self._all_sum(mx.array(header, dtype=mx.int32)).tolist()
         if n == 0:
-            return [], doze_ms / 1000
+            return [], doze_ms / 1000, steps
         if self.rank == 0:
             data = mx.array(np.frombuffer(payload, dtype=np.uint8))
         else:
             data = mx.zeros((n,), dtype=mx.uint8)
-        return json.loads(bytes(np.array(self._all_sum(data), copy=False))), doze_ms / 1000
+        return json.loads(bytes(np.array(self._all_sum(data), copy=False))), doze_ms / 1000, steps
 
     def barrier(self) -> None:
         if self.size > 1:

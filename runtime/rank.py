@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds a non-zero rank waits after SIGTERM for rank 0's drain")
     p.add_argument("--idle-interval", type=float, default=0.5,
                    help="longest pause between idle liveness collectives; ranks sleep in between")
+    p.add_argument("--burst", type=int, default=4,
+                   help="engine steps between control exchanges while busy (admission and "
+                        "cancel latency, in steps)")
     p.add_argument("--heartbeat-interval", type=float, default=0.5,
                    help="seconds between status file writes while nothing changes state")
     p.add_argument("--backend", default="any", help="mx.distributed backend (default: from the env)")
@@ -81,7 +84,8 @@ def load_sharded(model_path: Path, group, on_progress):
 class LockstepLoop:
     """The loop every rank runs; rank 0 also feeds and drains the frontend."""
 
-    def __init__(self, engine, lockstep, heartbeat: Heartbeat, frontend=None, idle_interval: float = 0.1):
+    def __init__(self, engine, lockstep, heartbeat: Heartbeat, frontend=None, idle_interval: float = 0.5,
+                 burst: int = 4):
         from runtime.engine import Job
 
         self._job = Job
@@ -93,6 +97,7 @@ class LockstepLoop:
         self.draining: str | None = None
         self.tokens = 0
         self.idle_interval = idle_interval
+        self.burst = burst
         self._active_at = time.monotonic()
 
     def _apply(self, msg: dict) -> None:
@@ -125,17 +130,18 @@ class LockstepLoop:
     def run(self) -> None:
         doze = 0.0
         while True:
-            outbox, idle_next = None, 0.0
+            outbox, idle_next, burst = None, 0.0, 1
             if self.fe:
                 outbox = self.fe.collect(block=not self.engine.busy, timeout=doze)
                 if outbox or self.engine.busy or self.draining:
                     self._active_at = time.monotonic()
+                    burst = self.burst if (self.engine.busy and not outbox) else 1
                 else:
                     # Short dozes right after activity keep a burst of requests
                     # snappy; a mesh idle for long settles at idle_interval.
                     idle_for = time.monotonic() - self._active_at
                     idle_next = min(self.idle_interval, max(0.01, idle_for / 4))
-            msgs, doze = self.lockstep.exchange(outbox, idle_next)
+            msgs, doze, steps = self.lockstep.exchange(outbox, idle_next, burst)
             for msg in msgs:
                 self._apply(msg)
             if self.draining and not self.engine.busy:
@@ -146,18 +152,24 @@ class LockstepLoop:
                 if not self.fe and doze:
                     time.sleep(doze)
                 continue
-            self.hb.update(state="draining" if self.draining else "busy",
-                           requests_in_flight=len(self.inflight),
-                           prompt_tokens_in_flight=self.engine.prompt_tokens_in_flight())
-            emissions = self.engine.step()
-            for e in emissions:
-                if e.token is not None:
-                    self.tokens += 1
-                if e.finish_reason is not None:
-                    self.inflight.pop(e.rid, None)
-            self.hb.update(progress=True, tokens=self.tokens)
-            if self.fe and emissions:
-                self.fe.emit(emissions)
+            for _ in range(steps):
+                if not self.engine.busy:
+                    break
+                self._step()
+
+    def _step(self) -> None:
+        self.hb.update(state="draining" if self.draining else "busy",
+                       requests_in_flight=len(self.inflight),
+                       prompt_tokens_in_flight=self.engine.prompt_tokens_in_flight())
+        emissions = self.engine.step()
+        for e in emissions:
+            if e.token is not None:
+                self.tokens += 1
+            if e.finish_reason is not None:
+                self.inflight.pop(e.rid, None)
+        self.hb.update(progress=True, tokens=self.tokens)
+        if self.fe and emissions:
+            self.fe.emit(emissions)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,7 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     lockstep.barrier()  # the arm barrier: every rank is loaded past this line
     hb.update(state="armed")
     log("armed")
-    loop = LockstepLoop(engine, lockstep, hb, frontend, idle_interval=args.idle_interval)
+    loop = LockstepLoop(engine, lockstep, hb, frontend, idle_interval=args.idle_interval,
+                        burst=args.burst)
     _install_sigterm(rank, frontend, args.drain_wait, log)
     if frontend:
         frontend.armed()

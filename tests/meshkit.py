@@ -86,6 +86,12 @@ class Mesh:
     def wait_exit(self, timeout: float = 60) -> list[int]:
         return [p.wait(timeout=timeout) for p in self.procs]
 
+    def __enter__(self) -> "Mesh":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
     def kill(self) -> None:
         for p in self.procs:
             if p.poll() is None:

@@ -15,24 +15,18 @@ PROMPTS = ["hello world", "What is the answer?", "The quick brown fox", "Drain b
 
 @pytest.fixture(scope="module")
 def mesh4(demo_model, tmp_path_factory):
-    mesh = start_mesh(demo_model, 4, tmp_path_factory.mktemp("mesh4"), "--heartbeat-interval", "0.05")
-    try:
+    with start_mesh(demo_model, 4, tmp_path_factory.mktemp("mesh4"), "--heartbeat-interval", "0.05") as mesh:
         mesh.wait_ready()
         yield mesh
-    finally:
-        mesh.kill()
 
 
 @pytest.fixture(scope="module")
 def mesh2(demo_model, tmp_path_factory):
     """Two ranks for the heavier scenarios: four ranks on two cores decode slowly
     because the ring transport busy-polls while it waits."""
-    mesh = start_mesh(demo_model, 2, tmp_path_factory.mktemp("mesh2"), "--heartbeat-interval", "0.05")
-    try:
+    with start_mesh(demo_model, 2, tmp_path_factory.mktemp("mesh2"), "--heartbeat-interval", "0.05") as mesh:
         mesh.wait_ready()
         yield mesh
-    finally:
-        mesh.kill()
 
 
 def chat(mesh, content, **kw):

@@ -1,0 +1,171 @@
+"""The agent's own config (TOML) -> a frozen AgentConfig.
+
+The agent runs only the commands its own config lists as profiles; the
+controller names a profile and sends parameters. Every mistake names the key,
+what was wrong, and an example of right.
+"""
+
+from __future__ import annotations
+
+import string
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agents.stall import StallWindows
+
+PLACEHOLDERS = {"python", "model", "port", "host", "seed", "generation", "rank", "world", "status_file"}
+
+DEFAULT_PROFILES = {
+    "meshd-rank": {
+        "command": ["{python}", "-m", "runtime.rank", "--model", "{model}", "--host", "{host}", "--port", "{port}",
+                    "--seed", "{seed}", "--meshd-generation", "{generation}", "--status-file", "{status_file}"],
+        "args": {"max_tokens": "--max-tokens", "max_tokens_limit": "--max-tokens-limit",
+                 "draft_model": "--draft-model", "num_draft_tokens": "--num-draft-tokens",
+                 "prefill_step_size": "--prefill-step-size", "model_name": "--model-name",
+                 "heartbeat_interval": "--heartbeat-interval", "drain_deadline": "--drain-deadline",
+                 "max_context": "--max-context"},
+        "status_file": True,
+    },
+    # Stock mlx_lm.server rejects unknown flags, so the generation marker
+    # rides on the interpreter's -X options.
+    "mlx-lm-server": {
+        "command": ["{python}", "-X", "meshd-generation={generation}", "-m", "mlx_lm.server", "--model", "{model}",
+                    "--host", "{host}", "--port", "{port}"],
+        "args": {"max_tokens": "--max-tokens", "draft_model": "--draft-model"},
+        "status_file": False,
+    },
+}
+
+DEFAULT_ENV_ALLOWLIST = ("MLX_METAL_FAST_SYNCH", "MLX_RING_VERBOSE", "MLX_JACCL_VERBOSE", "NCCL_DEBUG",
+                         "OMP_NUM_THREADS", "HF_HUB_OFFLINE")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    command: tuple[str, ...]
+    args: dict[str, str]
+    status_file: bool
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node: str
+    host: str
+    port: int
+    token_file: Path
+    state_dir: Path
+    profiles: dict[str, Profile]
+    allow_reboot: bool = False
+    reboot_command: tuple[str, ...] = ("sudo", "-n", "shutdown", "-r", "now")
+    env_allowlist: tuple[str, ...] = DEFAULT_ENV_ALLOWLIST
+    stall: StallWindows = field(default_factory=StallWindows)
+    log_max_bytes: int = 16 << 20
+    ibv_hang_seconds: float = 30.0
+    grace_seconds: float = 30.0
+    metrics_token_file: Path | None = None
+    python: str = sys.executable
+
+    def token(self) -> str:
+        return _read_secret(self.token_file, "token_file")
+
+    def metrics_token(self) -> str | None:
+        return _read_secret(self.metrics_token_file, "metrics_token_file") if self.metrics_token_file else None
+
+
+def _read_secret(path: Path, key: str) -> str:
+    try:
+        if path.stat().st_mode & 0o077:
+            raise ConfigError(f"{key}: {path} is readable by other users; run `chmod 600 {path}`")
+        value = path.read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot read {path} ({e.strerror}); create it with a random token, "
+                          f"e.g. `python -c 'import secrets; print(secrets.token_hex(24))' > {path}`")
+    if len(value) < 16:
+        raise ConfigError(f"{key}: the token in {path} is shorter than 16 characters; use a random one")
+    return value
+
+
+def _need(table: dict, key: str, kind, where: str, example: str):
+    if key not in table:
+        raise ConfigError(f"{where}{key}: missing; for example {key} = {example}")
+    value = table[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{where}{key}: expected {kind.__name__}, got {value!r}; for example {key} = {example}")
+    return value
+
+
+def _profile(name: str, raw: dict) -> Profile:
+    where = f"profiles.{name}."
+    command = _need(raw, "command", list, where, '["{python}", "-m", "runtime.rank", "--model", "{model}"]')
+    if not command or not all(isinstance(c, str) for c in command):
+        raise ConfigError(f"{where}command: must be a non-empty list of strings")
+    used = {f for part in command for _, f, _, _ in string.Formatter().parse(part) if f}
+    unknown = used - PLACEHOLDERS
+    if unknown:
+        raise ConfigError(f"{where}command: unknown placeholder(s) {sorted(unknown)}; "
+                          f"known: {', '.join(sorted(PLACEHOLDERS))}")
+    if "generation" not in used:
+        raise ConfigError(f'{where}command: must carry the generation marker, e.g. "--meshd-generation", '
+                          '"{generation}" (the orphan sweep finds ranks by it)')
+    args = raw.get("args", {})
+    if not isinstance(args, dict) or not all(isinstance(v, str) and v.startswith("-") for v in args.values()):
+        raise ConfigError(f'{where}args: must map parameter names to flags, e.g. {{max_tokens = "--max-tokens"}}')
+    return Profile(name, tuple(command), dict(args), bool(raw.get("status_file", True)))
+
+
+def parse(raw: dict, base: Path) -> AgentConfig:
+    node = _need(raw, "node", str, "", '"studio-1"')
+    listen = raw.get("listen", "127.0.0.1:7701")
+    if not isinstance(listen, str) or ":" not in listen or not listen.rsplit(":", 1)[1].isdigit():
+        raise ConfigError(f'listen: expected "host:port", got {listen!r}; for example listen = "127.0.0.1:7701"')
+    host, port = listen.rsplit(":", 1)
+    token_file = base / _need(raw, "token_file", str, "", '"/etc/meshd/agent.token"')
+    state_dir = base / raw.get("state_dir", "state")
+    extra = raw.get("profiles", {})
+    if not isinstance(extra, dict):
+        raise ConfigError("profiles: must be a table of profiles, e.g. [profiles.my-runtime]")
+    profiles_raw = {**({} if raw.get("disable_default_profiles") else DEFAULT_PROFILES), **extra}
+    if not profiles_raw:
+        raise ConfigError("profiles: no profile is allowed; add one, e.g. [profiles.meshd-rank]")
+    profiles = {name: _profile(name, p) for name, p in profiles_raw.items()}
+    stall_raw = raw.get("stall", {})
+    stall = StallWindows(**{k: float(v) for k, v in stall_raw.items()
+                            if k in StallWindows.__dataclass_fields__})
+    unknown_stall = set(stall_raw) - set(StallWindows.__dataclass_fields__)
+    if unknown_stall:
+        raise ConfigError(f"stall: unknown key(s) {sorted(unknown_stall)}; "
+                          f"known: {', '.join(StallWindows.__dataclass_fields__)}")
+    allow_reboot = raw.get("allow_reboot", False)
+    if not isinstance(allow_reboot, bool):
+        raise ConfigError(f"allow_reboot: expected true or false, got {allow_reboot!r}")
+    metrics_token = raw.get("metrics_token_file")
+    return AgentConfig(
+        node=node, host=host, port=int(port), token_file=token_file, state_dir=state_dir, profiles=profiles,
+        allow_reboot=allow_reboot,
+        reboot_command=tuple(raw.get("reboot_command", AgentConfig.reboot_command)),
+        env_allowlist=tuple(raw.get("env_allowlist", DEFAULT_ENV_ALLOWLIST)),
+        stall=stall,
+        log_max_bytes=int(raw.get("log_max_bytes", 16 << 20)),
+        ibv_hang_seconds=float(raw.get("ibv_hang_seconds", 30.0)),
+        grace_seconds=float(raw.get("grace_seconds", 30.0)),
+        metrics_token_file=base / metrics_token if metrics_token else None,
+        python=raw.get("python", sys.executable),
+    )
+
+
+def load(path: str | Path) -> AgentConfig:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read agent config {path}: {e.strerror}")
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}")
+    return parse(raw, path.parent)

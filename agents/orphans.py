@@ -1,0 +1,63 @@
+"""Which processes are debris? A pure selection over a process listing.
+
+Debris is: a process carrying the meshd generation marker (on its command
+line or in MESHD_GENERATION) whose generation is not the current one; a
+manifest entry of a retired generation that is still alive; an `ibv_devinfo`
+/ `ibv_devices` that has run longer than a limit (hung in the RDMA driver).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+MARKER = re.compile(r"(?:--meshd-generation[= ]|meshd-generation=)(\d+)")
+IBV_TOOLS = ("ibv_devinfo", "ibv_devices")
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    name: str
+    cmdline: tuple[str, ...]
+    create_time: float
+    env_generation: int | None = None
+
+
+@dataclass(frozen=True)
+class Orphan:
+    pid: int
+    create_time: float
+    reason: str
+    what: str
+
+
+def marker_generation(p: ProcInfo) -> int | None:
+    m = MARKER.search(" ".join(p.cmdline))
+    if m:
+        return int(m.group(1))
+    return p.env_generation
+
+
+def select_orphans(procs: list[ProcInfo], *, current: int | None, keep_pids: set[int],
+                   manifest: list[dict], now: float, ibv_limit: float) -> list[Orphan]:
+    out: dict[int, Orphan] = {}
+    alive = {p.pid: p for p in procs}
+    for p in procs:
+        if p.pid in keep_pids:
+            continue
+        what = " ".join(p.cmdline)[:200] or p.name
+        gen = marker_generation(p)
+        if gen is not None and gen != current:
+            out[p.pid] = Orphan(p.pid, p.create_time, f"generation {gen} is not the current one ({current})", what)
+        elif any(p.name == t or (p.cmdline and p.cmdline[0].endswith("/" + t)) or
+                 (p.cmdline and p.cmdline[0] == t) for t in IBV_TOOLS) and now - p.create_time > ibv_limit:
+            out[p.pid] = Orphan(p.pid, p.create_time,
+                                f"{p.name} running {now - p.create_time:.0f}s (limit {ibv_limit:.0f}s): hung", what)
+    for entry in manifest:
+        p = alive.get(entry["pid"])
+        if (p is not None and p.pid not in keep_pids and p.pid not in out
+                and entry["generation"] != current and abs(p.create_time - entry["create_time"]) < 1.0):
+            out[p.pid] = Orphan(p.pid, p.create_time,
+                                f"manifest entry of retired generation {entry['generation']}", " ".join(p.cmdline)[:200])
+    return sorted(out.values(), key=lambda o: o.pid)

@@ -1,0 +1,273 @@
+"""`meshd-agent`: the node agent's HTTP API, metrics and entry point.
+
+Every route but /healthz and /metrics needs `Authorization: Bearer <token>`
+(the metrics route takes its own token when `metrics_token_file` is set).
+Stopping the agent leaves its ranks running: a restarted agent adopts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import signal
+import sys
+import time
+
+import structlog
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from agents import config as agent_config
+from agents import node as node_facts
+from agents import ranks
+from agents.supervisor import BadSpec, Conflict, Supervisor
+from meshd.protocol import RankSpec
+from meshd.web import json_error, json_errors, read_json
+from runtime.openai_api import ApiError
+
+log = structlog.get_logger("meshd.agent")
+OPEN_ROUTES = ("/healthz", "/metrics")
+
+
+def auth_middleware(token: str, metrics_token: str | None):
+    @web.middleware
+    async def check(request: web.Request, handler):
+        path = request.path
+        if path == "/healthz" or (path == "/metrics" and metrics_token is None):
+            return await handler(request)
+        expected = metrics_token if path == "/metrics" else token
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {expected}".encode()):
+            return json_error(401, "Missing or wrong bearer token; send 'Authorization: Bearer <token>' "
+                                   "with the token from this agent's token_file", code="unauthorized")
+        return await handler(request)
+    return check
+
+
+def parse_spec(body) -> RankSpec:
+    if not isinstance(body, dict):
+        raise ApiError(400, "The body must be a JSON object describing the rank", code="invalid_json")
+    spec_fields = RankSpec.__dataclass_fields__
+    unknown = sorted(set(body) - set(spec_fields))
+    if unknown:
+        raise ApiError(400, f"Unknown field(s) {unknown}; a start request takes: {', '.join(spec_fields)}",
+                       param=unknown[0])
+    types = {"generation": int, "rank": int, "world": int, "profile": str, "model": str, "hostfile": dict,
+             "port": int, "host": str, "ring_port": int, "seed": int, "env": dict, "args": dict}
+    required = ("generation", "rank", "world", "profile", "model", "hostfile")
+    for name in required:
+        if name not in body:
+            raise ApiError(400, f"'{name}' is required", param=name)
+    for name, kind in types.items():
+        if name in body and (not isinstance(body[name], kind) or (kind is int and isinstance(body[name], bool))):
+            raise ApiError(400, f"'{name}' must be a {kind.__name__}, got {body[name]!r}", param=name)
+    for name in ("generation", "rank", "world", "port", "ring_port", "seed"):
+        if name in body and body[name] < (1 if name == "world" else 0):
+            raise ApiError(400, f"'{name}' must not be negative" if name != "world" else "'world' must be >= 1",
+                           param=name)
+    if body["rank"] >= body["world"]:
+        raise ApiError(400, f"'rank' {body['rank']} must be below 'world' {body['world']}", param="rank")
+    return RankSpec(**body)
+
+
+class AgentMetrics:
+    """Read the supervisor at scrape time."""
+
+    def __init__(self, sup: Supervisor):
+        self.sup = sup
+
+    def collect(self):
+        import psutil
+
+        node = self.sup.config.node
+        up = GaugeMetricFamily("meshd_agent_rank_up", "1 while the rank process of this node runs",
+                               labels=["node", "rank"])
+        rss = GaugeMetricFamily("meshd_agent_rank_resident_memory_bytes", "Resident memory of the rank",
+                                labels=["node", "rank"])
+        cpu = CounterMetricFamily("meshd_agent_rank_cpu_seconds", "CPU time of the rank",
+                                  labels=["node", "rank"])
+        gen = GaugeMetricFamily("meshd_agent_generation", "Generation of the live rank (-1 when none)",
+                                labels=["node"])
+        for rec in self.sup.live():
+            res = ranks.resources(rec.target)
+            up.add_metric([node, str(rec.rank)], 1)
+            rss.add_metric([node, str(rec.rank)], res["rss_bytes"])
+            cpu.add_metric([node, str(rec.rank)], res["cpu_seconds"])
+        current = self.sup.current_generation()
+        gen.add_metric([node], -1 if current is None else current)
+        exits = CounterMetricFamily("meshd_agent_rank_exits", "Rank exits by kind", labels=["node", "kind"])
+        for kind, n in self.sup.counters.exits.items():
+            exits.add_metric([node, kind], n)
+        sigs = CounterMetricFamily("meshd_agent_signatures", "Fatal log lines seen, by signature",
+                                   labels=["node", "signature", "severity"])
+        for (name, severity), n in self.sup.counters.signatures.items():
+            sigs.add_metric([node, name, severity], n)
+        orphans = CounterMetricFamily("meshd_agent_orphans_killed", "Orphaned processes killed by sweeps",
+                                      labels=["node"])
+        orphans.add_metric([node], self.sup.counters.orphans_killed)
+        survivors = CounterMetricFamily("meshd_agent_survivors", "Processes that survived SIGKILL",
+                                        labels=["node"])
+        survivors.add_metric([node], self.sup.counters.survivors)
+        reboot = GaugeMetricFamily("meshd_agent_reboot_required", "1 when this node needs a reboot",
+                                   labels=["node"])
+        reboot.add_metric([node], 1 if self.sup.reboot_required else 0)
+        mem = psutil.virtual_memory()
+        memory = GaugeMetricFamily("meshd_agent_node_memory_bytes", "Node memory", labels=["node", "kind"])
+        memory.add_metric([node, "total"], mem.total)
+        memory.add_metric([node, "available"], mem.available)
+        events = CounterMetricFamily("meshd_agent_events", "Events emitted", labels=["node"])
+        events.add_metric([node], self.sup.events.seq)
+        yield from (up, rss, cpu, gen, exits, sigs, orphans, survivors, reboot, memory, events)
+
+
+def make_app(sup: Supervisor, token: str, metrics_token: str | None = None) -> web.Application:
+    cfg = sup.config
+    registry = CollectorRegistry()
+    registry.register(AgentMetrics(sup))
+    app = web.Application(middlewares=[json_errors, auth_middleware(token, metrics_token)],
+                          client_max_size=1 << 20)
+
+    async def healthz(request):
+        return web.json_response({"ok": True, "node": cfg.node, "generation": sup.current_generation()})
+
+    async def metrics(request):
+        return web.Response(body=generate_latest(registry), content_type="text/plain", charset="utf-8")
+
+    async def node(request):
+        model = request.query.get("model")
+        return web.json_response({"node": cfg.node, **await node_facts.facts(model),
+                                  "reboot_required": sup.reboot_required, "allow_reboot": cfg.allow_reboot})
+
+    async def list_ranks(request):
+        return web.json_response({"node": cfg.node, "generation": sup.current_generation(),
+                                  "ranks": [r.view() for r in sup.records.values()]})
+
+    async def start_rank(request):
+        spec = parse_spec(await read_json(request))
+        try:
+            rec, created = await sup.start(spec)
+        except BadSpec as e:
+            raise ApiError(400, str(e), param=e.param)
+        except Conflict as e:
+            return json_error(409, str(e), code="generation_running")
+        return web.json_response({"created": created, **rec.view()}, status=201 if created else 200)
+
+    async def stop_generation(request):
+        try:
+            generation = int(request.match_info["generation"])
+        except ValueError:
+            raise ApiError(400, "the generation in the path must be an integer", param="generation")
+        body = await read_json(request) if request.can_read_body else {}
+        if not isinstance(body, dict):
+            raise ApiError(400, "The body must be a JSON object", code="invalid_json")
+        mode = body.get("mode", "drain")
+        if mode not in ("drain", "kill"):
+            raise ApiError(400, f"'mode' must be 'drain' or 'kill', got {mode!r}", param="mode")
+        grace = body.get("grace", cfg.grace_seconds)
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= 3600:
+            raise ApiError(400, f"'grace' must be seconds between 0 and 3600, got {grace!r}", param="grace")
+        return web.json_response(await sup.stop(generation, mode, float(grace)))
+
+    async def sweep(request):
+        body = await read_json(request) if request.can_read_body else {}
+        grace = body.get("grace", 5.0) if isinstance(body, dict) else None
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= 600:
+            raise ApiError(400, f"'grace' must be seconds between 0 and 600, got {grace!r}", param="grace")
+        return web.json_response(await sup.sweep(float(grace)))
+
+    async def rank_log(request):
+        try:
+            generation, rank = int(request.match_info["generation"]), int(request.match_info["rank"])
+            lines = int(request.query.get("lines", "200"))
+        except ValueError:
+            raise ApiError(400, "generation, rank and lines must be integers", param="lines")
+        tail = sup.log_tail(generation, rank, max(1, min(lines, 10_000)))
+        if tail is None:
+            return json_error(404, f"no log for generation {generation} rank {rank} on {cfg.node}",
+                              code="not_found")
+        return web.json_response({"node": cfg.node, "generation": generation, "rank": rank, "lines": tail})
+
+    async def events(request):
+        raw = request.query.get("since", request.headers.get("Last-Event-ID", "0"))
+        try:
+            since = int(raw)
+        except ValueError:
+            raise ApiError(400, f"'since' must be a sequence number, got {raw!r}", param="since")
+        if request.query.get("stream", "1") == "0":
+            return web.json_response({"node": cfg.node, "seq": sup.events.seq, "events": sup.events.since(since)})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        await resp.write(f": meshd-agent {cfg.node} seq {sup.events.seq}\n\n".encode())
+        while True:
+            batch = await sup.events.wait_after(since, timeout=10.0)
+            if not batch:
+                await resp.write(b": keep-alive\n\n")
+                continue
+            for record in batch:
+                await resp.write(f"id: {record['seq']}\ndata: {json.dumps(record)}\n\n".encode())
+                since = record["seq"]
+
+    async def reboot(request):
+        if not cfg.allow_reboot:
+            return json_error(403, f"reboot is not allowed on {cfg.node}; set allow_reboot = true in its "
+                                   "agent config, or reboot it over SSH", code="reboot_not_allowed")
+        result = await node_facts.run_tool(list(cfg.reboot_command), timeout=30)
+        if not result["ok"]:
+            return json_error(502, f"reboot command failed on {cfg.node}: {result['error']}",
+                              code="reboot_failed")
+        return web.json_response({"rebooting": True, "node": cfg.node, "at": time.time()}, status=202)
+
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/node", node)
+    app.router.add_get("/v1/ranks", list_ranks)
+    app.router.add_post("/v1/ranks", start_rank)
+    app.router.add_post("/v1/generations/{generation}/stop", stop_generation)
+    app.router.add_post("/v1/sweep", sweep)
+    app.router.add_get("/v1/ranks/{generation}/{rank}/log", rank_log)
+    app.router.add_get("/v1/events", events)
+    app.router.add_post("/v1/reboot", reboot)
+    return app
+
+
+async def serve(cfg: agent_config.AgentConfig) -> None:
+    token, metrics_token = cfg.token(), cfg.metrics_token()
+    sup = Supervisor(cfg)
+    await sup.adopt()
+    swept = await sup.sweep()
+    log.info("agent starting", node=cfg.node, adopted=[r.pid for r in sup.live()],
+             swept=[k["pid"] for k in swept["killed"]])
+    runner = web.AppRunner(make_app(sup, token, metrics_token), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, cfg.host, cfg.port).start()
+    log.info("agent listening", node=cfg.node, address=f"{cfg.host}:{cfg.port}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("agent stopping; ranks keep running and will be adopted", node=cfg.node)
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="meshd-agent", description="meshd node agent")
+    p.add_argument("--config", required=True, help="agent config (TOML)")
+    args = p.parse_args(argv)
+    try:
+        cfg = agent_config.load(args.config)
+        cfg.token()
+    except agent_config.ConfigError as e:
+        sys.exit(f"meshd-agent: {e}")
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as e:
+        sys.exit(f"meshd-agent: cannot listen on {cfg.host}:{cfg.port} ({e.strerror}); change 'listen'")
+
+
+if __name__ == "__main__":
+    main()

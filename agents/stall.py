@@ -1,0 +1,46 @@
+"""When is a rank stalled? A pure verdict over its status file.
+
+`progress_at` moves on every load step, prefill chunk, decode step and idle
+liveness exchange. A rank whose peer is stopped or wedged stops moving it
+while its heartbeat keeps writing; a stopped rank stops both. The window a
+rank gets depends on what it is doing: loading has its own long deadline, and
+a request in prefill gets more time the longer its prompt, so neither a cold
+load nor a 100k-token prefill is ever called a hang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StallWindows:
+    base: float = 30.0  # seconds without progress while ready or decoding
+    min_prefill_rate: float = 50.0  # prompt tokens per second the slowest prefill still reaches
+    load_deadline: float = 1800.0  # seconds without a load step
+    start_deadline: float = 120.0  # seconds from spawn to a first status file
+
+
+@dataclass(frozen=True)
+class Stall:
+    phase: str
+    idle_for: float
+    window: float
+
+
+def window_for(status: dict, w: StallWindows) -> float:
+    state = status.get("state")
+    if state == "loading":
+        return w.load_deadline
+    return w.base + status.get("prompt_tokens_in_flight", 0) / w.min_prefill_rate
+
+
+def stall_verdict(status: dict | None, now: float, spawned_at: float, w: StallWindows) -> Stall | None:
+    if status is None:
+        waited = now - spawned_at
+        return Stall("starting", waited, w.start_deadline) if waited > w.start_deadline else None
+    if status.get("state") == "exited":
+        return None
+    window = window_for(status, w)
+    idle_for = now - float(status.get("progress_at", spawned_at))
+    return Stall(status.get("state", "unknown"), idle_for, window) if idle_for > window else None

@@ -1,0 +1,259 @@
+"""What an agent does to its node's ranks: start, stop, adopt, sweep.
+
+One live generation at a time. The launch manifest (generation, rank, pid,
+create time) is written before a start returns, so an agent that is killed
+and started again adopts the ranks that are still running instead of killing
+them, and can tell retired generations' leftovers from the live one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from agents import ranks
+from agents.config import AgentConfig, Profile
+from agents.events import EventLog
+from agents.orphans import select_orphans
+from agents.watch import RankRecord, RankWatcher
+from meshd.hostfile import HostfileError, launch_env
+from meshd.protocol import OrphansSwept, RankExited, RankSpec, RankStarted, RebootRequired
+from runtime.status import write_atomic
+
+
+class Conflict(Exception):
+    """Another generation is running here (HTTP 409)."""
+
+
+class BadSpec(ValueError):
+    """A start request this agent cannot run (HTTP 400); names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Counters:
+    exits: dict
+    signatures: dict
+    orphans_killed: int = 0
+    survivors: int = 0
+
+
+class Supervisor:
+    def __init__(self, config: AgentConfig):
+        self.config = config
+        self.state_dir = config.state_dir
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(self.state_dir / "events.jsonl")
+        self.records: dict[tuple[int, int], RankRecord] = {}
+        self.reboot_required: str | None = None
+        self.counters = Counters(exits={}, signatures={})
+        self._lock = asyncio.Lock()
+        self._manifest_path = self.state_dir / "manifest.json"
+
+    # --- manifest ---------------------------------------------------------------
+    def _read_manifest(self) -> list[dict]:
+        try:
+            return json.loads(self._manifest_path.read_text())
+        except (OSError, ValueError):
+            return []
+
+    def _write_manifest(self, entries: list[dict]) -> None:
+        write_atomic(self._manifest_path, entries)
+
+    def _record_in_manifest(self, rec: RankRecord) -> None:
+        entries = [e for e in self._read_manifest()
+                   if (e["generation"], e["rank"]) != (rec.generation, rec.rank)]
+        self._write_manifest(entries + [rec.manifest_entry()])
+
+    # --- events -----------------------------------------------------------------
+    async def emit(self, event) -> None:
+        if isinstance(event, RankExited):
+            kind = "expected" if event.expected else ("signal" if event.signal else f"code_{event.code}")
+            self.counters.exits[kind] = self.counters.exits.get(kind, 0) + 1
+        if getattr(event, "signature", None):
+            key = (event.signature, event.severity)
+            self.counters.signatures[key] = self.counters.signatures.get(key, 0) + 1
+        if isinstance(event, RebootRequired):
+            self.reboot_required = event.reason
+        await self.events.emit(event)
+
+    def _watch(self, rec: RankRecord) -> None:
+        RankWatcher(rec, self.emit, self.config.node, self.config.stall, self.config.log_max_bytes).start()
+
+    # --- queries ----------------------------------------------------------------
+    def live(self) -> list[RankRecord]:
+        return [r for r in self.records.values() if not r.done]
+
+    def current_generation(self) -> int | None:
+        gens = {r.generation for r in self.live()}
+        return max(gens) if gens else None
+
+    # --- adopt ------------------------------------------------------------------
+    async def adopt(self) -> None:
+        """On agent start: watch again the manifest's ranks that still run."""
+        keep = []
+        for e in self._read_manifest():
+            target = ranks.Target(e["pid"], e["create_time"])
+            if not ranks.alive(target):
+                await self.emit(RankExited(node=self.config.node, generation=e["generation"], rank=e["rank"],
+                                           at=time.time(), pid=e["pid"], code=None, signal=None, expected=False))
+                continue
+            rec = RankRecord(e["generation"], e["rank"], e["pid"], e["create_time"], e["spawned_at"],
+                             Path(e["log_path"]), Path(e["status_path"]) if e["status_path"] else None,
+                             e["port"], e["host"], e["profile"], proc=None, state="adopted")
+            self.records[(rec.generation, rec.rank)] = rec
+            keep.append(e)
+            await self.emit(RankStarted(node=self.config.node, generation=rec.generation, rank=rec.rank,
+                                        at=time.time(), pid=rec.pid, adopted=True))
+            self._watch(rec)
+        self._write_manifest(keep)
+
+    # --- start ------------------------------------------------------------------
+    def _argv(self, profile: Profile, spec: RankSpec, status_file: Path) -> list[str]:
+        values = {"python": self.config.python, "model": spec.model, "port": spec.port, "host": spec.host,
+                  "seed": spec.seed, "generation": spec.generation, "rank": spec.rank, "world": spec.world,
+                  "status_file": status_file}
+        argv = [part.format(**values) for part in profile.command]
+        for name, value in spec.args.items():
+            if name not in profile.args:
+                raise BadSpec(f"args.{name}", f"profile {profile.name!r} takes no parameter {name!r}; "
+                                              f"it takes: {', '.join(sorted(profile.args)) or 'none'}")
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise BadSpec(f"args.{name}", f"args.{name} must be a string or a number")
+            argv += [profile.args[name], str(value)]
+        return argv
+
+    async def start(self, spec: RankSpec) -> tuple[RankRecord, bool]:
+        """Start rank G/r; returns (record, created). Idempotent for the same G/r."""
+        async with self._lock:
+            existing = self.records.get((spec.generation, spec.rank))
+            if existing is not None and not existing.done:
+                return existing, False
+            others = [r for r in self.live() if (r.generation, r.rank) != (spec.generation, spec.rank)]
+            if others:
+                o = others[0]
+                raise Conflict(f"generation {o.generation} rank {o.rank} is running here (pid {o.pid}); "
+                               f"stop it first (POST /v1/generations/{o.generation}/stop)")
+            profile = self.config.profiles.get(spec.profile)
+            if profile is None:
+                raise BadSpec("profile", f"profile {spec.profile!r} is not allowed on this node; "
+                                         f"allowed: {', '.join(sorted(self.config.profiles))}")
+            bad_env = sorted(set(spec.env) - set(self.config.env_allowlist))
+            if bad_env:
+                raise BadSpec("env", f"env {bad_env} not in this agent's env_allowlist "
+                                     f"({', '.join(self.config.env_allowlist)})")
+            if not Path(spec.model).exists():
+                raise BadSpec("model", f"model path {spec.model!r} does not exist on node {self.config.node}")
+            try:
+                launch = launch_env(spec.hostfile, spec.rank, starting_port=spec.ring_port)
+            except HostfileError as e:
+                raise BadSpec("hostfile", str(e))
+            if len(spec.hostfile["hosts"]) != spec.world:
+                raise BadSpec("world", f"world is {spec.world} but the hostfile lists "
+                                       f"{len(spec.hostfile['hosts'])} hosts")
+            rundir = self.state_dir / f"gen-{spec.generation}" / f"rank-{spec.rank}"
+            rundir.mkdir(parents=True, exist_ok=True)
+            env = {**os.environ, **launch.env, **{k: str(v) for k, v in spec.env.items()}}
+            for var, content in launch.files.items():
+                path = rundir / f"{var.lower()}.json"
+                path.write_text(content + "\n")
+                env[var] = str(path)
+            status_path = rundir / "status.json"
+            status_path.unlink(missing_ok=True)
+            env["MESHD_GENERATION"] = str(spec.generation)
+            env["MESHD_STATUS_FILE"] = str(status_path)
+            argv = self._argv(profile, spec, status_path)
+            log_path = rundir / "rank.log"
+            proc = await ranks.spawn(argv, env, log_path, rundir)
+            rec = RankRecord(spec.generation, spec.rank, proc.pid, ranks.create_time(proc.pid) or time.time(),
+                             time.time(), log_path, status_path if profile.status_file else None, spec.port,
+                             spec.host, spec.profile, proc=proc)
+            self.records[(rec.generation, rec.rank)] = rec
+            self._record_in_manifest(rec)
+            await self.emit(RankStarted(node=self.config.node, generation=rec.generation, rank=rec.rank,
+                                        at=time.time(), pid=rec.pid))
+            self._watch(rec)
+            return rec, True
+
+    # --- stop -------------------------------------------------------------------
+    async def stop(self, generation: int, mode: str, grace: float) -> dict:
+        recs = [r for r in self.records.values() if r.generation == generation and not r.done]
+        for r in recs:
+            r.stopping = True
+        drain = None
+        rank0 = next((r for r in recs if r.rank == 0), None)
+        if mode == "drain" and rank0 is not None:
+            async def drain():
+                url = f"http://{_connect_host(rank0.host)}:{rank0.port}/internal/drain"
+                async with aiohttp.ClientSession() as s:
+                    async with s.post(url, json={"mode": "finish"}) as resp:
+                        await resp.read()
+        elif mode == "drain":
+            async def drain():  # rank 0's drain reaches this rank through the mesh
+                return None
+        result = await ranks.stop_ladder([r.target for r in recs], grace=grace, drain=drain)
+        await self._settle(recs)
+        if result.survivors:
+            self.counters.survivors += len(result.survivors)
+            reason = f"pid(s) {list(result.survivors)} survived SIGKILL; reboot this node"
+            await self.emit(RebootRequired(node=self.config.node, generation=generation, rank=-1, at=time.time(),
+                                           reason=reason))
+        self._write_manifest([e for e in self._read_manifest() if e["generation"] != generation])
+        return {"generation": generation, "stopped": list(result.stopped), "survivors": list(result.survivors),
+                "steps": list(result.steps)}
+
+    async def _settle(self, recs: list[RankRecord], timeout: float = 5.0) -> None:
+        """Wait until the watchers have reported the exits (so events precede the answer)."""
+        deadline = time.monotonic() + timeout
+        while any(not r.done and not ranks.alive(r.target) for r in recs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    # --- sweep ------------------------------------------------------------------
+    async def sweep(self, grace: float = 5.0) -> dict:
+        current = self.current_generation()
+        keep = {r.pid for r in self.live()} | {os.getpid()}
+        orphans = select_orphans(ranks.list_processes(), current=current, keep_pids=keep,
+                                 manifest=self._read_manifest(), now=time.time(),
+                                 ibv_limit=self.config.ibv_hang_seconds)
+        result = await ranks.stop_ladder([ranks.Target(o.pid, o.create_time) for o in orphans], grace=grace)
+        killed = [{"pid": o.pid, "reason": o.reason, "what": o.what} for o in orphans if o.pid in result.stopped]
+        survived = [{"pid": o.pid, "reason": o.reason, "what": o.what} for o in orphans
+                    if o.pid in result.survivors]
+        self.counters.orphans_killed += len(killed)
+        self.counters.survivors += len(survived)
+        self._write_manifest([e for e in self._read_manifest() if e["generation"] == current])
+        if orphans:
+            await self.emit(OrphansSwept(node=self.config.node, generation=current if current is not None else -1,
+                                         rank=-1, at=time.time(), killed=tuple(o["pid"] for o in killed),
+                                         survived=tuple(o["pid"] for o in survived)))
+        if survived:
+            await self.emit(RebootRequired(node=self.config.node, generation=-1, rank=-1, at=time.time(),
+                                           reason=f"{len(survived)} process(es) survived SIGKILL in the sweep"))
+        return {"killed": killed, "survived": survived, "steps": list(result.steps)}
+
+    def log_tail(self, generation: int, rank: int, lines: int) -> list[str] | None:
+        rec = self.records.get((generation, rank))
+        path = rec.log_path if rec else self.state_dir / f"gen-{generation}" / f"rank-{rank}" / "rank.log"
+        if not path.exists():
+            return None
+        data = b""
+        for part in (path.with_suffix(path.suffix + ".1"), path):  # the rotated file, then the live one
+            if part.exists():
+                with part.open("rb") as f:
+                    f.seek(0, 2)
+                    f.seek(max(0, f.tell() - 256 * 1024))
+                    data += f.read()
+        return data.decode(errors="replace").splitlines()[-lines:]
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host

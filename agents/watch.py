@@ -1,0 +1,168 @@
+"""Watch one rank: turn its exit, its log lines and its status file into events.
+
+Exit is awaited on the child itself (SIGCHLD-driven, within milliseconds);
+an adopted rank (spawned by an earlier agent) is polled every 20 ms. The log
+and the status file are read every 50 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from agents import ranks
+from agents.signatures import classify
+from agents.stall import StallWindows, stall_verdict
+from meshd.protocol import (Event, RankExited, RankSignature, RankStalled, RankStateChanged,
+                            RebootRequired)
+
+Emit = Callable[[Event], Awaitable[None]]
+
+
+@dataclass
+class RankRecord:
+    generation: int
+    rank: int
+    pid: int
+    create_time: float
+    spawned_at: float
+    log_path: Path
+    status_path: Path | None
+    port: int
+    host: str
+    profile: str
+    proc: asyncio.subprocess.Process | None = None  # None when adopted
+    state: str = "spawned"
+    status: dict | None = None
+    exit_code: int | None = None
+    exit_signal: int | None = None
+    stopping: bool = False
+    stalled: bool = False
+    signatures: list[str] = field(default_factory=list)
+
+    @property
+    def target(self) -> ranks.Target:
+        return ranks.Target(self.pid, self.create_time)
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("exited", "lost")
+
+    def manifest_entry(self) -> dict:
+        return {"generation": self.generation, "rank": self.rank, "pid": self.pid,
+                "create_time": self.create_time, "spawned_at": self.spawned_at, "log_path": str(self.log_path),
+                "status_path": str(self.status_path) if self.status_path else None, "port": self.port,
+                "host": self.host, "profile": self.profile}
+
+    def view(self) -> dict:
+        res = ranks.resources(self.target) if not self.done else {"rss_bytes": 0, "cpu_seconds": 0.0}
+        return {**self.manifest_entry(), "state": self.state, "status": self.status,
+                "exit_code": self.exit_code, "exit_signal": self.exit_signal, "stalled": self.stalled,
+                "signatures": self.signatures, **res}
+
+
+class RankWatcher:
+    def __init__(self, rec: RankRecord, emit: Emit, node: str, windows: StallWindows, log_max_bytes: int):
+        self.rec, self.emit, self.node = rec, emit, node
+        self.windows = windows
+        self.log_max_bytes = log_max_bytes
+        self._offset = rec.log_path.stat().st_size if rec.proc is None and rec.log_path.exists() else 0
+        self._partial = b""
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._exit_loop()), asyncio.create_task(self._observe_loop())]
+
+    def _event(self, cls, **kw) -> Event:
+        return cls(node=self.node, generation=self.rec.generation, rank=self.rec.rank, at=time.time(), **kw)
+
+    async def _exit_loop(self) -> None:
+        rec = self.rec
+        if rec.proc is not None:
+            code = await rec.proc.wait()
+            if code < 0:
+                rec.exit_signal = -code
+            else:
+                rec.exit_code = code
+        else:
+            while ranks.alive(rec.target):
+                await asyncio.sleep(0.02)
+        await self._scan_log()  # the last lines often say why
+        rec.state = "exited"
+        await self.emit(self._event(RankExited, pid=rec.pid, code=rec.exit_code, signal=rec.exit_signal,
+                                    expected=rec.stopping))
+        for t in self._tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+
+    async def _observe_loop(self) -> None:
+        while not self.rec.done:
+            await self._scan_log()
+            await self._read_status()
+            await asyncio.sleep(0.05)
+
+    async def _scan_log(self) -> None:
+        path = self.rec.log_path
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size < self._offset:
+            self._offset = 0
+        if size == self._offset:
+            return
+        with path.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read(size - self._offset)
+        self._offset = size
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        for raw in lines:
+            line = raw.decode(errors="replace")
+            sig = classify(line)
+            if sig is not None:
+                self.rec.signatures.append(sig.name)
+                await self.emit(self._event(RankSignature, signature=sig.name, severity=sig.severity,
+                                            line=line[-500:]))
+                if sig.severity == "reboot":
+                    await self.emit(self._event(RebootRequired, reason=f"{sig.name}: {line[-200:]}"))
+        if size > self.log_max_bytes:
+            shutil.copyfile(path, path.with_suffix(path.suffix + ".1"))
+            with path.open("r+b") as f:
+                f.truncate(0)
+            self._offset = 0
+
+    async def _read_status(self) -> None:
+        rec = self.rec
+        if rec.status_path is None:
+            return
+        try:
+            status = json.loads(rec.status_path.read_text())
+        except (OSError, ValueError):
+            status = None
+        if status is not None and status.get("generation") not in (None, rec.generation):
+            status = None  # a previous generation's file
+        previous = rec.status
+        rec.status = status
+        if status is not None:
+            state = status.get("state", rec.state)
+            moved = previous is None or state != previous.get("state") or (
+                state == "loading" and status.get("load_done") != previous.get("load_done"))
+            if moved and state != "exited":
+                rec.state = state
+                await self.emit(self._event(RankStateChanged, state=state, load_done=status.get("load_done", 0),
+                                            load_total=status.get("load_total", 0)))
+        if rec.stopping:
+            return
+        verdict = stall_verdict(status, time.time(), rec.spawned_at, self.windows)
+        if verdict and not rec.stalled:
+            rec.stalled = True
+            await self.emit(self._event(RankStalled, phase=verdict.phase, idle_for=round(verdict.idle_for, 3),
+                                        window=verdict.window))
+        elif verdict is None and rec.stalled:
+            rec.stalled = False

@@ -1,0 +1,95 @@
+"""Table tests for the agent's pure decisions: log signatures, stall verdicts,
+orphan selection."""
+
+import pytest
+
+from agents.orphans import ProcInfo, select_orphans
+from agents.signatures import classify
+from agents.stall import StallWindows, stall_verdict
+
+LINES = [
+    ("[jaccl] Recv failed with errno=12 (-12)", "jaccl_enomem", "fatal"),
+    ("libc++abi: terminating: [jaccl] Send failed: ibv_post_send returned -12", "jaccl_enomem", "fatal"),
+    ("[jaccl] Recv failed with errno=2", "jaccl_errno", "fatal"),
+    ("[jaccl] Couldn't allocate protection domain", "jaccl_protection_domain", "reboot"),
+    ("[jaccl] Changing queue pair to RTR failed with errno=60", "jaccl_rtr", "fatal"),
+    ("Segmentation fault in tbt_post_recv+0x44", "jaccl_tbt_post_recv_crash", "reboot"),
+    ("[ring] Sending to socket 4 failed with errno 32", "ring_send_failed", "fatal"),
+    ("[ring] Receiving from socket 4 failed with errno 104", "ring_send_failed", "fatal"),
+    ("RuntimeError: [ring] connection to a peer was lost", "ring_peer_lost", "fatal"),
+    ("[ring] Too many send/recv errors. Failing pending tasks...", "ring_too_many_errors", "fatal"),
+    ("[METAL] Command buffer execution failed: Caused GPU Timeout Error", "metal_gpu_timeout", "fatal"),
+    ("[METAL] Command buffer execution failed: Insufficient Memory (00000008)", "metal_out_of_memory", "fatal"),
+    ("[meshd-rank g1 r0] loading 3/3", None, None),
+    ("INFO request finished in 12.0s", None, None),
+]
+
+
+@pytest.mark.parametrize("line,name,severity", LINES, ids=[l[0][:40] for l in LINES])
+def test_signatures(line, name, severity):
+    sig = classify(line)
+    assert (sig.name if sig else None, sig.severity if sig else None) == (name, severity)
+
+
+W = StallWindows(base=10, min_prefill_rate=100, load_deadline=600, start_deadline=60)
+T0 = 1000.0
+STALLS = [
+    ("no status yet, young", None, T0 + 30, None),
+    ("no status after the start deadline", None, T0 + 61, "starting"),
+    ("loading slowly but under the load deadline", {"state": "loading", "progress_at": T0}, T0 + 500, None),
+    ("loading past the load deadline", {"state": "loading", "progress_at": T0}, T0 + 601, "loading"),
+    ("ready and moving", {"state": "ready", "progress_at": T0}, T0 + 9, None),
+    ("ready but the idle exchange stopped", {"state": "ready", "progress_at": T0}, T0 + 11, "ready"),
+    ("decoding stuck", {"state": "busy", "progress_at": T0, "prompt_tokens_in_flight": 0}, T0 + 11, "busy"),
+    ("100k-token prefill within its scaled window",
+     {"state": "busy", "progress_at": T0, "prompt_tokens_in_flight": 100_000}, T0 + 900, None),
+    ("100k-token prefill past its scaled window",
+     {"state": "busy", "progress_at": T0, "prompt_tokens_in_flight": 100_000}, T0 + 1011, "busy"),
+    ("exited is never a stall", {"state": "exited", "progress_at": T0}, T0 + 5000, None),
+]
+
+
+@pytest.mark.parametrize("name,status,now,phase", STALLS, ids=[s[0] for s in STALLS])
+def test_stall_verdicts(name, status, now, phase):
+    verdict = stall_verdict(status, now, T0, W)
+    assert (verdict.phase if verdict else None) == phase
+    if verdict:
+        assert verdict.idle_for > verdict.window
+
+
+def proc(pid, cmd, created=0.0, env_gen=None, name=None):
+    return ProcInfo(pid, name or cmd.split()[0].rsplit("/", 1)[-1], tuple(cmd.split()), created, env_gen)
+
+
+NOW = 10_000.0
+PROCS = [
+    proc(10, "python -m runtime.rank --model m --meshd-generation 3"),
+    proc(11, "python -m runtime.rank --model m --meshd-generation 4"),
+    proc(12, "python -X meshd-generation=2 -m mlx_lm.server --model m"),
+    proc(13, "python serve.py", env_gen=1),
+    proc(14, "ibv_devinfo", created=NOW - 100),
+    proc(15, "/usr/bin/ibv_devices", created=NOW - 5),
+    proc(16, "python -c pass --meshd-generation 4"),
+    proc(17, "sleep 100", created=500.0),
+]
+
+
+def test_orphan_selection():
+    manifest = [{"generation": 2, "rank": 0, "pid": 17, "create_time": 500.0},
+                {"generation": 4, "rank": 0, "pid": 11, "create_time": 0.0}]
+    orphans = select_orphans(PROCS, current=4, keep_pids={11}, manifest=manifest, now=NOW, ibv_limit=30)
+    reasons = {o.pid: o.reason for o in orphans}
+    assert sorted(reasons) == [10, 12, 13, 14, 17]
+    assert "generation 3" in reasons[10] and "generation 2" in reasons[12] and "generation 1" in reasons[13]
+    assert "hung" in reasons[14]
+    assert "retired generation 2" in reasons[17]
+
+
+def test_orphan_selection_with_no_current_generation_takes_every_marked_process():
+    orphans = select_orphans(PROCS, current=None, keep_pids=set(), manifest=[], now=NOW, ibv_limit=30)
+    assert {o.pid for o in orphans} == {10, 11, 12, 13, 14, 16}
+
+
+def test_recycled_pid_in_manifest_is_left_alone():
+    manifest = [{"generation": 1, "rank": 0, "pid": 17, "create_time": 499.0 - 100}]
+    assert select_orphans([PROCS[-1]], current=2, keep_pids=set(), manifest=manifest, now=NOW, ibv_limit=30) == []

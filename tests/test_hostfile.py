@@ -1,0 +1,94 @@
+"""The env the agent computes equals what mlx's own launcher builds, and bad
+hostfiles are refused with a reason."""
+
+import json
+import os
+import sys
+
+import pytest
+from mlx._distributed_utils import launch as mlx_launch
+
+from meshd.hostfile import HostfileError, launch_env, validate
+
+RING = {"backend": "ring", "envs": ["MLX_METAL_FAST_SYNCH=0"],
+        "hosts": [{"ssh": f"h{i}", "ips": [f"10.0.0.{i + 1}"], "rdma": []} for i in range(4)]}
+JACCL = {"backend": "jaccl", "envs": ["MLX_METAL_FAST_SYNCH=0"],
+         "hosts": [{"ssh": f"h{i}", "ips": [f"192.168.{i}.1"],
+                    "rdma": [None if j == i else f"rdma_en{j + 2}" for j in range(4)]} for i in range(4)]}
+JACCL_RING = {**JACCL, "backend": "jaccl-ring"}
+NCCL = {"backend": "nccl", "envs": [], "hosts": [{"ssh": f"gpu{i}", "ips": [f"10.1.0.{i + 1}"]} for i in range(2)]}
+
+
+def mlx_would_set(hostfile: dict, tmp_path, monkeypatch) -> list[dict]:
+    """Run mlx.launch's main() on the hostfile with its process spawner replaced
+    by a recorder: returns, per rank, the env it would export and the contents
+    of the files it would point variables at."""
+    path = tmp_path / "hostfile.json"
+    path.write_text(json.dumps(hostfile))
+    captured = []
+
+    def record(command_class, arguments, verbose):
+        for (rank, host, python, cwd, files, env, command), _ in arguments:
+            captured.append({"rank": rank, "env": list(env), "files": dict(files)})
+
+    monkeypatch.setattr(mlx_launch, "_launch_with_io", record)
+    monkeypatch.setattr(mlx_launch.shutil, "get_terminal_size", lambda *a: os.terminal_size((0, 0)))
+    monkeypatch.setattr(sys, "argv", ["mlx.launch", "--hostfile", str(path), "--", "python", "x.py"])
+    mlx_launch.main()
+    return captured
+
+
+@pytest.mark.parametrize("hostfile", [RING, JACCL, JACCL_RING, NCCL], ids=["ring", "jaccl", "jaccl-ring", "nccl"])
+def test_launch_env_equals_mlx_launch(hostfile, tmp_path, monkeypatch):
+    expected = mlx_would_set(hostfile, tmp_path, monkeypatch)
+    assert len(expected) == len(hostfile["hosts"])
+    for want in expected:
+        got = launch_env(hostfile, want["rank"])
+        env = dict(e.split("=", 1) for e in want["env"])
+        env["MLX_RANK"] = str(want["rank"])
+        assert {k: v for k, v in got.env.items()} == env
+        assert got.files == want["files"]
+
+
+def test_ring_single_host_points_at_an_empty_file_like_mlx():
+    one = {"hosts": [{"ssh": "a", "ips": ["127.0.0.1"]}]}
+    assert launch_env(one, 0).files == {"MLX_HOSTFILE": ""}
+
+
+def test_ring_ports_on_loopback_are_distinct_per_rank():
+    lo = {"backend": "ring", "hosts": [{"ssh": "lo", "ips": ["127.0.0.1"]} for _ in range(3)]}
+    ring = json.loads(launch_env(lo, 1, starting_port=40000).files["MLX_HOSTFILE"])
+    assert ring == [["127.0.0.1:40000"], ["127.0.0.1:40001"], ["127.0.0.1:40002"]]
+
+
+def _jaccl(**host_overrides):
+    hosts = [dict(h) for h in JACCL["hosts"]]
+    for i, h in host_overrides.items():
+        hosts[int(i[1:])] = {**hosts[int(i[1:])], **h}
+    return {**JACCL, "hosts": hosts}
+
+
+BAD = [
+    ("no hosts list", {"backend": "ring"}, "hosts"),
+    ("empty hosts", {"hosts": []}, "no hosts"),
+    ("unknown backend", {"backend": "mpi-x", "hosts": [{"ssh": "a"}]}, "backend"),
+    ("host without ssh", {"hosts": [{"ips": ["1.2.3.4"]}]}, "hosts[0]"),
+    ("ring host without ip", {"hosts": [{"ssh": "a", "ips": ["1.1.1.1"]}, {"ssh": "b"}]}, "missing for b"),
+    ("rdma wrong length", _jaccl(h1={"rdma": [None, None]}), "hosts[1].rdma must list 4"),
+    ("rdma diagonal not null", _jaccl(h2={"rdma": ["a", "b", "c", "d"]}), "hosts[2].rdma[2] must be null"),
+    ("missing rdma pair", _jaccl(h0={"rdma": [None, None, "x", "y"]}), "h0 to h1"),
+    ("jaccl rank 0 without ip", _jaccl(h0={"ips": []}), "rank 0"),
+    ("envs not NAME=value", {**RING, "envs": ["NOPE"]}, "envs"),
+]
+
+
+@pytest.mark.parametrize("name,hostfile,needle", BAD, ids=[b[0] for b in BAD])
+def test_bad_hostfiles_are_refused_with_the_reason(name, hostfile, needle):
+    with pytest.raises(HostfileError) as e:
+        validate(hostfile)
+    assert needle in str(e.value)
+
+
+def test_rank_outside_hostfile():
+    with pytest.raises(HostfileError, match="rank 4 is outside"):
+        launch_env(RING, 4)

@@ -1,0 +1,100 @@
+"""Table tests for request validation and the stop-string helpers."""
+
+import pytest
+
+from meshkit import validate
+from runtime import openai_api as oa
+
+LIMITS = oa.Limits("demo", default_max_tokens=64, max_tokens_limit=1000)
+MSG = [{"role": "user", "content": "hi"}]
+
+GOOD = [
+    ("defaults", {"messages": MSG}, dict(max_tokens=64, temperature=0.0, top_p=1.0, seed=None, stop=())),
+    ("all params", {"messages": MSG, "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "seed": 9, "stop": "x"},
+     dict(max_tokens=5, temperature=0.7, top_p=0.9, seed=9, stop=("x",))),
+    ("max_completion_tokens", {"messages": MSG, "max_completion_tokens": 7}, dict(max_tokens=7)),
+    ("null temperature is default", {"messages": MSG, "temperature": None}, dict(temperature=0.0)),
+    ("stop list", {"messages": MSG, "stop": ["a", "b"]}, dict(stop=("a", "b"))),
+    ("default model alias", {"model": "default", "messages": MSG}, dict()),
+]
+
+
+@pytest.mark.parametrize("name,body,expect", GOOD, ids=[g[0] for g in GOOD])
+def test_valid_chat_requests(name, body, expect):
+    req = oa.parse_request("chat", body, LIMITS)
+    assert req.model == "demo"
+    for k, v in expect.items():
+        assert getattr(req.params, k) == v
+
+
+def test_text_parts_are_joined():
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    assert oa.parse_request("chat", body, LIMITS).messages[0]["content"] == "ab"
+
+
+BAD = [
+    ("not an object", "chat", [], 400, None),
+    ("n > 1", "chat", {"messages": MSG, "n": 2}, 400, "n"),
+    ("stream not bool", "chat", {"messages": MSG, "stream": "yes"}, 400, "stream"),
+    ("seed float", "chat", {"messages": MSG, "seed": 1.5}, 400, "seed"),
+    ("too many stops", "chat", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("empty stop", "chat", {"messages": MSG, "stop": [""]}, 400, "stop"),
+    ("bool max_tokens", "chat", {"messages": MSG, "max_tokens": True}, 400, "max_tokens"),
+    ("negative temperature", "chat", {"messages": MSG, "temperature": -1}, 400, "temperature"),
+    ("message not object", "chat", {"messages": ["hi"]}, 400, "messages[0]"),
+    ("image part", "chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0]"),
+    ("model wrong type", "chat", {"model": 3, "messages": MSG}, 400, "model"),
+    ("unknown model", "text", {"model": "other", "prompt": "x"}, 404, "model"),
+    ("prompt list of two", "text", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("stream_options wrong type", "text", {"prompt": "x", "stream_options": 1}, 400, "stream_options"),
+]
+
+
+@pytest.mark.parametrize("name,kind,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_invalid_requests_name_the_field(name, kind, body, status, param):
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_request(kind, body, LIMITS)
+    assert e.value.status == status
+    assert e.value.param == param
+    validate(e.value.body(), "ErrorResponse")
+
+
+STOPS = [
+    ("no stop", "hello", ("zz",), -1, 0),
+    ("stop inside", "hello world", ("o w",), 4, 0),
+    ("earliest of two", "abcdef", ("de", "bc"), 1, 0),
+    ("partial at the end is held back", "hello wo", ("world",), -1, 2),
+    ("longest partial wins", "xab", ("abc", "bzz"), -1, 2),
+]
+
+
+@pytest.mark.parametrize("name,text,stops,cut,held", STOPS, ids=[s[0] for s in STOPS])
+def test_stop_strings(name, text, stops, cut, held):
+    assert oa.find_stop(text, stops) == cut
+    assert oa.held_back(text, stops) == held
+
+
+def test_bodies_validate_against_the_official_schemas():
+    req = oa.parse_request("chat", {"messages": MSG}, LIMITS)
+    u = oa.usage(3, 4, 1)
+    validate(oa.completion_body(req, "id", 1, "x", "stop", u), "CreateChatCompletionResponse")
+    validate(oa.chunk_body(req, "id", 1, "x", None, first=True), "CreateChatCompletionStreamResponse")
+    validate(oa.chunk_body(req, "id", 1, None, "length"), "CreateChatCompletionStreamResponse")
+    validate(oa.usage_chunk(req, "id", 1, u), "CreateChatCompletionStreamResponse")
+    text = oa.parse_request("text", {"prompt": "p"}, LIMITS)
+    validate(oa.completion_body(text, "id", 1, "x", "length", u), "CreateCompletionResponse")
+    validate(oa.chunk_body(text, "id", 1, "x", "length"), "CreateCompletionResponse")
+    validate(oa.models_body("demo", 1), "ListModelsResponse")
+
+
+def test_text_stream_chunks_differ_from_the_schema_only_by_a_null_finish_reason():
+    """Legacy completions have no stream schema; OpenAI sends `finish_reason:
+    null` on all but the last chunk, which CreateCompletionResponse does not
+    allow. We send what OpenAI sends."""
+    text = oa.parse_request("text", {"prompt": "p"}, LIMITS)
+    chunk = oa.chunk_body(text, "id", 1, "x", None)
+    assert chunk["choices"][0]["finish_reason"] is None
+    chunk["choices"][0]["finish_reason"] = "stop"
+    validate(chunk, "CreateCompletionResponse")
+    validate(oa.models_body("demo", 1), "ListModelsResponse")

@@ -1,0 +1,138 @@
+"""Rank lifecycle on real 2-rank meshes: drain (finish, cancel, SIGTERM), load
+and prefill progress in the status file, speculative decoding."""
+
+import json
+import signal
+import threading
+
+import requests
+
+from meshkit import StatusTrace, sse_events, start_mesh, validate, wait_for
+
+
+def stream_in_background(mesh, body):
+    """POST a streamed chat request on a thread; returns (thread, result dict)."""
+    result = {}
+
+    def run():
+        r = requests.post(f"{mesh.url}/v1/chat/completions", json={**body, "stream": True}, stream=True,
+                          timeout=120)
+        result["events"] = sse_events(r.iter_lines(decode_unicode=True))
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, result
+
+
+def busy_everywhere(mesh):
+    return all((mesh.status(r) or {}).get("requests_in_flight") == 1 for r in range(len(mesh.procs)))
+
+
+def test_drain_finish_completes_in_flight_work_and_every_rank_exits_0(demo_model, tmp_path):
+    with start_mesh(demo_model, 2, tmp_path, "--heartbeat-interval", "0.05") as mesh:
+        mesh.wait_ready()
+        t, result = stream_in_background(mesh, {"messages": [{"role": "user", "content": "long"}],
+                                                "max_tokens": 400, "temperature": 0.9, "seed": 3})
+        wait_for(lambda: busy_everywhere(mesh), 30, "the request to be in flight on every rank")
+        r = requests.post(f"{mesh.url}/internal/drain", json={"mode": "finish"}, timeout=10)
+        assert r.status_code == 202
+        late = requests.post(f"{mesh.url}/v1/chat/completions", timeout=10,
+                             json={"messages": [{"role": "user", "content": "late"}]})
+        assert late.status_code == 503 and late.headers["Retry-After"]
+        validate(late.json(), "ErrorResponse")
+        t.join(120)
+        events = result["events"]
+        assert events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert mesh.wait_exit() == [0, 0]
+        assert all(mesh.status(r)["state"] == "exited" for r in range(2))
+        assert all(mesh.status(r)["tokens"] == 400 for r in range(2))
+
+
+def test_drain_cancel_cuts_in_flight_work_cleanly(demo_model, tmp_path):
+    with start_mesh(demo_model, 2, tmp_path) as mesh:
+        mesh.wait_ready()
+        t, result = stream_in_background(mesh, {"messages": [{"role": "user", "content": "long"}],
+                                                "max_tokens": 4000, "temperature": 0.9, "seed": 3})
+        wait_for(lambda: busy_everywhere(mesh), 30, "the request to be in flight on every rank")
+        assert requests.post(f"{mesh.url}/internal/drain", json={"mode": "cancel"}, timeout=10).status_code == 202
+        t.join(120)
+        events = result["events"]
+        assert events[-1] == "[DONE]"
+        assert "error" in events[-2]
+        validate(events[-2], "ErrorResponse")
+        assert mesh.wait_exit() == [0, 0]
+        tokens = [mesh.status(r)["tokens"] for r in range(2)]
+        assert tokens[0] == tokens[1] < 4000
+
+
+def test_sigterm_on_rank0_drains_every_rank(demo_model, tmp_path):
+    with start_mesh(demo_model, 2, tmp_path) as mesh:
+        mesh.wait_ready()
+        mesh.procs[0].send_signal(signal.SIGTERM)
+        assert mesh.wait_exit() == [0, 0]
+
+
+def test_sigterm_on_another_rank_waits_for_rank0s_drain(demo_model, tmp_path):
+    with start_mesh(demo_model, 2, tmp_path, "--drain-wait", "60") as mesh:
+        mesh.wait_ready()
+        mesh.procs[1].send_signal(signal.SIGTERM)
+        wait_for(lambda: "waiting up to" in mesh.log(1), 10, "rank 1 to acknowledge SIGTERM")
+        assert mesh.procs[1].poll() is None
+        assert requests.post(f"{mesh.url}/v1/chat/completions", timeout=30,
+                             json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}).ok
+        requests.post(f"{mesh.url}/internal/drain", json={"mode": "finish"}, timeout=10)
+        assert mesh.wait_exit() == [0, 0]
+
+
+def test_sigterm_on_another_rank_gives_up_after_the_bound(demo_model, tmp_path):
+    with start_mesh(demo_model, 2, tmp_path, "--drain-wait", "0.5") as mesh:
+        mesh.wait_ready()
+        mesh.procs[1].send_signal(signal.SIGTERM)
+        assert mesh.procs[1].wait(timeout=30) == 128 + signal.SIGTERM
+
+
+def test_status_file_shows_load_and_long_prefill_progress(deep_model, tmp_path):
+    with start_mesh(deep_model, 2, tmp_path, "--heartbeat-interval", "0.02", "--prefill-step-size", "32") as mesh:
+        with StatusTrace(mesh.status_files[1], interval=0.001) as load:
+            mesh.wait_ready()
+        loading = [s for s in load.snapshots if s["state"] == "loading"]
+        assert loading and loading[-1]["load_done"] == loading[-1]["load_total"] == 25
+        assert len({s["load_done"] for s in loading}) >= 3, "load progress was not reported step by step"
+        assert [s["state"] for s in load.snapshots if s["state"] != "loading"][:1] in (["armed"], ["ready"])
+
+        prompt = "The ranks step in lockstep. " * 120
+        with StatusTrace(mesh.status_files[1], interval=0.001) as trace:
+            r = requests.post(f"{mesh.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2},
+                              timeout=120)
+        assert r.status_code == 200, r.text
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        prefill = [s for s in trace.snapshots if s["state"] == "busy" and s["prompt_tokens_in_flight"] > 0]
+        assert len(prefill) >= 2, trace.snapshots
+        assert prefill[0]["prompt_tokens_in_flight"] <= prompt_tokens
+        assert prefill[-1]["step"] > prefill[0]["step"]
+        assert prefill[-1]["prompt_tokens_in_flight"] < prefill[0]["prompt_tokens_in_flight"]
+        assert prefill[-1]["progress_at"] > prefill[0]["progress_at"]
+
+
+def test_speculative_greedy_equals_plain_greedy_on_two_ranks(demo_model, draft_model, reference, tmp_path):
+    with start_mesh(demo_model, 2, tmp_path, "--draft-model", str(draft_model), "--num-draft-tokens", "3") as mesh:
+        mesh.wait_ready()
+        for content in ["hello world", "The quick brown fox"]:
+            messages = [{"role": "user", "content": content}]
+            r = requests.post(f"{mesh.url}/v1/chat/completions", timeout=60,
+                              json={"messages": messages, "max_tokens": 24})
+            assert r.status_code == 200, r.text
+            ids = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            assert r.json()["choices"][0]["message"]["content"] == reference(ids, 24)
+        r = requests.post(f"{mesh.url}/v1/chat/completions", stream=True, timeout=60,
+                          json={"messages": [{"role": "user", "content": "s"}], "max_tokens": 8, "stream": True})
+        assert sse_events(r.iter_lines(decode_unicode=True))[-1] == "[DONE]"
+
+
+def test_single_rank_without_distributed_env_serves(demo_model, tmp_path):
+    with start_mesh(demo_model, 1, tmp_path) as mesh:
+        mesh.wait_ready()
+        r = requests.get(f"{mesh.url}/internal/ready", timeout=5).json()
+        assert r == {"ready": True, "phase": "admitting", "generation": 1}
+        assert json.loads(mesh.status_files[0].read_text())["world"] == 1
