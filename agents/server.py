@@ -241,7 +241,8 @@ async def serve(cfg: agent_config.AgentConfig) -> None:
     swept = await sup.sweep()
     log.info("agent starting", node=cfg.node, adopted=[r.pid for r in sup.live()],
              swept=[k["pid"] for k in swept["killed"]])
-    runner = web.AppRunner(make_app(sup, token, metrics_token), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(make_app(sup, token, metrics_token), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=1.0)
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.port).start()
     log.info("agent listening", node=cfg.node, address=f"{cfg.host}:{cfg.port}")

@@ -1,0 +1,55 @@
+"""The controller's side of the agent API: one small client per node, and the
+event stream follower that resumes by sequence number after any disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Awaitable, Callable
+
+import aiohttp
+
+from meshd.config import Node
+
+
+class AgentError(Exception):
+    """The agent answered with an error or could not be reached."""
+
+
+class AgentClient:
+    def __init__(self, node: Node, session: aiohttp.ClientSession):
+        self.node = node
+        self.session = session
+        self.token = node.token_file.read_text().strip()
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    async def call(self, method: str, path: str, body=None, timeout: float = 10.0):
+        try:
+            async with self.session.request(method, f"{self.node.agent}{path}", json=body, headers=self.headers,
+                                            timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                data = await r.json(content_type=None)
+                if r.status >= 400:
+                    raise AgentError(f"{self.node.name}: {method} {path} -> {r.status}: "
+                                     f"{(data or {}).get('error', {}).get('message', data)}")
+                return data
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            raise AgentError(f"{self.node.name}: {method} {path} failed: {type(e).__name__} {e}") from e
+
+    async def follow(self, since: int, on_record: Callable[[dict], Awaitable[None]]) -> None:
+        """Stream events after `since` until the connection drops (raises AgentError)."""
+        url = f"{self.node.agent}/v1/events?since={since}"
+        try:
+            async with self.session.get(url, headers=self.headers,
+                                        timeout=aiohttp.ClientTimeout(total=None, sock_read=30)) as r:
+                if r.status != 200:
+                    raise AgentError(f"{self.node.name}: event stream -> {r.status}")
+                async for raw in r.content:
+                    line = raw.decode().rstrip("\n")
+                    if line.startswith("data: "):
+                        await on_record(json.loads(line[6:]))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            raise AgentError(f"{self.node.name}: event stream dropped: {type(e).__name__}") from e
+        raise AgentError(f"{self.node.name}: event stream ended")

@@ -1,0 +1,247 @@
+"""`meshctl`: up, down, status, restart, events, logs, config check.
+
+With no --config (and no $MESHD_CONFIG), meshctl drives the embedded demo
+mesh: `meshctl up` starts it (controller and four agents as background
+daemons on 127.0.0.1), `meshctl down` stops all of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from meshd import daemons, demo
+from meshd.config import ConfigError, MeshConfig, load
+
+
+class CliError(Exception):
+    pass
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class Control:
+    def __init__(self, cfg: MeshConfig):
+        self.cfg = cfg
+        self.base = f"http://{cfg.control.listen}"
+
+    def token(self) -> str:
+        path = self.cfg.state_dir / "control.token"
+        try:
+            return path.read_text().strip()
+        except OSError:
+            raise CliError(f"no control token at {path}: is the controller for {self.cfg.name} running? "
+                           f"Start it with `meshd --config {self.cfg.path}` (or `meshctl up`)")
+
+    def alive(self) -> bool:
+        try:
+            return requests.get(f"{self.base}/healthz", timeout=2).ok
+        except requests.RequestException:
+            return False
+
+    def call(self, method: str, path: str, body=None, timeout: float = 30) -> dict:
+        try:
+            r = requests.request(method, self.base + path, json=body, timeout=timeout,
+                                 headers={"Authorization": f"Bearer {self.token()}"})
+        except requests.RequestException as e:
+            raise CliError(f"cannot reach the controller at {self.base} ({type(e).__name__}); "
+                           "is it running? `meshctl up` starts it")
+        data = r.json()
+        if r.status_code >= 400:
+            raise CliError(data.get("error", {}).get("message", r.text))
+        return data
+
+
+def resolve_config(arg: str | None, *, for_up: bool = False, opts: demo.DemoOptions | None = None) -> MeshConfig:
+    path = arg or os.environ.get("MESHD_CONFIG")
+    if path:
+        return load(path)
+    root = demo.home()
+    mesh = root / "mesh.toml"
+    if for_up and not demo.any_running(root):
+        mesh = demo.write_configs(root, opts or demo.DemoOptions(), lambda m: say(f"demo: {m}"))
+    if not mesh.exists():
+        raise CliError("no mesh: pass --config mesh.toml, set MESHD_CONFIG, or run `meshctl up` for the demo mesh")
+    return load(mesh)
+
+
+def progress_line(status: dict) -> str:
+    parts = []
+    for r in status.get("load", []):
+        state = r["state"]
+        if state == "loading" and r["load_total"]:
+            state = f"loading {r['load_done']}/{r['load_total']}"
+        parts.append(f"{r['node']}: {state}")
+    return f"generation {status['generation']} {status['phase']}: " + ", ".join(parts)
+
+
+def cmd_up(args) -> int:
+    opts = demo.DemoOptions(stall_window=args.stall_window, start_deadline=args.start_deadline,
+                            max_failures=args.max_failures)
+    cfg = resolve_config(args.config, for_up=True, opts=opts)
+    ctl = Control(cfg)
+    if not ctl.alive():
+        if cfg.path and demo.is_demo(cfg.path):
+            say(f"demo: starting {demo.WORLD} agents and the controller on 127.0.0.1 (logs in {demo.run_dir(demo.home())})")
+            demo.start_daemons(demo.home(), cfg.path)
+        else:
+            run = cfg.state_dir / "run"
+            say(f"starting the controller for {cfg.name} (log in {run / 'controller.log'})")
+            daemons.start(daemons.python_module("meshd.daemon", "--config", str(cfg.path)), run / "controller.pid",
+                          run / "controller.log")
+        if not daemons.wait_until(ctl.alive, 60):
+            raise CliError(f"the controller did not come up; see {cfg.state_dir / 'run' / 'controller.log'} "
+                           f"or {demo.run_dir(demo.home()) / 'controller.log'}")
+    ctl.call("POST", "/v1/up")
+    last = ""
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        status = ctl.call("GET", "/v1/status")
+        line = progress_line(status)
+        if line != last:
+            say(line)
+            last = line
+        if status["phase"] == "ready":
+            proxy = status["urls"]["proxy"]
+            say(f"\nready: generation {status['generation']} on {len(status['nodes'])} ranks")
+            say(f"OpenAI URL: {proxy}")
+            say(f"try:  curl -s {proxy}/chat/completions -H 'Content-Type: application/json' "
+                "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}], \"max_tokens\": 32}'")
+            say("stop: meshctl down" + (f" --config {cfg.path}" if args.config else ""))
+            return 0
+        if status["phase"] == "failed":
+            say(f"failed: {status['reason']}")
+            return 1
+        time.sleep(0.3)
+    raise CliError(f"not ready after {args.timeout:.0f}s; `meshctl status` and `meshctl logs NODE` say why")
+
+
+def cmd_down(args) -> int:
+    cfg = resolve_config(args.config)
+    ctl = Control(cfg)
+    demo_mesh = cfg.path is not None and demo.is_demo(cfg.path)
+    if ctl.alive():
+        say("draining" if not args.force else "stopping (force)")
+        ctl.call("POST", "/v1/down", {"force": args.force})
+        if not daemons.wait_until(lambda: ctl.call("GET", "/v1/status")["phase"] == "stopped", args.timeout, 0.3):
+            raise CliError(f"the mesh did not stop within {args.timeout:.0f}s; try `meshctl down --force`")
+        say("the mesh is stopped")
+    if demo_mesh:
+        left = demo.stop_daemons(demo.home())
+        if left:
+            raise CliError(f"processes of the demo are still running: {left}")
+        say("the demo's controller and agents are stopped; no process of the mesh remains")
+    return 0
+
+
+def cmd_status(args) -> int:
+    cfg = resolve_config(args.config)
+    status = Control(cfg).call("GET", "/v1/status")
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    say(f"mesh {status['mesh']}: {status['phase']}, generation {status['generation']}"
+        + (f" ({status['reason']})" if status["reason"] else ""))
+    say(f"{'NODE':<10} {'AGENT':<6} {'RANK':<5} {'STATE':<12} {'LOAD':<8} {'PID':<8} {'RSS MB':<8} UPTIME")
+    for n in status["nodes"]:
+        r = n["rank"] or {}
+        st = r.get("status") or {}
+        load = f"{st.get('load_done', 0)}/{st.get('load_total', 0)}" if st else "-"
+        uptime = f"{time.time() - r['spawned_at']:.0f}s" if r.get("spawned_at") and r.get("state") != "exited" else "-"
+        say(f"{n['node']:<10} {'ok' if n['agent_ok'] else 'DOWN':<6} {r.get('rank', '-')!s:<5} "
+            f"{r.get('state', '-'):<12} {load:<8} {r.get('pid', '-')!s:<8} "
+            f"{(r.get('rss_bytes') or 0) / 2**20:<8.0f} {uptime}")
+    inc = status.get("last_incident")
+    if inc:
+        back = f"serving again after {inc['recovery_seconds']:.1f}s" if inc["recovery_seconds"] else "not recovered"
+        say(f"last incident: {inc['cause']} on {inc['node']} rank {inc['rank']} (generation {inc['generation']}): "
+            f"{inc['detail']}; {back}")
+    say(f"proxy: {status['urls']['proxy']}")
+    return 0
+
+
+def cmd_restart(args) -> int:
+    Control(resolve_config(args.config)).call("POST", "/v1/restart")
+    say("restarting: the generation drains and the next one starts")
+    return 0
+
+
+def cmd_events(args) -> int:
+    data = Control(resolve_config(args.config)).call("GET", "/v1/incidents")
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    for i in data["incidents"]:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i["opened_at"]))
+        back = f"serving after {i['recovery_seconds']:.1f}s via {'+'.join(i['steps'])}" if i["serving_back_at"] \
+            else "not recovered"
+        say(f"{when}  g{i['generation']}  {i['cause']:<10} {i['node']} rank {i['rank']}: {i['detail']}  [{back}]")
+    if not data["incidents"]:
+        say("no incidents")
+    return 0
+
+
+def cmd_logs(args) -> int:
+    data = Control(resolve_config(args.config)).call("GET", f"/v1/logs/{args.node}?lines={args.lines}")
+    for line in data["lines"]:
+        print(line)
+    return 0
+
+
+def cmd_config_check(args) -> int:
+    path = args.file or args.config or os.environ.get("MESHD_CONFIG")
+    if not path:
+        raise CliError("name the file: meshctl config check mesh.toml")
+    cfg = load(path)
+    missing = [f"nodes.{n.name}.token_file: {n.token_file} does not exist" for n in cfg.nodes
+               if not n.token_file.exists()]
+    for m in missing:
+        say(f"warning: {m}")
+    say(f"{path}: ok ({cfg.backend} mesh {cfg.name!r}, {len(cfg.nodes)} nodes, model {cfg.runtime.model})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="meshctl", description="Drive a meshd mesh (the demo mesh when no config).")
+    p.add_argument("--config", help="mesh.toml (default: $MESHD_CONFIG, else the demo mesh)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="start the mesh (the demo mesh when no config) and wait until it serves")
+    up.add_argument("--timeout", type=float, default=900)
+    up.add_argument("--stall-window", type=float, default=10.0, help="demo: agents' stall window, seconds")
+    up.add_argument("--start-deadline", type=float, default=120.0, help="demo: seconds to become ready")
+    up.add_argument("--max-failures", type=int, default=5, help="demo: failures in the window before failed")
+    down = sub.add_parser("down", help="drain and stop the mesh (and the demo's daemons)")
+    down.add_argument("--force", action="store_true", help="kill instead of draining")
+    down.add_argument("--timeout", type=float, default=120)
+    st = sub.add_parser("status", help="fleet state and a table of nodes and ranks")
+    st.add_argument("--json", action="store_true")
+    sub.add_parser("restart", help="drain this generation and start the next")
+    ev = sub.add_parser("events", help="incident history")
+    ev.add_argument("--json", action="store_true")
+    lg = sub.add_parser("logs", help="a node's rank log tail")
+    lg.add_argument("node")
+    lg.add_argument("--lines", type=int, default=100)
+    cfg = sub.add_parser("config", help="config tools")
+    cfg_sub = cfg.add_subparsers(dest="config_cmd", required=True)
+    check = cfg_sub.add_parser("check", help="validate a mesh.toml")
+    check.add_argument("file", nargs="?")
+    args = p.parse_args(argv)
+    handlers = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "restart": cmd_restart,
+                "events": cmd_events, "logs": cmd_logs, "config": cmd_config_check}
+    try:
+        return handlers[args.cmd](args)
+    except (CliError, ConfigError) as e:
+        print(f"meshctl: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

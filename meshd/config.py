@@ -1,0 +1,234 @@
+"""mesh.toml -> frozen dataclasses. Every mistake names the key, says what was
+wrong and shows an example of right (`meshctl config check`)."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from meshd.hostfile import BACKENDS
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    agent: str  # http://host:port of its meshd-agent
+    token_file: Path
+    address: str = "127.0.0.1"  # where the ring backend reaches it
+    ssh: str = ""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    profile: str = "meshd-rank"
+    model: str = ""
+    seed: int = 0
+    host: str = "127.0.0.1"  # rank 0's internal listen address
+    port: int = 8100
+    ring_port: int = 32323
+    env: dict = field(default_factory=dict)
+    args: dict = field(default_factory=dict)
+    draft_model: str = ""
+
+
+@dataclass(frozen=True)
+class Proxy:
+    listen: str = "127.0.0.1:8000"
+    api_keys_file: Path | None = None
+    concurrency: int = 8
+    queue_limit: int = 64
+    queue_wait: float = 120.0
+    max_body_bytes: int = 4 << 20
+    keepalive_interval: float = 10.0
+    probe_idle: float = 60.0
+    probe_timeout: float = 120.0
+    token_stall: float = 300.0  # seconds without a streamed chunk before the proxy calls it a hang
+
+
+@dataclass(frozen=True)
+class Recovery:
+    ladder: tuple[str, ...] = ("restart",)
+    backoff_base: float = 1.0
+    backoff_max: float = 60.0
+    max_failures: int = 5
+    window: float = 600.0
+    healthy_reset: float = 300.0
+    stop_grace: float = 10.0
+    drain_grace: float = 30.0
+    start_deadline: float = 900.0
+
+
+@dataclass(frozen=True)
+class Control:
+    listen: str = "127.0.0.1:8001"
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    name: str
+    backend: str
+    nodes: tuple[Node, ...]
+    runtime: Runtime
+    proxy: Proxy
+    recovery: Recovery
+    control: Control
+    state_dir: Path
+    hostfile: Path | None = None
+    path: Path | None = None
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.runtime.draft_model)
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+
+def _split_listen(key: str, value: str) -> tuple[str, int]:
+    if not isinstance(value, str) or ":" not in value or not value.rsplit(":", 1)[1].isdigit():
+        raise ConfigError(f'{key}: expected "host:port", got {value!r}; for example {key} = "127.0.0.1:8000"')
+    host, port = value.rsplit(":", 1)
+    return host, int(port)
+
+
+def _table(cls, raw: Any, key: str, base: Path, examples: dict[str, str]):
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{key}]: expected a table, got {raw!r}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}: unknown key; [{key}] takes {', '.join(known)}")
+    defaults = cls()
+    values = {}
+    for name, value in raw.items():
+        want = getattr(defaults, name)
+        example = examples.get(name, repr(want))
+        where = f"{key}.{name}"
+        if isinstance(want, bool) or (isinstance(want, int) and not isinstance(want, bool)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{where}: expected an integer, got {value!r}; for example {name} = {example}")
+            if value < 0:
+                raise ConfigError(f"{where}: must not be negative, got {value}")
+        elif isinstance(want, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{where}: expected seconds, got {value!r}; for example {name} = {example}")
+            if value < 0:
+                raise ConfigError(f"{where}: must not be negative, got {value}")
+            value = float(value)
+        elif isinstance(want, tuple):
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"{where}: expected a list of strings; for example {name} = {example}")
+            value = tuple(value)
+        elif isinstance(want, dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: expected a table; for example {name} = {example}")
+        elif name.endswith("_file"):
+            if not isinstance(value, str):
+                raise ConfigError(f"{where}: expected a path; for example {name} = {example}")
+            value = base / value if value else None
+        elif not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}; for example {name} = {example}")
+        values[name] = value
+    return cls(**values)
+
+
+def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
+    name = raw.get("name", "mesh")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f'name: expected a non-empty string, got {name!r}; for example name = "studio-mesh"')
+    backend = raw.get("backend", "ring")
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}; for example backend = \"jaccl\"")
+    allowed = {"name", "backend", "nodes", "runtime", "proxy", "recovery", "control", "state_dir", "hostfile"}
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown key; mesh.toml takes {', '.join(sorted(allowed))}")
+    nodes_raw = raw.get("nodes")
+    if not isinstance(nodes_raw, list) or not nodes_raw:
+        raise ConfigError('nodes: at least one [[nodes]] table is needed; for example\n'
+                          '  [[nodes]]\n  name = "studio-1"\n  agent = "http://10.0.0.1:7701"\n'
+                          '  token_file = "tokens/studio-1"')
+    nodes = []
+    for i, n in enumerate(nodes_raw):
+        where = f"nodes[{i}]"
+        if not isinstance(n, dict):
+            raise ConfigError(f"{where}: expected a table")
+        for key, example in (("name", '"studio-1"'), ("agent", '"http://10.0.0.1:7701"'),
+                             ("token_file", '"tokens/studio-1"')):
+            if not isinstance(n.get(key), str) or not n[key]:
+                raise ConfigError(f"{where}.{key}: missing or not a string; for example {key} = {example}")
+        if not n["agent"].startswith(("http://", "https://")):
+            raise ConfigError(f'{where}.agent: expected a URL, got {n["agent"]!r}; for example agent = '
+                              '"http://10.0.0.1:7701"')
+        extra = sorted(set(n) - {"name", "agent", "token_file", "address", "ssh"})
+        if extra:
+            raise ConfigError(f"{where}.{extra[0]}: unknown key; a node takes name, agent, token_file, address, ssh")
+        nodes.append(Node(n["name"], n["agent"].rstrip("/"), base / n["token_file"], n.get("address", "127.0.0.1"),
+                          n.get("ssh", "")))
+    names = [n.name for n in nodes]
+    dupes = sorted({x for x in names if names.count(x) > 1})
+    if dupes:
+        raise ConfigError(f"nodes: the name {dupes[0]!r} is used twice; node names must be unique")
+    runtime = _table(Runtime, raw.get("runtime"), "runtime", base,
+                     {"model": '"/Volumes/models/DeepSeek-V4"', "profile": '"meshd-rank"'})
+    if not runtime.model:
+        raise ConfigError('runtime.model: missing; the model directory on every node, for example '
+                          'model = "/Volumes/models/DeepSeek-V4"')
+    proxy = _table(Proxy, raw.get("proxy"), "proxy", base, {"listen": '"127.0.0.1:8000"'})
+    _split_listen("proxy.listen", proxy.listen)
+    if proxy.concurrency < 1:
+        raise ConfigError("proxy.concurrency: must be at least 1")
+    recovery = _table(Recovery, raw.get("recovery"), "recovery", base, {"ladder": '["restart", "reprovision", "reboot"]'})
+    bad_steps = [s for s in recovery.ladder if s not in ("restart", "reprovision", "reboot")]
+    if bad_steps or not recovery.ladder or recovery.ladder[0] != "restart":
+        raise ConfigError('recovery.ladder: must start with "restart" and use only restart, reprovision, reboot; '
+                          'for example ladder = ["restart", "reprovision", "reboot"]')
+    control = _table(Control, raw.get("control"), "control", base, {"listen": '"127.0.0.1:8001"'})
+    _split_listen("control.listen", control.listen)
+    state_dir = raw.get("state_dir", "state")
+    if not isinstance(state_dir, str):
+        raise ConfigError(f'state_dir: expected a path, got {state_dir!r}; for example state_dir = "/var/lib/meshd"')
+    hostfile = raw.get("hostfile")
+    if hostfile is not None and not isinstance(hostfile, str):
+        raise ConfigError(f'hostfile: expected a path, got {hostfile!r}; for example hostfile = "hostfile.json"')
+    if backend in ("jaccl", "jaccl-ring") and not hostfile:
+        raise ConfigError('hostfile: a jaccl mesh needs the hostfile mlx.distributed_config writes; run '
+                          '`meshctl provision` or set hostfile = "hostfile.json"')
+    return MeshConfig(name, backend, tuple(nodes), runtime, proxy, recovery, control, base / state_dir,
+                      base / hostfile if hostfile else None, path)
+
+
+def load(path: str | Path) -> MeshConfig:
+    path = Path(path).resolve()
+    try:
+        raw = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}; pass --config with your mesh.toml")
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}")
+    return parse(raw, path.parent, path)
+
+
+def hostfile_for(cfg: MeshConfig) -> dict:
+    """The mlx hostfile of the mesh: the provisioned file, or for ring one
+    built from the nodes' addresses."""
+    import json
+
+    if cfg.hostfile is not None:
+        try:
+            return json.loads(cfg.hostfile.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"hostfile: cannot read {cfg.hostfile} ({e}); run `meshctl provision`")
+    return {"backend": cfg.backend, "envs": [],
+            "hosts": [{"ssh": n.ssh or n.name, "ips": [n.address], "rdma": []} for n in cfg.nodes]}

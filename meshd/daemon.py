@@ -1,0 +1,167 @@
+"""`meshd`: the controller daemon. Runs the reconciler, the OpenAI proxy (its
+own listen address) and the control API (loopback by default; bearer token
+from a 0600 file in the state directory). Stopping the controller leaves the
+mesh serving: a restarted controller adopts the running generation."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import os
+import secrets
+import signal
+import sys
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from meshd.agentclient import AgentError
+from meshd.config import ConfigError, MeshConfig, load
+from meshd.controller import Controller
+from meshd.metrics import Metrics
+from meshd.proxy import Proxy
+from meshd.store import Store
+from meshd.web import json_error, json_errors, read_json
+from runtime.openai_api import ApiError
+
+log = structlog.get_logger("meshd")
+
+
+def control_token(state_dir: Path) -> str:
+    """The control API token, created 0600 on first start."""
+    path = state_dir / "control.token"
+    if not path.exists():
+        state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(24) + "\n")
+    return path.read_text().strip()
+
+
+def urls(cfg: MeshConfig) -> dict:
+    return {"proxy": f"http://{cfg.proxy.listen}/v1", "control": f"http://{cfg.control.listen}",
+            "metrics": f"http://{cfg.control.listen}/metrics",
+            "agents": {n.name: {"api": n.agent, "metrics": f"{n.agent}/metrics"} for n in cfg.nodes}}
+
+
+def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Application:
+    @web.middleware
+    async def auth(request, handler):
+        if request.path in ("/healthz", "/metrics"):
+            return await handler(request)
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return json_error(401, "Missing or wrong control token; it is in control.token in the mesh's "
+                                   "state directory (meshctl reads it for you)", code="unauthorized")
+        return await handler(request)
+
+    app = web.Application(middlewares=[json_errors, auth], client_max_size=64 << 10)
+
+    async def healthz(request):
+        return web.json_response({"ok": True, "phase": ctl.state.phase, "generation": ctl.state.generation})
+
+    async def metrics_route(request):
+        return web.Response(body=generate_latest(metrics.registry), content_type="text/plain", charset="utf-8")
+
+    async def status(request):
+        return web.json_response({**await ctl.status(), "urls": urls(ctl.cfg),
+                                  "agent_errors": ctl.agent_errors})
+
+    async def up(request):
+        await ctl.up()
+        return web.json_response({"phase": ctl.state.phase, "generation": ctl.state.generation}, status=202)
+
+    async def down(request):
+        body = await read_json(request) if request.can_read_body else {}
+        force = body.get("force", False) if isinstance(body, dict) else None
+        if not isinstance(force, bool):
+            raise ApiError(400, "'force' must be true or false", param="force")
+        await ctl.down(force)
+        return web.json_response({"phase": ctl.state.phase, "generation": ctl.state.generation}, status=202)
+
+    async def restart(request):
+        await ctl.restart()
+        return web.json_response({"phase": ctl.state.phase, "generation": ctl.state.generation}, status=202)
+
+    async def incidents(request):
+        return web.json_response({"incidents": ctl.store.incidents(200), "generations": ctl.store.generations(50)})
+
+    async def logs(request):
+        node = request.match_info["node"]
+        if node not in ctl.agents:
+            return json_error(404, f"no node {node!r} in this mesh; nodes: {', '.join(ctl.agents)}",
+                              code="unknown_node")
+        try:
+            lines = int(request.query.get("lines", "100"))
+        except ValueError:
+            raise ApiError(400, "'lines' must be an integer", param="lines")
+        rank = [n.name for n in ctl.cfg.nodes].index(node)
+        try:
+            data = await ctl.agents[node].call("GET", f"/v1/ranks/{ctl.state.generation}/{rank}/log?lines={lines}")
+        except AgentError as e:
+            return json_error(502, str(e), code="agent_error")
+        return web.json_response(data)
+
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics_route)
+    app.router.add_get("/v1/status", status)
+    app.router.add_post("/v1/up", up)
+    app.router.add_post("/v1/down", down)
+    app.router.add_post("/v1/restart", restart)
+    app.router.add_get("/v1/incidents", incidents)
+    app.router.add_get("/v1/logs/{node}", logs)
+    return app
+
+
+async def serve(cfg: MeshConfig) -> None:
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    token = control_token(cfg.state_dir)
+    store = Store(cfg.state_dir / "meshd.sqlite")
+    metrics = Metrics(cfg.name)
+    ctl = Controller(cfg, store, metrics)
+    proxy = Proxy(ctl, metrics)
+    runners = []
+    for app, listen in ((proxy.app(), cfg.proxy.listen), (control_app(ctl, metrics, token), cfg.control.listen)):
+        host, port = listen.rsplit(":", 1)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
+        await runner.setup()
+        await web.TCPSite(runner, host, int(port)).start()
+        runners.append(runner)
+    await ctl.start()
+    log.info("meshd running", mesh=cfg.name, proxy=cfg.proxy.listen, control=cfg.control.listen,
+             phase=ctl.state.phase, generation=ctl.state.generation)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("meshd stopping; the mesh keeps serving and will be adopted", generation=ctl.state.generation)
+    await ctl.close()
+    for r in runners:
+        await r.cleanup()
+    store.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="meshd", description="meshd controller")
+    p.add_argument("--config", required=True, help="mesh.toml")
+    args = p.parse_args(argv)
+    try:
+        cfg = load(args.config)
+        for n in cfg.nodes:
+            if not n.token_file.exists():
+                raise ConfigError(f"nodes.{n.name}.token_file: {n.token_file} does not exist; copy the token "
+                                  "from that node's agent (its token_file)")
+    except ConfigError as e:
+        sys.exit(f"meshd: {e}")
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as e:
+        sys.exit(f"meshd: cannot listen ({e.strerror}); change proxy.listen or control.listen")
+
+
+if __name__ == "__main__":
+    main()

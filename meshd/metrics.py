@@ -1,0 +1,43 @@
+"""The controller's Prometheus metrics: `meshd_` prefix, base units, `_total`
+counters, `_seconds` histograms, low-cardinality labels."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from meshd.fleet import PHASES
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+DETECTION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self, mesh: str):
+        r = self.registry = CollectorRegistry()
+        Info("meshd_mesh", "The mesh this controller runs", registry=r).info({"mesh": mesh})
+        self.fleet_state = Gauge("meshd_fleet_state", "1 for the fleet's current phase", ["phase"], registry=r)
+        self.generation = Gauge("meshd_generation", "Current generation", registry=r)
+        self.restarts = Counter("meshd_restarts_total", "Generations ended by a failure, by cause", ["reason"],
+                                registry=r)
+        self.detection = Histogram("meshd_detection_seconds",
+                                   "From an agent observing a death to the controller acting on it",
+                                   buckets=DETECTION_BUCKETS, registry=r)
+        self.recovery = Histogram("meshd_recovery_seconds", "From an incident to serving again",
+                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("meshd_proxy_requests_total", "Proxied requests by route and status",
+                                ["route", "status"], registry=r)
+        self.queue_depth = Gauge("meshd_proxy_queue_depth", "Requests waiting for admission", registry=r)
+        self.in_flight = Gauge("meshd_proxy_requests_in_flight", "Requests admitted and running", registry=r)
+        self.queue_wait = Histogram("meshd_proxy_queue_wait_seconds", "Time a request waited for admission",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("meshd_proxy_time_to_first_token_seconds", "Time to the first streamed token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("meshd_proxy_inter_token_seconds", "Time between streamed chunks",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("meshd_proxy_tokens_total", "Completion tokens served", registry=r)
+        self.retries = Counter("meshd_proxy_retries_total", "Requests retried on the next generation", registry=r)
+        self.set_phase("stopped")
+
+    def set_phase(self, phase: str) -> None:
+        for p in PHASES:
+            self.fleet_state.labels(phase=p).set(1 if p == phase else 0)

@@ -1,0 +1,307 @@
+"""The OpenAI proxy in front of rank 0.
+
+- Validates requests itself (the same rules as the runtime), so bad input is a
+  4xx JSON error even while no generation runs.
+- Admits through a FIFO with a concurrency limit (1 when decoding is
+  speculative); a full queue is 429.
+- Holds requests while the fleet starts or recovers, up to `queue_wait`, then
+  503 with Retry-After.
+- Retries a request whose upstream failed before any data reached the client
+  on the next generation; after data, a stream ends with an SSE error event and
+  `data: [DONE]`.
+- Sends SSE keep-alive comments while the upstream is silent (long prefills).
+- A client that goes away closes the upstream request, which cancels it on
+  every rank.
+- Measures queue wait, time to first token, inter-token latency and tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections import deque
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from meshd import fleet
+from meshd.web import json_error, json_errors, read_json
+from runtime import openai_api as oa
+
+RETRY_AFTER = "5"
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Admission:
+    """FIFO admission: at most `limit` running, at most `queue_limit` waiting."""
+
+    def __init__(self, limit: int, queue_limit: int):
+        self.limit, self.queue_limit = limit, queue_limit
+        self.running = 0
+        self._waiters: deque[asyncio.Future] = deque()
+
+    @property
+    def depth(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self, timeout: float) -> None:
+        if self.running < self.limit and not self._waiters:
+            self.running += 1
+            return
+        if len(self._waiters) >= self.queue_limit:
+            raise QueueFull()
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release()  # granted just as we gave up: pass it on
+            else:
+                fut.cancel()
+                self._waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.running -= 1
+
+
+class UpstreamFailed(Exception):
+    """Rank 0 could not be reached or failed before answering."""
+
+
+class Proxy:
+    def __init__(self, ctl, metrics):
+        self.ctl = ctl
+        self.cfg = ctl.cfg
+        self.metrics = metrics
+        p = self.cfg.proxy
+        name = self.cfg.runtime.args.get("model_name") or Path(self.cfg.runtime.model).name
+        self.limits = oa.Limits(name, default_max_tokens=256,
+                                max_tokens_limit=int(self.cfg.runtime.args.get("max_tokens_limit", 8192)))
+        self.admission = Admission(1 if self.cfg.speculative else p.concurrency, p.queue_limit)
+        self.api_keys = self._load_keys(p.api_keys_file)
+
+    @staticmethod
+    def _load_keys(path: Path | None) -> list[str]:
+        if path is None:
+            return []
+        return [k.strip() for k in path.read_text().splitlines() if k.strip() and not k.startswith("#")]
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[json_errors], client_max_size=self.cfg.proxy.max_body_bytes)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", lambda r: self._complete(r, "chat"))
+        app.router.add_post("/v1/completions", lambda r: self._complete(r, "text"))
+        return app
+
+    def _authorized(self, request: web.Request) -> bool:
+        if not self.api_keys:
+            return True
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        return any(hmac.compare_digest(given.encode(), k.encode()) for k in self.api_keys)
+
+    def _unauthorized(self) -> web.Response:
+        return json_error(401, "Invalid or missing API key; send 'Authorization: Bearer <key>' with a key "
+                               "from the proxy's api_keys_file", code="invalid_api_key")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        return web.json_response(oa.models_body(self.limits.model_name))
+
+    def _unavailable(self, why: str) -> web.Response:
+        return json_error(503, why, code="mesh_unavailable", type_="server_error",
+                          headers={"Retry-After": RETRY_AFTER})
+
+    async def _wait_serving(self, after: int, deadline: float) -> int | None:
+        """The generation to send to: ready and newer than `after`. None when
+        the fleet is down, failed, or not back before the deadline."""
+        def serving(s):
+            return (s.phase == fleet.READY and s.generation > after) or s.phase in (fleet.FAILED, fleet.STOPPED,
+                                                                                     fleet.DRAINING)
+        await self.ctl.wait_for(serving, max(0.0, deadline - time.monotonic()))
+        s = self.ctl.state
+        return s.generation if s.phase == fleet.READY and s.generation > after else None
+
+    def _why_unavailable(self) -> str:
+        s = self.ctl.state
+        if s.phase == fleet.FAILED:
+            return f"The mesh has failed and waits for an operator: {s.reason}"
+        if s.phase in (fleet.STOPPED, fleet.DRAINING):
+            return "The mesh is not running; start it with `meshctl up`"
+        return f"The mesh is {s.phase} (generation {s.generation}) and did not come back in time; retry shortly"
+
+    async def _complete(self, request: web.Request, kind: str) -> web.StreamResponse:
+        route = request.path
+        status = 500
+        try:
+            resp = await self._serve(request, kind)
+            status = resp.status
+            return resp
+        except oa.ApiError as e:
+            status = e.status
+            raise
+        finally:
+            self.metrics.requests.labels(route=route, status=str(status)).inc()
+
+    async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
+        if not self._authorized(request):
+            return self._unauthorized()
+        body = await read_json(request)
+        req = oa.parse_request(kind, body, self.limits)
+        self.ctl.last_request_at = time.time()
+        p = self.cfg.proxy
+        t0 = time.monotonic()
+        deadline = t0 + p.queue_wait
+        try:
+            self.metrics.queue_depth.set(self.admission.depth + 1)
+            await self.admission.acquire(timeout=p.queue_wait)
+        except QueueFull:
+            return json_error(429, f"The proxy queue is full ({p.queue_limit} waiting); retry later",
+                              code="queue_full", type_="rate_limit_error", headers={"Retry-After": RETRY_AFTER})
+        except asyncio.TimeoutError:
+            return self._unavailable(f"No slot freed within {p.queue_wait:.0f}s; retry later")
+        finally:
+            self.metrics.queue_depth.set(self.admission.depth)
+        self.metrics.queue_wait.observe(time.monotonic() - t0)
+        self.metrics.in_flight.inc()
+        try:
+            return await _Exchange(self, request, req, body, deadline).run()
+        finally:
+            self.metrics.in_flight.dec()
+            self.admission.release()
+
+
+class _Exchange:
+    """One client request through one or more upstream attempts."""
+
+    def __init__(self, proxy: Proxy, request: web.Request, req: oa.CompletionRequest, body: dict, deadline: float):
+        self.p, self.request, self.req, self.body, self.deadline = proxy, request, req, body, deadline
+        self.resp: web.StreamResponse | None = None  # prepared once anything reached the client
+        self.sent_data = False
+        self.t0 = time.monotonic()
+        self.last_chunk: float | None = None
+
+    async def run(self) -> web.StreamResponse:
+        after = -1
+        while True:
+            g = await self.p._wait_serving(after, self.deadline)
+            if g is None:
+                return await self._give_up(self.p._why_unavailable())
+            try:
+                return await (self._stream(g) if self.req.stream else self._whole(g))
+            except UpstreamFailed as e:
+                if self.sent_data:
+                    return await self._end_stream_with_error(f"The mesh failed mid-answer ({e}); retry the request")
+                self.p.metrics.retries.inc()
+                await self._report(g, str(e))
+                after = g
+
+    async def _report(self, g: int, detail: str) -> None:
+        s = self.p.ctl.state
+        if s.phase == fleet.READY and s.generation == g:
+            await self.p.ctl.feed(fleet.RankDied(self.p.cfg.nodes[0].name, 0, g, "proxy", detail))
+
+    async def _give_up(self, why: str) -> web.StreamResponse:
+        if self.resp is None:
+            return self.p._unavailable(why)
+        return await self._end_stream_with_error(why)
+
+    def _upstream(self) -> str:
+        return self.p.ctl.rank0_url() + self.request.path
+
+    async def _whole(self, g: int) -> web.Response:
+        try:
+            async with self.p.ctl.session.post(self._upstream(), json=self.body,
+                                               timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as r:
+                data = await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise UpstreamFailed(f"{type(e).__name__}: {e}")
+        if r.status >= 500:
+            raise UpstreamFailed(f"rank 0 answered {r.status}")
+        if r.status == 200:
+            try:
+                self.p.metrics.tokens.inc(json.loads(data)["usage"]["completion_tokens"])
+            except (ValueError, KeyError, TypeError):
+                pass
+        return web.Response(body=data, status=r.status, content_type="application/json")
+
+    async def _prepare(self) -> web.StreamResponse:
+        if self.resp is None:
+            self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                    "X-Accel-Buffering": "no"})
+            self.resp.enable_chunked_encoding()
+            await self.resp.prepare(self.request)
+        return self.resp
+
+    async def _stream(self, g: int) -> web.StreamResponse:
+        p = self.p.cfg.proxy
+        try:
+            async with self.p.ctl.session.post(self._upstream(), json=self.body,
+                                               timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as r:
+                if r.status >= 500:
+                    raise UpstreamFailed(f"rank 0 answered {r.status}")
+                if r.status != 200:
+                    return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+                silent_since = time.monotonic()
+                while True:
+                    try:
+                        line = await asyncio.wait_for(r.content.readline(), p.keepalive_interval)
+                    except asyncio.TimeoutError:
+                        if time.monotonic() - silent_since > p.token_stall:
+                            raise UpstreamFailed(f"no token for {p.token_stall:.0f}s")
+                        await (await self._prepare()).write(b": keep-alive\n\n")
+                        continue
+                    if not line:
+                        raise UpstreamFailed("rank 0 closed the stream before [DONE]")
+                    if not line.startswith(b"data: "):
+                        continue
+                    silent_since = time.monotonic()
+                    await self._forward(line)
+                    if line.strip() == b"data: [DONE]":
+                        await self.resp.write_eof()
+                        return self.resp
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise UpstreamFailed(f"{type(e).__name__}: {e}")
+
+    async def _forward(self, line: bytes) -> None:
+        resp = await self._prepare()
+        now = time.monotonic()
+        payload = line[6:].strip()
+        if payload != b"[DONE]":
+            try:
+                chunk = json.loads(payload)
+            except ValueError:
+                chunk = {}
+            if "error" in chunk:
+                self.sent_data = True
+            for c in chunk.get("choices", []):
+                if (c.get("delta") or {}).get("content") or c.get("text"):
+                    if self.last_chunk is None:
+                        self.p.metrics.ttft.observe(now - self.t0)
+                    else:
+                        self.p.metrics.inter_token.observe(now - self.last_chunk)
+                    self.last_chunk = now
+                    self.p.metrics.tokens.inc()
+            self.sent_data = True
+        await resp.write(line if line.endswith(b"\n\n") else line.rstrip(b"\n") + b"\n\n")
+
+    async def _end_stream_with_error(self, message: str) -> web.StreamResponse:
+        resp = await self._prepare()
+        err = oa.error_body(message, "server_error", None, "mesh_failed")
+        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,190 @@
+"""The fleet state machine, scenario by scenario, without I/O."""
+
+import pytest
+
+from meshd import fleet as f
+
+NODES = ("n0", "n1")
+P = f.Policy(nodes=NODES, ladder=("restart",), backoff_base=1.0, backoff_max=8.0, max_failures=3, window=100.0,
+             healthy_reset=50.0, stop_grace=5.0, drain_grace=20.0, start_deadline=300.0)
+LADDER = f.Policy(nodes=NODES, ladder=("restart", "reprovision", "reboot"), max_failures=10)
+
+
+def run(events, policy=P, state=None):
+    """Feed (time, event) pairs; returns the final state and every action."""
+    state = state or f.FleetState()
+    actions = []
+    for now, ev in events:
+        state, acts = f.step(state, ev, now, policy)
+        actions += acts
+    return state, actions
+
+
+def kinds(actions):
+    return [type(a).__name__ for a in actions]
+
+
+def ready_at(g=1, t=10.0):
+    return [(0, f.UpRequested()), (t, f.MeshReady(g))]
+
+
+def death(g, t, node="n1", cause="exit", reboot=False):
+    return (t, f.RankDied(node, 1, g, cause, "code 0", reboot=reboot))
+
+
+def test_up_starts_generation_1_and_ready_when_the_mesh_says_so():
+    s, a = run(ready_at())
+    assert (s.phase, s.generation, s.ready_since) == ("ready", 1, 10.0)
+    assert kinds(a) == ["StartGeneration", "NoteGeneration", "NoteGeneration"]
+
+
+def test_up_is_idempotent_while_running():
+    s, a = run(ready_at() + [(11, f.UpRequested())])
+    assert s.phase == "ready" and kinds(a).count("StartGeneration") == 1
+
+
+def test_a_death_ends_the_generation_everywhere_then_the_next_starts_without_waiting():
+    s, a = run(ready_at() + [death(1, 20)])
+    assert s.phase == "recovering"
+    assert a[-2] == f.StopGeneration(1, "kill", 5.0)
+    assert isinstance(a[-3], f.OpenIncident) and a[-3].incident.cause == "exit"
+    s, a = run([(21, f.GenerationStopped(1)), (21, f.Tick())], state=s)
+    assert (s.phase, s.generation) == ("starting", 2)
+    assert a[0] == f.StartGeneration(2)
+
+
+def test_recovery_closes_the_incident_when_serving_is_back():
+    s, a = run(ready_at() + [death(1, 20), (21, f.GenerationStopped(1)), (21, f.Tick()), (30, f.MeshReady(2))])
+    close = [x for x in a if isinstance(x, f.CloseIncident)]
+    assert len(close) == 1 and close[0].serving_back_at == 30 and close[0].incident.opened_at == 20
+    assert s.incident is None and s.phase == "ready"
+
+
+def test_second_failure_waits_out_an_exponential_backoff():
+    events = ready_at() + [death(1, 20), (21, f.GenerationStopped(1)), (21, f.Tick()), (25, f.MeshReady(2)),
+                           death(2, 30), (31, f.GenerationStopped(2))]
+    s, _ = run(events)
+    assert s.backoff_until == 31 + 1.0
+    s2, a = run([(31.5, f.Tick())], state=s)
+    assert s2.phase == "recovering" and a == []
+    s3, a = run([(32.0, f.Tick())], state=s)
+    assert s3.phase == "starting" and s3.generation == 3
+
+
+@pytest.mark.parametrize("n,wait", [(1, 0.0), (2, 1.0), (3, 2.0), (4, 4.0), (5, 8.0), (9, 8.0)])
+def test_backoff_table(n, wait):
+    assert f.backoff(P, n) == wait
+
+
+def test_too_many_failures_in_the_window_is_failed_and_up_tries_again():
+    events, t, g = [(0, f.UpRequested())], 1.0, 1
+    for _ in range(4):
+        events += [death(g, t), (t, f.GenerationStopped(g)), (t + 10, f.Tick())]
+        t += 11
+        g += 1
+    s, _ = run(events)
+    assert s.phase == "failed" and "4 failures within 100s" in s.reason and "meshctl up" in s.reason
+    s, a = run([(t, f.UpRequested())], state=s)
+    assert s.phase == "starting" and s.failures == () and a[0] == f.StartGeneration(s.generation)
+
+
+def test_failures_outside_the_window_do_not_count():
+    events, t, g = [(0, f.UpRequested())], 1.0, 1
+    for _ in range(6):
+        events += [death(g, t), (t, f.GenerationStopped(g)), (t + 10, f.Tick())]
+        t += 60
+        g += 1
+    s, _ = run(events)
+    assert s.phase == "starting" and len(s.failures) <= 2
+
+
+def test_being_healthy_long_enough_resets_the_count():
+    s, _ = run(ready_at() + [death(1, 20), (21, f.GenerationStopped(1)), (21, f.Tick()), (25, f.MeshReady(2)),
+                             (74, f.Tick())])
+    assert s.failures == (20,)
+    s, _ = run([(75, f.Tick())], state=s)
+    assert s.failures == () and s.ladder_step == 0
+
+
+def test_events_about_an_older_generation_are_ignored():
+    s, _ = run(ready_at() + [death(1, 20), (21, f.GenerationStopped(1)), (21, f.Tick()), (25, f.MeshReady(2))])
+    s2, a = run([death(1, 26), (27, f.MeshReady(1)), (27, f.GenerationStopped(1))], state=s)
+    assert s2 == s and a == []
+
+
+def test_a_second_death_of_the_same_generation_is_one_incident():
+    s, a = run(ready_at() + [death(1, 20), death(1, 20.1, node="n0")])
+    assert kinds(a).count("OpenIncident") == 1 and kinds(a).count("StopGeneration") == 1
+
+
+def test_down_drains_then_stops():
+    s, a = run(ready_at() + [(20, f.DownRequested())])
+    assert s.phase == "draining" and a[-1] == f.StopGeneration(1, "drain", 20.0)
+    s, a = run([(25, f.GenerationStopped(1))], state=s)
+    assert s.phase == "stopped" and s.ranks == ()
+
+
+def test_forced_down_kills():
+    s, a = run(ready_at() + [(20, f.DownRequested(force=True))])
+    assert a[-1] == f.StopGeneration(1, "kill", 5.0)
+
+
+def test_down_from_failed_is_stopped_at_once():
+    s = f.FleetState(phase="failed", generation=4)
+    s, a = run([(1, f.DownRequested())], state=s)
+    assert s.phase == "stopped" and a == [f.StopGeneration(4, "kill", 0.0)]
+
+
+def test_restart_requested_drains_and_starts_the_next_without_counting_a_failure():
+    s, a = run(ready_at() + [(20, f.RestartRequested()), (22, f.GenerationStopped(1))])
+    assert (s.phase, s.generation, s.failures) == ("starting", 2, ())
+    assert f.StopGeneration(1, "drain", 20.0) in a
+
+
+def test_a_mesh_not_ready_by_the_start_deadline_is_a_failure():
+    s, a = run([(0, f.UpRequested()), (301, f.Tick())])
+    assert s.phase == "recovering" and s.incident.cause == "start_timeout"
+
+
+def test_rank_reports_update_load_progress():
+    s, _ = run([(0, f.UpRequested()), (1, f.RankReported("n1", 1, "loading", 3, 10))])
+    assert s.rank_state("n1") == ("n1", "loading", 3, 10)
+    assert s.rank_state("n0") == ("n0", "starting", 0, 0)
+
+
+def test_adopting_a_running_generation_does_not_restart_it():
+    s, a = run([(0, f.Adopted(7, ready=True))])
+    assert (s.phase, s.generation) == ("ready", 7) and a == []
+
+
+def test_ladder_climbs_restart_then_reprovision_then_reboot():
+    events = [(0, f.UpRequested()), (1, f.MeshReady(1)), death(1, 2), (2, f.GenerationStopped(1)), (2, f.Tick()),
+              (3, f.MeshReady(2)), death(2, 4), (4, f.GenerationStopped(2))]
+    s, a = run(events, LADDER)
+    assert a[-1] == f.RunStep("reprovision", NODES)
+    s, a = run([(5, f.StepDone("reprovision", True))], LADDER, s)
+    assert s.phase == "starting" and s.generation == 3
+    s, a = run([(6, f.MeshReady(3)), death(3, 7), (7, f.GenerationStopped(3))], LADDER, s)
+    assert a[-1] == f.RunStep("reboot", NODES)
+    s, a = run([(8, f.StepDone("reboot", True))], LADDER, s)
+    assert a == [f.RunStep("reprovision", NODES)]
+    s, a = run([(9, f.StepDone("reprovision", True))], LADDER, s)
+    assert s.phase == "starting" and s.generation == 4
+
+
+def test_reboot_evidence_skips_to_the_reboot_step_for_that_node():
+    s, a = run([(0, f.UpRequested()), (1, f.MeshReady(1)), death(1, 2, node="n1", cause="signature", reboot=True),
+                (3, f.GenerationStopped(1))], LADDER)
+    assert a[-1] == f.RunStep("reboot", ("n1",))
+
+
+def test_a_survivor_of_sigkill_means_reboot_that_node():
+    s, a = run([(0, f.UpRequested()), (1, f.MeshReady(1)), death(1, 2), (3, f.GenerationStopped(1, ("n0",)))],
+               LADDER)
+    assert a[-1] == f.RunStep("reboot", ("n0",))
+
+
+def test_a_failed_ladder_step_climbs_on_and_exhaustion_is_failed():
+    s, a = run([(0, f.UpRequested()), (1, f.MeshReady(1)), death(1, 2, reboot=True), (3, f.GenerationStopped(1)),
+                (4, f.StepDone("reboot", False, "n1 did not come back"))], LADDER)
+    assert s.phase == "failed" and "n1 did not come back" in s.reason
