@@ -173,10 +173,15 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None) -> w
 
     async def sweep(request):
         body = await read_json(request) if request.can_read_body else {}
-        grace = body.get("grace", 5.0) if isinstance(body, dict) else None
+        if not isinstance(body, dict):
+            raise ApiError(400, "The body must be a JSON object", code="invalid_json")
+        grace = body.get("grace", 5.0)
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= 600:
             raise ApiError(400, f"'grace' must be seconds between 0 and 600, got {grace!r}", param="grace")
-        return web.json_response(await sup.sweep(float(grace)))
+        current = body.get("generation", "live")
+        if current not in ("live", None) and (isinstance(current, bool) or not isinstance(current, int)):
+            raise ApiError(400, f"'generation' must be an integer or null, got {current!r}", param="generation")
+        return web.json_response(await sup.sweep(float(grace), current))
 
     async def rank_log(request):
         try:

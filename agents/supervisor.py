@@ -218,8 +218,14 @@ class Supervisor:
             await asyncio.sleep(0.01)
 
     # --- sweep ------------------------------------------------------------------
-    async def sweep(self, grace: float = 5.0) -> dict:
-        current = self.current_generation()
+    async def sweep(self, grace: float = 5.0, current: int | None | str = "live") -> dict:
+        """Stop debris. `current` is the generation that may keep running: by
+        default the live one; the controller passes None between generations,
+        which also stops this agent's own ranks of any generation."""
+        if current == "live":
+            current = self.current_generation()
+        for g in sorted({r.generation for r in self.live() if r.generation != current}):
+            await self.stop(g, "kill", grace)
         keep = {r.pid for r in self.live()} | {os.getpid()}
         orphans = select_orphans(ranks.list_processes(), current=current, keep_pids=keep,
                                  manifest=self._read_manifest(), now=time.time(),

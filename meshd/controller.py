@@ -120,6 +120,8 @@ class Controller:
                             detail=i.detail)
                 self.store.open_incident(i.opened_at, i.cause, i.node, i.rank, i.generation, i.detail)
                 self.metrics.restarts.labels(reason=i.cause).inc()
+            case fleet.IncidentUpdated(incident=i):
+                self.store.update_incident(i.opened_at, i.steps)
             case fleet.CloseIncident(incident=i, serving_back_at=back, steps=steps):
                 log.info("serving again", cause=i.cause, recovery_seconds=round(back - i.opened_at, 3))
                 self.store.close_incident(i.opened_at, back, steps)
@@ -214,7 +216,8 @@ class Controller:
 
     async def _sweep(self, node: str) -> None:
         try:
-            await self.agents[node].call("POST", "/v1/sweep", {"grace": 2}, timeout=30)
+            # Between generations nothing of meshd should run on a node.
+            await self.agents[node].call("POST", "/v1/sweep", {"grace": 2, "generation": None}, timeout=60)
         except AgentError as e:
             log.warning("sweep failed", node=node, error=str(e))
 

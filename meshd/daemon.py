@@ -123,6 +123,7 @@ async def serve(cfg: MeshConfig) -> None:
     metrics = Metrics(cfg.name)
     ctl = Controller(cfg, store, metrics)
     proxy = Proxy(ctl, metrics)
+    await ctl.start()  # adopt first: no command may arrive before the controller knows what runs
     runners = []
     for app, listen in ((proxy.app(), cfg.proxy.listen), (control_app(ctl, metrics, token), cfg.control.listen)):
         host, port = listen.rsplit(":", 1)
@@ -130,7 +131,6 @@ async def serve(cfg: MeshConfig) -> None:
         await runner.setup()
         await web.TCPSite(runner, host, int(port)).start()
         runners.append(runner)
-    await ctl.start()
     log.info("meshd running", mesh=cfg.name, proxy=cfg.proxy.listen, control=cfg.control.listen,
              phase=ctl.state.phase, generation=ctl.state.generation)
     stop = asyncio.Event()

@@ -168,6 +168,11 @@ class OpenIncident:
 
 
 @dataclass(frozen=True)
+class IncidentUpdated:
+    incident: Incident
+
+
+@dataclass(frozen=True)
 class CloseIncident:
     incident: Incident
     serving_back_at: float
@@ -214,19 +219,28 @@ def _fail(state: FleetState, now: float, policy: Policy, ev: RankDied) -> tuple[
     return new, actions
 
 
+def _with_step(state: FleetState, name: str) -> tuple[FleetState, list]:
+    """Record a ladder step on the open incident."""
+    if state.incident is None:
+        return state, []
+    incident = replace(state.incident, steps=state.incident.steps + (name,))
+    return replace(state, incident=incident), [IncidentUpdated(incident)]
+
+
 def _after_stop(state: FleetState, now: float, policy: Policy) -> tuple[FleetState, list]:
     """The dead generation is gone everywhere: climb the ladder or give up."""
     if len(state.failures) > policy.max_failures:
         reason = (f"{len(state.failures)} failures within {policy.window:.0f}s (limit {policy.max_failures}); "
                   f"last: {state.reason}. Fix the cause, then `meshctl up`")
-        return replace(state, phase=FAILED, reason=reason, backoff_until=None), []
+        state, actions = _with_step(state, "failed")
+        return replace(state, phase=FAILED, reason=reason, backoff_until=None), actions
     step = policy.ladder[min(state.ladder_step, len(policy.ladder) - 1)]
-    wait = backoff(policy, len(state.failures))
+    state, actions = _with_step(state, step)
     if step == "restart" or state.ladder_step >= len(policy.ladder):
-        return replace(state, backoff_until=now + wait, ladder_step=state.ladder_step + 1), []
+        wait = backoff(policy, len(state.failures))
+        return replace(state, backoff_until=now + wait, ladder_step=state.ladder_step + 1), actions
     nodes = state.reboot_nodes if step == "reboot" and state.reboot_nodes else policy.nodes
-    incident = replace(state.incident, steps=state.incident.steps + (step,)) if state.incident else None
-    return replace(state, incident=incident, backoff_until=None), [RunStep(step, nodes)]
+    return replace(state, backoff_until=None), actions + [RunStep(step, nodes)]
 
 
 def step(state: FleetState, event, now: float, policy: Policy) -> tuple[FleetState, list]:
@@ -269,7 +283,7 @@ def step(state: FleetState, event, now: float, policy: Policy) -> tuple[FleetSta
             new = replace(state, phase=READY, ready_since=now, ranks=ranks, reason="")
             actions: list = [NoteGeneration(g, "ready")]
             if state.incident:
-                actions.append(CloseIncident(state.incident, now, state.incident.steps + ("restart",)))
+                actions.append(CloseIncident(state.incident, now, state.incident.steps))
                 new = replace(new, incident=None)
             return new, actions
 
@@ -308,15 +322,16 @@ def step(state: FleetState, event, now: float, policy: Policy) -> tuple[FleetSta
                 failed = replace(state, ladder_step=state.ladder_step + 1,
                                  reason=f"{name} failed: {detail}")
                 if failed.ladder_step >= len(policy.ladder):
+                    failed, actions = _with_step(failed, "failed")
                     return replace(failed, phase=FAILED,
                                    reason=f"recovery ladder exhausted; {name} failed: {detail}. "
-                                          "Fix the nodes, then `meshctl up`"), []
+                                          "Fix the nodes, then `meshctl up`"), actions
                 return _after_stop(failed, now, policy)
             nxt = replace(state, ladder_step=state.ladder_step + 1, reboot_nodes=() if name == "reboot" else
                           state.reboot_nodes)
             if name == "reboot" and "reprovision" in policy.ladder:
-                incident = replace(nxt.incident, steps=nxt.incident.steps + ("reprovision",)) if nxt.incident else None
-                return replace(nxt, incident=incident), [RunStep("reprovision", policy.nodes)]
+                nxt, actions = _with_step(nxt, "reprovision")
+                return nxt, actions + [RunStep("reprovision", policy.nodes)]
             return _start_next(nxt, now, policy)
 
         case Tick():

@@ -21,10 +21,12 @@ import asyncio
 import hmac
 import json
 import time
+import uuid
 from collections import deque
 from pathlib import Path
 
 import aiohttp
+import structlog
 from aiohttp import web
 
 from meshd import fleet
@@ -32,6 +34,7 @@ from meshd.web import json_error, json_errors, read_json
 from runtime import openai_api as oa
 
 RETRY_AFTER = "5"
+log = structlog.get_logger("meshd.proxy")
 
 
 class QueueFull(Exception):
@@ -78,7 +81,13 @@ class Admission:
 
 
 class UpstreamFailed(Exception):
-    """Rank 0 could not be reached or failed before answering."""
+    """Rank 0 could not be reached or failed before answering. `evidence` when
+    the failure itself says the generation is broken (no connection, a cut
+    stream, a stall), rather than an answer like 503 while draining."""
+
+    def __init__(self, message: str, evidence: bool = True):
+        super().__init__(message)
+        self.evidence = evidence
 
 
 class Proxy:
@@ -146,6 +155,8 @@ class Proxy:
     async def _complete(self, request: web.Request, kind: str) -> web.StreamResponse:
         route = request.path
         status = 500
+        request_id = uuid.uuid4().hex[:16]
+        t0 = time.monotonic()
         try:
             resp = await self._serve(request, kind)
             status = resp.status
@@ -153,8 +164,13 @@ class Proxy:
         except oa.ApiError as e:
             status = e.status
             raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
         finally:
             self.metrics.requests.labels(route=route, status=str(status)).inc()
+            log.info("request", request_id=request_id, route=route, status=status,
+                     generation=self.ctl.state.generation, seconds=round(time.monotonic() - t0, 4))
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         if not self._authorized(request):
@@ -206,7 +222,8 @@ class _Exchange:
                 if self.sent_data:
                     return await self._end_stream_with_error(f"The mesh failed mid-answer ({e}); retry the request")
                 self.p.metrics.retries.inc()
-                await self._report(g, str(e))
+                if e.evidence:
+                    await self._report(g, str(e))
                 after = g
 
     async def _report(self, g: int, detail: str) -> None:
@@ -230,7 +247,7 @@ class _Exchange:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise UpstreamFailed(f"{type(e).__name__}: {e}")
         if r.status >= 500:
-            raise UpstreamFailed(f"rank 0 answered {r.status}")
+            raise UpstreamFailed(f"rank 0 answered {r.status}", evidence=False)
         if r.status == 200:
             try:
                 self.p.metrics.tokens.inc(json.loads(data)["usage"]["completion_tokens"])
@@ -252,7 +269,7 @@ class _Exchange:
             async with self.p.ctl.session.post(self._upstream(), json=self.body,
                                                timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as r:
                 if r.status >= 500:
-                    raise UpstreamFailed(f"rank 0 answered {r.status}")
+                    raise UpstreamFailed(f"rank 0 answered {r.status}", evidence=False)
                 if r.status != 200:
                     return web.Response(body=await r.read(), status=r.status, content_type="application/json")
                 silent_since = time.monotonic()

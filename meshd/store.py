@@ -57,6 +57,9 @@ class Store:
         self.db.execute("INSERT INTO incidents (opened_at, cause, node, rank, generation, detail, steps) "
                         "VALUES (?,?,?,?,?,?,?)", (opened_at, cause, node, rank, generation, detail, "[]"))
 
+    def update_incident(self, opened_at: float, steps: tuple[str, ...]) -> None:
+        self.db.execute("UPDATE incidents SET steps = ? WHERE opened_at = ?", (json.dumps(list(steps)), opened_at))
+
     def close_incident(self, opened_at: float, serving_back_at: float, steps: tuple[str, ...]) -> None:
         self.db.execute("UPDATE incidents SET serving_back_at = ?, steps = ? WHERE opened_at = ?",
                         (serving_back_at, json.dumps(list(steps)), opened_at))

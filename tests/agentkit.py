@@ -190,3 +190,25 @@ def pid_of(agent: Agent, generation: int) -> int:
 
 def now() -> float:
     return time.time()
+
+
+def write_mesh(path: Path, agents: list[Agent], model: Path, **sections) -> Path:
+    """A mesh.toml for these agents; `sections` add keys to [runtime], [proxy], [recovery]."""
+    proxy_port, control_port, rank_port = free_ports(3)
+    ring = free_port_run(len(agents))
+    lines = ['name = "test"', 'backend = "ring"', 'state_dir = "state"', ""]
+    for a in agents:
+        lines += ["[[nodes]]", f'name = "{a.node}"', f'agent = "{a.url}"', f'token_file = "{a.dir / "token"}"', ""]
+    tables = {"runtime": {"model": str(model), "port": rank_port, "ring_port": ring},
+              "proxy": {"listen": f"127.0.0.1:{proxy_port}"},
+              "recovery": {"backoff_base": 0.2, "stop_grace": 2.0, "drain_grace": 10.0},
+              "control": {"listen": f"127.0.0.1:{control_port}"}}
+    for name, extra in sections.items():
+        tables[name].update(extra)
+    for name, values in tables.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+        lines.append("")
+    mesh = path / "mesh.toml"
+    mesh.write_text("\n".join(lines))
+    return mesh

@@ -333,3 +333,16 @@ def test_rank_logs_are_capped(tmp_path):
         agent.post("/v1/generations/1/stop", {"mode": "kill", "grace": 1})
     finally:
         agent.kill()
+
+
+def test_sweep_with_no_current_generation_stops_the_agents_own_ranks(agents, generation, tmp_path):
+    a = agents[3]
+    r = a.post("/v1/ranks", {"generation": generation, "rank": 0, "world": 1, "profile": "jaccl-standin",
+                             "model": str(tmp_path), "hostfile": ring_hostfile(1)})
+    pid = r.json()["pid"]
+    since = a.seq()
+    assert a.post("/v1/sweep", {"grace": 1, "generation": None}).status_code == 200
+    e = a.wait_event(since, 10, "the swept rank's exit", kind="RankExited", pid=pid)
+    assert e["expected"] is True
+    assert a.get("/healthz").json()["generation"] is None
+    assert a.post("/v1/sweep", {"generation": "all"}).json()["error"]["param"] == "generation"

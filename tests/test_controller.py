@@ -1,0 +1,151 @@
+"""The controller on a mesh.toml of its own (two agents on loopback): giving
+up after repeated deaths, API keys, admission, keep-alives, cancellation."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+from agentkit import make_agents, write_mesh
+from meshkit import sse_events, validate, wait_for
+
+
+def meshctl(config, *args, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != "MESHD_CONFIG"}
+    return subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(config), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def two_agents(tmp_path):
+    agents = make_agents(tmp_path, 2, stall={"base": 10})
+    for a in agents:
+        a.start()
+    yield agents
+    for a in agents:
+        a.kill()
+
+
+def stop_controller(mesh):
+    meshctl(mesh, "down", "--force")
+    pidfile = mesh.parent / "state" / "run" / "controller.pid"
+    if pidfile.exists():
+        pid = int(pidfile.read_text().split()[0])
+        try:
+            os.kill(pid, 15)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_runtime_that_dies_at_every_start_ends_failed_and_the_proxy_says_503(two_agents, tmp_path):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "no_such_architecture"}))
+    mesh = write_mesh(tmp_path, two_agents, broken, recovery={"max_failures": 2, "backoff_base": 0.1})
+    try:
+        up = meshctl(mesh, "up", timeout=240)
+        assert up.returncode == 1, up.stdout + up.stderr
+        assert "failed: 3 failures within" in up.stdout and "meshctl up" in up.stdout
+        status = json.loads(meshctl(mesh, "status", "--json").stdout)
+        assert status["phase"] == "failed" and status["generation"] == 3
+        r = requests.post(f"{status['urls']['proxy']}/chat/completions", timeout=30,
+                          json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503 and r.headers["Retry-After"]
+        validate(r.json(), "ErrorResponse")
+        assert "failed" in r.json()["error"]["message"]
+        incidents = json.loads(meshctl(mesh, "events", "--json").stdout)["incidents"]
+        assert len(incidents) == 1, "one incident from the first death until serving is back (or given up)"
+        incident = incidents[0]
+        assert (incident["cause"], incident["generation"], incident["serving_back_at"]) == ("exit", 1, None)
+        assert incident["steps"] == ["restart", "restart", "failed"]
+        generations = json.loads(meshctl(mesh, "events", "--json").stdout)["generations"]
+        assert [g["generation"] for g in generations] == [3, 2, 1] and all(g["ended_at"] for g in generations)
+    finally:
+        stop_controller(mesh)
+
+
+@pytest.fixture
+def guarded_mesh(two_agents, tmp_path, demo_model):
+    keys = tmp_path / "keys"
+    keys.write_text("# proxy keys\nsk-test-1\n")
+    mesh = write_mesh(tmp_path, two_agents, demo_model,
+                      proxy={"api_keys_file": str(keys), "concurrency": 1, "queue_limit": 1,
+                             "keepalive_interval": 0.2, "queue_wait": 60},
+                      runtime={"args": {"prefill_step_size": 8192, "max_context": 8192, "model_name": "demo"}})
+    up = meshctl(mesh, "up")
+    assert up.returncode == 0, up.stdout + up.stderr
+    status = json.loads(meshctl(mesh, "status", "--json").stdout)
+    yield status["urls"]["proxy"], two_agents
+    stop_controller(mesh)
+
+
+KEY = {"Authorization": "Bearer sk-test-1"}
+
+
+def test_api_keys_are_required_when_configured(guarded_mesh):
+    proxy, _ = guarded_mesh
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    r = requests.post(f"{proxy}/chat/completions", json=body, timeout=30)
+    assert r.status_code == 401
+    validate(r.json(), "ErrorResponse")
+    assert requests.post(f"{proxy}/chat/completions", json=body, timeout=30,
+                         headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert requests.post(f"{proxy}/chat/completions", json=body, timeout=30, headers=KEY).status_code == 200
+    assert requests.get(f"{proxy}/models", timeout=30).status_code == 401
+
+
+def test_a_full_queue_is_429_and_the_fifo_serves_the_rest(guarded_mesh):
+    proxy, _ = guarded_mesh
+    results = {}
+
+    def send(name, tokens):
+        r = requests.post(f"{proxy}/chat/completions", headers=KEY, timeout=120,
+                          json={"messages": [{"role": "user", "content": name}], "max_tokens": tokens,
+                                "temperature": 1.0, "seed": 1})
+        results[name] = r
+
+    first = threading.Thread(target=send, args=("first", 1500))
+    first.start()
+    time.sleep(0.3)
+    second = threading.Thread(target=send, args=("second", 2))
+    second.start()
+    time.sleep(0.3)
+    send("third", 2)
+    first.join()
+    second.join()
+    assert results["third"].status_code == 429 and results["third"].headers["Retry-After"]
+    validate(results["third"].json(), "ErrorResponse")
+    assert results["first"].status_code == 200 and results["second"].status_code == 200
+
+
+def test_keepalive_comments_flow_while_a_long_prefill_runs(guarded_mesh):
+    proxy, _ = guarded_mesh
+    r = requests.post(f"{proxy}/completions", headers=KEY, stream=True, timeout=120,
+                      json={"prompt": "The ranks step in lockstep. " * 1000, "max_tokens": 2, "stream": True})
+    lines = list(r.iter_lines(decode_unicode=True))
+    data_at = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    assert any(line.startswith(": keep-alive") for line in lines[:data_at]), lines[:5]
+    assert sse_events(lines)[-1] == "[DONE]"
+
+
+def test_a_client_that_goes_away_cancels_the_upstream_work(guarded_mesh):
+    proxy, agents = guarded_mesh
+
+    def in_flight():
+        return [((a.ranks()[-1]["status"] or {}).get("requests_in_flight")) for a in agents]
+
+    r = requests.post(f"{proxy}/chat/completions", headers=KEY, stream=True, timeout=120,
+                      json={"messages": [{"role": "user", "content": "long"}], "max_tokens": 4000, "stream": True,
+                            "temperature": 1.0, "seed": 9})
+    lines = r.iter_lines(decode_unicode=True)
+    next(line for line in lines if line.startswith("data: "))
+    wait_for(lambda: in_flight() == [1, 1], 30, "the request on both ranks")
+    r.close()
+    wait_for(lambda: in_flight() == [0, 0], 30, "the cancel to reach both ranks")
+    tokens = [a.ranks()[-1]["status"]["tokens"] for a in agents]
+    assert tokens[0] == tokens[1] < 4000

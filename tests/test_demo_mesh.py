@@ -1,0 +1,211 @@
+"""The demo mesh, as a user drives it: `meshctl up`, chat through the proxy,
+deaths of every kind and the recovery after them, a controller restart, and
+`meshctl down` leaving nothing behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import requests
+from openai import OpenAI
+
+from meshkit import sse_events, validate, wait_for
+
+STALL = 3.0
+
+
+def meshctl(home, *args, timeout=300, check=True):
+    env = {**os.environ, "MESHD_HOME": str(home)}
+    env.pop("MESHD_CONFIG", None)
+    r = subprocess.run([sys.executable, "-m", "meshd.cli", *args], env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"meshctl {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+class Demo:
+    def __init__(self, home):
+        self.home = home
+
+    def status(self) -> dict:
+        return json.loads(meshctl(self.home, "status", "--json").stdout)
+
+    @property
+    def proxy(self) -> str:
+        return self.status()["urls"]["proxy"]
+
+    def rank_pid(self, i: int) -> int:
+        return self.status()["nodes"][i]["rank"]["pid"]
+
+    def wait_ready(self, after: int = 0, timeout: float = 120) -> dict:
+        def ready():
+            s = self.status()
+            return s if s["phase"] == "ready" and s["generation"] > after else None
+        return wait_for(ready, timeout, f"the mesh to serve a generation after {after}", interval=0.2)
+
+    def incidents(self) -> list[dict]:
+        return json.loads(meshctl(self.home, "events", "--json").stdout)["incidents"]
+
+    def chat(self, **kw):
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, **kw}
+        return requests.post(f"{self.proxy}/chat/completions", json=body, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    home = tmp_path_factory.mktemp("meshd-home")
+    r = meshctl(home, "up", "--stall-window", str(STALL))
+    assert "OpenAI URL: http://127.0.0.1:" in r.stdout and "meshctl down" in r.stdout
+    d = Demo(home)
+    yield d
+    meshctl(home, "down", "--force", check=False)
+
+
+def test_up_serves_chat_through_the_proxy_streamed_and_whole(demo):
+    client = OpenAI(base_url=demo.proxy, api_key="unused", max_retries=0)
+    whole = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+    assert whole.choices[0].message.content and whole.usage.completion_tokens > 0
+    validate(whole.model_dump(exclude_unset=True), "CreateChatCompletionResponse")
+    pieces = []
+    for chunk in client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=8, stream=True):
+        validate(chunk.model_dump(exclude_unset=True), "CreateChatCompletionStreamResponse")
+        pieces += [c.delta.content or "" for c in chunk.choices]
+    assert "".join(pieces) == whole.choices[0].message.content
+    status = demo.status()
+    assert status["urls"]["metrics"].endswith("/metrics") and len(status["urls"]["agents"]) == 4
+    assert all(n["agent_ok"] and n["rank"]["state"] == "ready" for n in status["nodes"])
+
+
+PROXY_BAD = [
+    ("malformed json", "/chat/completions", b"{oops", 400),
+    ("wrong type", "/chat/completions", json.dumps({"messages": [{"role": "user", "content": 1}]}).encode(), 400),
+    ("empty messages", "/chat/completions", json.dumps({"messages": []}).encode(), 400),
+    ("oversized body", "/chat/completions", b'{"messages": [{"role": "user", "content": "' + b"x" * (5 << 20) + b'"}]}',
+     413),
+    ("unknown model", "/completions", json.dumps({"model": "gpt-x", "prompt": "a"}).encode(), 404),
+    ("unknown route", "/embeddings", b"{}", 404),
+]
+
+
+@pytest.mark.parametrize("name,path,data,status", PROXY_BAD, ids=[b[0] for b in PROXY_BAD])
+def test_proxy_answers_bad_input_with_4xx_json(demo, name, path, data, status):
+    r = requests.post(f"{demo.proxy}{path}", data=data, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    validate(r.json(), "ErrorResponse")
+    assert demo.chat().status_code == 200
+
+
+def test_sigkill_mid_stream_ends_that_stream_cleanly_and_the_mesh_recovers(demo):
+    before = demo.wait_ready()
+    g = before["generation"]
+    victim = demo.rank_pid(2)
+    r = requests.post(f"{demo.proxy}/chat/completions", stream=True, timeout=180,
+                      json={"messages": [{"role": "user", "content": "go"}], "max_tokens": 2000, "stream": True,
+                            "temperature": 1.0, "seed": 4})
+    lines = r.iter_lines(decode_unicode=True)
+    first = next(line for line in lines if line.startswith("data: "))
+    os.kill(victim, signal.SIGKILL)
+    rest = sse_events(lines)
+    assert rest[-1] == "[DONE]", rest[-3:]
+    assert "error" in rest[-2]
+    validate(rest[-2], "ErrorResponse")
+    assert json.loads(first[6:])["choices"]
+
+    during = demo.chat()  # sent while the mesh recovers: waits, then succeeds
+    assert during.status_code == 200, during.text
+    after = demo.wait_ready(after=g)
+    assert after["generation"] == g + 1
+    incident = demo.incidents()[0]
+    assert (incident["cause"], incident["node"], incident["generation"]) == ("exit", "node2", g)
+    assert "signal 9" in incident["detail"] and incident["serving_back_at"] is not None
+    assert "exit" in meshctl(demo.home, "events").stdout
+
+
+def test_sigstop_of_a_busy_rank_is_a_stall_and_the_mesh_recovers(demo):
+    g = demo.wait_ready()["generation"]
+    victim = demo.rank_pid(1)
+
+    def long_request():
+        try:
+            demo.chat(max_tokens=3000, temperature=1.0, seed=2)
+        except requests.RequestException:
+            pass
+
+    threading.Thread(target=long_request, daemon=True).start()
+    wait_for(lambda: (demo.status()["nodes"][1]["rank"]["status"] or {}).get("state") == "busy", 30,
+             "rank 1 to be busy")
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        demo.wait_ready(after=g, timeout=STALL + 60)
+    finally:
+        if psutil.pid_exists(victim):
+            os.kill(victim, signal.SIGCONT)
+    assert demo.incidents()[0]["cause"] == "stall"
+    assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_rank_that_exits_0_is_a_death_and_the_mesh_recovers(demo):
+    s = demo.wait_ready()
+    rank0 = f"http://127.0.0.1:{json.loads((demo.home / 'demo' / 'ports.json').read_text())['rank']}"
+    requests.post(f"{rank0}/internal/drain", json={"mode": "cancel"}, timeout=10)
+    demo.wait_ready(after=s["generation"])
+    incident = demo.incidents()[0]
+    assert incident["cause"] == "exit" and "exit code 0" in incident["detail"]
+
+
+def test_a_killed_controller_comes_back_and_adopts_the_running_generation(demo):
+    s = demo.wait_ready()
+    pids = [demo.rank_pid(i) for i in range(4)]
+    incidents = len(demo.incidents())
+    controller = int((demo.home / "demo" / "run" / "controller.pid").read_text().split()[0])
+    os.kill(controller, signal.SIGKILL)
+    psutil.Process(controller).wait(10) if psutil.pid_exists(controller) else None
+    up = meshctl(demo.home, "up")
+    assert f"ready: generation {s['generation']}" in up.stdout
+    after = demo.status()
+    assert after["generation"] == s["generation"] and after["phase"] == "ready"
+    assert [demo.rank_pid(i) for i in range(4)] == pids
+    assert len(demo.incidents()) == incidents
+    assert demo.chat().status_code == 200
+    metrics = requests.get(after["urls"]["metrics"], timeout=5).text
+    assert "meshd_restarts_total" not in metrics.replace("# HELP meshd_restarts_total", "").replace(
+        "# TYPE meshd_restarts_total", "")
+
+
+def test_restart_drains_into_the_next_generation_without_an_incident(demo):
+    s = demo.wait_ready()
+    incidents = len(demo.incidents())
+    assert "restarting" in meshctl(demo.home, "restart").stdout
+    demo.wait_ready(after=s["generation"])
+    assert len(demo.incidents()) == incidents
+
+
+def test_logs_show_a_nodes_rank_log(demo):
+    demo.wait_ready()
+    out = meshctl(demo.home, "logs", "node0", "--lines", "50").stdout
+    assert "[meshd-rank" in out and "ready on 127.0.0.1:" in out
+    r = meshctl(demo.home, "logs", "nodeX", check=False)
+    assert r.returncode == 1 and "no node 'nodeX'" in r.stderr
+
+
+def test_down_drains_and_leaves_no_process(tmp_path_factory, demo_model):
+    home = tmp_path_factory.mktemp("meshd-home-down")
+    meshctl(home, "up")
+    status = Demo(home).status()
+    pids = [n["rank"]["pid"] for n in status["nodes"]]
+    out = meshctl(home, "down").stdout
+    assert "no process of the mesh remains" in out
+    assert not [p for p in pids if psutil.pid_exists(p)]
+    leftovers = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+                 if any(str(home) in part for part in (p.info["cmdline"] or []))]
+    assert leftovers == []
+    r = meshctl(home, "status", check=False)
+    assert r.returncode == 1 and "meshctl up" in r.stderr

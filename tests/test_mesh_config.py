@@ -1,0 +1,59 @@
+"""mesh.toml mistakes name the key, what was wrong and an example of right."""
+
+import subprocess
+import sys
+
+import pytest
+
+from meshd.config import ConfigError, load, parse
+
+NODE = {"name": "a", "agent": "http://127.0.0.1:7701", "token_file": "t"}
+BASE = {"nodes": [NODE], "runtime": {"model": "/m"}}
+
+BAD = [
+    ("no nodes", {"runtime": {"model": "/m"}}, "nodes: at least one [[nodes]]"),
+    ("node without agent", {**BASE, "nodes": [{"name": "a", "token_file": "t"}]}, "nodes[0].agent: missing"),
+    ("agent not a url", {**BASE, "nodes": [{**NODE, "agent": "127.0.0.1:7701"}]}, "nodes[0].agent: expected a URL"),
+    ("duplicate node", {**BASE, "nodes": [NODE, NODE]}, "the name 'a' is used twice"),
+    ("unknown node key", {**BASE, "nodes": [{**NODE, "port": 1}]}, "nodes[0].port: unknown key"),
+    ("no model", {"nodes": [NODE]}, "runtime.model: missing"),
+    ("bad backend", {**BASE, "backend": "tcp"}, "backend: 'tcp' is not one of"),
+    ("jaccl without hostfile", {**BASE, "backend": "jaccl"}, "hostfile: a jaccl mesh needs"),
+    ("unknown top key", {**BASE, "nodez": 1}, "nodez: unknown key"),
+    ("unknown proxy key", {**BASE, "proxy": {"port": 1}}, "proxy.port: unknown key"),
+    ("concurrency string", {**BASE, "proxy": {"concurrency": "8"}}, "proxy.concurrency: expected an integer"),
+    ("zero concurrency", {**BASE, "proxy": {"concurrency": 0}}, "proxy.concurrency: must be at least 1"),
+    ("negative wait", {**BASE, "proxy": {"queue_wait": -1}}, "proxy.queue_wait: must not be negative"),
+    ("bad listen", {**BASE, "proxy": {"listen": "8000"}}, 'proxy.listen: expected "host:port"'),
+    ("bad ladder", {**BASE, "recovery": {"ladder": ["reboot"]}}, 'recovery.ladder: must start with "restart"'),
+    ("env not a table", {**BASE, "runtime": {"model": "/m", "env": "X=1"}}, "runtime.env: expected a table"),
+]
+
+
+@pytest.mark.parametrize("name,raw,needle", BAD, ids=[b[0] for b in BAD])
+def test_config_mistakes(name, raw, needle, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        parse(raw, tmp_path)
+    assert needle in str(e.value)
+
+
+def test_defaults_listen_on_loopback(tmp_path):
+    cfg = parse(BASE, tmp_path)
+    assert cfg.proxy.listen.startswith("127.0.0.1:") and cfg.control.listen.startswith("127.0.0.1:")
+    assert cfg.recovery.ladder == ("restart",) and cfg.state_dir == tmp_path / "state"
+
+
+def test_meshctl_config_check(tmp_path):
+    good = tmp_path / "mesh.toml"
+    good.write_text('[[nodes]]\nname = "a"\nagent = "http://h:7701"\ntoken_file = "t"\n[runtime]\nmodel = "/m"\n')
+    r = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "check", str(good)], capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and "ok (ring mesh 'mesh', 1 nodes" in r.stdout and "warning: nodes.a.token_file" in r.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[runtime]\nmodel = 3\n")
+    r = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "check", str(bad)], capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and "nodes: at least one" in r.stderr
+    (tmp_path / "broken.toml").write_text("nodes = [")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load(tmp_path / "broken.toml")
