@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import hmac
 import json
-import signal
 import sys
 import time
 
@@ -25,7 +24,7 @@ from agents import node as node_facts
 from agents import ranks
 from agents.supervisor import BadSpec, Conflict, Supervisor
 from meshd.protocol import RankSpec
-from meshd.web import json_error, json_errors, read_json
+from meshd.web import json_error, json_errors, read_json, start_sites, until_stopped
 from runtime.openai_api import ApiError
 
 log = structlog.get_logger("meshd.agent")
@@ -246,16 +245,9 @@ async def serve(cfg: agent_config.AgentConfig) -> None:
     swept = await sup.sweep()
     log.info("agent starting", node=cfg.node, adopted=[r.pid for r in sup.live()],
              swept=[k["pid"] for k in swept["killed"]])
-    runner = web.AppRunner(make_app(sup, token, metrics_token), access_log=None, handler_cancellation=True,
-                           shutdown_timeout=1.0)
-    await runner.setup()
-    await web.TCPSite(runner, cfg.host, cfg.port).start()
+    (runner,) = await start_sites([(make_app(sup, token, metrics_token), cfg.host, cfg.port)], shutdown_timeout=1.0)
     log.info("agent listening", node=cfg.node, address=f"{cfg.host}:{cfg.port}")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_stopped()
     log.info("agent stopping; ranks keep running and will be adopted", node=cfg.node)
     await runner.cleanup()
 

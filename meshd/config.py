@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from meshd.fleet import Recovery
 from meshd.hostfile import BACKENDS
 
 
@@ -49,19 +50,6 @@ class Proxy:
     probe_idle: float = 60.0
     probe_timeout: float = 120.0
     token_stall: float = 300.0  # seconds without a streamed chunk before the proxy calls it a hang
-
-
-@dataclass(frozen=True)
-class Recovery:
-    ladder: tuple[str, ...] = ("restart",)
-    backoff_base: float = 1.0
-    backoff_max: float = 60.0
-    max_failures: int = 5
-    window: float = 600.0
-    healthy_reset: float = 300.0
-    stop_grace: float = 10.0
-    drain_grace: float = 30.0
-    start_deadline: float = 900.0
 
 
 @dataclass(frozen=True)

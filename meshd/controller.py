@@ -26,11 +26,7 @@ log = structlog.get_logger("meshd.controller")
 
 
 def policy_for(cfg: MeshConfig) -> fleet.Policy:
-    r = cfg.recovery
-    return fleet.Policy(nodes=tuple(n.name for n in cfg.nodes), ladder=r.ladder, backoff_base=r.backoff_base,
-                        backoff_max=r.backoff_max, max_failures=r.max_failures, window=r.window,
-                        healthy_reset=r.healthy_reset, stop_grace=r.stop_grace, drain_grace=r.drain_grace,
-                        start_deadline=r.start_deadline)
+    return fleet.Policy(nodes=tuple(n.name for n in cfg.nodes), **asdict(cfg.recovery))
 
 
 def death_from_record(rec: dict) -> fleet.RankDied | None:

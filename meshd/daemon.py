@@ -10,7 +10,6 @@ import asyncio
 import hmac
 import os
 import secrets
-import signal
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from meshd.controller import Controller
 from meshd.metrics import Metrics
 from meshd.proxy import Proxy
 from meshd.store import Store
-from meshd.web import json_error, json_errors, read_json
+from meshd.web import json_error, json_errors, read_json, start_sites, until_stopped
 from runtime.openai_api import ApiError
 
 log = structlog.get_logger("meshd")
@@ -116,6 +115,11 @@ def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Applicatio
     return app
 
 
+def _host_port(listen: str) -> tuple[str, int]:
+    host, port = listen.rsplit(":", 1)
+    return host, int(port)
+
+
 async def serve(cfg: MeshConfig) -> None:
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     token = control_token(cfg.state_dir)
@@ -124,20 +128,11 @@ async def serve(cfg: MeshConfig) -> None:
     ctl = Controller(cfg, store, metrics)
     proxy = Proxy(ctl, metrics)
     await ctl.start()  # adopt first: no command may arrive before the controller knows what runs
-    runners = []
-    for app, listen in ((proxy.app(), cfg.proxy.listen), (control_app(ctl, metrics, token), cfg.control.listen)):
-        host, port = listen.rsplit(":", 1)
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
-        await runner.setup()
-        await web.TCPSite(runner, host, int(port)).start()
-        runners.append(runner)
+    runners = await start_sites([(proxy.app(), *_host_port(cfg.proxy.listen)),
+                                 (control_app(ctl, metrics, token), *_host_port(cfg.control.listen))])
     log.info("meshd running", mesh=cfg.name, proxy=cfg.proxy.listen, control=cfg.control.listen,
              phase=ctl.state.phase, generation=ctl.state.generation)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_stopped()
     log.info("meshd stopping; the mesh keeps serving and will be adopted", generation=ctl.state.generation)
     await ctl.close()
     for r in runners:

@@ -33,8 +33,9 @@ PHASES = (STOPPED, PROVISIONING, STARTING, READY, RECOVERING, DRAINING, FAILED)
 
 
 @dataclass(frozen=True)
-class Policy:
-    nodes: tuple[str, ...]
+class Recovery:
+    """The recovery knobs ([recovery] in mesh.toml)."""
+
     ladder: tuple[str, ...] = ("restart",)
     backoff_base: float = 1.0
     backoff_max: float = 60.0
@@ -44,6 +45,11 @@ class Policy:
     stop_grace: float = 10.0
     drain_grace: float = 30.0
     start_deadline: float = 900.0
+
+
+@dataclass(frozen=True)
+class Policy(Recovery):
+    nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

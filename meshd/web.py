@@ -5,7 +5,9 @@ problem."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 
 from aiohttp import web
 
@@ -53,3 +55,23 @@ async def read_json(request: web.Request):
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"The request body is not valid JSON ({e}); send a JSON object",
                        code="invalid_json")
+
+
+async def start_sites(apps: list[tuple[web.Application, str, int]], shutdown_timeout: float = 2.0) -> list[web.AppRunner]:
+    """Listen with each app; client disconnects cancel their handlers."""
+    runners = []
+    for app, host, port in apps:
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        runners.append(runner)
+    return runners
+
+
+async def until_stopped() -> None:
+    """Return on SIGTERM or SIGINT (the handlers only set an event)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
