@@ -1,7 +1,10 @@
 """Which processes are debris? A pure selection over a process listing.
 
-Debris is: a process carrying the meshd generation marker (on its command
-line or in MESHD_GENERATION) whose generation is not the current one; a
+Debris is: a process of this agent (MESHD_AGENT, its state directory, in the
+process's environment: several agents may share a host, and none may touch
+another's ranks) carrying the
+meshd generation marker (on its command line or in MESHD_GENERATION) whose
+generation is not the current one; a
 manifest entry of a retired generation that is still alive; an `ibv_devinfo`
 / `ibv_devices` that has run longer than a limit (hung in the RDMA driver).
 """
@@ -22,6 +25,7 @@ class ProcInfo:
     cmdline: tuple[str, ...]
     create_time: float
     env_generation: int | None = None
+    agent: str | None = None  # MESHD_AGENT of the process, when readable
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,7 @@ def marker_generation(p: ProcInfo) -> int | None:
     return p.env_generation
 
 
-def select_orphans(procs: list[ProcInfo], *, current: int | None, keep_pids: set[int],
+def select_orphans(procs: list[ProcInfo], *, agent: str, current: int | None, keep_pids: set[int],
                    manifest: list[dict], now: float, ibv_limit: float) -> list[Orphan]:
     out: dict[int, Orphan] = {}
     alive = {p.pid: p for p in procs}
@@ -48,7 +52,7 @@ def select_orphans(procs: list[ProcInfo], *, current: int | None, keep_pids: set
             continue
         what = " ".join(p.cmdline)[:200] or p.name
         gen = marker_generation(p)
-        if gen is not None and gen != current:
+        if gen is not None and gen != current and p.agent == agent:
             out[p.pid] = Orphan(p.pid, p.create_time, f"generation {gen} is not the current one ({current})", what)
         elif any(p.name == t or (p.cmdline and p.cmdline[0].endswith("/" + t)) or
                  (p.cmdline and p.cmdline[0] == t) for t in IBV_TOOLS) and now - p.create_time > ibv_limit:

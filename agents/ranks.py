@@ -121,17 +121,18 @@ def list_processes() -> list[ProcInfo]:
         if info["pid"] == me or not info["cmdline"]:
             continue
         cmdline = tuple(info["cmdline"])
-        env_gen = None
         joined = " ".join(cmdline)
-        if not MARKER.search(joined) and info["name"] not in IBV_TOOLS and not any(t in joined for t in IBV_TOOLS):
-            try:
-                raw = p.environ().get("MESHD_GENERATION")
-                env_gen = int(raw) if raw and raw.isdigit() else None
-            except (psutil.Error, OSError):
-                env_gen = None
-            if env_gen is None:
-                continue
-        out.append(ProcInfo(info["pid"], info["name"] or "", cmdline, info["create_time"], env_gen))
+        ibv = info["name"] in IBV_TOOLS or any(t in joined for t in IBV_TOOLS)
+        try:
+            env = p.environ()
+        except (psutil.Error, OSError):
+            env = {}
+        raw = env.get("MESHD_GENERATION")
+        env_gen = int(raw) if raw and raw.isdigit() else None
+        if not (MARKER.search(joined) or env_gen is not None or ibv):
+            continue
+        out.append(ProcInfo(info["pid"], info["name"] or "", cmdline, info["create_time"], env_gen,
+                            env.get("MESHD_AGENT")))
     return out
 
 

@@ -170,6 +170,8 @@ class Supervisor:
             status_path = rundir / "status.json"
             status_path.unlink(missing_ok=True)
             env["MESHD_GENERATION"] = str(spec.generation)
+            env["MESHD_NODE"] = self.config.node
+            env["MESHD_AGENT"] = str(self.state_dir.resolve())
             env["MESHD_STATUS_FILE"] = str(status_path)
             argv = self._argv(profile, spec, status_path)
             log_path = rundir / "rank.log"
@@ -227,7 +229,7 @@ class Supervisor:
         for g in sorted({r.generation for r in self.live() if r.generation != current}):
             await self.stop(g, "kill", grace)
         keep = {r.pid for r in self.live()} | {os.getpid()}
-        orphans = select_orphans(ranks.list_processes(), current=current, keep_pids=keep,
+        orphans = select_orphans(ranks.list_processes(), agent=str(self.state_dir.resolve()), current=current, keep_pids=keep,
                                  manifest=self._read_manifest(), now=time.time(),
                                  ibv_limit=self.config.ibv_hang_seconds)
         result = await ranks.stop_ladder([ranks.Target(o.pid, o.create_time) for o in orphans], grace=grace)

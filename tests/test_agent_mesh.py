@@ -194,7 +194,9 @@ def test_sweep_kills_stale_ranks_hung_ibv_tools_and_sigterm_ignorers(agents, gen
     ibv.write_text("#!/bin/sh\n# stand-in for an ibv_devinfo hung in the RDMA driver\nsleep 3600\n")
     ibv.chmod(0o755)
     stale = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", "--meshd-generation", "0"],
-                             start_new_session=True)
+                             start_new_session=True, env={**os.environ, "MESHD_AGENT": str((a.dir / "state").resolve())})
+    neighbour = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", "--meshd-generation", "0"],
+                                 start_new_session=True, env={**os.environ, "MESHD_AGENT": "/elsewhere/state"})
     hung = subprocess.Popen([str(ibv)], start_new_session=True)
     r = a.post("/v1/ranks", {"generation": generation, "rank": 0, "world": 1, "profile": "ignores-sigterm",
                              "model": str(tmp_path), "hostfile": ring_hostfile(1)})
@@ -207,6 +209,8 @@ def test_sweep_kills_stale_ranks_hung_ibv_tools_and_sigterm_ignorers(agents, gen
     assert stale.pid in killed and "generation 0" in killed[stale.pid]
     assert hung.pid in killed and "hung" in killed[hung.pid]
     assert stale.wait(5) == -signal.SIGTERM and hung.wait(5) == -signal.SIGTERM
+    assert neighbour.pid not in killed and neighbour.poll() is None  # another agent's rank on this host
+    neighbour.kill()
 
     stop = a.post(f"/v1/generations/{generation}/stop", {"mode": "kill", "grace": 1}).json()
     assert stop["stopped"] == [stubborn] and stop["survivors"] == []

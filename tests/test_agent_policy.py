@@ -57,8 +57,8 @@ def test_stall_verdicts(name, status, now, phase):
         assert verdict.idle_for > verdict.window
 
 
-def proc(pid, cmd, created=0.0, env_gen=None, name=None):
-    return ProcInfo(pid, name or cmd.split()[0].rsplit("/", 1)[-1], tuple(cmd.split()), created, env_gen)
+def proc(pid, cmd, created=0.0, env_gen=None, name=None, agent="/state/n0"):
+    return ProcInfo(pid, name or cmd.split()[0].rsplit("/", 1)[-1], tuple(cmd.split()), created, env_gen, agent)
 
 
 NOW = 10_000.0
@@ -71,13 +71,15 @@ PROCS = [
     proc(15, "/usr/bin/ibv_devices", created=NOW - 5),
     proc(16, "python -c pass --meshd-generation 4"),
     proc(17, "sleep 100", created=500.0),
+    proc(18, "python -m runtime.rank --meshd-generation 1", agent="/state/n1"),  # another agent's rank on this host
+    proc(19, "python -m runtime.rank --meshd-generation 1", agent=None),  # not started by an agent
 ]
 
 
 def test_orphan_selection():
     manifest = [{"generation": 2, "rank": 0, "pid": 17, "create_time": 500.0},
                 {"generation": 4, "rank": 0, "pid": 11, "create_time": 0.0}]
-    orphans = select_orphans(PROCS, current=4, keep_pids={11}, manifest=manifest, now=NOW, ibv_limit=30)
+    orphans = select_orphans(PROCS, agent="/state/n0", current=4, keep_pids={11}, manifest=manifest, now=NOW, ibv_limit=30)
     reasons = {o.pid: o.reason for o in orphans}
     assert sorted(reasons) == [10, 12, 13, 14, 17]
     assert "generation 3" in reasons[10] and "generation 2" in reasons[12] and "generation 1" in reasons[13]
@@ -85,11 +87,11 @@ def test_orphan_selection():
     assert "retired generation 2" in reasons[17]
 
 
-def test_orphan_selection_with_no_current_generation_takes_every_marked_process():
-    orphans = select_orphans(PROCS, current=None, keep_pids=set(), manifest=[], now=NOW, ibv_limit=30)
+def test_orphan_selection_with_no_current_generation_takes_every_marked_process_of_this_node():
+    orphans = select_orphans(PROCS, agent="/state/n0", current=None, keep_pids=set(), manifest=[], now=NOW, ibv_limit=30)
     assert {o.pid for o in orphans} == {10, 11, 12, 13, 14, 16}
 
 
 def test_recycled_pid_in_manifest_is_left_alone():
     manifest = [{"generation": 1, "rank": 0, "pid": 17, "create_time": 499.0 - 100}]
-    assert select_orphans([PROCS[-1]], current=2, keep_pids=set(), manifest=manifest, now=NOW, ibv_limit=30) == []
+    assert select_orphans([PROCS[7]], agent="/state/n0", current=2, keep_pids=set(), manifest=manifest, now=NOW, ibv_limit=30) == []
