@@ -247,7 +247,7 @@ async def serve(cfg: agent_config.AgentConfig) -> None:
              swept=[k["pid"] for k in swept["killed"]])
     (runner,) = await start_sites([(make_app(sup, token, metrics_token), cfg.host, cfg.port)], shutdown_timeout=1.0)
     log.info("agent listening", node=cfg.node, address=f"{cfg.host}:{cfg.port}")
-    await until_stopped()
+    await until_stopped(f"agent {cfg.node} on {cfg.host}:{cfg.port}")
     log.info("agent stopping; ranks keep running and will be adopted", node=cfg.node)
     await runner.cleanup()
 

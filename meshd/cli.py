@@ -209,6 +209,23 @@ def cmd_config_check(args) -> int:
     return 0
 
 
+def cmd_service_install(args) -> int:
+    from meshd import service
+
+    system = args.system or ("macos" if sys.platform == "darwin" else "linux")
+    files = service.render(args.kind, Path(args.service_config), user=args.user, system=system,
+                           wired_limit_mb=args.wired_limit_mb)
+    dest = Path(args.dest) if args.dest else service.state_dir_of(args.kind, Path(args.service_config)) / "service"
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (dest / name).write_text(text)
+        say(f"wrote {dest / name}")
+    say("to enable:")
+    for cmd in service.enable_commands(files, dest, system):
+        say(f"  {cmd}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="meshctl", description="Drive a meshd mesh (the demo mesh when no config).")
     p.add_argument("--config", help="mesh.toml (default: $MESHD_CONFIG, else the demo mesh)")
@@ -233,9 +250,20 @@ def main(argv: list[str] | None = None) -> int:
     cfg_sub = cfg.add_subparsers(dest="config_cmd", required=True)
     check = cfg_sub.add_parser("check", help="validate a mesh.toml")
     check.add_argument("file", nargs="?")
+    svc = sub.add_parser("service", help="service definitions")
+    svc_sub = svc.add_subparsers(dest="service_cmd", required=True)
+    inst = svc_sub.add_parser("install", help="render the systemd unit / launchd plist for this machine")
+    inst.add_argument("kind", choices=["controller", "agent"])
+    inst.add_argument("service_config", metavar="CONFIG", help="mesh.toml (controller) or agent.toml (agent)")
+    inst.add_argument("--user", help="user the service runs as (default: you)")
+    inst.add_argument("--system", choices=["linux", "macos"], help="default: this machine's")
+    inst.add_argument("--dest", help="where to write (default: STATE_DIR/service)")
+    inst.add_argument("--wired-limit-mb", type=int, help="macOS agent: also render the boot job that sets "
+                                                         "iogpu.wired_limit_mb")
     args = p.parse_args(argv)
     handlers = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "restart": cmd_restart,
-                "events": cmd_events, "logs": cmd_logs, "config": cmd_config_check}
+                "events": cmd_events, "logs": cmd_logs, "config": cmd_config_check,
+                "service": cmd_service_install}
     try:
         return handlers[args.cmd](args)
     except (CliError, ConfigError) as e:

@@ -17,6 +17,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from meshd import statuspage
 from meshd.agentclient import AgentError
 from meshd.config import ConfigError, MeshConfig, load
 from meshd.controller import Controller
@@ -46,10 +47,16 @@ def urls(cfg: MeshConfig) -> dict:
             "agents": {n.name: {"api": n.agent, "metrics": f"{n.agent}/metrics"} for n in cfg.nodes}}
 
 
+def _loopback(remote: str | None) -> bool:
+    return remote is not None and (remote.startswith("127.") or remote == "::1")
+
+
 def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Application:
     @web.middleware
     async def auth(request, handler):
         if request.path in ("/healthz", "/metrics"):
+            return await handler(request)
+        if request.path == "/" and (_loopback(request.remote) or request.query.get("token") == token):
             return await handler(request)
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
@@ -104,6 +111,14 @@ def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Applicatio
             return json_error(502, str(e), code="agent_error")
         return web.json_response(data)
 
+    rates = statuspage.Rates(metrics.registry)
+
+    async def page(request):
+        rates.update()
+        body = statuspage.render({**await ctl.status(), "urls": urls(ctl.cfg)}, ctl.store.incidents(12), rates)
+        return web.Response(text=body, content_type="text/html")
+
+    app.router.add_get("/", page)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/v1/status", status)
@@ -132,7 +147,7 @@ async def serve(cfg: MeshConfig) -> None:
                                  (control_app(ctl, metrics, token), *_host_port(cfg.control.listen))])
     log.info("meshd running", mesh=cfg.name, proxy=cfg.proxy.listen, control=cfg.control.listen,
              phase=ctl.state.phase, generation=ctl.state.generation)
-    await until_stopped()
+    await until_stopped(f"mesh {cfg.name}: proxy on {cfg.proxy.listen}")
     log.info("meshd stopping; the mesh keeps serving and will be adopted", generation=ctl.state.generation)
     await ctl.close()
     for r in runners:

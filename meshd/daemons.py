@@ -72,6 +72,16 @@ def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
     return False
 
 
+def answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def pids_below(root: Path) -> list[int]:
     """Live processes whose command line mentions `root` (what a demo left behind)."""
     needle = str(root)

@@ -115,11 +115,19 @@ def run_dir(root: Path) -> Path:
 
 
 def start_daemons(root: Path, mesh: Path) -> None:
+    """The agents first, and the controller once every agent answers: a
+    controller that starts a generation before its agents listen only
+    records a launch failure."""
     run = run_dir(root)
+    ports = json.loads((root / "ports.json").read_text())
     for i in range(WORLD):
         cfg = root / "agents" / f"node{i}" / "agent.toml"
         daemons.start(daemons.python_module("agents.server", "--config", str(cfg)), run / f"agent-node{i}.pid",
                       run / f"agent-node{i}.log")
+    for i in range(WORLD):
+        url = f"http://127.0.0.1:{ports['agents'] + i}/healthz"
+        if not daemons.wait_until(lambda: daemons.answers(url), 60):
+            raise RuntimeError(f"agent node{i} did not come up; see {run / f'agent-node{i}.log'}")
     daemons.start(daemons.python_module("meshd.daemon", "--config", str(mesh)), run / "controller.pid",
                   run / "controller.log")
 

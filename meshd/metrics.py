@@ -27,6 +27,7 @@ class Metrics:
         self.requests = Counter("meshd_proxy_requests_total", "Proxied requests by route and status",
                                 ["route", "status"], registry=r)
         self.queue_depth = Gauge("meshd_proxy_queue_depth", "Requests waiting for admission", registry=r)
+        self.queue_limit = Gauge("meshd_proxy_queue_limit", "Requests that may wait before 429", registry=r)
         self.in_flight = Gauge("meshd_proxy_requests_in_flight", "Requests admitted and running", registry=r)
         self.queue_wait = Histogram("meshd_proxy_queue_wait_seconds", "Time a request waited for admission",
                                     buckets=LATENCY_BUCKETS, registry=r)

@@ -100,6 +100,7 @@ class Proxy:
         self.limits = oa.Limits(name, default_max_tokens=256,
                                 max_tokens_limit=int(self.cfg.runtime.args.get("max_tokens_limit", 8192)))
         self.admission = Admission(1 if self.cfg.speculative else p.concurrency, p.queue_limit)
+        metrics.queue_limit.set(p.queue_limit)
         self.api_keys = self._load_keys(p.api_keys_file)
 
     @staticmethod

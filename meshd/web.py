@@ -11,6 +11,7 @@ import signal
 
 from aiohttp import web
 
+from meshd import sdnotify
 from runtime.openai_api import ApiError, error_body
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -68,10 +69,17 @@ async def start_sites(apps: list[tuple[web.Application, str, int]], shutdown_tim
     return runners
 
 
-async def until_stopped() -> None:
-    """Return on SIGTERM or SIGINT (the handlers only set an event)."""
+async def until_stopped(status: str) -> None:
+    """Tell systemd we are ready (and ping its watchdog while the loop runs);
+    return on SIGTERM or SIGINT (the handlers only set an event)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    sdnotify.notify(f"READY=1\nSTATUS={status}")
+    interval = sdnotify.watchdog_interval()
+    pings = asyncio.create_task(sdnotify.watchdog_pings(interval)) if interval else None
     await stop.wait()
+    sdnotify.notify("STOPPING=1")
+    if pings:
+        pings.cancel()

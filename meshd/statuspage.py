@@ -1,0 +1,107 @@
+"""The read-only status page an operator leaves open on a screen: fleet state,
+generation, each node's rank with its load progress, the incident timeline,
+live tokens/s and time to first token. Server-rendered HTML that reloads
+itself every two seconds; no script, no external asset."""
+
+from __future__ import annotations
+
+import html
+import time
+
+PHASE_COLOURS = {"ready": "#1f9d55", "starting": "#d69e2e", "recovering": "#dd6b20", "draining": "#718096",
+                 "failed": "#e53e3e", "stopped": "#718096", "provisioning": "#d69e2e"}
+
+
+class Rates:
+    """tokens/s and mean TTFT between two renders, from the metric counters."""
+
+    def __init__(self, registry):
+        self.registry = registry
+        self.last = self._sample()
+        self.tokens_per_s = 0.0
+        self.ttft = None
+
+    def _sample(self) -> tuple[float, float, float, float]:
+        get = self.registry.get_sample_value
+        return (time.monotonic(), get("meshd_proxy_tokens_total") or 0.0,
+                get("meshd_proxy_time_to_first_token_seconds_sum") or 0.0,
+                get("meshd_proxy_time_to_first_token_seconds_count") or 0.0)
+
+    def update(self) -> None:
+        now = self._sample()
+        dt = now[0] - self.last[0]
+        if dt >= 0.5:
+            self.tokens_per_s = (now[1] - self.last[1]) / dt
+            if now[3] > self.last[3]:
+                self.ttft = (now[2] - self.last[2]) / (now[3] - self.last[3])
+            self.last = now
+
+
+def _ago(t: float | None) -> str:
+    if not t:
+        return "-"
+    s = time.time() - t
+    return f"{s:.0f}s ago" if s < 120 else (f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.1f}h ago")
+
+
+def render(status: dict, incidents: list[dict], rates: Rates) -> str:
+    e = html.escape
+    phase = status["phase"]
+    rows = []
+    for n in status["nodes"]:
+        r = n.get("rank") or {}
+        st = r.get("status") or {}
+        done, total = st.get("load_done", 0), st.get("load_total", 0)
+        pct = int(100 * done / total) if total else 0
+        state = r.get("state", "-")
+        rows.append(
+            f"<tr><td>{e(n['node'])}</td><td class='{'ok' if n['agent_ok'] else 'bad'}'>"
+            f"{'up' if n['agent_ok'] else 'DOWN'}</td><td>{e(str(r.get('rank', '-')))}</td>"
+            f"<td class='state {e(state)}'>{e(state)}</td>"
+            f"<td><div class='bar'><div style='width:{pct}%'></div></div> {done}/{total}</td>"
+            f"<td>{e(str(r.get('pid', '-')))}</td><td>{(r.get('rss_bytes') or 0) / 2**20:.0f} MB</td>"
+            f"<td>{st.get('tokens', 0)}</td></tr>")
+    timeline = []
+    for i in incidents[:12]:
+        back = (f"serving again after {i['recovery_seconds']:.1f}s" if i["serving_back_at"] else "not recovered")
+        timeline.append(f"<li><b>{e(time.strftime('%H:%M:%S', time.localtime(i['opened_at'])))}</b> "
+                        f"g{i['generation']} <span class='cause'>{e(i['cause'])}</span> on {e(i['node'])} "
+                        f"rank {i['rank']}: {e(i['detail'][:160])} &mdash; {e(' → '.join(i['steps']) or '-')}; "
+                        f"{e(back)}</li>")
+    ttft = f"{rates.ttft:.3f} s" if rates.ttft is not None else "-"
+    reason = f"<p class='reason'>{e(status['reason'])}</p>" if status.get("reason") else ""
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="2">
+<title>meshd: {e(status['mesh'])} {e(phase)}</title>
+<style>
+body {{ font: 15px -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 24px; color: #1a202c; background: #f7fafc; }}
+h1 {{ font-size: 22px; margin: 0 0 4px; }}
+.phase {{ display: inline-block; padding: 2px 10px; border-radius: 10px; color: white; background: {PHASE_COLOURS.get(phase, '#718096')}; }}
+.cards {{ display: flex; gap: 16px; margin: 16px 0; }}
+.card {{ background: white; border-radius: 8px; padding: 12px 18px; box-shadow: 0 1px 3px #0002; min-width: 140px; }}
+.card b {{ display: block; font-size: 24px; }}
+table {{ border-collapse: collapse; background: white; box-shadow: 0 1px 3px #0002; border-radius: 8px; }}
+td, th {{ padding: 8px 14px; text-align: left; border-bottom: 1px solid #edf2f7; }}
+.ok {{ color: #1f9d55; }} .bad {{ color: #e53e3e; font-weight: bold; }}
+.state.ready {{ color: #1f9d55; }} .state.busy {{ color: #3182ce; }} .state.loading {{ color: #d69e2e; }}
+.bar {{ display: inline-block; width: 90px; height: 8px; background: #edf2f7; border-radius: 4px; vertical-align: middle; }}
+.bar div {{ height: 8px; background: #3182ce; border-radius: 4px; }}
+.cause {{ color: #dd6b20; font-weight: bold; }} .reason {{ color: #e53e3e; }}
+li {{ margin: 4px 0; }}
+</style></head><body>
+<h1>meshd &middot; {e(status['mesh'])} <span class="phase">{e(phase)}</span></h1>
+{reason}
+<div class="cards">
+<div class="card">generation<b>{status['generation']}</b></div>
+<div class="card">ready since<b>{_ago(status.get('ready_since'))}</b></div>
+<div class="card">tokens/s<b>{rates.tokens_per_s:.1f}</b></div>
+<div class="card">time to first token<b>{ttft}</b></div>
+<div class="card">failures in window<b>{status['failures_in_window']}</b></div>
+</div>
+<table><tr><th>node</th><th>agent</th><th>rank</th><th>state</th><th>load</th><th>pid</th><th>memory</th><th>tokens</th></tr>
+{''.join(rows)}
+</table>
+<h2>Incidents</h2>
+<ul>{''.join(timeline) or '<li>none</li>'}</ul>
+<p>proxy {e(status['urls']['proxy'])} &middot; updated {time.strftime('%H:%M:%S')}</p>
+</body></html>"""

@@ -1,0 +1,145 @@
+"""Metrics for real: promtool on every /metrics, a real Prometheus server
+scraping the demo mesh, the Grafana dashboard's queries, and the status page
+rendered by headless Chromium."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from meshkit import free_ports, wait_for
+from test_demo_mesh import Demo, meshctl
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    home = tmp_path_factory.mktemp("meshd-home-obs")
+    meshctl(home, "up")
+    d = Demo(home)
+    yield d
+    meshctl(home, "down", "--force", check=False)
+
+
+def metrics_urls(demo) -> list[str]:
+    urls = demo.status()["urls"]
+    return [urls["metrics"]] + [a["metrics"] for a in urls["agents"].values()]
+
+
+def test_every_metrics_endpoint_passes_promtool(demo):
+    demo.chat()
+    for url in metrics_urls(demo):
+        text = requests.get(url, timeout=10).text
+        r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+        assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), (url, r.stdout, r.stderr)
+        names = set(re.findall(r"^# TYPE (\S+)", text, re.M))
+        assert names and all(n.startswith("meshd_") and ":" not in n for n in names), names
+
+
+def test_alert_rules_check_and_pass_their_unit_tests():
+    rules = ROOT / "prometheus"
+    r = subprocess.run(["promtool", "check", "rules", str(rules / "meshd.rules.yml")], capture_output=True, text=True)
+    assert r.returncode == 0 and "SUCCESS: 8 rules found" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(["promtool", "test", "rules", "meshd.rules.test.yml"], cwd=rules, capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def prometheus(demo, tmp_path_factory):
+    d = tmp_path_factory.mktemp("prometheus")
+    targets = [u.removeprefix("http://").removesuffix("/metrics") for u in metrics_urls(demo)]
+    (d / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n"
+        f"  - job_name: meshd-controller\n    static_configs:\n      - targets: ['{targets[0]}']\n"
+        "  - job_name: meshd-agent\n    static_configs:\n      - targets: "
+        + json.dumps(targets[1:]) + "\n")
+    (port,) = free_ports(1)
+    proc = subprocess.Popen(["prometheus", f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                            stderr=open(d / "prometheus.log", "wb"))
+    url = f"http://127.0.0.1:{port}"
+
+    def ready():
+        try:
+            return requests.get(f"{url}/-/ready", timeout=2).ok
+        except requests.RequestException:
+            return False
+
+    wait_for(ready, 60, "Prometheus to be ready", interval=0.2)
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+
+
+def query(prom: str, expr: str) -> list[dict]:
+    r = requests.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=10).json()
+    assert r["status"] == "success", r
+    return r["data"]["result"]
+
+
+def test_a_real_prometheus_scrapes_the_demo_mesh(demo, prometheus):
+    wait_for(lambda: len(query(prometheus, "up == 1")) == 5, 30, "all five targets up")
+    ready = query(prometheus, 'meshd_fleet_state{phase="ready"}')
+    assert [float(r["value"][1]) for r in ready] == [1.0]
+    ranks = query(prometheus, "meshd_agent_rank_up")
+    assert sorted(r["metric"]["rank"] for r in ranks) == ["0", "1", "2", "3"]
+    assert len(query(prometheus, "meshd_agent_rank_resident_memory_bytes > 0")) == 4
+
+    before = demo.wait_ready()
+    os.kill(demo.rank_pid(3), signal.SIGKILL)
+    demo.wait_ready(after=before["generation"])
+    moved = wait_for(lambda: query(prometheus, 'meshd_restarts_total{reason="exit"} > 0'), 30,
+                     "the restart counter to move in Prometheus")
+    assert float(moved[0]["value"][1]) >= 1
+    wait_for(lambda: query(prometheus, "meshd_recovery_seconds_count > 0"), 30, "a recovery time")
+
+
+def test_the_dashboard_queries_only_metrics_that_exist(demo, prometheus):
+    dashboard = json.loads((ROOT / "grafana" / "meshd-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    wanted = {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\bmeshd_[a-z_]+", e)}
+    wait_for(lambda: query(prometheus, "meshd_agent_rank_up"), 30, "a scrape")
+    names = requests.get(f"{prometheus}/api/v1/label/__name__/values", timeout=10).json()["data"]
+    known = {re.sub(r"_(bucket|sum|count|created)$", "", n) for n in names}
+    assert wanted <= known, wanted - known
+    for e in exprs:
+        r = requests.get(f"{prometheus}/api/v1/query", params={"query": e}, timeout=10).json()
+        assert r["status"] == "success", (e, r)
+
+
+def test_status_page_renders_in_headless_chromium(demo, tmp_path):
+    chromium = shutil.which("chromium")
+    assert chromium, "chromium is installed by .ci/run"
+    demo.wait_ready()
+    demo.chat()
+    page = demo.status()["urls"]["control"] + "/"
+    profile = tmp_path / "profile"
+    dom = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", page],
+                         capture_output=True, text=True, timeout=120).stdout
+    for node in ("node0", "node1", "node2", "node3"):
+        assert f"<td>{node}</td>" in dom
+    assert "ready" in dom and "generation" in dom and "Incidents" in dom
+    shot = tmp_path / "status.png"
+    subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--window-size=1280,720",
+                    f"--screenshot={shot}", page], capture_output=True, timeout=120)
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    if os.environ.get("MESHD_WRITE_SCREENSHOT"):
+        shutil.copy(shot, ROOT / "docs" / "status-page.png")
+
+
+def test_status_page_needs_the_token_off_loopback(demo):
+    url = demo.status()["urls"]["control"]
+    assert requests.get(f"{url}/v1/status", timeout=5).status_code == 401
+    assert requests.get(f"{url}/", timeout=5).status_code == 200  # loopback
