@@ -162,7 +162,7 @@ class RankWatcher:
         verdict = stall_verdict(status, time.time(), rec.spawned_at, self.windows)
         if verdict and not rec.stalled:
             rec.stalled = True
-            await self.emit(self._event(RankStalled, phase=verdict.phase, idle_for=round(verdict.idle_for, 3),
+            await self.emit(self._event(RankStalled, phase=verdict.phase, idle_for=verdict.idle_for,
                                         window=verdict.window))
         elif verdict is None and rec.stalled:
             rec.stalled = False

@@ -205,6 +205,9 @@ class _Exchange:
     """One client request through one or more upstream attempts."""
 
     def __init__(self, proxy: Proxy, request: web.Request, req: oa.CompletionRequest, body: dict, deadline: float):
+        if proxy.cfg.runtime.profile == "mlx-lm-server":
+            # Stock mlx_lm.server loads whatever path "model" names; its own model is "default_model".
+            body = {**body, "model": "default_model"}
         self.p, self.request, self.req, self.body, self.deadline = proxy, request, req, body, deadline
         self.resp: web.StreamResponse | None = None  # prepared once anything reached the client
         self.sent_data = False

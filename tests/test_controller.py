@@ -149,3 +149,24 @@ def test_a_client_that_goes_away_cancels_the_upstream_work(guarded_mesh):
     wait_for(lambda: in_flight() == [0, 0], 30, "the cancel to reach both ranks")
     tokens = [a.ranks()[-1]["status"]["tokens"] for a in agents]
     assert tokens[0] == tokens[1] < 4000
+
+
+def test_the_stock_mlx_lm_server_profile_serves_and_recovers(two_agents, tmp_path, demo_model):
+    mesh = write_mesh(tmp_path, two_agents, demo_model, runtime={"profile": "mlx-lm-server"})
+    try:
+        up = meshctl(mesh, "up")
+        assert up.returncode == 0, up.stdout + up.stderr
+        status = json.loads(meshctl(mesh, "status", "--json").stdout)
+        r = requests.post(f"{status['urls']['proxy']}/chat/completions", timeout=120,
+                          json={"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+        ranks = [a.ranks()[-1] for a in two_agents]
+        assert all("meshd-generation=1" in " ".join(__import__("psutil").Process(x["pid"]).cmdline())
+                   for x in ranks)
+        os.kill(ranks[1]["pid"], 9)
+        wait_for(lambda: json.loads(meshctl(mesh, "status", "--json").stdout)["generation"] == 2 and
+                 json.loads(meshctl(mesh, "status", "--json").stdout)["phase"] == "ready", 120,
+                 "generation 2 of the stock server")
+    finally:
+        stop_controller(mesh)
