@@ -21,10 +21,7 @@ from pathlib import Path
 
 import requests
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
+from common import ROOT, report
 from meshkit import free_ports, wait_for  # noqa: E402
 from runtime.demo_model import DemoModelSpec, build_demo_model  # noqa: E402
 
@@ -115,7 +112,7 @@ def main() -> None:
     med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for k, v in results.items()}
     ratio_decode = med["meshd-rank"][1] / med["mlx_lm.server"][1]
     ratio_ttft = med["meshd-rank"][0] / med["mlx_lm.server"][0]
-    table = "\n".join([
+    report([
         f"### meshd-rank vs mlx_lm.server ({time.strftime('%Y-%m-%d')}, {args.world}-rank ring on loopback, "
         f"{os.cpu_count()} CPUs, {args.rounds} alternating rounds, {args.max_tokens} tokens, median)",
         "",
@@ -132,14 +129,7 @@ def main() -> None:
         f"Command: `python bench/rank_vs_mlx_lm_server.py --rounds {args.rounds} --max-tokens {args.max_tokens} "
         f"--world {args.world} --write`",
         "",
-    ])
-    print(table)
-    if args.write:
-        docs = ROOT / "docs" / "BENCHMARKS.md"
-        if not docs.exists():
-            docs.write_text("# Benchmarks\n\nEvery figure here was measured by the command under it.\n\n")
-        with docs.open("a") as f:
-            f.write(table + "\n")
+    ], args.write)
 
 
 if __name__ == "__main__":

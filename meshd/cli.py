@@ -85,7 +85,7 @@ def progress_line(status: dict) -> str:
 
 def cmd_up(args) -> int:
     opts = demo.DemoOptions(stall_window=args.stall_window, start_deadline=args.start_deadline,
-                            max_failures=args.max_failures)
+                            max_failures=args.max_failures, backoff_max=args.backoff_max)
     cfg = resolve_config(args.config, for_up=True, opts=opts)
     ctl = Control(cfg)
     if not ctl.alive():
@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--stall-window", type=float, default=10.0, help="demo: agents' stall window, seconds")
     up.add_argument("--start-deadline", type=float, default=120.0, help="demo: seconds to become ready")
     up.add_argument("--max-failures", type=int, default=5, help="demo: failures in the window before failed")
+    up.add_argument("--backoff-max", type=float, default=10.0, help="demo: longest wait between restarts")
     down = sub.add_parser("down", help="drain and stop the mesh (and the demo's daemons)")
     down.add_argument("--force", action="store_true", help="kill instead of draining")
     down.add_argument("--timeout", type=float, default=120)

@@ -23,6 +23,7 @@ class DemoOptions:
     stall_window: float = 10.0
     start_deadline: float = 120.0
     max_failures: int = 5
+    backoff_max: float = 10.0
 
 
 def home() -> Path:
@@ -104,7 +105,7 @@ def write_configs(root: Path, opts: DemoOptions, say) -> Path:
         f'\n[runtime]\nprofile = "meshd-rank"\nmodel = "{model}"\nport = {ports["rank"]}\n'
         f'ring_port = {ports["ring"]}\nargs = {{max_tokens = 128, model_name = "demo"}}\n\n'
         f'[proxy]\nlisten = "127.0.0.1:{ports["proxy"]}"\nqueue_wait = 120\nkeepalive_interval = 5\n\n'
-        f'[recovery]\nbackoff_base = 0.5\nbackoff_max = 10\nmax_failures = {opts.max_failures}\nwindow = 300\n'
+        f'[recovery]\nbackoff_base = 0.5\nbackoff_max = {opts.backoff_max}\nmax_failures = {opts.max_failures}\nwindow = 300\n'
         f"healthy_reset = 120\nstop_grace = 5\ndrain_grace = 20\nstart_deadline = {opts.start_deadline}\n\n"
         f'[control]\nlisten = "127.0.0.1:{ports["control"]}"\n')
     return mesh
