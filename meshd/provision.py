@@ -26,8 +26,8 @@ async def reprovision(ctl) -> tuple[bool, str]:
     except (ConfigError, HostfileError) as e:
         return False, str(e)
     if backend in ("jaccl", "jaccl-ring"):
-        return False, ("re-provisioning a JACCL mesh runs mlx.distributed_config --auto-setup over SSH; "
-                       "run `meshctl provision --force`")
+        return False, ("re-provisioning a JACCL mesh (mlx.distributed_config --auto-setup over SSH) is not "
+                       "automated yet; run it by hand on the nodes, then `meshctl up`")
     return True, f"{backend} hostfile for {len(hosts)} hosts"
 
 
