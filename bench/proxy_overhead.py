@@ -146,7 +146,7 @@ def main() -> None:
             unit = "per chunk" if stream else "per request"
             target = ("<= 0.1 ms per chunk" if stream else "<= 1 ms per request") if concurrency == 1 else "-"
             lines.append(f"| {concurrency} | {unit} | {d * 1000 / per:.3f} | {m * 1000 / per:.3f} | "
-                         f"{n * 1000 / per:.3f} | {m / n if n > 0 else float('nan'):.1f}x | {target} |")
+                         f"{n * 1000 / per:.3f} | {f'{m / n:.1f}x' if n > 0 else 'n/a'} | {target} |")
     lines += ["", "Added latency is the median of a path minus the direct median, divided by the chunks of a "
               "stream for the per-chunk rows.", "",
               f"Command: `python bench/proxy_overhead.py --requests {args.requests} --chunks {args.chunks} --write`", ""]

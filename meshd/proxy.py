@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 import uuid
 from collections import deque
@@ -34,6 +35,9 @@ from meshd.web import json_error, json_errors, read_json
 from runtime import openai_api as oa
 
 RETRY_AFTER = "5"
+# A chunk carries text when its "content" (chat) or "text" (completions) is a
+# non-empty string. Matching bytes spares decoding every chunk of every stream.
+TEXT_FIELD = re.compile(rb'"(?:content|text)":\s?"(?!")')
 log = structlog.get_logger("meshd.proxy")
 
 
@@ -299,24 +303,17 @@ class _Exchange:
 
     async def _forward(self, line: bytes) -> None:
         resp = await self._prepare()
-        now = time.monotonic()
-        payload = line[6:].strip()
-        if payload != b"[DONE]":
-            try:
-                chunk = json.loads(payload)
-            except ValueError:
-                chunk = {}
-            if "error" in chunk:
-                self.sent_data = True
-            for c in chunk.get("choices", []):
-                if (c.get("delta") or {}).get("content") or c.get("text"):
-                    if self.last_chunk is None:
-                        self.p.metrics.ttft.observe(now - self.t0)
-                    else:
-                        self.p.metrics.inter_token.observe(now - self.last_chunk)
-                    self.last_chunk = now
-                    self.p.metrics.tokens.inc()
+        payload = line[6:]
+        if not payload.startswith(b"[DONE]"):
             self.sent_data = True
+            if TEXT_FIELD.search(payload):
+                now = time.monotonic()
+                if self.last_chunk is None:
+                    self.p.metrics.ttft.observe(now - self.t0)
+                else:
+                    self.p.metrics.inter_token.observe(now - self.last_chunk)
+                self.last_chunk = now
+                self.p.metrics.tokens.inc()
         await resp.write(line if line.endswith(b"\n\n") else line.rstrip(b"\n") + b"\n\n")
 
     async def _end_stream_with_error(self, message: str) -> web.StreamResponse:
