@@ -170,3 +170,24 @@ def test_the_stock_mlx_lm_server_profile_serves_and_recovers(two_agents, tmp_pat
                  "generation 2 of the stock server")
     finally:
         stop_controller(mesh)
+
+
+def test_a_hung_stock_server_is_caught_by_the_idle_probe(two_agents, tmp_path, demo_model):
+    mesh = write_mesh(tmp_path, two_agents, demo_model, runtime={"profile": "mlx-lm-server"},
+                      proxy={"probe_idle": 1.0, "probe_timeout": 3.0})
+    try:
+        assert meshctl(mesh, "up").returncode == 0
+        victim = two_agents[1].ranks()[-1]["pid"]
+        os.kill(victim, 19)  # SIGSTOP: no status file, no exit; only a request can tell
+        try:
+            wait_for(lambda: (s := json.loads(meshctl(mesh, "status", "--json").stdout))["generation"] == 2
+                     and s["phase"] == "ready", 120, "the probe to catch the hang and recover")
+        finally:
+            try:
+                os.kill(victim, 18)
+            except ProcessLookupError:
+                pass
+        incidents = json.loads(meshctl(mesh, "events", "--json").stdout)["incidents"]
+        assert incidents[0]["cause"] == "probe" and "probe failed" in incidents[0]["detail"]
+    finally:
+        stop_controller(mesh)
