@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import string
 import sys
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agents.stall import StallWindows
+from meshd.config import ConfigError, read_toml, split_listen
 
 PLACEHOLDERS = {"python", "model", "port", "host", "seed", "generation", "rank", "world", "status_file"}
 
@@ -40,10 +40,6 @@ DEFAULT_PROFILES = {
 
 DEFAULT_ENV_ALLOWLIST = ("MLX_METAL_FAST_SYNCH", "MLX_RING_VERBOSE", "MLX_JACCL_VERBOSE", "NCCL_DEBUG",
                          "OMP_NUM_THREADS", "HF_HUB_OFFLINE")
-
-
-class ConfigError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -122,10 +118,7 @@ def _profile(name: str, raw: dict) -> Profile:
 
 def parse(raw: dict, base: Path) -> AgentConfig:
     node = _need(raw, "node", str, "", '"studio-1"')
-    listen = raw.get("listen", "127.0.0.1:7701")
-    if not isinstance(listen, str) or ":" not in listen or not listen.rsplit(":", 1)[1].isdigit():
-        raise ConfigError(f'listen: expected "host:port", got {listen!r}; for example listen = "127.0.0.1:7701"')
-    host, port = listen.rsplit(":", 1)
+    host, port = split_listen("listen", raw.get("listen", "127.0.0.1:7701"))
     token_file = base / _need(raw, "token_file", str, "", '"/etc/meshd/agent.token"')
     state_dir = base / raw.get("state_dir", "state")
     extra = raw.get("profiles", {})
@@ -147,7 +140,7 @@ def parse(raw: dict, base: Path) -> AgentConfig:
         raise ConfigError(f"allow_reboot: expected true or false, got {allow_reboot!r}")
     metrics_token = raw.get("metrics_token_file")
     return AgentConfig(
-        node=node, host=host, port=int(port), token_file=token_file, state_dir=state_dir, profiles=profiles,
+        node=node, host=host, port=port, token_file=token_file, state_dir=state_dir, profiles=profiles,
         allow_reboot=allow_reboot,
         reboot_command=tuple(raw.get("reboot_command", AgentConfig.reboot_command)),
         env_allowlist=tuple(raw.get("env_allowlist", DEFAULT_ENV_ALLOWLIST)),
@@ -162,10 +155,4 @@ def parse(raw: dict, base: Path) -> AgentConfig:
 
 def load(path: str | Path) -> AgentConfig:
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read agent config {path}: {e.strerror}")
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path} is not valid TOML: {e}")
-    return parse(raw, path.parent)
+    return parse(read_toml(path, "pass --config with this node's agent.toml"), path.parent)

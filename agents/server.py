@@ -7,11 +7,8 @@ Stopping the agent leaves its ranks running: a restarted agent adopts them.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import hmac
 import json
-import sys
 import time
 
 import structlog
@@ -24,7 +21,7 @@ from agents import node as node_facts
 from agents import ranks
 from agents.supervisor import BadSpec, Conflict, Supervisor
 from meshd.protocol import RankSpec
-from meshd.web import json_error, json_errors, read_json, start_sites, until_stopped
+from meshd.web import json_error, json_errors, read_json, run_daemon, start_sites, until_stopped
 from runtime.openai_api import ApiError
 
 log = structlog.get_logger("meshd.agent")
@@ -252,19 +249,14 @@ async def serve(cfg: agent_config.AgentConfig) -> None:
     await runner.cleanup()
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="meshd-agent", description="meshd node agent")
-    p.add_argument("--config", required=True, help="agent config (TOML)")
-    args = p.parse_args(argv)
-    try:
-        cfg = agent_config.load(args.config)
-        cfg.token()
-    except agent_config.ConfigError as e:
-        sys.exit(f"meshd-agent: {e}")
-    try:
-        asyncio.run(serve(cfg))
-    except OSError as e:
-        sys.exit(f"meshd-agent: cannot listen on {cfg.host}:{cfg.port} ({e.strerror}); change 'listen'")
+def load_checked(path: str) -> agent_config.AgentConfig:
+    cfg = agent_config.load(path)
+    cfg.token()  # a missing or world-readable token is a config mistake, reported at start
+    return cfg
+
+
+def main() -> None:
+    run_daemon("meshd-agent", "meshd node agent", "agent config (TOML)", load_checked, serve, "change 'listen'")
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ class MeshConfig:
         raise KeyError(name)
 
 
-def _split_listen(key: str, value: str) -> tuple[str, int]:
+def split_listen(key: str, value: str) -> tuple[str, int]:
     if not isinstance(value, str) or ":" not in value or not value.rsplit(":", 1)[1].isdigit():
         raise ConfigError(f'{key}: expected "host:port", got {value!r}; for example {key} = "127.0.0.1:8000"')
     host, port = value.rsplit(":", 1)
@@ -174,7 +174,7 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
         raise ConfigError('runtime.model: missing; the model directory on every node, for example '
                           'model = "/Volumes/models/DeepSeek-V4"')
     proxy = _table(Proxy, raw.get("proxy"), "proxy", base, {"listen": '"127.0.0.1:8000"'})
-    _split_listen("proxy.listen", proxy.listen)
+    split_listen("proxy.listen", proxy.listen)
     if proxy.concurrency < 1:
         raise ConfigError("proxy.concurrency: must be at least 1")
     recovery = _table(Recovery, raw.get("recovery"), "recovery", base, {"ladder": '["restart", "reprovision", "reboot"]'})
@@ -183,7 +183,7 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
         raise ConfigError('recovery.ladder: must start with "restart" and use only restart, reprovision, reboot; '
                           'for example ladder = ["restart", "reprovision", "reboot"]')
     control = _table(Control, raw.get("control"), "control", base, {"listen": '"127.0.0.1:8001"'})
-    _split_listen("control.listen", control.listen)
+    split_listen("control.listen", control.listen)
     state_dir = raw.get("state_dir", "state")
     if not isinstance(state_dir, str):
         raise ConfigError(f'state_dir: expected a path, got {state_dir!r}; for example state_dir = "/var/lib/meshd"')
@@ -197,15 +197,19 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
                       base / hostfile if hostfile else None, path)
 
 
-def load(path: str | Path) -> MeshConfig:
-    path = Path(path).resolve()
+def read_toml(path: Path, fix: str) -> dict:
+    """The parsed file, or ConfigError naming the file and `fix`."""
     try:
-        raw = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror}; pass --config with your mesh.toml")
+        raise ConfigError(f"cannot read {path}: {e.strerror}; {fix}")
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}")
-    return parse(raw, path.parent, path)
+
+
+def load(path: str | Path) -> MeshConfig:
+    path = Path(path).resolve()
+    return parse(read_toml(path, "pass --config with your mesh.toml"), path.parent, path)
 
 
 def hostfile_for(cfg: MeshConfig) -> dict:

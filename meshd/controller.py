@@ -324,7 +324,6 @@ class Controller:
 
     async def status(self) -> dict:
         s = self.state
-        nodes = []
 
         async def one(n):
             try:

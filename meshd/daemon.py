@@ -5,12 +5,9 @@ mesh serving: a restarted controller adopts the running generation."""
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import hmac
 import os
 import secrets
-import sys
 from pathlib import Path
 
 import structlog
@@ -19,12 +16,12 @@ from prometheus_client import generate_latest
 
 from meshd import statuspage
 from meshd.agentclient import AgentError
-from meshd.config import ConfigError, MeshConfig, load
+from meshd.config import ConfigError, MeshConfig, load, split_listen
 from meshd.controller import Controller
 from meshd.metrics import Metrics
 from meshd.proxy import Proxy
 from meshd.store import Store
-from meshd.web import json_error, json_errors, read_json, start_sites, until_stopped
+from meshd.web import json_error, json_errors, read_json, run_daemon, start_sites, until_stopped
 from runtime.openai_api import ApiError
 
 log = structlog.get_logger("meshd")
@@ -130,11 +127,6 @@ def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Applicatio
     return app
 
 
-def _host_port(listen: str) -> tuple[str, int]:
-    host, port = listen.rsplit(":", 1)
-    return host, int(port)
-
-
 async def serve(cfg: MeshConfig) -> None:
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     token = control_token(cfg.state_dir)
@@ -143,8 +135,8 @@ async def serve(cfg: MeshConfig) -> None:
     ctl = Controller(cfg, store, metrics)
     proxy = Proxy(ctl, metrics)
     await ctl.start()  # adopt first: no command may arrive before the controller knows what runs
-    runners = await start_sites([(proxy.app(), *_host_port(cfg.proxy.listen)),
-                                 (control_app(ctl, metrics, token), *_host_port(cfg.control.listen))])
+    runners = await start_sites([(proxy.app(), *split_listen("proxy.listen", cfg.proxy.listen)),
+                                 (control_app(ctl, metrics, token), *split_listen("control.listen", cfg.control.listen))])
     log.info("meshd running", mesh=cfg.name, proxy=cfg.proxy.listen, control=cfg.control.listen,
              phase=ctl.state.phase, generation=ctl.state.generation)
     await until_stopped(f"mesh {cfg.name}: proxy on {cfg.proxy.listen}")
@@ -155,22 +147,18 @@ async def serve(cfg: MeshConfig) -> None:
     store.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="meshd", description="meshd controller")
-    p.add_argument("--config", required=True, help="mesh.toml")
-    args = p.parse_args(argv)
-    try:
-        cfg = load(args.config)
-        for n in cfg.nodes:
-            if not n.token_file.exists():
-                raise ConfigError(f"nodes.{n.name}.token_file: {n.token_file} does not exist; copy the token "
-                                  "from that node's agent (its token_file)")
-    except ConfigError as e:
-        sys.exit(f"meshd: {e}")
-    try:
-        asyncio.run(serve(cfg))
-    except OSError as e:
-        sys.exit(f"meshd: cannot listen ({e.strerror}); change proxy.listen or control.listen")
+def load_checked(path: str) -> MeshConfig:
+    cfg = load(path)
+    for n in cfg.nodes:
+        if not n.token_file.exists():
+            raise ConfigError(f"nodes.{n.name}.token_file: {n.token_file} does not exist; copy the token "
+                              "from that node's agent (its token_file)")
+    return cfg
+
+
+def main() -> None:
+    run_daemon("meshd", "meshd controller", "mesh.toml", load_checked, serve,
+               "change proxy.listen or control.listen")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ the reboot step when the ladder has one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 STOPPED, PROVISIONING, STARTING, READY, RECOVERING, DRAINING, FAILED = (
     "stopped", "provisioning", "starting", "ready", "recovering", "draining", "failed")

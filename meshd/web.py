@@ -5,9 +5,11 @@ problem."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import signal
+import sys
 
 from aiohttp import web
 
@@ -83,3 +85,21 @@ async def until_stopped(status: str) -> None:
     sdnotify.notify("STOPPING=1")
     if pings:
         pings.cancel()
+
+
+def run_daemon(prog: str, description: str, config_help: str, load, serve, listen_fix: str) -> None:
+    """The daemons' entry point: `--config FILE`, a config mistake or a port
+    that cannot be bound ends the process with a message saying what to fix."""
+    from meshd.config import ConfigError
+
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--config", required=True, help=config_help)
+    args = p.parse_args()
+    try:
+        cfg = load(args.config)
+    except ConfigError as e:
+        sys.exit(f"{prog}: {e}")
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as e:
+        sys.exit(f"{prog}: cannot listen ({e.strerror}); {listen_fix}")

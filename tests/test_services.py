@@ -1,7 +1,6 @@
 """Service definitions for this machine, and the sd_notify protocol on a real
 NOTIFY_SOCKET."""
 
-import os
 import plistlib
 import signal
 import socket
