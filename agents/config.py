@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agents.stall import StallWindows
-from meshd.config import ConfigError, read_toml, split_listen
+from meshd.config import ConfigError, read_toml, split_listen, table
 
 PLACEHOLDERS = {"python", "model", "port", "host", "seed", "generation", "rank", "world", "status_file"}
 
@@ -97,12 +97,17 @@ def _need(table: dict, key: str, kind, where: str, example: str):
     return value
 
 
-def _profile(name: str, raw: dict) -> Profile:
+def _profile(name: str, raw) -> Profile:
     where = f"profiles.{name}."
+    if not isinstance(raw, dict):
+        raise ConfigError(f"profiles.{name}: expected a table with a command, e.g. [profiles.{name}]")
     command = _need(raw, "command", list, where, '["{python}", "-m", "runtime.rank", "--model", "{model}"]')
     if not command or not all(isinstance(c, str) for c in command):
         raise ConfigError(f"{where}command: must be a non-empty list of strings")
-    used = {f for part in command for _, f, _, _ in string.Formatter().parse(part) if f}
+    try:
+        used = {f for part in command for _, f, _, _ in string.Formatter().parse(part) if f}
+    except ValueError as e:
+        raise ConfigError(f"{where}command: {e}; write a literal brace as {{{{ or }}}}")
     unknown = used - PLACEHOLDERS
     if unknown:
         raise ConfigError(f"{where}command: unknown placeholder(s) {sorted(unknown)}; "
@@ -113,43 +118,54 @@ def _profile(name: str, raw: dict) -> Profile:
     args = raw.get("args", {})
     if not isinstance(args, dict) or not all(isinstance(v, str) and v.startswith("-") for v in args.values()):
         raise ConfigError(f'{where}args: must map parameter names to flags, e.g. {{max_tokens = "--max-tokens"}}')
-    return Profile(name, tuple(command), dict(args), bool(raw.get("status_file", True)))
+    status_file = raw.get("status_file", True)
+    if not isinstance(status_file, bool):
+        raise ConfigError(f"{where}status_file: expected true or false, got {status_file!r}")
+    return Profile(name, tuple(command), dict(args), status_file)
+
+
+@dataclass(frozen=True)
+class Options:
+    """The agent.toml keys that have defaults, with the types they must have."""
+
+    listen: str = "127.0.0.1:7701"
+    state_dir: str = "state"
+    disable_default_profiles: bool = False
+    allow_reboot: bool = False
+    reboot_command: tuple[str, ...] = AgentConfig.reboot_command
+    env_allowlist: tuple[str, ...] = DEFAULT_ENV_ALLOWLIST
+    log_max_bytes: int = AgentConfig.log_max_bytes
+    ibv_hang_seconds: float = AgentConfig.ibv_hang_seconds
+    grace_seconds: float = AgentConfig.grace_seconds
+    metrics_token_file: Path | None = None
+    python: str = sys.executable
+
+
+EXAMPLES = {"listen": '"127.0.0.1:7701"', "state_dir": '"/var/lib/meshd-agent"',
+            "reboot_command": '["sudo", "-n", "shutdown", "-r", "now"]', "metrics_token_file": '"metrics.token"'}
 
 
 def parse(raw: dict, base: Path) -> AgentConfig:
     node = _need(raw, "node", str, "", '"studio-1"')
-    host, port = split_listen("listen", raw.get("listen", "127.0.0.1:7701"))
     token_file = base / _need(raw, "token_file", str, "", '"/etc/meshd/agent.token"')
-    state_dir = base / raw.get("state_dir", "state")
+    opts = table(Options, {k: v for k, v in raw.items() if k not in ("node", "token_file", "profiles", "stall")},
+                 "", base, EXAMPLES)
+    host, port = split_listen("listen", opts.listen)
+    if not opts.reboot_command:
+        raise ConfigError(f"reboot_command: must not be empty; for example reboot_command = {EXAMPLES['reboot_command']}")
     extra = raw.get("profiles", {})
     if not isinstance(extra, dict):
         raise ConfigError("profiles: must be a table of profiles, e.g. [profiles.my-runtime]")
-    profiles_raw = {**({} if raw.get("disable_default_profiles") else DEFAULT_PROFILES), **extra}
+    profiles_raw = {**({} if opts.disable_default_profiles else DEFAULT_PROFILES), **extra}
     if not profiles_raw:
         raise ConfigError("profiles: no profile is allowed; add one, e.g. [profiles.meshd-rank]")
     profiles = {name: _profile(name, p) for name, p in profiles_raw.items()}
-    stall_raw = raw.get("stall", {})
-    stall = StallWindows(**{k: float(v) for k, v in stall_raw.items()
-                            if k in StallWindows.__dataclass_fields__})
-    unknown_stall = set(stall_raw) - set(StallWindows.__dataclass_fields__)
-    if unknown_stall:
-        raise ConfigError(f"stall: unknown key(s) {sorted(unknown_stall)}; "
-                          f"known: {', '.join(StallWindows.__dataclass_fields__)}")
-    allow_reboot = raw.get("allow_reboot", False)
-    if not isinstance(allow_reboot, bool):
-        raise ConfigError(f"allow_reboot: expected true or false, got {allow_reboot!r}")
-    metrics_token = raw.get("metrics_token_file")
     return AgentConfig(
-        node=node, host=host, port=port, token_file=token_file, state_dir=state_dir, profiles=profiles,
-        allow_reboot=allow_reboot,
-        reboot_command=tuple(raw.get("reboot_command", AgentConfig.reboot_command)),
-        env_allowlist=tuple(raw.get("env_allowlist", DEFAULT_ENV_ALLOWLIST)),
-        stall=stall,
-        log_max_bytes=int(raw.get("log_max_bytes", 16 << 20)),
-        ibv_hang_seconds=float(raw.get("ibv_hang_seconds", 30.0)),
-        grace_seconds=float(raw.get("grace_seconds", 30.0)),
-        metrics_token_file=base / metrics_token if metrics_token else None,
-        python=raw.get("python", sys.executable),
+        node=node, host=host, port=port, token_file=token_file, state_dir=base / opts.state_dir, profiles=profiles,
+        allow_reboot=opts.allow_reboot, reboot_command=opts.reboot_command, env_allowlist=opts.env_allowlist,
+        stall=table(StallWindows, raw.get("stall"), "stall", base, {}),
+        log_max_bytes=opts.log_max_bytes, ibv_hang_seconds=opts.ibv_hang_seconds, grace_seconds=opts.grace_seconds,
+        metrics_token_file=opts.metrics_token_file, python=opts.python,
     )
 
 

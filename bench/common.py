@@ -3,6 +3,7 @@ appending a result table to docs/BENCHMARKS.md."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -35,3 +36,12 @@ def report(lines: list[str], write: bool) -> None:
         docs.write_text("# Benchmarks\n\nEvery figure here was measured by the command under it.\n\n")
     with docs.open("a") as f:
         f.write(table + "\n")
+
+
+def parser(trials: int) -> argparse.ArgumentParser:
+    """The options every fault benchmark takes: trials, a seed, --write."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trials", type=int, default=trials)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--write", action="store_true", help="append the result table to docs/BENCHMARKS.md")
+    return ap

@@ -13,7 +13,6 @@ mesh measured in the same run as the baseline.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import requests
 
-from common import report, meshctl
+from common import parser, report, meshctl
 from meshkit import wait_for
 
 
@@ -64,11 +63,8 @@ def pct(xs: list[float], p: float) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--trials", type=int, default=20)
+    ap = parser(trials=20)
     ap.add_argument("--stall-window", type=float, default=3.0)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     home = Path(tempfile.mkdtemp(prefix="meshd-bench-"))

@@ -1,7 +1,8 @@
 """A fast stand-in for rank 0, so a benchmark measures the proxy in front of
 it and not the model: readiness, drain, and chat completions answered at once
 (whole, or streamed as --chunks SSE chunks). Runs as an agent profile; it
-carries the generation marker like any rank."""
+carries the generation marker like any rank; ranks other than 0 only wait
+for their signal, as a trivial profile for the scale benchmark."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import time
 
 from aiohttp import web
@@ -20,7 +22,11 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--meshd-generation", type=int, default=0)
     ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--rank", type=int, default=0)
     args = ap.parse_args()
+    if args.rank:
+        signal.pause()
+        return
     created = int(time.time())
 
     def chunk(i: int, finish: str | None) -> bytes:

@@ -88,7 +88,9 @@ def split_listen(key: str, value: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _table(cls, raw: Any, key: str, base: Path, examples: dict[str, str]):
+def table(cls, raw: Any, key: str, base: Path, examples: dict[str, str]):
+    """Check a TOML table against the defaults of dataclass `cls` (type by
+    type, no unknown keys) and build it; `key` "" means the top level."""
     if raw is None:
         return cls()
     if not isinstance(raw, dict):
@@ -96,14 +98,18 @@ def _table(cls, raw: Any, key: str, base: Path, examples: dict[str, str]):
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(raw) - set(known))
     if unknown:
-        raise ConfigError(f"{key}.{unknown[0]}: unknown key; [{key}] takes {', '.join(known)}")
+        where = f"{key}.{unknown[0]}" if key else unknown[0]
+        raise ConfigError(f"{where}: unknown key; {f'[{key}]' if key else 'the file'} takes {', '.join(known)}")
     defaults = cls()
     values = {}
     for name, value in raw.items():
         want = getattr(defaults, name)
         example = examples.get(name, repr(want))
-        where = f"{key}.{name}"
-        if isinstance(want, bool) or (isinstance(want, int) and not isinstance(want, bool)):
+        where = f"{key}.{name}" if key else name
+        if isinstance(want, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        elif isinstance(want, int):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{where}: expected an integer, got {value!r}; for example {name} = {example}")
             if value < 0:
@@ -168,21 +174,21 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
     dupes = sorted({x for x in names if names.count(x) > 1})
     if dupes:
         raise ConfigError(f"nodes: the name {dupes[0]!r} is used twice; node names must be unique")
-    runtime = _table(Runtime, raw.get("runtime"), "runtime", base,
+    runtime = table(Runtime, raw.get("runtime"), "runtime", base,
                      {"model": '"/Volumes/models/DeepSeek-V4"', "profile": '"meshd-rank"'})
     if not runtime.model:
         raise ConfigError('runtime.model: missing; the model directory on every node, for example '
                           'model = "/Volumes/models/DeepSeek-V4"')
-    proxy = _table(Proxy, raw.get("proxy"), "proxy", base, {"listen": '"127.0.0.1:8000"'})
+    proxy = table(Proxy, raw.get("proxy"), "proxy", base, {"listen": '"127.0.0.1:8000"'})
     split_listen("proxy.listen", proxy.listen)
     if proxy.concurrency < 1:
         raise ConfigError("proxy.concurrency: must be at least 1")
-    recovery = _table(Recovery, raw.get("recovery"), "recovery", base, {"ladder": '["restart", "reprovision", "reboot"]'})
+    recovery = table(Recovery, raw.get("recovery"), "recovery", base, {"ladder": '["restart", "reprovision", "reboot"]'})
     bad_steps = [s for s in recovery.ladder if s not in ("restart", "reprovision", "reboot")]
     if bad_steps or not recovery.ladder or recovery.ladder[0] != "restart":
         raise ConfigError('recovery.ladder: must start with "restart" and use only restart, reprovision, reboot; '
                           'for example ladder = ["restart", "reprovision", "reboot"]')
-    control = _table(Control, raw.get("control"), "control", base, {"listen": '"127.0.0.1:8001"'})
+    control = table(Control, raw.get("control"), "control", base, {"listen": '"127.0.0.1:8001"'})
     split_listen("control.listen", control.listen)
     state_dir = raw.get("state_dir", "state")
     if not isinstance(state_dir, str):

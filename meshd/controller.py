@@ -253,19 +253,21 @@ class Controller:
                 delay = 0.2
 
     async def _poll_loop(self) -> None:
-        """The backstop: events missed by a stream arrive here within a second."""
+        """The backstop: events missed by a stream arrive here within a second.
+        All agents at once, so one that does not answer delays no other."""
+        async def poll(node: str, client: AgentClient) -> None:
+            try:
+                data = await client.call("GET", f"/v1/events?stream=0&since={self.seen.get(node, 0)}", timeout=5)
+                self.agent_errors.pop(node, None)
+            except AgentError as e:
+                self.agent_errors[node] = str(e)
+                return
+            for record in data["events"]:
+                await self.on_record(node, record)
+
         while True:
             await asyncio.sleep(1.0)
-            for node, client in self.agents.items():
-                try:
-                    data = await client.call("GET", f"/v1/events?stream=0&since={self.seen.get(node, 0)}",
-                                             timeout=5)
-                    self.agent_errors.pop(node, None)
-                except AgentError as e:
-                    self.agent_errors[node] = str(e)
-                    continue
-                for record in data["events"]:
-                    await self.on_record(node, record)
+            await asyncio.gather(*(poll(node, client) for node, client in self.agents.items()))
 
     async def _tick_loop(self) -> None:
         while True:

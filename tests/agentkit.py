@@ -72,10 +72,16 @@ class Agent:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, env: dict | None = None) -> "Agent":
+        return self.spawn(env).wait_healthy()
+
+    def spawn(self, env: dict | None = None) -> "Agent":
         log = open(self.dir / "agent.log", "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "agents.server", "--config", str(self.dir / "agent.toml")],
                                      stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        wait_for(self._healthy, 60, f"agent {self.node} to answer /healthz", interval=0.05)
+        return self
+
+    def wait_healthy(self, timeout: float = 60) -> "Agent":
+        wait_for(self._healthy, timeout, f"agent {self.node} to answer /healthz", interval=0.05)
         return self
 
     def _healthy(self) -> bool:

@@ -17,7 +17,7 @@ BAD = [
      "must carry the generation marker"),
     ("args not flags", {**BASE, "profiles": {"x": {"command": ["{generation}"], "args": {"a": "b"}}}},
      "profiles.x.args"),
-    ("unknown stall key", {**BASE, "stall": {"bogus": 1}}, "stall: unknown key(s) ['bogus']"),
+    ("unknown stall key", {**BASE, "stall": {"bogus": 1}}, "stall.bogus: unknown key"),
     ("reboot not bool", {**BASE, "allow_reboot": "yes"}, "allow_reboot: expected true or false"),
 ]
 

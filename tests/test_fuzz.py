@@ -1,0 +1,192 @@
+"""Property-based fuzzing of what takes outside input: schemathesis against
+the OpenAPI descriptions in openapi/ (proxy, control API, agent API) on a real
+two-rank mesh and a real agent, and hypothesis against the config loaders.
+Bad input must get a 4xx JSON error, never a 5xx, a hang or a crash, and the
+mesh must still serve afterwards."""
+
+import json
+import string
+import tomllib
+from pathlib import Path
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings, strategies as st
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error, response_schema_conformance
+
+from agentkit import make_agents, toml_value, write_mesh
+from meshd import config as mesh_config
+from agents import config as agent_config
+from test_controller import meshctl, stop_controller
+
+OPENAPI = Path(__file__).resolve().parents[1] / "openapi"
+EXAMPLES = 50
+
+
+def load_schema(name: str):
+    schema = schemathesis.openapi.from_path(OPENAPI / f"{name}.yaml")
+    schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
+                                    max_examples=EXAMPLES, deterministic=True, database="none", allow_x00=True)
+    return schema
+
+
+proxy_schema = load_schema("proxy")
+control_schema = load_schema("control")
+agent_schema = load_schema("agent")
+CALL = {"timeout": 60}
+
+
+def check(case, response) -> None:
+    case.validate_response(response, checks=[not_a_server_error, response_schema_conformance])
+    if response.status_code >= 400:
+        body = response.json()
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
+
+
+@pytest.fixture(scope="module")
+def fuzz_mesh(tmp_path_factory, demo_model):
+    tmp = tmp_path_factory.mktemp("fuzz")
+    agents = make_agents(tmp, 2, stall={"base": 10})
+    for a in agents:
+        a.start()
+    mesh = write_mesh(tmp, agents, demo_model,
+                      runtime={"args": {"max_tokens": 4, "max_tokens_limit": 8, "max_context": 512,
+                                        "model_name": "demo"}})
+    up = meshctl(mesh, "up")
+    assert up.returncode == 0, up.stdout + up.stderr
+    status = json.loads(meshctl(mesh, "status", "--json").stdout)
+    token = (tmp / "state" / "control.token").read_text().strip()
+    yield {"proxy": status["urls"]["proxy"].removesuffix("/v1"), "control": status["urls"]["control"],
+           "token": token, "mesh": mesh, "agents": agents}
+    stop_controller(mesh)
+    for a in agents:
+        a.kill()
+
+
+@proxy_schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck))
+def test_the_proxy_answers_bad_input_with_4xx_json(case, fuzz_mesh):
+    check(case, case.call(base_url=fuzz_mesh["proxy"], **CALL))
+
+
+@control_schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck))
+def test_the_control_api_answers_bad_input_with_4xx_json(case, fuzz_mesh):
+    headers = {"Authorization": f"Bearer {fuzz_mesh['token']}"}
+    check(case, case.call(base_url=fuzz_mesh["control"], headers=headers, **CALL))
+
+
+def test_the_mesh_serves_after_the_fuzzing(fuzz_mesh):
+    up = meshctl(fuzz_mesh["mesh"], "up")
+    assert up.returncode == 0, up.stdout + up.stderr
+    r = requests.post(f"{fuzz_mesh['proxy']}/v1/chat/completions", timeout=120,
+                      json={"messages": [{"role": "user", "content": "still there?"}], "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+    for a in fuzz_mesh["agents"]:
+        assert a.proc.poll() is None and requests.get(f"{a.url}/healthz", timeout=5).ok
+
+
+@pytest.fixture(scope="module")
+def lone_agent(tmp_path_factory):
+    (agent,) = make_agents(tmp_path_factory.mktemp("fuzz-agent"), 1)
+    agent.start()
+    yield agent
+    assert agent.proc.poll() is None, "the agent crashed under fuzzing"
+    assert requests.get(f"{agent.url}/healthz", timeout=5).ok
+    agent.kill()
+
+
+@agent_schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck))
+def test_the_agent_api_answers_bad_input_with_4xx_json(case, lone_agent):
+    if case.operation.path == "/v1/events":
+        case.query = {**(case.query or {}), "stream": "0"}  # the streaming form never ends by design
+    check(case, case.call(base_url=lone_agent.url, headers=lone_agent.headers(), **CALL))
+
+
+# --- config loaders ----------------------------------------------------------------
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=False),
+                    st.text(max_size=12))
+values = st.recursive(scalars.filter(lambda v: v is not None),
+                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(string.ascii_letters,
+                                                                                          min_size=1, max_size=8),
+                                                                                  inner, max_size=3),
+                      max_leaves=6)
+
+
+def mutate(base: dict, data) -> dict:
+    """A valid config with one key (top level or in a table) replaced, dropped or added."""
+    raw = json.loads(json.dumps(base))
+    tables = [raw] + [v for v in raw.values() if isinstance(v, dict)] + \
+        [n for v in raw.values() if isinstance(v, list) for n in v if isinstance(n, dict)]
+    target = data.draw(st.sampled_from(tables))
+    key = data.draw(st.sampled_from(sorted(target)) | st.text(string.ascii_lowercase + "_", min_size=1, max_size=12))
+    if data.draw(st.booleans()):
+        target.pop(key, None)
+    else:
+        target[key] = data.draw(values)
+    return raw
+
+
+def to_toml(raw: dict) -> str:
+    lines, tables = [], []
+    for k, v in raw.items():
+        if isinstance(v, dict):
+            tables.append((k, v))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            tables += [(f"[{k}]", x) for x in v]
+        else:
+            lines.append(f"{json.dumps(k)} = {toml_value(v)}")
+    for name, table in tables:
+        lines.append(f"[{name}]")
+        lines += [f"{json.dumps(k)} = {toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+MESH = {"name": "fuzz", "backend": "ring",
+        "nodes": [{"name": "a", "agent": "http://127.0.0.1:7701", "token_file": "token"},
+                  {"name": "b", "agent": "http://127.0.0.1:7702", "token_file": "token"}],
+        "runtime": {"model": "/models/demo", "port": 8100}, "proxy": {"listen": "127.0.0.1:8000"},
+        "recovery": {"ladder": ["restart"], "backoff_max": 10.0}, "control": {"listen": "127.0.0.1:8001"}}
+AGENT = {"node": "a", "listen": "127.0.0.1:7701", "token_file": "token", "state_dir": "state",
+         "profiles": {"p": {"command": ["{python}", "--meshd-generation", "{generation}"]}}}
+
+
+def load_or_config_error(loader, path: Path, text: str):
+    path.write_text(text)
+    try:
+        return loader(path)
+    except (mesh_config.ConfigError, agent_config.ConfigError) as e:
+        message = str(e)
+        assert message and "Traceback" not in message
+        return None
+
+
+LOADERS = {"mesh.toml": (MESH, mesh_config.load),
+           "agent.toml": (AGENT, lambda path: agent_config.load(path).token())}
+
+
+@pytest.mark.parametrize("name", sorted(LOADERS))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_mangled_config_is_a_config_error_never_a_crash(tmp_path, name, data):
+    (tmp_path / "token").write_text("x" * 32)
+    (tmp_path / "token").chmod(0o600)
+    valid, loader = LOADERS[name]
+    text = to_toml(mutate(valid, data))
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return
+    load_or_config_error(loader, tmp_path / name, text)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=200))
+def test_any_text_as_a_config_file_is_a_config_error_or_a_config(tmp_path, text):
+    load_or_config_error(mesh_config.load, tmp_path / "mesh.toml", text)
+    load_or_config_error(agent_config.load, tmp_path / "agent.toml", text)
