@@ -38,10 +38,11 @@ def report(lines: list[str], write: bool) -> None:
         f.write(table + "\n")
 
 
-def parser(trials: int) -> argparse.ArgumentParser:
-    """The options every fault benchmark takes: trials, a seed, --write."""
+def parser(trials: int | None = None) -> argparse.ArgumentParser:
+    """The options every fault benchmark takes: a seed, --write, and trials when it repeats."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--trials", type=int, default=trials)
+    if trials:
+        ap.add_argument("--trials", type=int, default=trials)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--write", action="store_true", help="append the result table to docs/BENCHMARKS.md")
     return ap

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import aiohttp
 import structlog
@@ -55,7 +55,9 @@ class Controller:
         self.metrics = metrics
         self.policy = policy_for(cfg)
         saved = store.get("fleet", {})
-        self.state = fleet.FleetState(generation=saved.get("generation", 0))
+        carried = store.open_incident_row()
+        self.state = fleet.FleetState(generation=saved.get("generation", 0),
+                                      incident=fleet.Incident(**carried) if carried else None)
         self.seen: dict[str, int] = store.get("agent_seq", {})
         self.changed = asyncio.Condition()
         self.session: aiohttp.ClientSession | None = None
@@ -320,7 +322,7 @@ class Controller:
             await asyncio.gather(*(c.call("POST", f"/v1/generations/{g}/stop", {"mode": "kill", "grace": 5},
                                           timeout=30) for c in self.agents.values()), return_exceptions=True)
         if gens and max(gens) > self.state.generation:
-            self.state = fleet.FleetState(generation=max(gens))  # initial state, before any event
+            self.state = replace(self.state, generation=max(gens))  # initial state, before any event
         if self.store.get("desired") == "up":
             await self.feed(fleet.UpRequested())
 

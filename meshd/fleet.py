@@ -278,8 +278,11 @@ def step(state: FleetState, event, now: float, policy: Policy) -> tuple[FleetSta
             if state.phase in (STOPPED, STARTING, RECOVERING, READY) and g >= state.generation:
                 ranks = tuple((n, "ready" if ready else "loading", 0, 0) for n in policy.nodes)
                 phase = READY if ready else STARTING
-                return replace(state, phase=phase, generation=g, ready_since=now if ready else None,
-                               started_at=state.started_at or now, ranks=ranks, backoff_until=None), []
+                new = replace(state, phase=phase, generation=g, ready_since=now if ready else None,
+                              started_at=state.started_at or now, ranks=ranks, backoff_until=None)
+                if ready and state.incident:  # an incident a restarted controller inherited
+                    return replace(new, incident=None), [CloseIncident(state.incident, now, state.incident.steps)]
+                return new, []
             return state, []
 
         case MeshReady(generation=g):

@@ -64,6 +64,15 @@ class Store:
         self.db.execute("UPDATE incidents SET serving_back_at = ?, steps = ? WHERE opened_at = ?",
                         (serving_back_at, json.dumps(list(steps)), opened_at))
 
+    def open_incident_row(self) -> dict | None:
+        """The newest incident still waiting to serve again (a restarted controller carries it on)."""
+        row = self.db.execute("SELECT opened_at, cause, node, rank, generation, detail, steps FROM incidents "
+                              "WHERE serving_back_at IS NULL ORDER BY id DESC LIMIT 1").fetchone()
+        if row is None:
+            return None
+        return dict(zip(("opened_at", "cause", "node", "rank", "generation", "detail"), row[:6]),
+                    steps=tuple(json.loads(row[6] or "[]")))
+
     def incidents(self, limit: int = 50) -> list[dict]:
         rows = self.db.execute("SELECT opened_at, cause, node, rank, generation, detail, steps, serving_back_at "
                                "FROM incidents ORDER BY id DESC LIMIT ?", (limit,)).fetchall()

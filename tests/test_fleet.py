@@ -164,6 +164,17 @@ def test_adopting_a_running_generation_does_not_restart_it():
     assert (s.phase, s.generation) == ("ready", 7) and a == []
 
 
+def test_an_incident_a_restarted_controller_inherited_closes_when_it_adopts_a_ready_mesh():
+    inherited = f.Incident(5.0, "exit", "n1", 1, 6, "rank 1 exited", ("restart",))
+    s, a = run([(9, f.Adopted(7, ready=True))], state=f.FleetState(generation=6, incident=inherited))
+    assert s.phase == "ready" and s.incident is None
+    assert a == [f.CloseIncident(inherited, 9, ("restart",))]
+    s, a = run([(9, f.Adopted(7, ready=False))], state=f.FleetState(generation=6, incident=inherited))
+    assert s.phase == "starting" and s.incident == inherited and a == []
+    s, a = run([(12, f.MeshReady(7))], state=s)
+    assert s.incident is None and f.CloseIncident(inherited, 12, ("restart",)) in a
+
+
 def test_ladder_climbs_restart_then_reprovision_then_reboot():
     events = [(0, f.UpRequested()), (1, f.MeshReady(1)), death(1, 2), (2, f.GenerationStopped(1)), (2, f.Tick()),
               (3, f.MeshReady(2)), death(2, 4), (4, f.GenerationStopped(2))]

@@ -1,0 +1,322 @@
+"""Chaos under load on the demo mesh: several `openai` clients (streamed and
+not) keep asking while faults land at seeded random times:
+
+- rank-sigkill: SIGKILL of a rank
+- rank-sigstop: SIGSTOP of a rank (a hang; the agent's stall window catches it)
+- rank-exit0: the rank calls _exit(0) (gdb attaches and makes the call)
+- rank-jaccl: the rank's output gains `[jaccl] Recv failed with errno=12 (-12)`
+  (appended to the log file the agent reads the rank's output from)
+- agent-sigkill: SIGKILL of an agent, restarted 1 s later as launchd/systemd would
+- controller-sigkill: SIGKILL of the controller (and so the proxy), restarted 1 s later
+
+Every request ends in exactly one class: completed; clean error (an HTTP
+error with a JSON body, or an SSE error event); refused while the controller
+was down (the proxy lives in the controller); hung (no answer within the
+timeout); malformed (a stream that ends without finish_reason or error, a
+body that is not a completion). Hung and malformed must be 0, and so must
+the processes left after `meshctl down`.
+
+    python bench/chaos.py --duration 300 --seed 1 --write
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import sqlite3
+import subprocess
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+
+from common import ROOT, meshctl, parser
+
+FAULTS = ("rank-sigkill", "rank-sigstop", "rank-exit0", "rank-jaccl", "agent-sigkill", "controller-sigkill")
+JACCL_LINE = "[jaccl] Recv failed with errno=12 (-12)\n"
+HUNG_AFTER = 300.0  # seconds: longer than the proxy's queue wait (120 s) plus a whole recovery
+
+
+@dataclass
+class Tally:
+    outcomes: Counter = field(default_factory=Counter)
+    faults: Counter = field(default_factory=Counter)
+    detected: Counter = field(default_factory=Counter)
+    examples: dict = field(default_factory=dict)
+    outages: list = field(default_factory=list)  # (start, end) of controller downtime
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, outcome: str, detail: str = "") -> None:
+        with self.lock:
+            self.outcomes[outcome] += 1
+            if detail and outcome not in ("completed",):
+                self.examples.setdefault(outcome, detail[:300])
+
+
+class Chaos:
+    def __init__(self, home: Path, seed: int, clients: int, stall_window: float):
+        self.home = home
+        self.rng = random.Random(seed)
+        self.clients = clients
+        self.stall_window = stall_window
+        self.tally = Tally()
+        self.stop = threading.Event()
+        self.run_dir = home / "demo" / "run"
+
+    # --- the mesh ------------------------------------------------------------------
+    def status(self) -> dict | None:
+        try:
+            return json.loads(meshctl(self.home, "status", "--json"))
+        except SystemExit:
+            return None
+
+    def restart_daemons(self) -> None:
+        """What launchd's KeepAlive / systemd's Restart=always do: start what is not running."""
+        from meshd import demo
+
+        demo.start_daemons(self.home / "demo", self.home / "demo" / "mesh.toml")
+
+    def daemon_pid(self, name: str) -> int:
+        return int((self.run_dir / f"{name}.pid").read_text().split()[0])
+
+    # --- load ----------------------------------------------------------------------
+    def client(self, i: int, proxy: str) -> None:
+        api = openai.OpenAI(base_url=proxy, api_key="chaos", max_retries=0, timeout=HUNG_AFTER)
+        rng = random.Random(i)
+        while not self.stop.is_set():
+            stream = rng.random() < 0.5
+            messages = [{"role": "user", "content": f"client {i} says {rng.randrange(10**6)}"}]
+            t0 = time.time()
+            try:
+                if stream:
+                    finish = None
+                    for chunk in api.chat.completions.create(model="demo", messages=messages, stream=True,
+                                                             max_tokens=rng.randint(2, 12)):
+                        if chunk.choices and chunk.choices[0].finish_reason:
+                            finish = chunk.choices[0].finish_reason
+                    self.tally.count("completed" if finish in ("stop", "length") else "malformed",
+                                     f"stream ended with finish_reason {finish!r}")
+                else:
+                    r = api.chat.completions.create(model="demo", messages=messages, max_tokens=rng.randint(2, 12))
+                    ok = isinstance(r.choices[0].message.content, str) and r.choices[0].finish_reason in ("stop",
+                                                                                                       "length")
+                    self.tally.count("completed" if ok else "malformed", r.model_dump_json())
+            except openai.APITimeoutError as e:
+                self.tally.count("hung", f"{e!r} after {time.time() - t0:.0f}s")
+            except openai.APIStatusError as e:
+                clean = isinstance(e.body, dict) and "message" in e.body
+                self.tally.count("clean error" if clean else "malformed", f"{e.status_code} {e.body!r}")
+            except openai.APIConnectionError as e:
+                self.tally.count("refused" if self.in_outage(t0) else "malformed", repr(e.__cause__ or e))
+                time.sleep(0.5)  # as a client backs off while the endpoint is away
+            except openai.APIError as e:  # an SSE error event
+                clean = bool(getattr(e, "message", ""))
+                self.tally.count("clean error" if clean else "malformed", repr(e))
+            except Exception as e:  # anything else is a broken answer
+                self.tally.count("malformed", repr(e))
+            if stream is False and rng.random() < 0.1:
+                time.sleep(rng.random())
+
+    def in_outage(self, t: float) -> bool:
+        """Did the request start or run while the controller was down (or just restarting)?"""
+        now = time.time()
+        with self.tally.lock:
+            return any(start - 1 <= now and t <= (end or now) + 1 for start, end in self.tally.outages)
+
+    # --- faults --------------------------------------------------------------------
+    def rank_pid(self, timeout: float = 120) -> tuple[int, int, int] | None:
+        """(node index, generation, pid) of a running rank chosen at random."""
+        deadline = time.time() + timeout
+        while time.time() < deadline and not self.stop.is_set():
+            s = self.status()
+            if s and s["phase"] == "ready":  # a fault on a serving mesh (a stopped loader waits out load_deadline)
+                live = [(i, s["generation"], n["rank"]["pid"]) for i, n in enumerate(s["nodes"])
+                        if n.get("rank") and n["rank"].get("state") != "exited" and n["rank"].get("pid")]
+                if live:
+                    return self.rng.choice(live)
+            time.sleep(0.5)
+        return None
+
+    def inject(self, kind: str) -> None:
+        if kind == "controller-sigkill":
+            pid = self.daemon_pid("controller")
+            with self.tally.lock:
+                self.tally.outages.append([time.time(), None])
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(1)
+            self.restart_daemons()
+            with self.tally.lock:
+                self.tally.outages[-1][1] = time.time()
+        elif kind == "agent-sigkill":
+            os.kill(self.daemon_pid(f"agent-node{self.rng.randrange(4)}"), signal.SIGKILL)
+            time.sleep(1)
+            self.restart_daemons()
+        else:
+            target = self.rank_pid()
+            if target is None:
+                return
+            node, generation, pid = target
+            injected = time.time()
+            if kind == "rank-sigkill":
+                os.kill(pid, signal.SIGKILL)
+            elif kind == "rank-sigstop":
+                os.kill(pid, signal.SIGSTOP)
+            elif kind == "rank-exit0":
+                subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "call (void)_exit(0)"],
+                               capture_output=True, timeout=60)
+            elif kind == "rank-jaccl":
+                log = next((self.home / "demo" / "agents" / f"node{node}" / "state").glob(
+                    f"gen-{generation}/rank-*/rank.log"))
+                with log.open("a") as f:
+                    f.write(JACCL_LINE)
+            self.tally.faults[kind] += 1
+            if self.wait_detected(kind, f"node{node}", generation, pid, injected):
+                self.tally.detected[kind] += 1
+            return
+        self.tally.faults[kind] += 1
+
+    EVIDENCE = {"rank-sigkill": "RankExited", "rank-exit0": "RankExited", "rank-sigstop": "RankStalled",
+                "rank-jaccl": "RankSignature"}
+
+    def wait_detected(self, kind: str, node: str, generation: int, pid: int, after: float) -> bool:
+        """Has the controller recorded what this fault must produce (the exit of that pid, a stall or
+        the fatal line of that rank)?"""
+        db = self.home / "demo" / "state" / "meshd.sqlite"
+        deadline = time.time() + self.stall_window + 60
+        while time.time() < deadline:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+            try:
+                rows = con.execute("SELECT data FROM events WHERE kind = ? AND node = ? AND generation = ? "
+                                   "AND received_at >= ?", (self.EVIDENCE[kind], node, generation, after)).fetchall()
+            except sqlite3.Error:
+                rows = []
+            finally:
+                con.close()
+            for (data,) in rows:
+                event = json.loads(data)
+                if event.get("pid", pid) == pid and (kind != "rank-jaccl" or event["signature"] == "jaccl_enomem"):
+                    return True
+            time.sleep(0.2)
+        return False
+
+    def schedule(self, duration: float) -> list[tuple[float, str]]:
+        """Seeded fault times; every kind at least once, then at random."""
+        kinds = list(FAULTS)
+        self.rng.shuffle(kinds)
+        times, t = [], 0.0
+        while t < duration:
+            t += self.rng.uniform(4, 12)
+            times.append(t)
+        extra = [self.rng.choice(FAULTS) for _ in range(max(0, len(times) - len(kinds)))]
+        return list(zip(times, kinds + extra))
+
+    # --- one run ---------------------------------------------------------------------
+    def run(self, duration: float, say=print) -> dict:
+        t_up = time.time()
+        meshctl(self.home, "up", "--stall-window", str(self.stall_window), "--max-failures", "1000",
+                "--backoff-max", "2")
+        say(f"chaos: demo mesh up in {time.time() - t_up:.1f}s")
+        proxy = self.status()["urls"]["proxy"]
+        workers = [threading.Thread(target=self.client, args=(i, proxy), daemon=True) for i in range(self.clients)]
+        for w in workers:
+            w.start()
+        start = time.time()
+        for at, kind in self.schedule(duration):
+            while time.time() - start < at:
+                time.sleep(0.1)
+            say(f"chaos: t={time.time() - start:5.1f}s inject {kind}")
+            self.inject(kind)
+        ready = self.wait_ready(300)
+        self.stop.set()
+        for w in workers:
+            w.join(HUNG_AFTER + 30)
+        served = self.final_request(proxy)
+        incidents = json.loads(meshctl(self.home, "events", "--json"))["incidents"]
+        meshctl(self.home, "down")
+        time.sleep(1)
+        from meshd import daemons
+
+        left = daemons.pids_below(self.home)
+        return {"duration": time.time() - start, "faults": dict(self.tally.faults),
+                "detected": dict(self.tally.detected),
+                "outcomes": dict(self.tally.outcomes), "examples": self.tally.examples,
+                "incidents": len(incidents), "incident_log": [(i["cause"], i["node"], i["generation"], i["steps"],
+                                                                i["serving_back_at"]) for i in incidents], "recovered": sum(1 for i in incidents if i["serving_back_at"]),
+                "ready_at_end": ready, "served_at_end": served, "left_after_down": left,
+                "still_working": [w.name for w in workers if w.is_alive()]}
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            s = self.status()
+            if s and s["phase"] == "ready":
+                return True
+            time.sleep(0.5)
+        return False
+
+    def final_request(self, proxy: str) -> bool:
+        api = openai.OpenAI(base_url=proxy, api_key="chaos", max_retries=0, timeout=120)
+        try:
+            r = api.chat.completions.create(model="demo", messages=[{"role": "user", "content": "still there?"}],
+                                            max_tokens=3)
+            return bool(r.choices[0].finish_reason)
+        except openai.APIError:
+            return False
+
+
+def report(result: dict, args, write: bool) -> str:
+    o = result["outcomes"]
+    total = sum(o.values())
+    lines = [f"## Chaos under load ({time.strftime('%Y-%m-%d')}, demo mesh: 4 ranks on the ring backend, "
+             f"{os.cpu_count()} CPUs, {args.clients} clients, {result['duration']:.0f} s, seed {args.seed})", "",
+             "| fault | injected | seen by the controller |", "|---|---|---|"]
+    lines += [f"| {k} | {result['faults'].get(k, 0)} | {result['detected'].get(k, '-')} |" for k in FAULTS]
+    lines += ["", "| outcome | requests | must be |", "|---|---|---|",
+              f"| completed | {o.get('completed', 0)} | |",
+              f"| clean error (HTTP error with JSON body, or SSE error event) | {o.get('clean error', 0)} | |",
+              f"| refused while the controller was down | {o.get('refused', 0)} | |",
+              f"| hung | {o.get('hung', 0)} | 0 |",
+              f"| malformed | {o.get('malformed', 0)} | 0 |",
+              f"| all | {total} | |", "",
+              f"Incidents opened: {result['incidents']}, recovered (serving again): {result['recovered']}. "
+              f"Ready at the end: {result['ready_at_end']}; a request after the run: "
+              f"{'served' if result['served_at_end'] else 'FAILED'}. Processes left after `meshctl down`: "
+              f"{len(result['left_after_down'])} (must be 0).", ""]
+    if result["examples"]:
+        lines += ["First example of each non-completed outcome:", ""]
+        lines += [f"- {k}: `{v}`" for k, v in sorted(result["examples"].items())]
+        lines.append("")
+    lines += [f"Command: `python bench/chaos.py --duration {args.duration:g} --clients {args.clients} "
+              f"--seed {args.seed} --write`", ""]
+    text = "\n".join(lines)
+    if write:
+        docs = ROOT / "docs" / "RELIABILITY.md"
+        head = docs.read_text() if docs.exists() else \
+            "# Reliability\n\nEvery figure here was measured by the command under it.\n\n"
+        docs.write_text(head + text + "\n")
+    return text
+
+
+def main() -> None:
+    ap = parser()
+    ap.add_argument("--duration", type=float, default=300, help="seconds of faults under load")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--stall-window", type=float, default=3.0)
+    args = ap.parse_args()
+    if shutil.which("gdb") is None:
+        raise SystemExit("gdb is not installed (the rank-exit0 fault uses it): apt-get install gdb")
+    home = Path(tempfile.mkdtemp(prefix="meshd-chaos-"))
+    result = Chaos(home, args.seed, args.clients, args.stall_window).run(args.duration)
+    print(json.dumps(result, indent=2))
+    print(report(result, args, args.write))
+
+
+if __name__ == "__main__":
+    main()
