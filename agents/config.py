@@ -28,6 +28,12 @@ DEFAULT_PROFILES = {
                  "max_context": "--max-context"},
         "status_file": True,
     },
+    # The transport check `meshctl doctor --canary` runs before a model load.
+    "meshd-canary": {
+        "command": ["{python}", "-m", "runtime.canary", "--meshd-generation", "{generation}"],
+        "args": {"seconds": "--seconds", "largest": "--largest"},
+        "status_file": False,
+    },
     # Stock mlx_lm.server rejects unknown flags, so the generation marker
     # rides on the interpreter's -X options.
     "mlx-lm-server": {
@@ -67,6 +73,7 @@ class AgentConfig:
     grace_seconds: float = 30.0
     metrics_token_file: Path | None = None
     python: str = sys.executable
+    wired_limit_mb: int = 0  # applied at start when set (macOS, lost at reboot)
 
     def token(self) -> str:
         return _read_secret(self.token_file, "token_file")
@@ -139,6 +146,7 @@ class Options:
     grace_seconds: float = AgentConfig.grace_seconds
     metrics_token_file: Path | None = None
     python: str = sys.executable
+    wired_limit_mb: int = 0
 
 
 EXAMPLES = {"listen": '"127.0.0.1:7701"', "state_dir": '"/var/lib/meshd-agent"',
@@ -165,7 +173,7 @@ def parse(raw: dict, base: Path) -> AgentConfig:
         allow_reboot=opts.allow_reboot, reboot_command=opts.reboot_command, env_allowlist=opts.env_allowlist,
         stall=table(StallWindows, raw.get("stall"), "stall", base, {}),
         log_max_bytes=opts.log_max_bytes, ibv_hang_seconds=opts.ibv_hang_seconds, grace_seconds=opts.grace_seconds,
-        metrics_token_file=opts.metrics_token_file, python=opts.python,
+        metrics_token_file=opts.metrics_token_file, python=opts.python, wired_limit_mb=opts.wired_limit_mb,
     )
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import platform
 import signal
@@ -45,11 +46,53 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def boot_id() -> str:
+async def boot_id() -> str:
+    """macOS's boot session UUID (sysctl), else Linux's boot_id, else the boot time."""
+    mac = await run_tool(["sysctl", "-n", "kern.bootsessionuuid"])
+    if mac["ok"] and mac["output"].strip():
+        return mac["output"].strip()
     linux = Path("/proc/sys/kernel/random/boot_id")
     if linux.exists():
         return linux.read_text().strip()
     return str(psutil.boot_time())
+
+
+async def wired_limit_mb() -> int | None:
+    """`iogpu.wired_limit_mb` (macOS; 0 means the OS default), None where the key does not exist."""
+    r = await run_tool(["sysctl", "-n", "iogpu.wired_limit_mb"])
+    try:
+        return int(r["output"].strip()) if r["ok"] else None
+    except ValueError:
+        return None
+
+
+async def apply_wired_limit(mb: int) -> dict:
+    """Set `iogpu.wired_limit_mb` (lost at every reboot) unless it already holds `mb`."""
+    before = await wired_limit_mb()
+    if before == mb:
+        return {"wanted": mb, "ok": True, "was": before}
+    r = await run_tool(["sudo", "-n", "sysctl", f"iogpu.wired_limit_mb={mb}"])
+    return {"wanted": mb, "ok": r["ok"], "was": before, **({} if r["ok"] else {"error": r["error"]})}
+
+
+def model_fingerprint(model_dir: str) -> dict:
+    """What makes two copies of a model the same without reading the weights:
+    the config and weight-index hashes and the names and sizes of the weight files."""
+    root = Path(model_dir)
+    try:
+        if not (root / "config.json").is_file():
+            return {"present": False, "path": model_dir}
+        weights = sorted(p for p in root.iterdir() if p.suffix == ".safetensors")
+        h = hashlib.sha256()
+        for name in ("config.json", "model.safetensors.index.json"):
+            if (root / name).is_file():
+                h.update(name.encode() + b"\0" + hashlib.sha256((root / name).read_bytes()).digest())
+        sizes = [(p.name, p.stat().st_size) for p in weights]
+        h.update(repr(sizes).encode())
+    except (OSError, ValueError) as e:
+        return {"present": False, "path": model_dir, "error": str(e)}
+    return {"present": True, "path": model_dir, "fingerprint": h.hexdigest()[:16],
+            "bytes": sum(size for _, size in sizes), "weight_files": len(sizes)}
 
 
 def parse_ibv_devices(output: str) -> list[str]:
@@ -74,17 +117,19 @@ async def facts(model_dir: str | None = None) -> dict:
         "python": sys.version.split()[0],
         "mlx": _version("mlx"),
         "mlx_lm": _version("mlx-lm"),
-        "boot_id": boot_id(),
-        "wired_limit_mb": None,
+        "boot_id": await boot_id(),
+        "wired_limit_mb": await wired_limit_mb(),
         "rdma_devices": None,
     }
+    if model_dir:
+        out["model"] = model_fingerprint(model_dir)
     where = Path(model_dir) if model_dir else Path.home()
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    out["disk_free_bytes"] = shutil.disk_usage(where).free
-    if platform.system() == "Darwin":
-        wired = await run_tool(["sysctl", "-n", "iogpu.wired_limit_mb"])
-        out["wired_limit_mb"] = int(wired["output"].strip()) if wired["ok"] else None
+    try:
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        out["disk_free_bytes"] = shutil.disk_usage(where).free
+    except (OSError, ValueError):  # a path with a NUL byte, or one we may not stat
+        out["disk_free_bytes"] = None
     ibv = await run_tool(["ibv_devices"])
     out["rdma_devices"] = parse_ibv_devices(ibv["output"]) if ibv["ok"] else {"error": ibv["error"],
                                                                              "hung": ibv.get("hung", False)}

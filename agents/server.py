@@ -135,6 +135,7 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None) -> w
     async def node(request):
         model = request.query.get("model")
         return web.json_response({"node": cfg.node, **await node_facts.facts(model),
+                                  "wired_limit_applied": sup.wired_limit,
                                   "reboot_required": sup.reboot_required, "allow_reboot": cfg.allow_reboot})
 
     async def list_ranks(request):
@@ -240,6 +241,9 @@ async def serve(cfg: agent_config.AgentConfig) -> None:
     sup = Supervisor(cfg)
     await sup.adopt()
     swept = await sup.sweep()
+    if cfg.wired_limit_mb:
+        sup.wired_limit = await node_facts.apply_wired_limit(cfg.wired_limit_mb)
+        log.info("wired limit", node=cfg.node, **sup.wired_limit)
     log.info("agent starting", node=cfg.node, adopted=[r.pid for r in sup.live()],
              swept=[k["pid"] for k in swept["killed"]])
     (runner,) = await start_sites([(make_app(sup, token, metrics_token), cfg.host, cfg.port)], shutdown_timeout=1.0)

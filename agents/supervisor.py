@@ -55,6 +55,7 @@ class Supervisor:
         self.events = EventLog(self.state_dir / "events.jsonl")
         self.records: dict[tuple[int, int], RankRecord] = {}
         self.reboot_required: str | None = None
+        self.wired_limit: dict | None = None  # what applying agent.toml's wired_limit_mb did
         self.counters = Counters(exits={}, signatures={})
         self._lock = asyncio.Lock()
         self._manifest_path = self.state_dir / "manifest.json"

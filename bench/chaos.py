@@ -48,7 +48,8 @@ HUNG_AFTER = 300.0  # seconds: longer than the proxy's queue wait (120 s) plus a
 class Tally:
     outcomes: Counter = field(default_factory=Counter)
     faults: Counter = field(default_factory=Counter)
-    detected: Counter = field(default_factory=Counter)
+    detected: Counter = field(default_factory=Counter)  # the fault's own evidence reached the controller
+    replaced: Counter = field(default_factory=Counter)  # the generation it hit was ended and replaced
     examples: dict = field(default_factory=dict)
     outages: list = field(default_factory=list)  # (start, end) of controller downtime
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -152,6 +153,8 @@ class Chaos:
             os.kill(pid, signal.SIGKILL)
             time.sleep(1)
             self.restart_daemons()
+            while self.status() is None:  # the proxy opens with the control API, after adoption
+                time.sleep(0.2)
             with self.tally.lock:
                 self.tally.outages[-1][1] = time.time()
         elif kind == "agent-sigkill":
@@ -177,34 +180,37 @@ class Chaos:
                 with log.open("a") as f:
                     f.write(JACCL_LINE)
             self.tally.faults[kind] += 1
-            if self.wait_detected(kind, f"node{node}", generation, pid, injected):
-                self.tally.detected[kind] += 1
+            seen, replaced = self.wait_handled(kind, f"node{node}", generation, pid, injected)
+            self.tally.detected[kind] += seen
+            self.tally.replaced[kind] += replaced
             return
         self.tally.faults[kind] += 1
 
     EVIDENCE = {"rank-sigkill": "RankExited", "rank-exit0": "RankExited", "rank-sigstop": "RankStalled",
                 "rank-jaccl": "RankSignature"}
 
-    def wait_detected(self, kind: str, node: str, generation: int, pid: int, after: float) -> bool:
-        """Has the controller recorded what this fault must produce (the exit of that pid, a stall or
-        the fatal line of that rank)?"""
+    def wait_handled(self, kind: str, node: str, generation: int, pid: int, after: float) -> tuple[bool, bool]:
+        """(the controller recorded what this fault must produce: the exit of that pid, a stall or the fatal
+        line of that rank; the controller ended that generation and started the next)."""
         db = self.home / "demo" / "state" / "meshd.sqlite"
         deadline = time.time() + self.stall_window + 60
-        while time.time() < deadline:
+        seen = replaced = False
+        while time.time() < deadline and not (seen and replaced):
             con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
             try:
                 rows = con.execute("SELECT data FROM events WHERE kind = ? AND node = ? AND generation = ? "
                                    "AND received_at >= ?", (self.EVIDENCE[kind], node, generation, after)).fetchall()
+                replaced = con.execute("SELECT COUNT(*) FROM generations WHERE generation > ?",
+                                       (generation,)).fetchone()[0] > 0
             except sqlite3.Error:
                 rows = []
             finally:
                 con.close()
-            for (data,) in rows:
-                event = json.loads(data)
-                if event.get("pid", pid) == pid and (kind != "rank-jaccl" or event["signature"] == "jaccl_enomem"):
-                    return True
+            seen = seen or any(json.loads(d).get("pid", pid) == pid and
+                               (kind != "rank-jaccl" or json.loads(d)["signature"] == "jaccl_enomem")
+                               for (d,) in rows)
             time.sleep(0.2)
-        return False
+        return seen, replaced
 
     def schedule(self, duration: float) -> list[tuple[float, str]]:
         """Seeded fault times; every kind at least once, then at random."""
@@ -245,7 +251,7 @@ class Chaos:
 
         left = daemons.pids_below(self.home)
         return {"duration": time.time() - start, "faults": dict(self.tally.faults),
-                "detected": dict(self.tally.detected),
+                "detected": dict(self.tally.detected), "replaced": dict(self.tally.replaced),
                 "outcomes": dict(self.tally.outcomes), "examples": self.tally.examples,
                 "incidents": len(incidents), "incident_log": [(i["cause"], i["node"], i["generation"], i["steps"],
                                                                 i["serving_back_at"]) for i in incidents], "recovered": sum(1 for i in incidents if i["serving_back_at"]),
@@ -276,8 +282,10 @@ def report(result: dict, args, write: bool) -> str:
     total = sum(o.values())
     lines = [f"## Chaos under load ({time.strftime('%Y-%m-%d')}, demo mesh: 4 ranks on the ring backend, "
              f"{os.cpu_count()} CPUs, {args.clients} clients, {result['duration']:.0f} s, seed {args.seed})", "",
-             "| fault | injected | seen by the controller |", "|---|---|---|"]
-    lines += [f"| {k} | {result['faults'].get(k, 0)} | {result['detected'].get(k, '-')} |" for k in FAULTS]
+             "| fault | injected | its own evidence reached the controller | generation replaced |",
+             "|---|---|---|---|"]
+    lines += [f"| {k} | {result['faults'].get(k, 0)} | {result['detected'].get(k, '-')} | "
+              f"{result['replaced'].get(k, '-')} |" for k in FAULTS]
     lines += ["", "| outcome | requests | must be |", "|---|---|---|",
               f"| completed | {o.get('completed', 0)} | |",
               f"| clean error (HTTP error with JSON body, or SSE error event) | {o.get('clean error', 0)} | |",

@@ -1,4 +1,5 @@
-"""`meshctl`: up, down, status, restart, events, logs, config check.
+"""`meshctl`: up, down, status, restart, events, logs, config check,
+provision, doctor, reboot, agents install, service install.
 
 With no --config (and no $MESHD_CONFIG), meshctl drives the embedded demo
 mesh: `meshctl up` starts it (controller and four agents as background
@@ -218,6 +219,104 @@ def cmd_config_check(args) -> int:
     return 0
 
 
+def cmd_provision(args) -> int:
+    from meshd import provision
+    from meshd.ssh import SshError
+
+    cfg = resolve_config(args.config)
+    try:
+        provision.provision(cfg, force=args.force, trust_new=args.trust_new_host, say=say)
+    except (SshError, provision.ProvisionError) as e:
+        raise CliError(str(e))
+    return 0
+
+
+def preflight(cfg: MeshConfig, *, canary: bool = False, trust_new: bool = False, ssh: bool = True) -> list:
+    import asyncio
+
+    from meshd import doctor
+
+    current = None
+    ctl = Control(cfg)
+    if ctl.alive():
+        current = ctl.call("GET", "/v1/status")["generation"]
+    checks = doctor.ssh_checks(cfg, trust_new=trust_new) if ssh else []
+    checks += asyncio.run(doctor.agent_checks(cfg, current))
+    if canary and all(c.ok for c in checks):
+        from meshd.config import hostfile_for
+
+        checks += asyncio.run(doctor.canary(cfg, hostfile_for(cfg)))
+    return checks
+
+
+def cmd_doctor(args) -> int:
+    cfg = resolve_config(args.config)
+    checks = preflight(cfg, canary=args.canary, trust_new=args.trust_new_host)
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps([asdict(c) for c in checks], indent=2))
+    else:
+        for c in checks:
+            say(c.line())
+        failed = [c for c in checks if not c.ok]
+        say(f"\n{len(checks) - len(failed)} of {len(checks)} checks pass" + (": ready to start" if not failed else ""))
+    return 0 if all(c.ok for c in checks) else 1
+
+
+def cmd_reboot(args) -> int:
+    import asyncio
+
+    import aiohttp
+
+    from meshd import provision
+    from meshd.agentclient import AgentClient
+
+    cfg = resolve_config(args.config)
+    names = [n.name for n in cfg.nodes]
+    nodes = tuple(names) if args.all else tuple(args.nodes)
+    unknown = sorted(set(nodes) - set(names))
+    if not nodes or unknown:
+        raise CliError(f"name the nodes to reboot ({', '.join(names)}) or pass --all"
+                       + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            agents = {n.name: AgentClient(n, session) for n in cfg.nodes}
+            return await provision.reboot_nodes(cfg, agents, nodes, say, wait=args.wait)
+
+    ok, detail = asyncio.run(run())
+    if not ok:
+        raise CliError(detail)
+    say(detail)
+    if cfg.backend in ("jaccl", "jaccl-ring"):
+        say("re-provisioning (a reboot loses the Thunderbolt setup)")
+        cmd_provision(argparse.Namespace(config=args.config, force=False, trust_new_host=False))
+    ctl = Control(cfg)
+    if ctl.alive():
+        ctl.call("POST", "/v1/up")
+        say("handed back to the controller: `meshctl status` shows it starting the mesh")
+    return 0
+
+
+def cmd_agents_install(args) -> int:
+    from meshd import install
+
+    cfg = resolve_config(args.config)
+    names = [n.name for n in cfg.nodes] if args.all else args.nodes
+    unknown = sorted(set(names) - {n.name for n in cfg.nodes})
+    if not names or unknown:
+        raise CliError(f"name the nodes ({', '.join(n.name for n in cfg.nodes)}) or pass --all"
+                       + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+    try:
+        install.install(cfg, names, say=say, trust_new=args.trust_new_host,
+                        system_site_packages=args.system_site_packages, allow_reboot=args.allow_reboot,
+                        wired_limit_mb=args.wired_limit_mb, service_dir=args.service_dir)
+    except install.InstallError as e:
+        raise CliError(str(e))
+    return 0
+
+
 def cmd_service_install(args) -> int:
     from meshd import service
 
@@ -260,6 +359,29 @@ def main(argv: list[str] | None = None) -> int:
     cfg_sub = cfg.add_subparsers(dest="config_cmd", required=True)
     check = cfg_sub.add_parser("check", help="validate a mesh.toml")
     check.add_argument("file", nargs="?")
+    prov = sub.add_parser("provision", help="set the nodes up: JACCL auto-setup over SSH, or a ring hostfile")
+    prov.add_argument("--force", action="store_true", help="run auto-setup again within the same boot")
+    prov.add_argument("--trust-new-host", action="store_true", help="pin host keys not yet in known_hosts")
+    doc = sub.add_parser("doctor", help="preflight: every check a mesh needs before it starts, with fixes")
+    doc.add_argument("--canary", action="store_true", help="also run all_sum across the mesh (no model)")
+    doc.add_argument("--trust-new-host", action="store_true", help="pin host keys not yet in known_hosts")
+    doc.add_argument("--json", action="store_true")
+    rb = sub.add_parser("reboot", help="reboot nodes (agent, else SSH), wait for them, re-provision")
+    rb.add_argument("nodes", nargs="*")
+    rb.add_argument("--all", action="store_true")
+    rb.add_argument("--wait", type=float, default=900, help="seconds to wait for a node to come back")
+    ag = sub.add_parser("agents", help="node agents")
+    ag_sub = ag.add_subparsers(dest="agents_cmd", required=True)
+    ai = ag_sub.add_parser("install", help="over SSH: meshd in a venv, agent config and token, service started")
+    ai.add_argument("nodes", nargs="*")
+    ai.add_argument("--all", action="store_true")
+    ai.add_argument("--trust-new-host", action="store_true", help="pin host keys not yet in known_hosts")
+    ai.add_argument("--system-site-packages", action="store_true",
+                    help="let the venv use the node's installed packages (mlx already there)")
+    ai.add_argument("--allow-reboot", action="store_true", help="let the agent reboot its node when asked")
+    ai.add_argument("--wired-limit-mb", type=int, default=0, help="iogpu.wired_limit_mb the agent applies (macOS)")
+    ai.add_argument("--service-dir", help="where the plist/unit goes (default /Library/LaunchDaemons or "
+                                          "/etc/systemd/system)")
     svc = sub.add_parser("service", help="service definitions")
     svc_sub = svc.add_subparsers(dest="service_cmd", required=True)
     inst = svc_sub.add_parser("install", help="render the systemd unit / launchd plist for this machine")
@@ -273,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     handlers = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "restart": cmd_restart,
                 "events": cmd_events, "logs": cmd_logs, "config": cmd_config_check,
-                "service": cmd_service_install}
+                "service": cmd_service_install, "provision": cmd_provision, "doctor": cmd_doctor,
+                "reboot": cmd_reboot, "agents": cmd_agents_install}
     try:
         return handlers[args.cmd](args)
     except (CliError, ConfigError) as e:

@@ -3,8 +3,9 @@ wrong and shows an example of right (`meshctl config check`)."""
 
 from __future__ import annotations
 
+import os
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,17 @@ class Proxy:
 
 
 @dataclass(frozen=True)
+class Ssh:
+    """How meshctl reaches the nodes over SSH (provision, doctor, reboot, agents install)."""
+
+    user: str = ""
+    known_hosts: str = "~/.ssh/known_hosts"
+    key_file: Path | None = None  # none: ssh-agent and the default keys
+    connect_timeout: float = 10.0
+    command_timeout: float = 120.0
+
+
+@dataclass(frozen=True)
 class Control:
     listen: str = "127.0.0.1:8001"
 
@@ -69,6 +81,7 @@ class MeshConfig:
     state_dir: Path
     hostfile: Path | None = None
     path: Path | None = None
+    ssh: Ssh = field(default_factory=Ssh)
 
     @property
     def speculative(self) -> bool:
@@ -144,7 +157,7 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
     backend = raw.get("backend", "ring")
     if backend not in BACKENDS:
         raise ConfigError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}; for example backend = \"jaccl\"")
-    allowed = {"name", "backend", "nodes", "runtime", "proxy", "recovery", "control", "state_dir", "hostfile"}
+    allowed = {"name", "backend", "nodes", "runtime", "proxy", "recovery", "control", "state_dir", "hostfile", "ssh"}
     unknown = sorted(set(raw) - allowed)
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown key; mesh.toml takes {', '.join(sorted(allowed))}")
@@ -197,10 +210,18 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
     if hostfile is not None and not isinstance(hostfile, str):
         raise ConfigError(f'hostfile: expected a path, got {hostfile!r}; for example hostfile = "hostfile.json"')
     if backend in ("jaccl", "jaccl-ring") and not hostfile:
-        raise ConfigError('hostfile: a jaccl mesh needs the hostfile mlx.distributed_config writes; run '
-                          '`meshctl provision` or set hostfile = "hostfile.json"')
+        hostfile = str(Path(state_dir) / "hostfile.json")  # where `meshctl provision` writes it
     return MeshConfig(name, backend, tuple(nodes), runtime, proxy, recovery, control, base / state_dir,
-                      base / hostfile if hostfile else None, path)
+                      base / hostfile if hostfile else None, path, _ssh(raw.get("ssh"), base))
+
+
+def _ssh(raw, base: Path) -> Ssh:
+    if isinstance(raw, dict):
+        raw = {k: os.path.expanduser(v) if k in ("known_hosts", "key_file") and isinstance(v, str) else v
+               for k, v in raw.items()}
+    ssh = table(Ssh, raw, "ssh", base, {"user": '"admin"', "known_hosts": '"~/.ssh/known_hosts"',
+                                         "key_file": '"~/.ssh/id_ed25519"'})
+    return replace(ssh, known_hosts=str(base / os.path.expanduser(ssh.known_hosts)))
 
 
 def read_toml(path: Path, fix: str) -> dict:

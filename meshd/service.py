@@ -28,13 +28,18 @@ def state_dir_of(kind: str, config: Path) -> Path:
 
 def render(kind: str, config: Path, *, user: str | None = None, system: str | None = None,
            wired_limit_mb: int | None = None) -> dict[str, str]:
-    """{file name: text} for `kind` (controller | agent) on `system` (linux | macos)."""
+    """{file name: text} for `kind` (controller | agent) on `system` (linux | macos), for this machine."""
     system = system or ("macos" if platform.system() == "Darwin" else "linux")
     config = config.resolve()
     state = state_dir_of(kind, config)
-    values = {"python": sys.executable, "config": str(config), "user": user or getpass.getuser(),
-              "workdir": str(config.parent), "state_dir": str(state), "log_dir": str(state / "log"),
-              "docs": str(ROOT / "docs"), "wired_limit_mb": str(wired_limit_mb or "")}
+    return render_with(kind, system, {"python": sys.executable, "config": str(config),
+                                      "user": user or getpass.getuser(), "workdir": str(config.parent),
+                                      "state_dir": str(state), "log_dir": str(state / "log")}, wired_limit_mb)
+
+
+def render_with(kind: str, system: str, values: dict[str, str], wired_limit_mb: int | None = None) -> dict[str, str]:
+    """The same with every path given (another machine's, for `meshctl agents install`)."""
+    values = {**values, "docs": str(ROOT / "docs"), "wired_limit_mb": str(wired_limit_mb or "")}
     out = {}
     path = ROOT / UNITS[(kind, system)]
     out[path.name] = Template(path.read_text()).substitute(values)

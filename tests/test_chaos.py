@@ -17,7 +17,7 @@ def test_every_fault_under_load_ends_clean(tmp_path):
     print(result)
     assert set(result["faults"]) == set(FAULTS), result["faults"]
     rank_faults = {k: n for k, n in result["faults"].items() if k.startswith("rank-")}
-    assert result["detected"] == rank_faults, ("a rank fault the controller never saw", result)
+    assert result["replaced"] == rank_faults, ("a rank fault the mesh never recovered from", result)
     outcomes = result["outcomes"]
     assert outcomes.get("hung", 0) == 0, result["examples"]
     assert outcomes.get("malformed", 0) == 0, result["examples"]

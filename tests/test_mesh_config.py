@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from meshd.config import ConfigError, load, parse
+from pathlib import Path
+
+from meshd.config import ConfigError, hostfile_for, load, parse
 
 NODE = {"name": "a", "agent": "http://127.0.0.1:7701", "token_file": "t"}
 BASE = {"nodes": [NODE], "runtime": {"model": "/m"}}
@@ -18,7 +20,8 @@ BAD = [
     ("unknown node key", {**BASE, "nodes": [{**NODE, "port": 1}]}, "nodes[0].port: unknown key"),
     ("no model", {"nodes": [NODE]}, "runtime.model: missing"),
     ("bad backend", {**BASE, "backend": "tcp"}, "backend: 'tcp' is not one of"),
-    ("jaccl without hostfile", {**BASE, "backend": "jaccl"}, "hostfile: a jaccl mesh needs"),
+    ("ssh timeout a string", {**BASE, "ssh": {"connect_timeout": "5"}}, "ssh.connect_timeout: expected seconds"),
+    ("unknown ssh key", {**BASE, "ssh": {"password": "x"}}, "ssh.password: unknown key"),
     ("unknown top key", {**BASE, "nodez": 1}, "nodez: unknown key"),
     ("unknown proxy key", {**BASE, "proxy": {"port": 1}}, "proxy.port: unknown key"),
     ("concurrency string", {**BASE, "proxy": {"concurrency": "8"}}, "proxy.concurrency: expected an integer"),
@@ -35,6 +38,20 @@ def test_config_mistakes(name, raw, needle, tmp_path):
     with pytest.raises(ConfigError) as e:
         parse(raw, tmp_path)
     assert needle in str(e.value)
+
+
+def test_a_jaccl_mesh_reads_the_hostfile_meshctl_provision_writes(tmp_path):
+    cfg = parse({**BASE, "backend": "jaccl"}, tmp_path)
+    assert cfg.hostfile == tmp_path / "state" / "hostfile.json"
+    with pytest.raises(ConfigError, match="run `meshctl provision`"):
+        hostfile_for(cfg)
+
+
+def test_ssh_paths_expand_home_and_resolve_beside_the_config(tmp_path):
+    cfg = parse({**BASE, "ssh": {"known_hosts": "keys/known_hosts", "key_file": "~/.ssh/id_ed25519"}}, tmp_path)
+    assert cfg.ssh.known_hosts == str(tmp_path / "keys" / "known_hosts")
+    assert cfg.ssh.key_file == Path("~/.ssh/id_ed25519").expanduser()
+    assert parse(BASE, tmp_path).ssh.known_hosts == str(Path("~/.ssh/known_hosts").expanduser())
 
 
 def test_defaults_listen_on_loopback(tmp_path):

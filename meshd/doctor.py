@@ -1,0 +1,242 @@
+"""The preflight gate (`meshctl doctor`, and `meshctl up` before it starts a
+mesh): every check has a timeout and, when it fails, a one-line fix.
+
+The `judge_*` functions are pure (facts in, checks out) and table-tested;
+`gather` collects the facts over SSH and from the agents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+import aiohttp
+
+from meshd.agentclient import AgentClient, AgentError
+from meshd.config import MeshConfig
+
+USABLE_FRACTION = 0.9  # of iogpu.wired_limit_mb: what a model may take (oMLX caps prefill there too)
+JACCL = ("jaccl", "jaccl-ring")
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    node: str  # a node, or "mesh"
+    ok: bool
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        mark = "ok  " if self.ok else "FAIL"
+        return f"{mark} {self.name:<12} {self.node:<10} {self.detail}" + ("" if self.ok else f"\n     fix: {self.fix}")
+
+
+# --- pure judgements ------------------------------------------------------------------
+
+def judge_versions(facts: dict[str, dict]) -> list[Check]:
+    """The same Python, mlx and mlx-lm everywhere; the odd ones out are told the majority's versions."""
+    keys = ("python", "mlx", "mlx_lm")
+    seen = {node: tuple(f.get(k) for k in keys) for node, f in facts.items()}
+    if not seen:
+        return []
+    common, _ = Counter(seen.values()).most_common(1)[0]
+    out = []
+    for node, v in seen.items():
+        label = ", ".join(f"{k} {x}" for k, x in zip(keys, v))
+        if v == common:
+            out.append(Check("versions", node, True, label))
+        else:
+            want = dict(zip(keys, common))
+            out.append(Check("versions", node, False, f"{label}; the other nodes run "
+                             + ", ".join(f"{k} {x}" for k, x in want.items()),
+                             f"on {node}: pip install 'mlx=={want['mlx']}' 'mlx-lm=={want['mlx_lm']}' "
+                             f"(and Python {want['python']})"))
+    return out
+
+
+def judge_model(facts: dict[str, dict], path: str) -> list[Check]:
+    """The model is on every node, and every copy has the same fingerprint."""
+    models = {node: f.get("model") or {"present": False} for node, f in facts.items()}
+    prints = Counter(m["fingerprint"] for m in models.values() if m.get("present"))
+    common = prints.most_common(1)[0][0] if prints else None
+    out = []
+    for node, m in models.items():
+        if not m.get("present"):
+            out.append(Check("model", node, False, f"no model at {path} (no config.json there)",
+                             f"copy it there: rsync -a {path}/ {node}:{path}/"))
+        elif m["fingerprint"] != common:
+            out.append(Check("model", node, False, f"{path} differs from the other nodes' copy "
+                             f"(fingerprint {m['fingerprint']} vs {common})",
+                             f"copy it again from a good node: rsync -a --delete GOOD:{path}/ {node}:{path}/"))
+        else:
+            out.append(Check("model", node, True, f"{m['bytes'] / 2**30:.2f} GiB in {m['weight_files']} files, "
+                                                  f"fingerprint {m['fingerprint']}"))
+    return out
+
+
+def judge_memory(facts: dict[str, dict], world: int) -> list[Check]:
+    """Each rank holds 1/world of the weights; it must fit the node's usable GPU memory: on macOS 90% of
+    iogpu.wired_limit_mb when set, elsewhere 90% of the memory available now."""
+    out = []
+    for node, f in facts.items():
+        model = f.get("model") or {}
+        if not model.get("present"):
+            continue
+        share = model["bytes"] / world
+        wired = f.get("wired_limit_mb")
+        if wired:
+            usable, source = USABLE_FRACTION * wired * 2**20, f"90% of iogpu.wired_limit_mb={wired}"
+        else:
+            usable, source = USABLE_FRACTION * f["memory_available_bytes"], "90% of available memory"
+        detail = f"{share / 2**30:.2f} GiB per rank, {usable / 2**30:.2f} GiB usable ({source})"
+        if share <= usable:
+            out.append(Check("memory", node, True, detail))
+            continue
+        need_mb = math.ceil(share / USABLE_FRACTION / 2**20)
+        total_mb = f.get("memory_total_bytes", 0) // 2**20
+        if wired is not None and need_mb <= total_mb:
+            fix = (f"on {node}: sudo sysctl iogpu.wired_limit_mb={need_mb} (and wired_limit_mb = {need_mb} in its "
+                   f"agent.toml so it holds after a reboot)")
+        else:
+            fix = f"the model does not fit {world} nodes of this size: use more nodes or a smaller quantization"
+        out.append(Check("memory", node, False, f"the model does not fit: {detail}", fix))
+    return out
+
+
+def judge_bridge(node: str, ifconfig_output: str) -> Check:
+    flags = re.search(r"flags=\w+<([^>]*)>", ifconfig_output)
+    up = bool(flags) and "UP" in flags.group(1).split(",")
+    if up:
+        return Check("bridge0", node, False, "bridge0 is up: it captures the Thunderbolt ports JACCL needs",
+                     f"on {node}: sudo ifconfig bridge0 down (meshctl provision does it)")
+    return Check("bridge0", node, True, "down")
+
+
+def judge_rdma(node: str, devices: str | None, devinfo: str | None, hung: bool) -> Check:
+    if hung:
+        return Check("rdma", node, False, "ibv_devinfo hung: the RDMA stack is wedged (it happens after a crash)",
+                     f"reboot the node: meshctl reboot {node}")
+    names = [w for w in (devices or "").split() if w.startswith("rdma_")]
+    if not names:
+        return Check("rdma", node, False, "no RDMA device (ibv_devices lists none)",
+                     "enable RDMA once in macOS Recovery: `rdma_ctl enable`, then reboot")
+    states = re.findall(r"state:\s+(\w+)", devinfo or "")
+    down = [f"{n}: {s}" for n, s in zip(names, states) if s != "PORT_ACTIVE"]
+    if down or not states:
+        return Check("rdma", node, False, f"ports not active ({', '.join(down) or 'no port state'})",
+                     "check the Thunderbolt cables, then meshctl provision --force")
+    return Check("rdma", node, True, f"{len(names)} devices, all PORT_ACTIVE")
+
+
+def judge_stale(node: str, ranks: list[dict], current: int | None) -> Check:
+    """No rank left running from a generation that is not the live one."""
+    stale = [r for r in ranks if r.get("state") not in ("exited", "lost") and r.get("generation") != current]
+    if stale:
+        desc = ", ".join(f"generation {r['generation']} rank {r['rank']} pid {r['pid']}" for r in stale)
+        return Check("stale ranks", node, False, desc,
+                     f"meshctl down --force, or POST /v1/generations/G/stop on {node}'s agent")
+    return Check("stale ranks", node, True, "none")
+
+
+# --- gathering ------------------------------------------------------------------------
+
+def ssh_checks(cfg: MeshConfig, *, trust_new: bool = False, timeout: float = 15) -> list[Check]:
+    """SSH reachable with a verified host key; for JACCL also sudo, bridge0 and RDMA."""
+    from meshd import provision
+    from meshd.ssh import Session, SshError
+
+    out = []
+    jaccl = cfg.backend in JACCL
+    for node, target in zip(cfg.nodes, provision.targets(cfg)):
+        if not node.ssh:
+            if jaccl:
+                out.append(Check("ssh", node.name, False, "no ssh address in mesh.toml; a JACCL mesh is set up "
+                                 "over SSH", f'set ssh = "admin@{node.address}" under [[nodes]] name = "{node.name}"'))
+            continue
+        try:
+            with Session(target, cfg.ssh, trust_new=trust_new) as s:
+                out.append(Check("ssh", node.name, True, f"{target.user}@{target.host}:{target.port}, host key "
+                                                         "verified"))
+                if not jaccl:
+                    continue
+                sudo = s.run("sudo -n true", timeout=timeout)
+                out.append(Check("sudo", node.name, sudo.ok, "passwordless" if sudo.ok else sudo.stderr.strip(),
+                                 f"on {node.name}: sudo visudo, add `{target.user} ALL=(ALL) NOPASSWD: "
+                                 f"/sbin/ifconfig, /sbin/route, /sbin/shutdown, /usr/sbin/sysctl`"))
+                out.append(judge_bridge(node.name, s.run("ifconfig bridge0", timeout=timeout).stdout))
+                devices = s.run("ibv_devices", timeout=timeout).stdout
+                try:
+                    out.append(judge_rdma(node.name, devices, s.run("ibv_devinfo", timeout=timeout).stdout, False))
+                except SshError:
+                    out.append(judge_rdma(node.name, devices, None, True))
+        except SshError as e:
+            out.append(Check("ssh", node.name, False, str(e).split("; ")[0], _ssh_fix(str(e))))
+    return out
+
+
+def _ssh_fix(message: str) -> str:
+    return message.split("; ", 1)[1] if "; " in message else "check the node's address and sshd"
+
+
+async def agent_checks(cfg: MeshConfig, current: int | None) -> list[Check]:
+    """Agent reachable and token accepted; versions, model, memory and stale ranks from what it reports."""
+    out, facts = [], {}
+    async with aiohttp.ClientSession() as session:
+        for n in cfg.nodes:
+            client = AgentClient(n, session)
+            try:
+                facts[n.name] = await client.call("GET", f"/v1/node?model={cfg.runtime.model}", timeout=30)
+                ranks = (await client.call("GET", "/v1/ranks", timeout=10))["ranks"]
+            except AgentError as e:
+                fix = (f"put the token from {n.name}'s agent config into {n.token_file}" if "401" in str(e) else
+                       f"start it: meshctl agents install {n.name} (or check {n.agent})")
+                out.append(Check("agent", n.name, False, str(e), fix))
+                continue
+            except (OSError, ValueError) as e:  # the token file itself
+                out.append(Check("agent", n.name, False, f"cannot read the token: {e}",
+                                 f"write {n.name}'s agent token to {n.token_file} (chmod 600)"))
+                continue
+            out.append(Check("agent", n.name, True, f"{n.agent}, token accepted"))
+            out.append(judge_stale(n.name, ranks, current))
+    out += judge_versions(facts)
+    out += judge_model(facts, cfg.runtime.model)
+    out += judge_memory(facts, len(cfg.nodes))
+    return out
+
+
+async def canary(cfg: MeshConfig, hostfile: dict, seconds: float = 3.0, timeout: float = 120) -> list[Check]:
+    """all_sum of growing sizes on every node at once (the agents' meshd-canary profile), as generation 0."""
+    async with aiohttp.ClientSession() as session:
+        clients = [AgentClient(n, session) for n in cfg.nodes]
+        spec = {"generation": 0, "world": len(cfg.nodes), "profile": "meshd-canary", "model": cfg.runtime.model,
+                "hostfile": hostfile, "ring_port": cfg.runtime.ring_port, "args": {"seconds": seconds}}
+        try:
+            await asyncio.gather(*(c.call("POST", "/v1/ranks", {**spec, "rank": i}, timeout=30)
+                                   for i, c in enumerate(clients)))
+            lines = await asyncio.wait_for(_canary_lines(clients), timeout)
+        except (AgentError, asyncio.TimeoutError) as e:
+            await asyncio.gather(*(c.call("POST", "/v1/generations/0/stop", {"mode": "kill", "grace": 1})
+                                   for c in clients), return_exceptions=True)
+            return [Check("canary", "mesh", False, f"the canary did not finish: {e or 'timed out'}",
+                          "the transport is broken: meshctl doctor for the nodes, then meshctl reboot --all")]
+    return [Check("canary", n.name, line.startswith("canary ok"), line,
+                  "the transport failed under all_sum: check cables, then meshctl provision --force")
+            for n, line in zip(cfg.nodes, lines)]
+
+
+async def _canary_lines(clients: list[AgentClient]) -> list[str]:
+    while True:
+        views = await asyncio.gather(*(c.call("GET", "/v1/ranks", timeout=10) for c in clients))
+        done = [next((r for r in v["ranks"] if r["generation"] == 0), None) for v in views]
+        if all(r is not None and r["state"] == "exited" for r in done):
+            break
+        await asyncio.sleep(0.3)
+    out = []
+    for i, c in enumerate(clients):
+        log = (await c.call("GET", f"/v1/ranks/0/{i}/log?lines=50", timeout=10))["lines"]
+        out.append(next((line for line in reversed(log) if line.startswith("canary ")), "no canary line in the log"))
+    return out

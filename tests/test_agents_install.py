@@ -1,0 +1,77 @@
+"""`meshctl agents install` against a loopback sshd playing a Mac: meshd goes
+into a venv on the node, the agent config and a 0600 token are written, the
+launchd daemon is bootstrapped (launchctl is a stand-in: Linux has none) and
+the agent that starts answers with the mesh's token."""
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import requests
+
+from meshkit import free_ports
+from sshkit import start_fleet
+
+
+def test_agents_install_leaves_a_running_agent_that_answers(tmp_path):
+    fleet = start_fleet(tmp_path, 1)
+    node = fleet.nodes[0]
+    home = tmp_path / "home"
+    home.mkdir()
+    (port,) = free_ports(1)
+    token = tmp_path / "tokens" / "node0"
+    known = fleet.known_hosts(tmp_path / "known_hosts")
+    mesh = tmp_path / "mesh.toml"
+    mesh.write_text(f'name = "inst"\n[[nodes]]\nname = "node0"\nagent = "http://127.0.0.1:{port}"\n'
+                    f'token_file = "{token}"\nssh = "{node.ssh}"\n[runtime]\nmodel = "/models/x"\n'
+                    f'[ssh]\nknown_hosts = "{known}"\nkey_file = "{fleet.client_key}"\ncommand_timeout = 60\n')
+    # The node's sessions get their own $HOME, so the install lands in the test's directory.
+    config = node.dir / "sshd_config"
+    config.write_text(config.read_text().replace("SetEnv ", f"SetEnv HOME={home} "))
+    node.stop()
+    node.start()
+    services = tmp_path / "LaunchDaemons"
+    services.mkdir()
+    pidfile = node.state / "launchd-com.meshd.agent.pid"
+    try:
+        r = subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), "agents", "install", "node0",
+                            "--system-site-packages", "--service-dir", str(services)],
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "node0: macos, installing into" in r.stdout
+        assert "the agent answers at" in r.stdout
+
+        base = home / ".meshd"
+        assert (base / "venv" / "bin" / "python").exists()
+        site = next((base / "venv" / "lib").glob("python3*/site-packages"))
+        assert (site / "meshd-0.1.0.dist-info").is_dir() and (site / "agents" / "server.py").exists()
+        agent = psutil.Process(int(pidfile.read_text()))
+        assert agent.cmdline()[:3] == [str(base / "venv" / "bin" / "python"), "-m", "agents.server"]
+        node_token = base / "agent" / "token"
+        assert stat.S_IMODE(node_token.stat().st_mode) == 0o600
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600
+        assert node_token.read_text().strip() == token.read_text().strip()
+        assert (services / "com.meshd.agent.plist").exists()
+        assert f"<string>{base / 'venv' / 'bin' / 'python'}</string>" in (services / "com.meshd.agent.plist").read_text()
+
+        headers = {"Authorization": f"Bearer {token.read_text().strip()}"}
+        facts = requests.get(f"http://127.0.0.1:{port}/v1/node", headers=headers, timeout=10)
+        assert facts.status_code == 200 and facts.json()["node"] == "node0"
+        assert requests.get(f"http://127.0.0.1:{port}/v1/node", timeout=10).status_code == 401
+
+        again = subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), "agents", "install",
+                                "node0", "--system-site-packages", "--service-dir", str(services)],
+                               capture_output=True, text=True, timeout=900)
+        assert again.returncode == 0, again.stdout + again.stderr  # re-install replaces the running service
+    finally:
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        fleet.stop()
+    assert Path(node.state / "commands.log").read_text().count("launchctl bootstrap system") == 2

@@ -1,0 +1,209 @@
+"""`meshctl doctor`: each check's judgement (table tests), then the whole
+gate on real agents and real sshd nodes playing Macs: a healthy mesh passes,
+and a version mismatch, a model too large for the wired limit, a hung
+ibv_devinfo and a missing model each fail with their fix. The canary runs
+all_sum across a real 4-rank ring mesh."""
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+from agentkit import make_agents
+from meshd import doctor
+from sshkit import STANDINS, start_fleet
+
+GiB = 2**30
+MAC = {"python": "3.12.4", "mlx": "0.29.1", "mlx_lm": "0.28.2", "memory_total_bytes": 192 * GiB,
+       "memory_available_bytes": 150 * GiB, "wired_limit_mb": 0}
+
+
+def model(fp="a1", size=100 * GiB):
+    return {"present": True, "fingerprint": fp, "bytes": size, "weight_files": 10}
+
+
+@pytest.mark.parametrize("facts,bad,fix", [
+    ({"a": MAC, "b": MAC, "c": MAC}, [], None),
+    ({"a": MAC, "b": {**MAC, "mlx": "0.30.0"}, "c": MAC}, ["b"], "pip install 'mlx==0.29.1' 'mlx-lm==0.28.2'"),
+    ({"a": MAC, "b": MAC, "c": {**MAC, "python": "3.11.9"}}, ["c"], "(and Python 3.12.4)"),
+])
+def test_versions_name_the_odd_node_and_the_versions_to_install(facts, bad, fix):
+    checks = doctor.judge_versions(facts)
+    assert sorted(c.node for c in checks if not c.ok) == bad
+    assert all(fix in c.fix for c in checks if not c.ok)
+
+
+@pytest.mark.parametrize("models,bad,needle", [
+    ({"a": model(), "b": model()}, [], None),
+    ({"a": model(), "b": {"present": False}}, ["b"], "rsync -a /m/ b:/m/"),
+    ({"a": model(), "b": model(), "c": model("zz")}, ["c"], "rsync -a --delete GOOD:/m/ c:/m/"),
+])
+def test_the_model_must_be_everywhere_and_the_same(models, bad, needle):
+    checks = doctor.judge_model({n: {**MAC, "model": m} for n, m in models.items()}, "/m")
+    assert sorted(c.node for c in checks if not c.ok) == bad
+    assert all(needle in c.fix for c in checks if not c.ok)
+
+
+@pytest.mark.parametrize("size,world,wired,ok,fix", [
+    (400 * GiB, 4, 150_000, True, None),  # 100 GiB a rank, 131.8 GiB usable
+    (600 * GiB, 4, 150_000, False, "sudo sysctl iogpu.wired_limit_mb=170667"),  # 150 GiB a rank
+    (600 * GiB, 4, 0, False, "sudo sysctl iogpu.wired_limit_mb=170667"),  # unset: 90% of available (135 GiB)
+    (2000 * GiB, 4, 150_000, False, "use more nodes"),  # 500 GiB a rank: no sysctl makes that fit 192 GiB
+])
+def test_each_rank_must_fit_90_percent_of_the_wired_limit(size, world, wired, ok, fix):
+    (check,) = doctor.judge_memory({"a": {**MAC, "wired_limit_mb": wired, "model": model(size=size)}}, world)
+    assert check.ok is ok
+    assert ok or fix in check.fix
+
+
+@pytest.mark.parametrize("output,ok", [
+    ("bridge0: flags=8863<UP,BROADCAST,SMART,RUNNING,SIMPLEX,MULTICAST> mtu 1500", False),
+    ("bridge0: flags=8822<BROADCAST,SMART,SIMPLEX,MULTICAST> mtu 1500", True),
+])
+def test_bridge0_must_be_down(output, ok):
+    assert doctor.judge_bridge("a", output).ok is ok
+
+
+DEVICES = "    device   node GUID\n    ------   ----\n    rdma_en2   0\n    rdma_en3   0\n"
+
+
+@pytest.mark.parametrize("devices,devinfo,hung,ok,fix", [
+    (DEVICES, "state: PORT_ACTIVE (4)\nstate: PORT_ACTIVE (4)", False, True, None),
+    (DEVICES, "state: PORT_ACTIVE (4)\nstate: PORT_DOWN (1)", False, False, "check the Thunderbolt cables"),
+    ("    device   node GUID\n    ------   ----\n", "", False, False, "rdma_ctl enable"),
+    (DEVICES, None, True, False, "meshctl reboot a"),
+])
+def test_rdma_devices_must_be_present_and_active(devices, devinfo, hung, ok, fix):
+    check = doctor.judge_rdma("a", devices, devinfo, hung)
+    assert check.ok is ok and (ok or fix in check.fix)
+
+
+def test_ranks_of_another_generation_are_stale():
+    ranks = [{"generation": 3, "rank": 0, "pid": 10, "state": "spawned"},
+             {"generation": 2, "rank": 0, "pid": 9, "state": "exited"}]
+    assert doctor.judge_stale("a", ranks, 3).ok
+    stale = doctor.judge_stale("a", ranks, 4)
+    assert not stale.ok and "generation 3 rank 0 pid 10" in stale.detail
+
+
+# --- the whole gate ---------------------------------------------------------------------
+
+def meshctl(mesh, *args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def mesh_file(path, agents, model, backend="ring", fleet=None):
+    lines = [f'name = "doc"\nbackend = "{backend}"\nstate_dir = "state"\n']
+    for i, a in enumerate(agents):
+        ssh = f'ssh = "{fleet.nodes[i].ssh}"\n' if fleet else ""
+        lines.append(f'[[nodes]]\nname = "{a.node}"\nagent = "{a.url}"\ntoken_file = "{a.dir / "token"}"\n{ssh}')
+    from agentkit import free_port_run
+    from meshkit import free_ports
+
+    control, proxy = free_ports(2)
+    lines.append(f'[runtime]\nmodel = "{model}"\nring_port = {free_port_run(len(agents))}\n'
+                 f'[control]\nlisten = "127.0.0.1:{control}"\n[proxy]\nlisten = "127.0.0.1:{proxy}"\n')
+    if fleet:
+        known = fleet.known_hosts(path / "known_hosts")
+        lines.append(f'[ssh]\nknown_hosts = "{known}"\nkey_file = "{fleet.client_key}"\ncommand_timeout = 3\n')
+    (path / "mesh.toml").write_text("\n".join(lines))
+    return path / "mesh.toml"
+
+
+@pytest.fixture(scope="module")
+def macs(tmp_path_factory):
+    """Four sshd nodes playing Macs and four agents whose tools are the same stand-ins."""
+    tmp = tmp_path_factory.mktemp("macs")
+    fleet = start_fleet(tmp, 4)
+    agents = make_agents(tmp, 4)
+    for a, n in zip(agents, fleet.nodes):
+        a.start(env={"PATH": f"{STANDINS / 'bin'}:{__import__('os').environ['PATH']}",
+                     "MESHD_STANDIN_NODE": n.name, "MESHD_STANDIN_STATE": str(n.state.parent)})
+        n.state.mkdir(parents=True, exist_ok=True)
+        (n.state / "bridge0").write_text("down\n")  # as meshctl provision leaves it
+    yield fleet, agents
+    for a in agents:
+        a.kill()
+    fleet.stop()
+
+
+def doctor_run(mesh, *args) -> tuple[int, dict, list]:
+    """(exit code, {(check, node): fix} of the failures, all checks)."""
+    r = meshctl(mesh, "doctor", "--json", *args)
+    checks = json.loads(r.stdout)
+    return r.returncode, {(c["name"], c["node"]): c["fix"] for c in checks if not c["ok"]}, checks
+
+
+def test_a_healthy_mesh_passes_and_each_fault_fails_with_its_fix(macs, tmp_path, deep_model):
+    fleet, agents = macs
+    mesh = mesh_file(tmp_path, agents, deep_model, "jaccl", fleet)
+    r = meshctl(mesh, "doctor")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ready to start" in r.stdout and "FAIL" not in r.stdout
+    code, failed, checks = doctor_run(mesh)
+    assert {c["name"] for c in checks} == {"ssh", "sudo", "bridge0", "rdma", "agent", "stale ranks", "versions",
+                                          "model", "memory"}
+    assert len(checks) == 9 * 4 and code == 0
+
+    (fleet.nodes[1].state / "iogpu.wired_limit_mb").write_text("1\n")  # 0.9 MiB usable: the model cannot fit
+    fleet.nodes[3].fault("ibv_hang")
+    try:
+        code, failed, checks = doctor_run(mesh)
+        text = meshctl(mesh, "doctor").stdout
+    finally:
+        (fleet.nodes[1].state / "iogpu.wired_limit_mb").unlink()
+        fleet.nodes[3].fault("ibv_hang", on=False)
+    assert code == 1 and set(failed) == {("memory", "node1"), ("rdma", "node3")}, checks
+    assert "sudo sysctl iogpu.wired_limit_mb=" in failed[("memory", "node1")]
+    assert "meshctl reboot node3" in failed[("rdma", "node3")]
+    assert "FAIL rdma         node3      ibv_devinfo hung" in text and "fix: reboot the node" in text
+
+    code, failed, _ = doctor_run(mesh_file(tmp_path, agents, tmp_path / "no-such-model", "jaccl", fleet))
+    assert code == 1 and set(failed) == {("model", f"node{i}") for i in range(4)}
+    assert f"rsync -a {tmp_path / 'no-such-model'}/ node0:" in failed[("model", "node0")]
+
+
+def test_a_node_with_another_mlx_lm_fails_the_version_check(tmp_path, demo_model):
+    """One agent runs in a venv holding a different mlx-lm release (a real one from PyPI)."""
+    installed = metadata.version("mlx-lm")
+    other = "0.28.0" if installed != "0.28.0" else "0.28.1"
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps",
+                          f"mlx-lm=={other}"], capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stderr
+    agents = make_agents(tmp_path, 2)
+    agents[0].start()
+    cfg = agents[1].dir / "agent.toml"
+    agents[1].proc = subprocess.Popen([str(venv / "bin" / "python"), "-m", "agents.server", "--config", str(cfg)])
+    try:
+        agents[1].wait_healthy()
+        code, failed, checks = doctor_run(mesh_file(tmp_path, agents, demo_model))
+    finally:
+        for a in agents:
+            a.kill()
+    assert code == 1 and set(failed) == {("versions", "node1")}, checks
+    assert f"pip install 'mlx=={metadata.version('mlx')}' 'mlx-lm=={installed}'" in failed[("versions", "node1")]
+
+
+def test_the_canary_runs_all_sum_across_a_real_4_rank_ring(tmp_path, demo_model):
+    agents = make_agents(tmp_path, 4)
+    for a in agents:
+        a.start()
+    try:
+        mesh = mesh_file(tmp_path, agents, demo_model)
+        r = meshctl(mesh, "doctor", "--canary", "--json")
+    finally:
+        for a in agents:
+            a.kill()
+    checks = json.loads(r.stdout)
+    canary = [c for c in checks if c["name"] == "canary"]
+    assert [c["node"] for c in canary] == ["node0", "node1", "node2", "node3"], r.stdout + r.stderr
+    for c in canary:
+        assert c["ok"] and c["detail"].startswith("canary ok "), c
+        result = json.loads(c["detail"].removeprefix("canary ok "))
+        assert result["world"] == 4 and result["collectives"] >= 7 and result["bytes"] > 0
+    assert r.returncode == 0
