@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import sqlite3
@@ -62,11 +63,12 @@ class Tally:
 
 
 class Chaos:
-    def __init__(self, home: Path, seed: int, clients: int, stall_window: float):
+    def __init__(self, home: Path, seed: int, clients: int, stall_window: float, gap: tuple[float, float] = (4, 12)):
         self.home = home
         self.rng = random.Random(seed)
         self.clients = clients
         self.stall_window = stall_window
+        self.gap = gap  # seconds between faults, drawn uniformly
         self.tally = Tally()
         self.stop = threading.Event()
         self.run_dir = home / "demo" / "run"
@@ -172,8 +174,10 @@ class Chaos:
             elif kind == "rank-sigstop":
                 os.kill(pid, signal.SIGSTOP)
             elif kind == "rank-exit0":
-                subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "call (void)_exit(0)"],
-                               capture_output=True, timeout=60)
+                # gdb itself may crash once the process it called into is gone: no core file from it.
+                subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "call (void)_exit(0)"], cwd=self.home,
+                               capture_output=True, timeout=60,
+                               preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))
             elif kind == "rank-jaccl":
                 log = next((self.home / "demo" / "agents" / f"node{node}" / "state").glob(
                     f"gen-{generation}/rank-*/rank.log"))
@@ -218,7 +222,7 @@ class Chaos:
         self.rng.shuffle(kinds)
         times, t = [], 0.0
         while t < duration:
-            t += self.rng.uniform(4, 12)
+            t += self.rng.uniform(*self.gap)
             times.append(t)
         extra = [self.rng.choice(FAULTS) for _ in range(max(0, len(times) - len(kinds)))]
         return list(zip(times, kinds + extra))

@@ -110,6 +110,15 @@ def cmd_up(args) -> int:
         if not daemons.wait_until(ctl.alive, 60):
             raise CliError(f"the controller did not come up; see {cfg.state_dir / 'run' / 'controller.log'} "
                            f"or {demo.run_dir(demo.home()) / 'controller.log'}")
+    if not args.skip_preflight and ctl.call("GET", "/v1/status")["phase"] in ("stopped", "failed"):
+        checks = preflight(cfg)
+        failed = [c for c in checks if not c.ok]
+        if failed:
+            for c in failed:
+                say(c.line())
+            raise CliError(f"preflight: {len(failed)} of {len(checks)} checks fail (fixes above); nothing was "
+                           f"started. `meshctl doctor` shows every check; --skip-preflight starts anyway")
+        say(f"preflight: {len(checks)} checks pass")
     ctl.call("POST", "/v1/up")
     last = ""
     deadline = time.monotonic() + args.timeout
@@ -340,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start the mesh (the demo mesh when no config) and wait until it serves")
     up.add_argument("--timeout", type=float, default=900)
+    up.add_argument("--skip-preflight", action="store_true", help="start without the doctor's checks")
     up.add_argument("--stall-window", type=float, default=10.0, help="demo: agents' stall window, seconds")
     up.add_argument("--start-deadline", type=float, default=120.0, help="demo: seconds to become ready")
     up.add_argument("--max-failures", type=int, default=5, help="demo: failures in the window before failed")

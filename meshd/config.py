@@ -250,4 +250,4 @@ def hostfile_for(cfg: MeshConfig) -> dict:
         except (OSError, ValueError) as e:
             raise ConfigError(f"hostfile: cannot read {cfg.hostfile} ({e}); run `meshctl provision`")
     return {"backend": cfg.backend, "envs": [],
-            "hosts": [{"ssh": n.ssh or n.name, "ips": [n.address], "rdma": []} for n in cfg.nodes]}
+            "hosts": [{"ssh": n.name, "ips": [n.address], "rdma": []} for n in cfg.nodes]}

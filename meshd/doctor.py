@@ -142,39 +142,57 @@ def judge_stale(node: str, ranks: list[dict], current: int | None) -> Check:
     return Check("stale ranks", node, True, "none")
 
 
+def judge_hostfile(cfg: MeshConfig) -> Check:
+    from meshd.config import ConfigError, hostfile_for
+    from meshd.hostfile import HostfileError
+    from meshd.provision import check_hostfile
+
+    try:
+        hosts = check_hostfile(hostfile_for(cfg), cfg)
+    except (ConfigError, HostfileError) as e:
+        return Check("hostfile", "mesh", False, str(e), "meshctl provision")
+    return Check("hostfile", "mesh", True, f"{cfg.backend}, {len(hosts)} hosts")
+
+
 # --- gathering ------------------------------------------------------------------------
 
 def ssh_checks(cfg: MeshConfig, *, trust_new: bool = False, timeout: float = 15) -> list[Check]:
-    """SSH reachable with a verified host key; for JACCL also sudo, bridge0 and RDMA."""
+    """SSH reachable with a verified host key; for JACCL also sudo, bridge0 and RDMA. All nodes at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from meshd import provision
+
+    with ThreadPoolExecutor(len(cfg.nodes)) as pool:
+        per_node = pool.map(lambda nt: _ssh_node(cfg, *nt, trust_new=trust_new, timeout=timeout),
+                            zip(cfg.nodes, provision.targets(cfg)))
+        return [c for checks in per_node for c in checks]
+
+
+def _ssh_node(cfg: MeshConfig, node, target, *, trust_new: bool, timeout: float) -> list[Check]:
     from meshd.ssh import Session, SshError
 
-    out = []
     jaccl = cfg.backend in JACCL
-    for node, target in zip(cfg.nodes, provision.targets(cfg)):
-        if not node.ssh:
-            if jaccl:
-                out.append(Check("ssh", node.name, False, "no ssh address in mesh.toml; a JACCL mesh is set up "
-                                 "over SSH", f'set ssh = "admin@{node.address}" under [[nodes]] name = "{node.name}"'))
-            continue
-        try:
-            with Session(target, cfg.ssh, trust_new=trust_new) as s:
-                out.append(Check("ssh", node.name, True, f"{target.user}@{target.host}:{target.port}, host key "
-                                                         "verified"))
-                if not jaccl:
-                    continue
-                sudo = s.run("sudo -n true", timeout=timeout)
-                out.append(Check("sudo", node.name, sudo.ok, "passwordless" if sudo.ok else sudo.stderr.strip(),
-                                 f"on {node.name}: sudo visudo, add `{target.user} ALL=(ALL) NOPASSWD: "
-                                 f"/sbin/ifconfig, /sbin/route, /sbin/shutdown, /usr/sbin/sysctl`"))
-                out.append(judge_bridge(node.name, s.run("ifconfig bridge0", timeout=timeout).stdout))
-                devices = s.run("ibv_devices", timeout=timeout).stdout
-                try:
-                    out.append(judge_rdma(node.name, devices, s.run("ibv_devinfo", timeout=timeout).stdout, False))
-                except SshError:
-                    out.append(judge_rdma(node.name, devices, None, True))
-        except SshError as e:
-            out.append(Check("ssh", node.name, False, str(e).split("; ")[0], _ssh_fix(str(e))))
+    if not node.ssh:
+        return [Check("ssh", node.name, False, "no ssh address in mesh.toml; a JACCL mesh is set up over SSH",
+                      f'set ssh = "admin@{node.address}" under [[nodes]] name = "{node.name}"')] if jaccl else []
+    out = []
+    try:
+        with Session(target, cfg.ssh, trust_new=trust_new) as s:
+            out.append(Check("ssh", node.name, True, f"{target.user}@{target.host}:{target.port}, host key verified"))
+            if not jaccl:
+                return out
+            sudo = s.run("sudo -n true", timeout=timeout)
+            out.append(Check("sudo", node.name, sudo.ok, "passwordless" if sudo.ok else sudo.stderr.strip(),
+                             f"on {node.name}: sudo visudo, add `{target.user} ALL=(ALL) NOPASSWD: "
+                             f"/sbin/ifconfig, /sbin/route, /sbin/shutdown, /usr/sbin/sysctl`"))
+            out.append(judge_bridge(node.name, s.run("ifconfig bridge0", timeout=timeout).stdout))
+            devices = s.run("ibv_devices", timeout=timeout).stdout
+            try:
+                out.append(judge_rdma(node.name, devices, s.run("ibv_devinfo", timeout=timeout).stdout, False))
+            except SshError:
+                out.append(judge_rdma(node.name, devices, None, True))
+    except SshError as e:
+        out.append(Check("ssh", node.name, False, str(e).split("; ")[0], _ssh_fix(str(e))))
     return out
 
 
@@ -184,28 +202,29 @@ def _ssh_fix(message: str) -> str:
 
 async def agent_checks(cfg: MeshConfig, current: int | None) -> list[Check]:
     """Agent reachable and token accepted; versions, model, memory and stale ranks from what it reports."""
-    out, facts = [], {}
     async with aiohttp.ClientSession() as session:
-        for n in cfg.nodes:
-            client = AgentClient(n, session)
-            try:
-                facts[n.name] = await client.call("GET", f"/v1/node?model={cfg.runtime.model}", timeout=30)
-                ranks = (await client.call("GET", "/v1/ranks", timeout=10))["ranks"]
-            except AgentError as e:
-                fix = (f"put the token from {n.name}'s agent config into {n.token_file}" if "401" in str(e) else
-                       f"start it: meshctl agents install {n.name} (or check {n.agent})")
-                out.append(Check("agent", n.name, False, str(e), fix))
-                continue
-            except (OSError, ValueError) as e:  # the token file itself
-                out.append(Check("agent", n.name, False, f"cannot read the token: {e}",
-                                 f"write {n.name}'s agent token to {n.token_file} (chmod 600)"))
-                continue
-            out.append(Check("agent", n.name, True, f"{n.agent}, token accepted"))
-            out.append(judge_stale(n.name, ranks, current))
+        answers = await asyncio.gather(*(_agent_node(AgentClient(n, session), n, cfg, current) for n in cfg.nodes))
+    out = [c for checks, _ in answers for c in checks]
+    facts = {n.name: f for n, (_, f) in zip(cfg.nodes, answers) if f is not None}
+    out.append(judge_hostfile(cfg))
     out += judge_versions(facts)
     out += judge_model(facts, cfg.runtime.model)
     out += judge_memory(facts, len(cfg.nodes))
     return out
+
+
+async def _agent_node(client: AgentClient, n, cfg: MeshConfig, current: int | None) -> tuple[list[Check], dict | None]:
+    try:
+        facts = await client.call("GET", f"/v1/node?model={cfg.runtime.model}", timeout=30)
+        ranks = (await client.call("GET", "/v1/ranks", timeout=10))["ranks"]
+    except AgentError as e:
+        fix = (f"put the token from {n.name}'s agent config into {n.token_file}" if "401" in str(e) else
+               f"start it: meshctl agents install {n.name} (or check {n.agent})")
+        return [Check("agent", n.name, False, str(e), fix)], None
+    except (OSError, ValueError) as e:  # the token file itself
+        return [Check("agent", n.name, False, f"cannot read the token: {e}",
+                      f"write {n.name}'s agent token to {n.token_file} (chmod 600)")], None
+    return [Check("agent", n.name, True, f"{n.agent}, token accepted"), judge_stale(n.name, ranks, current)], facts
 
 
 async def canary(cfg: MeshConfig, hostfile: dict, seconds: float = 3.0, timeout: float = 120) -> list[Check]:

@@ -58,21 +58,6 @@ def targets(cfg: MeshConfig):
     return [parse_target(n.name, n.ssh or n.address, cfg.ssh.user) for n in cfg.nodes]
 
 
-def on_every_node(cfg: MeshConfig, command: str, *, trust_new: bool = False, timeout: float = 30):
-    """{node: Result} of one command over SSH on every node (raises SshError naming the first that fails)."""
-    from meshd.ssh import Session
-
-    out = {}
-    for t in targets(cfg):
-        with Session(t, cfg.ssh, trust_new=trust_new) as s:
-            out[t.node] = s.run(command, timeout=timeout)
-    return out
-
-
-def boot_ids(cfg: MeshConfig, *, trust_new: bool = False) -> dict[str, str]:
-    return {node: r.stdout.strip() for node, r in on_every_node(cfg, BOOT_ID, trust_new=trust_new).items()}
-
-
 def already_provisioned(record: dict | None, nodes: list[str], boots: dict[str, str]) -> bool:
     """Did auto-setup already run on exactly these nodes in their current boot?"""
     return bool(record) and record.get("nodes") == nodes and record.get("boot_ids") == boots
@@ -106,13 +91,16 @@ def provision(cfg: MeshConfig, *, force: bool = False, trust_new: bool = False,
     from meshd import ssh
 
     say(f"checking SSH and passwordless sudo on {', '.join(nodes)}")
-    sudo = on_every_node(cfg, "sudo -n true", trust_new=trust_new)
-    for node, r in sudo.items():
-        if not r.ok:
-            raise ProvisionError(f"{node}: auto-setup needs passwordless sudo ({r.stderr.strip() or 'sudo -n failed'}); "
-                                 f"on {node} run `sudo visudo` and add `{targets(cfg)[nodes.index(node)].user} ALL=(ALL) "
-                                 f"NOPASSWD: /sbin/ifconfig, /sbin/route, /sbin/shutdown`")
-    boots = boot_ids(cfg)
+    boots = {}
+    for t in targets(cfg):
+        with ssh.Session(t, cfg.ssh, trust_new=trust_new) as s:
+            sudo = s.run("sudo -n true", timeout=30)
+            if not sudo.ok:
+                raise ProvisionError(
+                    f"{t.node}: auto-setup needs passwordless sudo ({sudo.stderr.strip() or 'sudo -n failed'}); on "
+                    f"{t.node} run `sudo visudo` and add `{t.user} ALL=(ALL) NOPASSWD: /sbin/ifconfig, /sbin/route, "
+                    f"/sbin/shutdown`")
+            boots[t.node] = s.run(BOOT_ID, timeout=30).stdout.strip()
     record_file = record_path(cfg)
     record = json.loads(record_file.read_text()) if record_file.exists() else None
     if already_provisioned(record, nodes, boots) and not force:

@@ -35,6 +35,11 @@ class Node:
         return f"{os.environ.get('USER', 'root')}@127.0.0.1:{self.port}"
 
     @property
+    def home(self) -> Path:
+        """The $HOME of this node's sessions (no shell rc files: sessions start fast)."""
+        return self.dir / "home"
+
+    @property
     def state(self) -> Path:
         """Where the stand-ins keep this node's boot id, wired limit, commands and faults."""
         return self.dir.parent / "standin-state" / self.name
@@ -115,11 +120,12 @@ def start_fleet(tmp: Path, n: int = 4, path_extra: list[str] | None = None) -> F
         d.mkdir()
         keygen(d / "host_key")
         node = Node(f"node{i}", port, d)
+        node.home.mkdir()
         (d / "sshd_config").write_text(
             f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nPidFile {d / 'sshd.pid'}\n"
             f"AuthorizedKeysFile {authorized}\nStrictModes no\nUsePAM no\nPasswordAuthentication no\n"
             f"KbdInteractiveAuthentication no\nPubkeyAuthentication yes\nPermitRootLogin prohibit-password\n"
             f"AllowUsers {os.environ.get('USER', 'root')}\nSubsystem sftp internal-sftp\n"
-            f"SetEnv MESHD_STANDIN_NODE={node.name} MESHD_STANDIN_STATE={tmp / 'standin-state'} PATH={path}\n")
+            f"SetEnv HOME={node.home} MESHD_STANDIN_NODE={node.name} MESHD_STANDIN_STATE={tmp / 'standin-state'} PATH={path}\n")
         nodes.append(node.start())
     return Fleet(nodes, client_key, tmp)

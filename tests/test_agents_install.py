@@ -20,8 +20,7 @@ from sshkit import start_fleet
 def test_agents_install_leaves_a_running_agent_that_answers(tmp_path):
     fleet = start_fleet(tmp_path, 1)
     node = fleet.nodes[0]
-    home = tmp_path / "home"
-    home.mkdir()
+    home = node.home
     (port,) = free_ports(1)
     token = tmp_path / "tokens" / "node0"
     known = fleet.known_hosts(tmp_path / "known_hosts")
@@ -29,11 +28,6 @@ def test_agents_install_leaves_a_running_agent_that_answers(tmp_path):
     mesh.write_text(f'name = "inst"\n[[nodes]]\nname = "node0"\nagent = "http://127.0.0.1:{port}"\n'
                     f'token_file = "{token}"\nssh = "{node.ssh}"\n[runtime]\nmodel = "/models/x"\n'
                     f'[ssh]\nknown_hosts = "{known}"\nkey_file = "{fleet.client_key}"\ncommand_timeout = 60\n')
-    # The node's sessions get their own $HOME, so the install lands in the test's directory.
-    config = node.dir / "sshd_config"
-    config.write_text(config.read_text().replace("SetEnv ", f"SetEnv HOME={home} "))
-    node.stop()
-    node.start()
     services = tmp_path / "LaunchDaemons"
     services.mkdir()
     pidfile = node.state / "launchd-com.meshd.agent.pid"

@@ -12,8 +12,8 @@ from chaos import FAULTS, Chaos  # noqa: E402
 
 
 def test_every_fault_under_load_ends_clean(tmp_path):
-    chaos = Chaos(tmp_path, seed=7, clients=3, stall_window=3.0)
-    result = chaos.run(duration=50, say=print)
+    chaos = Chaos(tmp_path, seed=7, clients=3, stall_window=3.0, gap=(3, 6))
+    result = chaos.run(duration=27, say=print)
     print(result)
     assert set(result["faults"]) == set(FAULTS), result["faults"]
     rank_faults = {k: n for k, n in result["faults"].items() if k.startswith("rank-")}

@@ -16,7 +16,7 @@ from openai import OpenAI
 
 from meshkit import sse_events, validate, wait_for
 
-STALL = 3.0
+STALL = 6.0
 
 
 def meshctl(home, *args, timeout=300, check=True):

@@ -122,8 +122,6 @@ def macs(tmp_path_factory):
     for a, n in zip(agents, fleet.nodes):
         a.start(env={"PATH": f"{STANDINS / 'bin'}:{__import__('os').environ['PATH']}",
                      "MESHD_STANDIN_NODE": n.name, "MESHD_STANDIN_STATE": str(n.state.parent)})
-        n.state.mkdir(parents=True, exist_ok=True)
-        (n.state / "bridge0").write_text("down\n")  # as meshctl provision leaves it
     yield fleet, agents
     for a in agents:
         a.kill()
@@ -140,29 +138,35 @@ def doctor_run(mesh, *args) -> tuple[int, dict, list]:
 def test_a_healthy_mesh_passes_and_each_fault_fails_with_its_fix(macs, tmp_path, deep_model):
     fleet, agents = macs
     mesh = mesh_file(tmp_path, agents, deep_model, "jaccl", fleet)
+    code, failed, _ = doctor_run(mesh)
+    # Not provisioned yet: no hostfile, and bridge0 still up on every node (auto-setup takes it down).
+    assert code == 1 and set(failed) == {("hostfile", "mesh")} | {("bridge0", f"node{i}") for i in range(4)}
+    assert failed[("hostfile", "mesh")] == "meshctl provision"
+    provisioned = meshctl(mesh, "provision")
+    assert provisioned.returncode == 0, provisioned.stdout + provisioned.stderr
     r = meshctl(mesh, "doctor")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "ready to start" in r.stdout and "FAIL" not in r.stdout
+    assert "37 of 37 checks pass: ready to start" in r.stdout and "FAIL" not in r.stdout
     code, failed, checks = doctor_run(mesh)
     assert {c["name"] for c in checks} == {"ssh", "sudo", "bridge0", "rdma", "agent", "stale ranks", "versions",
-                                          "model", "memory"}
-    assert len(checks) == 9 * 4 and code == 0
+                                          "model", "memory", "hostfile"}
+    assert len(checks) == 9 * 4 + 1 and code == 0
 
     (fleet.nodes[1].state / "iogpu.wired_limit_mb").write_text("1\n")  # 0.9 MiB usable: the model cannot fit
     fleet.nodes[3].fault("ibv_hang")
     try:
         code, failed, checks = doctor_run(mesh)
-        text = meshctl(mesh, "doctor").stdout
     finally:
         (fleet.nodes[1].state / "iogpu.wired_limit_mb").unlink()
         fleet.nodes[3].fault("ibv_hang", on=False)
     assert code == 1 and set(failed) == {("memory", "node1"), ("rdma", "node3")}, checks
     assert "sudo sysctl iogpu.wired_limit_mb=" in failed[("memory", "node1")]
     assert "meshctl reboot node3" in failed[("rdma", "node3")]
-    assert "FAIL rdma         node3      ibv_devinfo hung" in text and "fix: reboot the node" in text
+    assert next(c for c in checks if (c["name"], c["node"]) == ("rdma", "node3"))["detail"].startswith(
+        "ibv_devinfo hung")
 
     code, failed, _ = doctor_run(mesh_file(tmp_path, agents, tmp_path / "no-such-model", "jaccl", fleet))
-    assert code == 1 and set(failed) == {("model", f"node{i}") for i in range(4)}
+    assert code == 1 and set(failed) == {("model", f"node{i}") for i in range(4)}, failed
     assert f"rsync -a {tmp_path / 'no-such-model'}/ node0:" in failed[("model", "node0")]
 
 
@@ -207,3 +211,58 @@ def test_the_canary_runs_all_sum_across_a_real_4_rank_ring(tmp_path, demo_model)
         result = json.loads(c["detail"].removeprefix("canary ok "))
         assert result["world"] == 4 and result["collectives"] >= 7 and result["bytes"] > 0
     assert r.returncode == 0
+
+
+def test_meshctl_up_refuses_to_start_when_the_preflight_fails(tmp_path, demo_model):
+    agents = make_agents(tmp_path, 2)
+    for a in agents:
+        a.start()
+    mesh = mesh_file(tmp_path, agents, tmp_path / "not-copied-yet")
+    try:
+        r = meshctl(mesh, "up", timeout=120)
+        assert r.returncode == 1
+        assert "FAIL model        node0" in r.stdout and "preflight: 2 of" in r.stderr
+        assert "nothing was started" in r.stderr
+        assert all(a.ranks() == [] for a in agents)  # no rank was spawned anywhere
+    finally:
+        from test_controller import stop_controller
+
+        stop_controller(mesh)
+        for a in agents:
+            a.kill()
+
+
+def test_the_agent_applies_its_wired_limit_at_start_and_reports_it(tmp_path):
+    (agent,) = make_agents(tmp_path, 1, extra={"wired_limit_mb": 180000})
+    state = tmp_path / "standin-state"
+    agent.start(env={"PATH": f"{STANDINS / 'bin'}:{__import__('os').environ['PATH']}",
+                     "MESHD_STANDIN_NODE": "node0", "MESHD_STANDIN_STATE": str(state)})
+    try:
+        facts = agent.get("/v1/node").json()
+    finally:
+        agent.kill()
+    assert facts["wired_limit_mb"] == 180000
+    assert facts["wired_limit_applied"] == {"wanted": 180000, "ok": True, "was": 0}
+    assert (state / "node0" / "iogpu.wired_limit_mb").read_text().strip() == "180000"
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{not json", "cannot read"),
+    (json.dumps({"backend": "jaccl", "hosts": [{"ssh": "a", "ips": ["10.0.0.1"], "rdma": [None, "rdma_en2"]},
+                                               {"ssh": "x", "ips": ["10.0.0.2"], "rdma": ["rdma_en2", None]}]}),
+     "the hostfile lists hosts ['a', 'x'], the mesh has nodes ['a', 'b']"),
+    (json.dumps({"backend": "jaccl", "hosts": [{"ssh": "a", "ips": ["10.0.0.1"], "rdma": ["rdma_en2", "rdma_en2"]},
+                                               {"ssh": "b", "ips": ["10.0.0.2"], "rdma": ["rdma_en2", None]}]}),
+     "hosts[0].rdma[0] must be null"),
+    (json.dumps({"backend": "jaccl", "hosts": [{"ssh": "a", "ips": ["10.0.0.1"], "rdma": [None, None]},
+                                               {"ssh": "b", "ips": ["10.0.0.2"], "rdma": ["rdma_en2", None]}]}),
+     "no RDMA device is listed for a to b"),
+])
+def test_a_malformed_or_mismatched_hostfile_fails_with_provision_as_the_fix(tmp_path, content, needle):
+    from meshd.config import parse
+
+    (tmp_path / "hostfile.json").write_text(content)
+    cfg = parse({"backend": "jaccl", "hostfile": "hostfile.json", "runtime": {"model": "/m"},
+                 "nodes": [{"name": n, "agent": "http://127.0.0.1:9", "token_file": "t"} for n in "ab"]}, tmp_path)
+    check = doctor.judge_hostfile(cfg)
+    assert not check.ok and needle in check.detail and check.fix == "meshctl provision"

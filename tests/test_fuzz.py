@@ -190,3 +190,35 @@ def test_a_mangled_config_is_a_config_error_never_a_crash(tmp_path, name, data):
 def test_any_text_as_a_config_file_is_a_config_error_or_a_config(tmp_path, text):
     load_or_config_error(mesh_config.load, tmp_path / "mesh.toml", text)
     load_or_config_error(agent_config.load, tmp_path / "agent.toml", text)
+
+
+def routes(app) -> set[tuple[str, str]]:
+    return {(r.method.lower(), r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
+
+
+def described(schema) -> set[tuple[str, str]]:
+    return {(method, path) for path, ops in schema.raw_schema["paths"].items() for method in ops}
+
+
+def test_the_openapi_descriptions_list_exactly_the_routes_the_servers_serve(tmp_path):
+    """The fuzzing is only as good as the descriptions: no route undescribed, none described that is gone."""
+    from agents.server import make_app
+    from agents.supervisor import Supervisor
+    from meshd.controller import Controller
+    from meshd.daemon import control_app
+    from meshd.metrics import Metrics
+    from meshd.proxy import Proxy
+    from meshd.store import Store
+
+    (tmp_path / "token").write_text("t" * 32)
+    (tmp_path / "token").chmod(0o600)
+    (tmp_path / "agent.toml").write_text(to_toml(AGENT))
+    sup = Supervisor(agent_config.load(tmp_path / "agent.toml"))
+    assert routes(make_app(sup, "t" * 32)) == described(agent_schema)
+
+    (tmp_path / "mesh.toml").write_text(to_toml(MESH))
+    cfg = mesh_config.load(tmp_path / "mesh.toml")
+    metrics = Metrics(cfg.name)
+    ctl = Controller(cfg, Store(tmp_path / "state" / "meshd.sqlite"), metrics)
+    assert routes(control_app(ctl, metrics, "t" * 32)) == described(control_schema)
+    assert routes(Proxy(ctl, metrics).app()) == described(proxy_schema)
