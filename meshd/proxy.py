@@ -116,9 +116,15 @@ class Proxy:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[json_errors], client_max_size=self.cfg.proxy.max_body_bytes)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/chat/completions", lambda r: self._complete(r, "chat"))
-        app.router.add_post("/v1/completions", lambda r: self._complete(r, "text"))
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._text)
         return app
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "chat")
+
+    async def _text(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, "text")
 
     def _authorized(self, request: web.Request) -> bool:
         if not self.api_keys:

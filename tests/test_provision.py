@@ -141,3 +141,23 @@ def test_a_refused_key_names_the_node_and_authorized_keys(fleet, tmp_path):
     assert sorted(failed) == ["node0", "node1", "node2", "node3"], r.stdout
     assert "the key was refused" in failed["node0"]["detail"]
     assert "authorized_keys on the node" in failed["node0"]["fix"]
+
+
+def test_the_ladders_reprovision_step_on_a_jaccl_mesh_runs_auto_setup_only_in_a_new_boot(fleet, tmp_path):
+    """What the controller runs for RunStep("reprovision"): in the same boot it refuses (and the ladder climbs
+    to reboot); after a reboot it runs the real auto-setup again."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from meshd import provision
+    from meshd.config import load
+
+    mesh = write_mesh(tmp_path, fleet)
+    assert meshctl(mesh, "provision").returncode == 0
+    ctl = SimpleNamespace(cfg=load(mesh))
+    ok, detail = asyncio.run(provision.run_ladder_step(ctl, "reprovision", ()))
+    assert not ok and "already ran on node0, node1, node2, node3 in this boot" in detail
+    for n in fleet.nodes:  # as the ladder's reboot step leaves them
+        (n.state / "boot_id").unlink(missing_ok=True)
+    ok, detail = asyncio.run(provision.run_ladder_step(ctl, "reprovision", ()))
+    assert ok and detail == f"re-provisioned {tmp_path / 'state' / 'hostfile.json'}"
