@@ -245,13 +245,17 @@ def preflight(cfg: MeshConfig, *, canary: bool = False, trust_new: bool = False,
 
     from meshd import doctor
 
-    current = None
+    current, phase = None, "stopped"
     ctl = Control(cfg)
     if ctl.alive():
-        current = ctl.call("GET", "/v1/status")["generation"]
+        status = ctl.call("GET", "/v1/status")
+        current, phase = status["generation"], status["phase"]
     checks = doctor.ssh_checks(cfg, trust_new=trust_new) if ssh else []
     checks += asyncio.run(doctor.agent_checks(cfg, current))
-    if canary and all(c.ok for c in checks):
+    if canary and phase not in ("stopped", "failed"):
+        checks.append(doctor.Check("canary", "mesh", False, f"the mesh is {phase} (generation {current}): the "
+                                   "canary needs the nodes' ranks stopped", "meshctl down, then meshctl doctor --canary"))
+    elif canary and all(c.ok for c in checks):
         from meshd.config import hostfile_for
 
         checks += asyncio.run(doctor.canary(cfg, hostfile_for(cfg)))

@@ -219,7 +219,8 @@ async def _agent_node(client: AgentClient, n, cfg: MeshConfig, current: int | No
         ranks = (await client.call("GET", "/v1/ranks", timeout=10))["ranks"]
     except AgentError as e:
         fix = (f"put the token from {n.name}'s agent config into {n.token_file}" if "401" in str(e) else
-               f"start it: meshctl agents install {n.name} (or check {n.agent})")
+               f"start the agent at {n.agent}: `meshctl agents install {n.name}` installs and starts it "
+               f"(the demo mesh's agents start with `meshctl up`)")
         return [Check("agent", n.name, False, str(e), fix)], None
     except (OSError, ValueError) as e:  # the token file itself
         return [Check("agent", n.name, False, f"cannot read the token: {e}",
