@@ -58,7 +58,7 @@ class Tally:
     def count(self, outcome: str, detail: str = "") -> None:
         with self.lock:
             self.outcomes[outcome] += 1
-            if detail and outcome not in ("completed",):
+            if detail and outcome != "completed":
                 self.examples.setdefault(outcome, detail[:300])
 
 
@@ -257,8 +257,9 @@ class Chaos:
         return {"duration": time.time() - start, "faults": dict(self.tally.faults),
                 "detected": dict(self.tally.detected), "replaced": dict(self.tally.replaced),
                 "outcomes": dict(self.tally.outcomes), "examples": self.tally.examples,
-                "incidents": len(incidents), "incident_log": [(i["cause"], i["node"], i["generation"], i["steps"],
-                                                                i["serving_back_at"]) for i in incidents], "recovered": sum(1 for i in incidents if i["serving_back_at"]),
+                "incidents": len(incidents), "recovered": sum(1 for i in incidents if i["serving_back_at"]),
+                "incident_log": [(i["cause"], i["node"], i["generation"], i["steps"], i["serving_back_at"])
+                                 for i in incidents],
                 "ready_at_end": ready, "served_at_end": served, "left_after_down": left,
                 "still_working": [w.name for w in workers if w.is_alive()]}
 

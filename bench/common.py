@@ -25,6 +25,11 @@ def meshctl(home: Path, *args: str, check: bool = True) -> str:
     return r.stdout
 
 
+def meshctl_for(mesh: Path, *args: str, check: bool = True) -> str:
+    """Run meshctl against the mesh described by `mesh` (a mesh.toml)."""
+    return meshctl(mesh.parent, "--config", str(mesh), *args, check=check)
+
+
 def report(lines: list[str], write: bool) -> None:
     """Print the result table; with `write`, append it to docs/BENCHMARKS.md."""
     table = "\n".join(lines)

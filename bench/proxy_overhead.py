@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
-from common import ROOT, report
+from common import ROOT, meshctl_for, report
 from agentkit import make_agents, write_mesh
 from meshkit import free_ports, wait_for
 
@@ -96,13 +96,8 @@ def main() -> None:
     agent.start()
     mesh = write_mesh(tmp, [agent], tmp, runtime={"profile": "standin"},
                       proxy={"concurrency": 64, "queue_limit": 256})
-    ctl = subprocess.Popen([sys.executable, "-m", "meshd.cli", "--config", str(mesh), "up"],
-                           stdout=subprocess.PIPE, text=True)
-    out = ctl.communicate(timeout=120)[0]
-    if ctl.returncode != 0:
-        raise SystemExit(out)
-    status = json.loads(subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), "status", "--json"],
-                                       capture_output=True, text=True, check=True).stdout)
+    meshctl_for(mesh, "up", "--skip-preflight")  # the stand-in rank loads no model
+    status = json.loads(meshctl_for(mesh, "status", "--json"))
     cfg_text = mesh.read_text()
     rank_port = int(cfg_text.split("[runtime]")[1].split("port = ")[1].split("\n")[0])
     (nginx_port,) = free_ports(1)
@@ -126,8 +121,7 @@ def main() -> None:
     finally:
         ng.terminate()
         ng.wait(10)
-        subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), "down", "--force"],
-                       capture_output=True)
+        meshctl_for(mesh, "down", "--force", check=False)
         pidfile = tmp / "state" / "run" / "controller.pid"
         if pidfile.exists():
             os.kill(int(pidfile.read_text().split()[0]), 15)

@@ -14,27 +14,18 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, parser, report
+from common import ROOT, meshctl_for as meshctl, parser, report
 from agentkit import make_agents, write_mesh
 from detection_recovery import first_death_received, pct, wait
 
 PROFILE = {"standin": {"command": ["{python}", str(ROOT / "bench" / "standin_rank.py"), "--host", "{host}",
                                    "--port", "{port}", "--rank", "{rank}", "--meshd-generation", "{generation}"],
                        "status_file": False}}
-
-
-def meshctl(mesh: Path, *args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), *args],
-                       capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        raise SystemExit(f"meshctl {' '.join(args)} failed: {r.stdout}{r.stderr}")
-    return r.stdout
 
 
 def measure(n: int, trials: int, rng: random.Random) -> dict:
@@ -51,7 +42,7 @@ def measure(n: int, trials: int, rng: random.Random) -> dict:
     db = tmp / "state" / "meshd.sqlite"
     try:
         t0 = time.time()
-        meshctl(mesh, "up")
+        meshctl(mesh, "up", "--skip-preflight")  # the trivial profile loads no model
         up = time.time() - t0
         status_cmd, status_api, detect = [], [], []
         for _ in range(10):
@@ -70,8 +61,7 @@ def measure(n: int, trials: int, rng: random.Random) -> dict:
             detect.append(got - killed)
         return {"up": up, "status": status_cmd + status_api, "detect": detect}
     finally:
-        subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), "down", "--force"],
-                       capture_output=True, timeout=300)
+        meshctl(mesh, "down", "--force", check=False)
         pidfile = tmp / "state" / "run" / "controller.pid"
         if pidfile.exists():
             os.kill(int(pidfile.read_text().split()[0]), signal.SIGTERM)

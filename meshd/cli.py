@@ -228,19 +228,33 @@ def cmd_config_check(args) -> int:
     return 0
 
 
-def cmd_provision(args) -> int:
+def pick_nodes(cfg: MeshConfig, names: list[str], every: bool) -> tuple[str, ...]:
+    """The nodes a command names, or all of them with --all."""
+    known = [n.name for n in cfg.nodes]
+    chosen = tuple(known) if every else tuple(names)
+    unknown = sorted(set(chosen) - set(known))
+    if not chosen or unknown:
+        raise CliError(f"name the nodes ({', '.join(known)}) or pass --all"
+                       + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+    return chosen
+
+
+def provision_mesh(cfg: MeshConfig, *, force: bool = False, trust_new: bool = False) -> None:
     from meshd import provision
     from meshd.ssh import SshError
 
-    cfg = resolve_config(args.config)
     try:
-        provision.provision(cfg, force=args.force, trust_new=args.trust_new_host, say=say)
+        provision.provision(cfg, force=force, trust_new=trust_new, say=say)
     except (SshError, provision.ProvisionError) as e:
         raise CliError(str(e))
+
+
+def cmd_provision(args) -> int:
+    provision_mesh(resolve_config(args.config), force=args.force, trust_new=args.trust_new_host)
     return 0
 
 
-def preflight(cfg: MeshConfig, *, canary: bool = False, trust_new: bool = False, ssh: bool = True) -> list:
+def preflight(cfg: MeshConfig, *, canary: bool = False, trust_new: bool = False) -> list:
     import asyncio
 
     from meshd import doctor
@@ -250,7 +264,7 @@ def preflight(cfg: MeshConfig, *, canary: bool = False, trust_new: bool = False,
     if ctl.alive():
         status = ctl.call("GET", "/v1/status")
         current, phase = status["generation"], status["phase"]
-    checks = doctor.ssh_checks(cfg, trust_new=trust_new) if ssh else []
+    checks = doctor.ssh_checks(cfg, trust_new=trust_new)
     checks += asyncio.run(doctor.agent_checks(cfg, current))
     if canary and phase not in ("stopped", "failed"):
         checks.append(doctor.Check("canary", "mesh", False, f"the mesh is {phase} (generation {current}): the "
@@ -286,12 +300,7 @@ def cmd_reboot(args) -> int:
     from meshd.agentclient import AgentClient
 
     cfg = resolve_config(args.config)
-    names = [n.name for n in cfg.nodes]
-    nodes = tuple(names) if args.all else tuple(args.nodes)
-    unknown = sorted(set(nodes) - set(names))
-    if not nodes or unknown:
-        raise CliError(f"name the nodes to reboot ({', '.join(names)}) or pass --all"
-                       + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+    nodes = pick_nodes(cfg, args.nodes, args.all)
 
     async def run():
         async with aiohttp.ClientSession() as session:
@@ -304,7 +313,7 @@ def cmd_reboot(args) -> int:
     say(detail)
     if cfg.backend in ("jaccl", "jaccl-ring"):
         say("re-provisioning (a reboot loses the Thunderbolt setup)")
-        cmd_provision(argparse.Namespace(config=args.config, force=False, trust_new_host=False))
+        provision_mesh(cfg)
     ctl = Control(cfg)
     if ctl.alive():
         ctl.call("POST", "/v1/up")
@@ -316,13 +325,8 @@ def cmd_agents_install(args) -> int:
     from meshd import install
 
     cfg = resolve_config(args.config)
-    names = [n.name for n in cfg.nodes] if args.all else args.nodes
-    unknown = sorted(set(names) - {n.name for n in cfg.nodes})
-    if not names or unknown:
-        raise CliError(f"name the nodes ({', '.join(n.name for n in cfg.nodes)}) or pass --all"
-                       + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
     try:
-        install.install(cfg, names, say=say, trust_new=args.trust_new_host,
+        install.install(cfg, list(pick_nodes(cfg, args.nodes, args.all)), say=say, trust_new=args.trust_new_host,
                         system_site_packages=args.system_site_packages, allow_reboot=args.allow_reboot,
                         wired_limit_mb=args.wired_limit_mb, service_dir=args.service_dir)
     except install.InstallError as e:
@@ -373,12 +377,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg_sub = cfg.add_subparsers(dest="config_cmd", required=True)
     check = cfg_sub.add_parser("check", help="validate a mesh.toml")
     check.add_argument("file", nargs="?")
-    prov = sub.add_parser("provision", help="set the nodes up: JACCL auto-setup over SSH, or a ring hostfile")
+    trust = argparse.ArgumentParser(add_help=False)
+    trust.add_argument("--trust-new-host", action="store_true", help="pin host keys not yet in known_hosts")
+    prov = sub.add_parser("provision", parents=[trust],
+                          help="set the nodes up: JACCL auto-setup over SSH, or a ring hostfile")
     prov.add_argument("--force", action="store_true", help="run auto-setup again within the same boot")
-    prov.add_argument("--trust-new-host", action="store_true", help="pin host keys not yet in known_hosts")
-    doc = sub.add_parser("doctor", help="preflight: every check a mesh needs before it starts, with fixes")
+    doc = sub.add_parser("doctor", parents=[trust],
+                         help="preflight: every check a mesh needs before it starts, with fixes")
     doc.add_argument("--canary", action="store_true", help="also run all_sum across the mesh (no model)")
-    doc.add_argument("--trust-new-host", action="store_true", help="pin host keys not yet in known_hosts")
     doc.add_argument("--json", action="store_true")
     rb = sub.add_parser("reboot", help="reboot nodes (agent, else SSH), wait for them, re-provision")
     rb.add_argument("nodes", nargs="*")
@@ -386,10 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     rb.add_argument("--wait", type=float, default=900, help="seconds to wait for a node to come back")
     ag = sub.add_parser("agents", help="node agents")
     ag_sub = ag.add_subparsers(dest="agents_cmd", required=True)
-    ai = ag_sub.add_parser("install", help="over SSH: meshd in a venv, agent config and token, service started")
+    ai = ag_sub.add_parser("install", parents=[trust],
+                           help="over SSH: meshd in a venv, agent config and token, service started")
     ai.add_argument("nodes", nargs="*")
     ai.add_argument("--all", action="store_true")
-    ai.add_argument("--trust-new-host", action="store_true", help="pin host keys not yet in known_hosts")
     ai.add_argument("--system-site-packages", action="store_true",
                     help="let the venv use the node's installed packages (mlx already there)")
     ai.add_argument("--allow-reboot", action="store_true", help="let the agent reboot its node when asked")

@@ -249,5 +249,10 @@ def hostfile_for(cfg: MeshConfig) -> dict:
             return json.loads(cfg.hostfile.read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"hostfile: cannot read {cfg.hostfile} ({e}); run `meshctl provision`")
+    return address_hostfile(cfg)
+
+
+def address_hostfile(cfg: MeshConfig) -> dict:
+    """A hostfile built from the nodes' addresses (ring over Ethernet)."""
     return {"backend": cfg.backend, "envs": [],
             "hosts": [{"ssh": n.name, "ips": [n.address], "rdma": []} for n in cfg.nodes]}

@@ -169,6 +169,7 @@ def ssh_checks(cfg: MeshConfig, *, trust_new: bool = False, timeout: float = 15)
 
 
 def _ssh_node(cfg: MeshConfig, node, target, *, trust_new: bool, timeout: float) -> list[Check]:
+    from meshd.provision import sudo_fix
     from meshd.ssh import Session, SshError
 
     jaccl = cfg.backend in JACCL
@@ -183,8 +184,7 @@ def _ssh_node(cfg: MeshConfig, node, target, *, trust_new: bool, timeout: float)
                 return out
             sudo = s.run("sudo -n true", timeout=timeout)
             out.append(Check("sudo", node.name, sudo.ok, "passwordless" if sudo.ok else sudo.stderr.strip(),
-                             f"on {node.name}: sudo visudo, add `{target.user} ALL=(ALL) NOPASSWD: "
-                             f"/sbin/ifconfig, /sbin/route, /sbin/shutdown, /usr/sbin/sysctl`"))
+                             sudo_fix(node.name, target.user)))
             out.append(judge_bridge(node.name, s.run("ifconfig bridge0", timeout=timeout).stdout))
             devices = s.run("ibv_devices", timeout=timeout).stdout
             try:

@@ -64,7 +64,7 @@ def agent_toml(node: Node, listen: str, *, allow_reboot: bool, wired_limit_mb: i
 def install_agent(cfg: MeshConfig, node: Node, wheel: Path, *, trust_new: bool = False,
                   system_site_packages: bool = False, allow_reboot: bool = False, wired_limit_mb: int = 0,
                   service_dir: str | None = None, say: Callable[[str], None] = print) -> None:
-    target = next(t for t in provision.targets(cfg) if t.node == node.name)
+    target = provision.target_of(cfg, node.name)
     url = urlparse(node.agent)
     listen = f"{url.hostname}:{url.port or 7701}"
     token = node_token(node, say)

@@ -27,7 +27,7 @@ from typing import Callable
 import structlog
 
 from meshd.agentclient import AgentError
-from meshd.config import ConfigError, MeshConfig, hostfile_for
+from meshd.config import ConfigError, MeshConfig, address_hostfile, hostfile_for
 from meshd.hostfile import HostfileError, validate
 
 REBOOT_WAIT = 900.0
@@ -58,6 +58,19 @@ def targets(cfg: MeshConfig):
     return [parse_target(n.name, n.ssh or n.address, cfg.ssh.user) for n in cfg.nodes]
 
 
+def target_of(cfg: MeshConfig, name: str):
+    return next(t for t in targets(cfg) if t.node == name)
+
+
+def read_boot_id(session) -> str:
+    return session.run(BOOT_ID, timeout=30).stdout.strip()
+
+
+def sudo_fix(node: str, user: str) -> str:
+    return (f"on {node}: run `sudo visudo` and add `{user} ALL=(ALL) NOPASSWD: /sbin/ifconfig, /sbin/route, "
+            f"/sbin/shutdown, /usr/sbin/sysctl`")
+
+
 def already_provisioned(record: dict | None, nodes: list[str], boots: dict[str, str]) -> bool:
     """Did auto-setup already run on exactly these nodes in their current boot?"""
     return bool(record) and record.get("nodes") == nodes and record.get("boot_ids") == boots
@@ -82,8 +95,7 @@ def provision(cfg: MeshConfig, *, force: bool = False, trust_new: bool = False,
     out.parent.mkdir(parents=True, exist_ok=True)
     nodes = [n.name for n in cfg.nodes]
     if cfg.backend == "ring":
-        hostfile = {"backend": "ring", "envs": [],
-                    "hosts": [{"ssh": n.name, "ips": [n.address], "rdma": []} for n in cfg.nodes]}
+        hostfile = address_hostfile(cfg)
         check_hostfile(hostfile, cfg)
         out.write_text(json.dumps(hostfile, indent=2) + "\n")
         say(f"ring over Ethernet: wrote {out} from the nodes' addresses")
@@ -96,11 +108,9 @@ def provision(cfg: MeshConfig, *, force: bool = False, trust_new: bool = False,
         with ssh.Session(t, cfg.ssh, trust_new=trust_new) as s:
             sudo = s.run("sudo -n true", timeout=30)
             if not sudo.ok:
-                raise ProvisionError(
-                    f"{t.node}: auto-setup needs passwordless sudo ({sudo.stderr.strip() or 'sudo -n failed'}); on "
-                    f"{t.node} run `sudo visudo` and add `{t.user} ALL=(ALL) NOPASSWD: /sbin/ifconfig, /sbin/route, "
-                    f"/sbin/shutdown`")
-            boots[t.node] = s.run(BOOT_ID, timeout=30).stdout.strip()
+                raise ProvisionError(f"{t.node}: auto-setup needs passwordless sudo "
+                                     f"({sudo.stderr.strip() or 'sudo -n failed'}); {sudo_fix(t.node, t.user)}")
+            boots[t.node] = read_boot_id(s)
     record_file = record_path(cfg)
     record = json.loads(record_file.read_text()) if record_file.exists() else None
     if already_provisioned(record, nodes, boots) and not force:
@@ -203,9 +213,8 @@ async def reboot_nodes(cfg: MeshConfig, agents: dict, nodes: tuple[str, ...], sa
 def _reboot_over_ssh(cfg: MeshConfig, name: str) -> str:
     from meshd.ssh import Session, SshError
 
-    target = next(t for t in targets(cfg) if t.node == name)
-    with Session(target, cfg.ssh) as s:
-        boot = s.run(BOOT_ID, timeout=30).stdout.strip()
+    with Session(target_of(cfg, name), cfg.ssh) as s:
+        boot = read_boot_id(s)
         r = s.run(REBOOT, timeout=30)
         if not r.ok:
             raise SshError(f"{name}: `{REBOOT}` failed ({r.stderr.strip()}); allow it with passwordless sudo "
@@ -219,17 +228,16 @@ async def _boot_id_now(cfg: MeshConfig, client, name: str) -> str | None:
     except AgentError:
         pass
     try:
-        target = next(t for t in targets(cfg) if t.node == name)
-        return await asyncio.to_thread(_ssh_boot_id, cfg, target)
+        return await asyncio.to_thread(_ssh_boot_id, cfg, name)
     except Exception:  # the node is still down: SSH refuses or times out
         return None
 
 
-def _ssh_boot_id(cfg: MeshConfig, target) -> str:
+def _ssh_boot_id(cfg: MeshConfig, name: str) -> str:
     from meshd.ssh import Session
 
-    with Session(target, cfg.ssh) as s:
-        return s.run(BOOT_ID, timeout=15).stdout.strip()
+    with Session(target_of(cfg, name), cfg.ssh) as s:
+        return read_boot_id(s)
 
 
 async def run_ladder_step(ctl, step: str, nodes: tuple[str, ...]) -> tuple[bool, str]:

@@ -1,5 +1,5 @@
 """SSH to the nodes (paramiko): host keys verified against known_hosts, a
-timeout on connecting and on every command, output streamed line by line.
+timeout on connecting and on every command.
 
 An unknown host key is refused with its fingerprint shown, unless the caller
 asked to trust new hosts (`--trust-new-host`), which pins it in known_hosts.
@@ -16,8 +16,6 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
 import paramiko
 
 from meshd.config import Ssh as Settings
@@ -97,7 +95,6 @@ class Session:
         if self.known_hosts.exists():
             self.client.load_host_keys(str(self.known_hosts))
         self.client.set_missing_host_key_policy(_Refuse(target, self.known_hosts, trust_new))
-        self.trust_new = trust_new
 
     def __enter__(self) -> "Session":
         t, s = self.target, self.settings
@@ -128,13 +125,12 @@ class Session:
     def __exit__(self, *exc) -> None:
         self.client.close()
 
-    def run(self, command: str, *, timeout: float | None = None,
-            on_line: Callable[[str], None] | None = None) -> Result:
+    def run(self, command: str, *, timeout: float | None = None) -> Result:
         """Run `command` (a shell line) and wait for it, at most `timeout` seconds."""
         timeout = timeout or self.settings.command_timeout
         chan = self.client.get_transport().open_session(timeout=self.settings.connect_timeout)
         chan.exec_command(command)
-        out, err, partial = [], [], b""
+        out, err = [], []
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -147,16 +143,9 @@ class Session:
                 while chan.recv_stderr_ready():
                     err.append(chan.recv_stderr(65536))
                 while chan.recv_ready():
-                    data = chan.recv(65536)
-                    out.append(data)
-                    if on_line:
-                        *lines, partial = (partial + data).split(b"\n")
-                        for line in lines:
-                            on_line(line.decode(errors="replace"))
+                    out.append(chan.recv(65536))
                 if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
                     break
-            if on_line and partial:
-                on_line(partial.decode(errors="replace"))
             return Result(chan.recv_exit_status(), b"".join(out).decode(errors="replace"),
                           b"".join(err).decode(errors="replace"))
         finally:

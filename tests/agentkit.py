@@ -198,19 +198,22 @@ def now() -> float:
     return time.time()
 
 
-def write_mesh(path: Path, agents: list[Agent], model: Path, **sections) -> Path:
-    """A mesh.toml for these agents; `sections` add keys to [runtime], [proxy], [recovery]."""
+def write_mesh(path: Path, agents: list[Agent], model: Path, *, backend: str = "ring",
+               ssh_of: dict[str, str] | None = None, **sections) -> Path:
+    """A mesh.toml for these agents; `sections` add keys to [runtime], [proxy], [recovery], or add [ssh];
+    `ssh_of` gives nodes their ssh address."""
     proxy_port, control_port, rank_port = free_ports(3)
     ring = free_port_run(len(agents))
-    lines = ['name = "test"', 'backend = "ring"', 'state_dir = "state"', ""]
+    lines = ['name = "test"', f'backend = "{backend}"', 'state_dir = "state"', ""]
     for a in agents:
-        lines += ["[[nodes]]", f'name = "{a.node}"', f'agent = "{a.url}"', f'token_file = "{a.dir / "token"}"', ""]
+        lines += ["[[nodes]]", f'name = "{a.node}"', f'agent = "{a.url}"', f'token_file = "{a.dir / "token"}"']
+        lines += [f'ssh = "{ssh_of[a.node]}"', ""] if ssh_of else [""]
     tables = {"runtime": {"model": str(model), "port": rank_port, "ring_port": ring},
               "proxy": {"listen": f"127.0.0.1:{proxy_port}"},
               "recovery": {"backoff_base": 0.2, "stop_grace": 2.0, "drain_grace": 10.0},
               "control": {"listen": f"127.0.0.1:{control_port}"}}
     for name, extra in sections.items():
-        tables[name].update(extra)
+        tables.setdefault(name, {}).update(extra)
     for name, values in tables.items():
         lines.append(f"[{name}]")
         lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]

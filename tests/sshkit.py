@@ -90,6 +90,14 @@ class Fleet:
         path.write_text("".join(n.host_key_line() + "\n" for n in (self.nodes if nodes is None else nodes)))
         return path
 
+    def ssh_of(self, agents) -> dict[str, str]:
+        """Each agent's node reached through the server of the same index."""
+        return {a.node: n.ssh for a, n in zip(agents, self.nodes)}
+
+    def ssh_settings(self, path: Path, **extra) -> dict:
+        """mesh.toml's [ssh] for this fleet: its host keys pinned in path/known_hosts, the client key."""
+        return {"known_hosts": str(self.known_hosts(path / "known_hosts")), "key_file": str(self.client_key), **extra}
+
     def stop(self) -> None:
         """Stop the servers, and whatever their sessions left running (a hung ibv_devinfo stays hung, as the
         real one does, until someone kills it)."""

@@ -11,7 +11,7 @@ from importlib import metadata
 
 import pytest
 
-from agentkit import make_agents
+from agentkit import make_agents, write_mesh
 from meshd import doctor
 from sshkit import STANDINS, start_fleet
 
@@ -96,21 +96,10 @@ def meshctl(mesh, *args, timeout=300):
 
 
 def mesh_file(path, agents, model, backend="ring", fleet=None):
-    lines = [f'name = "doc"\nbackend = "{backend}"\nstate_dir = "state"\n']
-    for i, a in enumerate(agents):
-        ssh = f'ssh = "{fleet.nodes[i].ssh}"\n' if fleet else ""
-        lines.append(f'[[nodes]]\nname = "{a.node}"\nagent = "{a.url}"\ntoken_file = "{a.dir / "token"}"\n{ssh}')
-    from agentkit import free_port_run
-    from meshkit import free_ports
-
-    control, proxy = free_ports(2)
-    lines.append(f'[runtime]\nmodel = "{model}"\nring_port = {free_port_run(len(agents))}\n'
-                 f'[control]\nlisten = "127.0.0.1:{control}"\n[proxy]\nlisten = "127.0.0.1:{proxy}"\n')
-    if fleet:
-        known = fleet.known_hosts(path / "known_hosts")
-        lines.append(f'[ssh]\nknown_hosts = "{known}"\nkey_file = "{fleet.client_key}"\ncommand_timeout = 3\n')
-    (path / "mesh.toml").write_text("\n".join(lines))
-    return path / "mesh.toml"
+    if fleet is None:
+        return write_mesh(path, agents, model, backend=backend)
+    return write_mesh(path, agents, model, backend=backend, ssh_of=fleet.ssh_of(agents),
+                      ssh=fleet.ssh_settings(path, command_timeout=3))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import sys
 import pytest
 import requests
 
-from agentkit import make_agents
+from agentkit import make_agents, write_mesh
 from meshkit import wait_for
 from sshkit import STANDINS, start_fleet
 from test_controller import meshctl, stop_controller
@@ -43,8 +43,6 @@ def boot_id(node) -> str:
 
 def test_reboot_severity_evidence_climbs_the_ladder_to_reboot_and_back_to_ready(macs, tmp_path, demo_model):
     fleet, agents = macs
-    from agentkit import write_mesh
-
     mesh = write_mesh(tmp_path, agents, demo_model, recovery={"ladder": ["restart", "reprovision", "reboot"]})
     up = meshctl(mesh, "up")
     assert up.returncode == 0, up.stdout + up.stderr
@@ -76,14 +74,7 @@ def test_reboot_severity_evidence_climbs_the_ladder_to_reboot_and_back_to_ready(
 
 def test_meshctl_reboot_goes_over_ssh_when_the_agent_is_gone(macs, tmp_path, demo_model):
     fleet, agents = macs
-    from agentkit import write_mesh
-
-    mesh = write_mesh(tmp_path, agents, demo_model)
-    known = fleet.known_hosts(tmp_path / "known_hosts")
-    text = mesh.read_text()
-    for a, n in zip(agents, fleet.nodes):
-        text = text.replace(f'token_file = "{a.dir / "token"}"', f'token_file = "{a.dir / "token"}"\nssh = "{n.ssh}"')
-    mesh.write_text(text + f'\n[ssh]\nknown_hosts = "{known}"\nkey_file = "{fleet.client_key}"\n')
+    mesh = write_mesh(tmp_path, agents, demo_model, ssh_of=fleet.ssh_of(agents), ssh=fleet.ssh_settings(tmp_path))
     before = [a.get("/v1/node").json()["boot_id"] for a in agents]
     agents[0].kill()
     r = subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), "reboot", "node0", "--wait", "60"],
@@ -101,8 +92,6 @@ def test_meshctl_reboot_goes_over_ssh_when_the_agent_is_gone(macs, tmp_path, dem
 
 
 def test_reboot_refused_by_the_agent_and_unreachable_over_ssh_names_both(tmp_path, demo_model):
-    from agentkit import write_mesh
-
     agents = make_agents(tmp_path, 1)
     agents[0].start()
     try:
