@@ -23,6 +23,7 @@ from pathlib import Path
 import aiohttp
 
 from common import ROOT, meshctl_for, report
+from meshd import config as mesh_config
 from agentkit import make_agents, write_mesh
 from meshkit import free_ports, wait_for
 
@@ -96,18 +97,18 @@ def main() -> None:
     agent.start()
     mesh = write_mesh(tmp, [agent], tmp, runtime={"profile": "standin"},
                       proxy={"concurrency": 64, "queue_limit": 256})
-    meshctl_for(mesh, "up", "--skip-preflight")  # the stand-in rank loads no model
-    status = json.loads(meshctl_for(mesh, "status", "--json"))
-    cfg_text = mesh.read_text()
-    rank_port = int(cfg_text.split("[runtime]")[1].split("port = ")[1].split("\n")[0])
     (nginx_port,) = free_ports(1)
     for sub in ("body", "proxy", "fcgi", "uwsgi", "scgi"):
         (tmp / sub).mkdir()
-    ng = subprocess.Popen([nginx, "-c", str(nginx_conf(tmp, nginx_port, rank_port)), "-g", "daemon off;"])
-    paths = {"direct": f"http://127.0.0.1:{rank_port}/v1/chat/completions",
-             "meshd proxy": f"{status['urls']['proxy']}/chat/completions",
-             "nginx": f"http://127.0.0.1:{nginx_port}/v1/chat/completions"}
+    rank_port = mesh_config.load(mesh).runtime.port
+    ng = None
     try:
+        meshctl_for(mesh, "up", "--skip-preflight")  # the stand-in rank loads no model
+        status = json.loads(meshctl_for(mesh, "status", "--json"))
+        ng = subprocess.Popen([nginx, "-c", str(nginx_conf(tmp, nginx_port, rank_port)), "-g", "daemon off;"])
+        paths = {"direct": f"http://127.0.0.1:{rank_port}/v1/chat/completions",
+                 "meshd proxy": f"{status['urls']['proxy']}/chat/completions",
+                 "nginx": f"http://127.0.0.1:{nginx_port}/v1/chat/completions"}
         wait_for(lambda: subprocess.run(["curl", "-sf", f"http://127.0.0.1:{nginx_port}/internal/ready"],
                                         capture_output=True).returncode == 0, 30, "nginx")
         results = {}
@@ -119,8 +120,9 @@ def main() -> None:
                     print(f"c={concurrency} stream={stream} {name}: p50 {statistics.median(t) * 1000:.2f} ms",
                           file=sys.stderr)
     finally:
-        ng.terminate()
-        ng.wait(10)
+        if ng is not None:
+            ng.terminate()
+            ng.wait(10)
         meshctl_for(mesh, "down", "--force", check=False)
         pidfile = tmp / "state" / "run" / "controller.pid"
         if pidfile.exists():
