@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agents.stall import StallWindows
-from meshd.config import ConfigError, read_toml, split_listen, table
+from common.secretfile import read_secret
+from common.tomlcheck import ConfigError, read_toml, split_listen, table
 
 PLACEHOLDERS = {"python", "model", "port", "host", "seed", "generation", "rank", "world", "status_file"}
 
@@ -76,23 +77,10 @@ class AgentConfig:
     wired_limit_mb: int = 0  # applied at start when set (macOS, lost at reboot)
 
     def token(self) -> str:
-        return _read_secret(self.token_file, "token_file")
+        return read_secret(self.token_file, "token_file")
 
     def metrics_token(self) -> str | None:
-        return _read_secret(self.metrics_token_file, "metrics_token_file") if self.metrics_token_file else None
-
-
-def _read_secret(path: Path, key: str) -> str:
-    try:
-        if path.stat().st_mode & 0o077:
-            raise ConfigError(f"{key}: {path} is readable by other users; run `chmod 600 {path}`")
-        value = path.read_text().strip()
-    except OSError as e:
-        raise ConfigError(f"{key}: cannot read {path} ({e.strerror}); create it with a random token, "
-                          f"e.g. `python -c 'import secrets; print(secrets.token_hex(24))' > {path}`")
-    if len(value) < 16:
-        raise ConfigError(f"{key}: the token in {path} is shorter than 16 characters; use a random one")
-    return value
+        return read_secret(self.metrics_token_file, "metrics_token_file") if self.metrics_token_file else None
 
 
 def _need(table: dict, key: str, kind, where: str, example: str):

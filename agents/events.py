@@ -9,7 +9,7 @@ import json
 from collections import deque
 from pathlib import Path
 
-from meshd.protocol import Event
+from common.protocol import Event
 
 
 class EventLog:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import platform
-import signal
 import shutil
 import socket
 import sys
@@ -16,27 +14,21 @@ from pathlib import Path
 
 import psutil
 
+from common import procs
+
 TOOL_TIMEOUT = 5.0
 
 
 async def run_tool(argv: list[str], timeout: float = TOOL_TIMEOUT) -> dict:
-    """{"ok", "output"} or {"ok": False, "error"}; a timeout kills the tool."""
+    """{"ok", "output"} or {"ok": False, "error"}; a timeout kills the tool and its children."""
     if shutil.which(argv[0]) is None:
         return {"ok": False, "error": f"{argv[0]} not found"}
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.STDOUT,
-                                                start_new_session=True)
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
-    except asyncio.TimeoutError:
-        # The whole session: a hung tool's children would hold the pipe open.
-        os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
+    r = await asyncio.to_thread(procs.run, argv, timeout)
+    if r.hung:
         return {"ok": False, "error": f"{' '.join(argv)} hung for more than {timeout:.0f}s", "hung": True}
-    text = out.decode(errors="replace")
-    if proc.returncode != 0:
-        return {"ok": False, "error": f"{' '.join(argv)} exited {proc.returncode}: {text.strip()[:300]}"}
-    return {"ok": True, "output": text}
+    if not r.ok:
+        return {"ok": False, "error": f"{' '.join(argv)} exited {r.code}: {r.output.strip()[:300]}"}
+    return {"ok": True, "output": r.output}
 
 
 def _version(dist: str) -> str | None:

@@ -1,4 +1,5 @@
-"""Which processes are debris? A pure selection over a process listing.
+"""Which processes are debris? A pure selection (`select_orphans`) over a
+process listing (`scan`, the one impure function here).
 
 Debris is: a process of this agent (MESHD_AGENT, its state directory, in the
 process's environment: several agents may share a host, and none may touch
@@ -11,8 +12,11 @@ manifest entry of a retired generation that is still alive; an `ibv_devinfo`
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+
+import psutil
 
 MARKER = re.compile(r"(?:--meshd-generation[= ]|meshd-generation=)(\d+)")
 IBV_TOOLS = ("ibv_devinfo", "ibv_devices")
@@ -65,3 +69,28 @@ def select_orphans(procs: list[ProcInfo], *, agent: str, current: int | None, ke
             out[p.pid] = Orphan(p.pid, p.create_time,
                                 f"manifest entry of retired generation {entry['generation']}", " ".join(p.cmdline)[:200])
     return sorted(out.values(), key=lambda o: o.pid)
+
+
+def scan() -> list[ProcInfo]:
+    """Processes that could be meshd debris: marked ranks and ibv tools. Only
+    those get their environment read."""
+    out = []
+    me = os.getpid()
+    for p in psutil.process_iter(["pid", "name", "cmdline", "create_time"]):
+        info = p.info
+        if info["pid"] == me or not info["cmdline"]:
+            continue
+        cmdline = tuple(info["cmdline"])
+        joined = " ".join(cmdline)
+        ibv = info["name"] in IBV_TOOLS or any(t in joined for t in IBV_TOOLS)
+        try:
+            env = p.environ()
+        except (psutil.Error, OSError):
+            env = {}
+        raw = env.get("MESHD_GENERATION")
+        env_gen = int(raw) if raw and raw.isdigit() else None
+        if not (MARKER.search(joined) or env_gen is not None or ibv):
+            continue
+        out.append(ProcInfo(info["pid"], info["name"] or "", cmdline, info["create_time"], env_gen,
+                            env.get("MESHD_AGENT")))
+    return out

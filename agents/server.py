@@ -7,10 +7,10 @@ Stopping the agent leaves its ranks running: a restarted agent adopts them.
 
 from __future__ import annotations
 
-import hmac
 import json
 import time
 
+import psutil
 import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -18,14 +18,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from agents import config as agent_config
 from agents import node as node_facts
-from agents import ranks
 from agents.supervisor import BadSpec, Conflict, Supervisor
-from meshd.protocol import RankSpec
-from meshd.web import json_error, json_errors, read_json, run_daemon, start_sites, until_stopped
-from runtime.openai_api import ApiError
+from common import procs
+from common.errors import ApiError
+from common.http import (bearer_matches, json_error, json_errors, read_json, read_object, run_daemon, start_sites,
+                         until_stopped)
+from common.protocol import RankSpec
 
 log = structlog.get_logger("meshd.agent")
-OPEN_ROUTES = ("/healthz", "/metrics")
 
 
 def auth_middleware(token: str, metrics_token: str | None):
@@ -34,9 +34,7 @@ def auth_middleware(token: str, metrics_token: str | None):
         path = request.path
         if path == "/healthz" or (path == "/metrics" and metrics_token is None):
             return await handler(request)
-        expected = metrics_token if path == "/metrics" else token
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {expected}".encode()):
+        if not bearer_matches(request, metrics_token if path == "/metrics" else token):
             return json_error(401, "Missing or wrong bearer token; send 'Authorization: Bearer <token>' "
                                    "with the token from this agent's token_file", code="unauthorized")
         return await handler(request)
@@ -76,8 +74,6 @@ class AgentMetrics:
         self.sup = sup
 
     def collect(self):
-        import psutil
-
         node = self.sup.config.node
         up = GaugeMetricFamily("meshd_agent_rank_up", "1 while the rank process of this node runs",
                                labels=["node", "rank"])
@@ -88,7 +84,7 @@ class AgentMetrics:
         gen = GaugeMetricFamily("meshd_agent_generation", "Generation of the live rank (-1 when none)",
                                 labels=["node"])
         for rec in self.sup.live():
-            res = ranks.resources(rec.target)
+            res = procs.resources(rec.target)
             up.add_metric([node, str(rec.rank)], 1)
             rss.add_metric([node, str(rec.rank)], res["rss_bytes"])
             cpu.add_metric([node, str(rec.rank)], res["cpu_seconds"])
@@ -157,21 +153,17 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None) -> w
             generation = int(request.match_info["generation"])
         except ValueError:
             raise ApiError(400, "the generation in the path must be an integer", param="generation")
-        body = await read_json(request) if request.can_read_body else {}
-        if not isinstance(body, dict):
-            raise ApiError(400, "The body must be a JSON object", code="invalid_json")
+        body = await read_object(request)
         mode = body.get("mode", "drain")
         if mode not in ("drain", "kill"):
             raise ApiError(400, f"'mode' must be 'drain' or 'kill', got {mode!r}", param="mode")
         grace = body.get("grace", cfg.grace_seconds)
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= 3600:
             raise ApiError(400, f"'grace' must be seconds between 0 and 3600, got {grace!r}", param="grace")
-        return web.json_response(await sup.stop(generation, mode, float(grace)))
+        return web.json_response((await sup.stop(generation, mode, float(grace))).to_dict())
 
     async def sweep(request):
-        body = await read_json(request) if request.can_read_body else {}
-        if not isinstance(body, dict):
-            raise ApiError(400, "The body must be a JSON object", code="invalid_json")
+        body = await read_object(request)
         grace = body.get("grace", 5.0)
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= 600:
             raise ApiError(400, f"'grace' must be seconds between 0 and 600, got {grace!r}", param="grace")

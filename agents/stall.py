@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.states import RankState
+
 
 @dataclass(frozen=True)
 class StallWindows:
@@ -30,7 +32,7 @@ class Stall:
 
 def window_for(status: dict, w: StallWindows) -> float:
     state = status.get("state")
-    if state == "loading":
+    if state == RankState.LOADING:
         return w.load_deadline
     return w.base + status.get("prompt_tokens_in_flight", 0) / w.min_prefill_rate
 
@@ -39,7 +41,7 @@ def stall_verdict(status: dict | None, now: float, spawned_at: float, w: StallWi
     if status is None:
         waited = now - spawned_at
         return Stall("starting", waited, w.start_deadline) if waited > w.start_deadline else None
-    if status.get("state") == "exited":
+    if status.get("state") == RankState.EXITED:
         return None
     window = window_for(status, w)
     idle_for = now - float(status.get("progress_at", spawned_at))

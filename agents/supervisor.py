@@ -17,14 +17,15 @@ from pathlib import Path
 
 import aiohttp
 
-from agents import ranks
+from agents import orphans
 from agents.config import AgentConfig, Profile
 from agents.events import EventLog
-from agents.orphans import select_orphans
 from agents.watch import RankRecord, RankWatcher
-from meshd.hostfile import HostfileError, launch_env
-from meshd.protocol import OrphansSwept, RankExited, RankSpec, RankStarted, RebootRequired
-from runtime.status import write_atomic
+from common import procs
+from common.hostfile import HostfileError, launch_env
+from common.protocol import (OrphansSwept, RankExited, RankSignature, RankSpec, RankStarted, RebootRequired,
+                             StopResult)
+from common.statusfile import write_atomic
 
 
 class Conflict(Exception):
@@ -80,9 +81,11 @@ class Supervisor:
         if isinstance(event, RankExited):
             kind = "expected" if event.expected else ("signal" if event.signal else f"code_{event.code}")
             self.counters.exits[kind] = self.counters.exits.get(kind, 0) + 1
-        if getattr(event, "signature", None):
+        if isinstance(event, RankSignature):
             key = (event.signature, event.severity)
             self.counters.signatures[key] = self.counters.signatures.get(key, 0) + 1
+            if event.severity == "reboot":
+                self.reboot_required = f"{event.signature}: {event.line[-200:]}"
         if isinstance(event, RebootRequired):
             self.reboot_required = event.reason
         await self.events.emit(event)
@@ -103,14 +106,14 @@ class Supervisor:
         """On agent start: watch again the manifest's ranks that still run."""
         keep = []
         for e in self._read_manifest():
-            target = ranks.Target(e["pid"], e["create_time"])
-            if not ranks.alive(target):
+            target = procs.Target(e["pid"], e["create_time"])
+            if not procs.alive(target):
                 await self.emit(RankExited(node=self.config.node, generation=e["generation"], rank=e["rank"],
                                            at=time.time(), pid=e["pid"], code=None, signal=None, expected=False))
                 continue
             rec = RankRecord(e["generation"], e["rank"], e["pid"], e["create_time"], e["spawned_at"],
                              Path(e["log_path"]), Path(e["status_path"]) if e["status_path"] else None,
-                             e["port"], e["host"], e["profile"], proc=None, state="adopted")
+                             e["port"], e["host"], e["profile"], proc=None)
             self.records[(rec.generation, rec.rank)] = rec
             keep.append(e)
             await self.emit(RankStarted(node=self.config.node, generation=rec.generation, rank=rec.rank,
@@ -176,8 +179,9 @@ class Supervisor:
             env["MESHD_STATUS_FILE"] = str(status_path)
             argv = self._argv(profile, spec, status_path)
             log_path = rundir / "rank.log"
-            proc = await ranks.spawn(argv, env, log_path, rundir)
-            rec = RankRecord(spec.generation, spec.rank, proc.pid, ranks.create_time(proc.pid) or time.time(),
+            proc = await procs.spawn(argv, log_path, env=env, cwd=rundir)
+            target = procs.identify(proc.pid)
+            rec = RankRecord(spec.generation, spec.rank, proc.pid, target.create_time if target else time.time(),
                              time.time(), log_path, status_path if profile.status_file else None, spec.port,
                              spec.host, spec.profile, proc=proc)
             self.records[(rec.generation, rec.rank)] = rec
@@ -188,7 +192,7 @@ class Supervisor:
             return rec, True
 
     # --- stop -------------------------------------------------------------------
-    async def stop(self, generation: int, mode: str, grace: float) -> dict:
+    async def stop(self, generation: int, mode: str, grace: float) -> StopResult:
         recs = [r for r in self.records.values() if r.generation == generation and not r.done]
         for r in recs:
             r.stopping = True
@@ -203,7 +207,7 @@ class Supervisor:
         elif mode == "drain":
             async def drain():  # rank 0's drain reaches this rank through the mesh
                 return None
-        result = await ranks.stop_ladder([r.target for r in recs], grace=grace, drain=drain)
+        result = await procs.stop_ladder([r.target for r in recs], grace=grace, drain=drain)
         await self._settle(recs)
         if result.survivors:
             self.counters.survivors += len(result.survivors)
@@ -211,13 +215,12 @@ class Supervisor:
             await self.emit(RebootRequired(node=self.config.node, generation=generation, rank=-1, at=time.time(),
                                            reason=reason))
         self._write_manifest([e for e in self._read_manifest() if e["generation"] != generation])
-        return {"generation": generation, "stopped": list(result.stopped), "survivors": list(result.survivors),
-                "steps": list(result.steps)}
+        return StopResult(generation, result.stopped, result.survivors, result.steps)
 
     async def _settle(self, recs: list[RankRecord], timeout: float = 5.0) -> None:
         """Wait until the watchers have reported the exits (so events precede the answer)."""
         deadline = time.monotonic() + timeout
-        while any(not r.done and not ranks.alive(r.target) for r in recs) and time.monotonic() < deadline:
+        while any(not r.done and not procs.alive(r.target) for r in recs) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
     # --- sweep ------------------------------------------------------------------
@@ -230,17 +233,17 @@ class Supervisor:
         for g in sorted({r.generation for r in self.live() if r.generation != current}):
             await self.stop(g, "kill", grace)
         keep = {r.pid for r in self.live()} | {os.getpid()}
-        orphans = select_orphans(ranks.list_processes(), agent=str(self.state_dir.resolve()), current=current, keep_pids=keep,
-                                 manifest=self._read_manifest(), now=time.time(),
-                                 ibv_limit=self.config.ibv_hang_seconds)
-        result = await ranks.stop_ladder([ranks.Target(o.pid, o.create_time) for o in orphans], grace=grace)
-        killed = [{"pid": o.pid, "reason": o.reason, "what": o.what} for o in orphans if o.pid in result.stopped]
-        survived = [{"pid": o.pid, "reason": o.reason, "what": o.what} for o in orphans
+        debris = orphans.select_orphans(orphans.scan(), agent=str(self.state_dir.resolve()), current=current,
+                                        keep_pids=keep, manifest=self._read_manifest(), now=time.time(),
+                                        ibv_limit=self.config.ibv_hang_seconds)
+        result = await procs.stop_ladder([procs.Target(o.pid, o.create_time) for o in debris], grace=grace)
+        killed = [{"pid": o.pid, "reason": o.reason, "what": o.what} for o in debris if o.pid in result.stopped]
+        survived = [{"pid": o.pid, "reason": o.reason, "what": o.what} for o in debris
                     if o.pid in result.survivors]
         self.counters.orphans_killed += len(killed)
         self.counters.survivors += len(survived)
         self._write_manifest([e for e in self._read_manifest() if e["generation"] == current])
-        if orphans:
+        if debris:
             await self.emit(OrphansSwept(node=self.config.node, generation=current if current is not None else -1,
                                          rank=-1, at=time.time(), killed=tuple(o["pid"] for o in killed),
                                          survived=tuple(o["pid"] for o in survived)))

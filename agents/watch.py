@@ -8,18 +8,18 @@ and the status file are read every 50 ms.
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from agents import ranks
 from agents.signatures import classify
 from agents.stall import StallWindows, stall_verdict
-from meshd.protocol import (Event, RankExited, RankSignature, RankStalled, RankStateChanged,
-                            RebootRequired)
+from common import procs
+from common.protocol import Event, RankExited, RankSignature, RankStalled, RankStateChanged
+from common.states import RankState
+from common.statusfile import read_status
 
 Emit = Callable[[Event], Awaitable[None]]
 
@@ -37,7 +37,7 @@ class RankRecord:
     host: str
     profile: str
     proc: asyncio.subprocess.Process | None = None  # None when adopted
-    state: str = "spawned"
+    state: RankState = RankState.SPAWNED
     status: dict | None = None
     exit_code: int | None = None
     exit_signal: int | None = None
@@ -46,12 +46,12 @@ class RankRecord:
     signatures: list[str] = field(default_factory=list)
 
     @property
-    def target(self) -> ranks.Target:
-        return ranks.Target(self.pid, self.create_time)
+    def target(self) -> procs.Target:
+        return procs.Target(self.pid, self.create_time)
 
     @property
     def done(self) -> bool:
-        return self.state in ("exited", "lost")
+        return self.state == RankState.EXITED
 
     def manifest_entry(self) -> dict:
         return {"generation": self.generation, "rank": self.rank, "pid": self.pid,
@@ -60,7 +60,7 @@ class RankRecord:
                 "host": self.host, "profile": self.profile}
 
     def view(self) -> dict:
-        res = ranks.resources(self.target) if not self.done else {"rss_bytes": 0, "cpu_seconds": 0.0}
+        res = procs.resources(self.target) if not self.done else {"rss_bytes": 0, "cpu_seconds": 0.0}
         return {**self.manifest_entry(), "state": self.state, "status": self.status,
                 "exit_code": self.exit_code, "exit_signal": self.exit_signal, "stalled": self.stalled,
                 "signatures": self.signatures, **res}
@@ -90,10 +90,10 @@ class RankWatcher:
             else:
                 rec.exit_code = code
         else:
-            while ranks.alive(rec.target):
+            while procs.alive(rec.target):
                 await asyncio.sleep(0.02)
         await self._scan_log()  # the last lines often say why
-        rec.state = "exited"
+        rec.state = RankState.EXITED
         await self.emit(self._event(RankExited, pid=rec.pid, code=rec.exit_code, signal=rec.exit_signal,
                                     expected=rec.stopping))
         for t in self._tasks:
@@ -129,8 +129,6 @@ class RankWatcher:
                 self.rec.signatures.append(sig.name)
                 await self.emit(self._event(RankSignature, signature=sig.name, severity=sig.severity,
                                             line=line[-500:]))
-                if sig.severity == "reboot":
-                    await self.emit(self._event(RebootRequired, reason=f"{sig.name}: {line[-200:]}"))
         if size > self.log_max_bytes:
             shutil.copyfile(path, path.with_suffix(path.suffix + ".1"))
             with path.open("r+b") as f:
@@ -141,19 +139,16 @@ class RankWatcher:
         rec = self.rec
         if rec.status_path is None:
             return
-        try:
-            status = json.loads(rec.status_path.read_text())
-        except (OSError, ValueError):
-            status = None
+        status = read_status(rec.status_path)
         if status is not None and status.get("generation") not in (None, rec.generation):
             status = None  # a previous generation's file
         previous = rec.status
         rec.status = status
         if status is not None:
-            state = status.get("state", rec.state)
+            state = RankState(status.get("state", rec.state))
             moved = previous is None or state != previous.get("state") or (
-                state == "loading" and status.get("load_done") != previous.get("load_done"))
-            if moved and state != "exited":
+                state == RankState.LOADING and status.get("load_done") != previous.get("load_done"))
+            if moved and state != RankState.EXITED:
                 rec.state = state
                 await self.emit(self._event(RankStateChanged, state=state, load_done=status.get("load_done", 0),
                                             load_total=status.get("load_total", 0)))

@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
+from benchkit import ROOT, meshctl, parser
 
-from common import ROOT, meshctl, parser
+from meshd import daemons, demo
 
 FAULTS = ("rank-sigkill", "rank-sigstop", "rank-exit0", "rank-jaccl", "agent-sigkill", "controller-sigkill")
 JACCL_LINE = "[jaccl] Recv failed with errno=12 (-12)\n"
@@ -82,7 +83,6 @@ class Chaos:
 
     def restart_daemons(self) -> None:
         """What launchd's KeepAlive / systemd's Restart=always do: start what is not running."""
-        from meshd import demo
 
         demo.start_daemons(self.home / "demo", self.home / "demo" / "mesh.toml")
 
@@ -251,7 +251,6 @@ class Chaos:
         incidents = json.loads(meshctl(self.home, "events", "--json"))["incidents"]
         meshctl(self.home, "down")
         time.sleep(1)
-        from meshd import daemons
 
         left = daemons.pids_below(self.home)
         return {"duration": time.time() - start, "faults": dict(self.tally.faults),

@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 import requests
+from benchkit import meshctl, parser, report
 
-from common import parser, report, meshctl
-from meshkit import wait_for
+from kit.waiting import wait_for
 
 
 def status(home: Path) -> dict:

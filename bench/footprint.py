@@ -17,8 +17,7 @@ from pathlib import Path
 
 import psutil
 import requests
-
-from common import report, meshctl
+from benchkit import meshctl, report
 
 
 def main() -> None:

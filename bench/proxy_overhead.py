@@ -21,11 +21,13 @@ import time
 from pathlib import Path
 
 import aiohttp
+from benchkit import ROOT, meshctl_for, report
 
-from common import ROOT, meshctl_for, report
+from kit.agents import make_agents
+from kit.configs import write_mesh
+from kit.waiting import wait_for
 from meshd import config as mesh_config
-from agentkit import make_agents, write_mesh
-from meshkit import free_ports, wait_for
+from meshd.ports import free_ports
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

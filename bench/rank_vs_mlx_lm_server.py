@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 
 import requests
+from benchkit import ROOT, report
 
-from common import ROOT, report
-from meshkit import free_ports, wait_for  # noqa: E402
+from kit.waiting import wait_for
+from meshd.ports import free_ports
 from runtime.demo_model import DemoModelSpec, build_demo_model  # noqa: E402
 
 

@@ -19,9 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, meshctl_for as meshctl, parser, report
-from agentkit import make_agents, write_mesh
+from benchkit import ROOT, parser, report
+from benchkit import meshctl_for as meshctl
 from detection_recovery import first_death_received, pct, wait
+
+from kit.agents import make_agents
+from kit.configs import write_mesh
 
 PROFILE = {"standin": {"command": ["{python}", str(ROOT / "bench" / "standin_rank.py"), "--host", "{host}",
                                    "--port", "{port}", "--rank", "{rank}", "--meshd-generation", "{generation}"],

@@ -3,18 +3,14 @@ wrong and shows an example of right (`meshctl config check`)."""
 
 from __future__ import annotations
 
+import json
 import os
-import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
+from common.hostfile import BACKENDS
+from common.tomlcheck import ConfigError, read_toml, split_listen, table
 from meshd.fleet import Recovery
-from meshd.hostfile import BACKENDS
-
-
-class ConfigError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -94,62 +90,6 @@ class MeshConfig:
         raise KeyError(name)
 
 
-def split_listen(key: str, value: str) -> tuple[str, int]:
-    if not isinstance(value, str) or ":" not in value or not value.rsplit(":", 1)[1].isdigit():
-        raise ConfigError(f'{key}: expected "host:port", got {value!r}; for example {key} = "127.0.0.1:8000"')
-    host, port = value.rsplit(":", 1)
-    return host, int(port)
-
-
-def table(cls, raw: Any, key: str, base: Path, examples: dict[str, str]):
-    """Check a TOML table against the defaults of dataclass `cls` (type by
-    type, no unknown keys) and build it; `key` "" means the top level."""
-    if raw is None:
-        return cls()
-    if not isinstance(raw, dict):
-        raise ConfigError(f"[{key}]: expected a table, got {raw!r}")
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        where = f"{key}.{unknown[0]}" if key else unknown[0]
-        raise ConfigError(f"{where}: unknown key; {f'[{key}]' if key else 'the file'} takes {', '.join(known)}")
-    defaults = cls()
-    values = {}
-    for name, value in raw.items():
-        want = getattr(defaults, name)
-        example = examples.get(name, repr(want))
-        where = f"{key}.{name}" if key else name
-        if isinstance(want, bool):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        elif isinstance(want, int):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{where}: expected an integer, got {value!r}; for example {name} = {example}")
-            if value < 0:
-                raise ConfigError(f"{where}: must not be negative, got {value}")
-        elif isinstance(want, float):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{where}: expected seconds, got {value!r}; for example {name} = {example}")
-            if value < 0:
-                raise ConfigError(f"{where}: must not be negative, got {value}")
-            value = float(value)
-        elif isinstance(want, tuple):
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ConfigError(f"{where}: expected a list of strings; for example {name} = {example}")
-            value = tuple(value)
-        elif isinstance(want, dict):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{where}: expected a table; for example {name} = {example}")
-        elif name.endswith("_file"):
-            if not isinstance(value, str):
-                raise ConfigError(f"{where}: expected a path; for example {name} = {example}")
-            value = base / value if value else None
-        elif not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}; for example {name} = {example}")
-        values[name] = value
-    return cls(**values)
-
-
 def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
     name = raw.get("name", "mesh")
     if not isinstance(name, str) or not name:
@@ -224,16 +164,6 @@ def _ssh(raw, base: Path) -> Ssh:
     return replace(ssh, known_hosts=str(base / os.path.expanduser(ssh.known_hosts)))
 
 
-def read_toml(path: Path, fix: str) -> dict:
-    """The parsed file, or ConfigError naming the file and `fix`."""
-    try:
-        return tomllib.loads(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror}; {fix}")
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path} is not valid TOML: {e}")
-
-
 def load(path: str | Path) -> MeshConfig:
     path = Path(path).resolve()
     return parse(read_toml(path, "pass --config with your mesh.toml"), path.parent, path)
@@ -242,8 +172,6 @@ def load(path: str | Path) -> MeshConfig:
 def hostfile_for(cfg: MeshConfig) -> dict:
     """The mlx hostfile of the mesh: the provisioned file, or for ring one
     built from the nodes' addresses."""
-    import json
-
     if cfg.hostfile is not None:
         try:
             return json.loads(cfg.hostfile.read_text())

@@ -1,25 +1,32 @@
 """The reconciler: feeds the fleet state machine and carries out its actions.
 
-Inputs: every agent's event stream (resumed by sequence number), a 1 s poll of
-the same events as a backstop, rank 0's readiness while starting, the proxy's
-observations, an idle probe, and a clock tick. Outputs: start and stop
-generations through the agents, sweeps, incidents in the store, metrics.
+Inputs: every agent's event stream (resumed by sequence number; records are
+decoded into `common.protocol` events at this edge), a 1 s poll of the same
+events as a backstop, rank 0's readiness while starting, what the proxy
+observes (through `FleetView.report`), and a clock tick. Outputs: start and
+stop generations through the agents, sweeps, incidents in the store, metrics.
+The fleet's state changes in `feed` and nowhere else.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
+from typing import Callable
 
 import aiohttp
 import structlog
 
-from meshd import fleet
+from common.protocol import RankSpec, StopResult, event_from_dict
+from common.states import Phase
+from common.tomlcheck import ConfigError
+from meshd import fleet, provision
+from meshd.evidence import meaning_of
 from meshd.agentclient import AgentClient, AgentError
-from meshd.config import ConfigError, MeshConfig, hostfile_for
+from meshd.config import MeshConfig, hostfile_for
 from meshd.metrics import Metrics
-from meshd.protocol import RankSpec
+from meshd.seam import Observation, Serving
 from meshd.store import Store
 
 log = structlog.get_logger("meshd.controller")
@@ -27,25 +34,6 @@ log = structlog.get_logger("meshd.controller")
 
 def policy_for(cfg: MeshConfig) -> fleet.Policy:
     return fleet.Policy(nodes=tuple(n.name for n in cfg.nodes), **asdict(cfg.recovery))
-
-
-def death_from_record(rec: dict) -> fleet.RankDied | None:
-    """An agent event that is death evidence, as the fleet sees it."""
-    kind, node, rank, g = rec["kind"], rec["node"], rec.get("rank", -1), rec.get("generation", -1)
-    if kind == "RankExited" and not rec.get("expected"):
-        how = f"signal {rec['signal']}" if rec.get("signal") else (
-            f"exit code {rec['code']}" if rec.get("code") is not None else "gone (not the agent's child)")
-        return fleet.RankDied(node, rank, g, "exit", how)
-    if kind == "RankSignature":
-        return fleet.RankDied(node, rank, g, "signature", f"{rec['signature']}: {rec['line'][-200:]}",
-                              reboot=rec.get("severity") == "reboot")
-    if kind == "RankStalled":
-        return fleet.RankDied(node, rank, g, "stall",
-                              f"no progress for {rec['idle_for']:.1f}s (window {rec['window']:.1f}s) "
-                              f"while {rec['phase']}")
-    if kind == "RebootRequired":
-        return fleet.RankDied(node, rank, g, "reboot_required", rec.get("reason", ""), reboot=True)
-    return None
 
 
 class Controller:
@@ -62,7 +50,6 @@ class Controller:
         self.changed = asyncio.Condition()
         self.session: aiohttp.ClientSession | None = None
         self.agents: dict[str, AgentClient] = {}
-        self.last_request_at = time.time()
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self.agent_errors: dict[str, str] = {}
@@ -139,15 +126,6 @@ class Controller:
     async def restart(self) -> None:
         await self.feed(fleet.RestartRequested())
 
-    async def wait_for(self, predicate, timeout: float) -> bool:
-        """Wait until predicate(state) holds; False on timeout."""
-        async with self.changed:
-            try:
-                await asyncio.wait_for(self.changed.wait_for(lambda: predicate(self.state)), timeout)
-                return True
-            except asyncio.TimeoutError:
-                return False
-
     # --- actions ----------------------------------------------------------------
     def rank0_url(self) -> str:
         host = self.cfg.runtime.host
@@ -190,7 +168,7 @@ class Controller:
             return False
 
     async def _await_ready(self, g: int) -> None:
-        while self.state.generation == g and self.state.phase == fleet.STARTING:
+        while self.state.generation == g and self.state.phase == Phase.STARTING:
             if await self.ready_probe():
                 await self.feed(fleet.MeshReady(g))
                 return
@@ -199,16 +177,16 @@ class Controller:
     async def _stop_generation(self, g: int, mode: str, grace: float) -> None:
         log.info("stopping generation", generation=g, mode=mode, grace=grace)
 
-        async def one(node: str) -> dict:
+        async def one(node: str) -> StopResult:
             try:
-                return await self.agents[node].call("POST", f"/v1/generations/{g}/stop",
-                                                    {"mode": mode, "grace": grace}, timeout=3 * grace + 15)
+                return StopResult.from_dict(await self.agents[node].call(
+                    "POST", f"/v1/generations/{g}/stop", {"mode": mode, "grace": grace}, timeout=3 * grace + 15))
             except AgentError as e:
                 log.warning("stop failed", node=node, error=str(e))
-                return {"survivors": [], "error": str(e)}
+                return StopResult(g)
 
         results = await asyncio.gather(*(one(n) for n in self.agents))
-        survivors = tuple(n for n, r in zip(self.agents, results) if r.get("survivors"))
+        survivors = tuple(n for n, r in zip(self.agents, results) if r.survivors)
         await asyncio.gather(*(self._sweep(n) for n in self.agents))
         await self.feed(fleet.GenerationStopped(g, survivors))
 
@@ -220,9 +198,7 @@ class Controller:
             log.warning("sweep failed", node=node, error=str(e))
 
     async def _run_step(self, step: str, nodes: tuple[str, ...]) -> None:
-        from meshd import provision
-
-        ok, detail = await provision.run_ladder_step(self, step, nodes)
+        ok, detail = await provision.run_ladder_step(self.cfg, self.agents, step, nodes)
         await self.feed(fleet.StepDone(step, ok, detail))
 
     # --- observation ------------------------------------------------------------
@@ -232,15 +208,17 @@ class Controller:
         self.seen[node] = record["seq"]
         self.store.put("agent_seq", self.seen)
         self.store.record_event(record)
-        if record["kind"] == "RankStateChanged":
-            await self.feed(fleet.RankReported(node, record["generation"], record["state"],
-                                               record.get("load_done", 0), record.get("load_total", 0)))
+        try:
+            ev = event_from_dict(record)
+        except ValueError as e:
+            log.warning("agent event not understood", node=node, error=str(e))
             return
-        death = death_from_record(record)
-        if death is not None:
-            if death.generation == self.state.generation and self.state.phase in (fleet.READY, fleet.STARTING):
-                self.metrics.detection.observe(max(0.0, time.time() - record["at"]))
-            await self.feed(death)
+        meaning = meaning_of(ev)
+        if isinstance(meaning, fleet.RankDied) and meaning.generation == self.state.generation \
+                and self.state.phase in (Phase.READY, Phase.STARTING):
+            self.metrics.detection.observe(max(0.0, time.time() - ev.at))
+        if meaning is not None:
+            await self.feed(meaning)
 
     async def _follow(self, node: str) -> None:
         delay = 0.2
@@ -275,56 +253,42 @@ class Controller:
         while True:
             await asyncio.sleep(0.25)
             await self.feed(fleet.Tick())
-            await self._maybe_probe()
-
-    async def _maybe_probe(self) -> None:
-        """When the mesh has been idle a while, ask it for one token."""
-        s = self.state
-        if s.phase != fleet.READY or time.time() - self.last_request_at < self.cfg.proxy.probe_idle:
-            return
-        self.last_request_at = time.time()
-        body = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
-        try:
-            async with self.session.post(self.rank0_url() + "/v1/chat/completions", json=body,
-                                         timeout=aiohttp.ClientTimeout(total=self.cfg.proxy.probe_timeout)) as r:
-                if r.status == 200:
-                    return
-                detail = f"probe answered {r.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            detail = f"probe failed: {type(e).__name__}"
-        if self.state.generation == s.generation:
-            await self.feed(fleet.RankDied(self.cfg.nodes[0].name, 0, s.generation, "probe", detail))
 
     async def _adopt(self) -> None:
         """A restarted controller keeps a healthy running generation."""
-        views = {}
-        for node, client in self.agents.items():
+        async def view(node: str, client: AgentClient) -> list[dict] | None:
             try:
-                views[node] = await client.call("GET", "/v1/ranks", timeout=5)
+                return (await client.call("GET", "/v1/ranks", timeout=5))["ranks"]
             except AgentError as e:
                 self.agent_errors[node] = str(e)
-        live = {node: [r for r in v["ranks"] if r["state"] not in ("exited", "lost")] for node, v in views.items()}
-        gens = {r["generation"] for rs in live.values() for r in rs}
-        complete = (len(gens) == 1 and len(views) == len(self.agents)
-                    and all(len(rs) == 1 and rs[0]["rank"] == i
-                            for i, rs in enumerate(live[n.name] for n in self.cfg.nodes)))
-        if complete:
-            g = gens.pop()
-            ready = await self.ready_probe() if self.session else False
-            log.info("adopting running generation", generation=g, ready=ready)
-            await self.feed(fleet.Adopted(g, ready))
-            if not ready:
-                self._spawn(self._await_ready(g))
+                return None
+
+        views = dict(zip(self.agents, await asyncio.gather(*(view(n, c) for n, c in self.agents.items()))))
+        decision = fleet.decide_adoption(views, self.policy.nodes, desired_up=self.store.get("desired") == "up",
+                                   rank0_ready=await self.ready_probe())
+        if decision is None:
             return
-        # Leftovers of a broken generation: stop them before anything starts,
-        # and never reuse their generation number.
-        for g in sorted(gens):
-            await asyncio.gather(*(c.call("POST", f"/v1/generations/{g}/stop", {"mode": "kill", "grace": 5},
-                                          timeout=30) for c in self.agents.values()), return_exceptions=True)
-        if gens and max(gens) > self.state.generation:
-            self.state = replace(self.state, generation=max(gens))  # initial state, before any event
-        if self.store.get("desired") == "up":
-            await self.feed(fleet.UpRequested())
+        log.info("adopting", decision=repr(decision))
+        await self.feed(decision)
+        if isinstance(decision, fleet.Adopted) and not decision.ready:
+            self._spawn(self._await_ready(decision.generation))
+
+    # --- the proxy's view (seam.FleetView) ------------------------------------------
+    def serving(self) -> Serving:
+        s = self.state
+        return Serving(s.phase, s.generation, s.reason, self.rank0_url())
+
+    async def wait_serving(self, predicate: Callable[[Serving], bool], timeout: float) -> Serving:
+        async with self.changed:
+            try:
+                await asyncio.wait_for(self.changed.wait_for(lambda: predicate(self.serving())), timeout)
+            except asyncio.TimeoutError:
+                pass
+        return self.serving()
+
+    async def report(self, obs: Observation) -> None:
+        if obs.generation == self.state.generation and self.state.phase == Phase.READY:
+            await self.feed(fleet.RankDied(self.cfg.nodes[0].name, 0, obs.generation, obs.source, obs.detail))
 
     async def status(self) -> dict:
         s = self.state
@@ -342,5 +306,5 @@ class Controller:
         return {"mesh": self.cfg.name, "phase": s.phase, "generation": s.generation, "reason": s.reason,
                 "ready_since": s.ready_since, "failures_in_window": len(s.failures),
                 "backoff_until": s.backoff_until, "nodes": list(nodes),
-                "load": [{"node": n, "state": st, "load_done": d, "load_total": t} for n, st, d, t in s.ranks],
+                "load": [asdict(r) for r in s.ranks],
                 "last_incident": incidents[0] if incidents else None}

@@ -6,36 +6,38 @@ mesh serving: a restarted controller adopts the running generation."""
 from __future__ import annotations
 
 import hmac
-import os
-import secrets
 from pathlib import Path
 
 import structlog
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from common.errors import ApiError
+from common.http import (
+    bearer_matches,
+    json_error,
+    json_errors,
+    read_object,
+    run_daemon,
+    start_sites,
+    until_stopped,
+)
+from common.secretfile import ensure_secret
+from common.tomlcheck import ConfigError, split_listen
 from meshd import statuspage
 from meshd.agentclient import AgentError
-from meshd.config import ConfigError, MeshConfig, load, split_listen
+from meshd.config import MeshConfig, load
 from meshd.controller import Controller
 from meshd.metrics import Metrics
 from meshd.proxy import Proxy
 from meshd.store import Store
-from meshd.web import json_error, json_errors, read_json, run_daemon, start_sites, until_stopped
-from runtime.openai_api import ApiError
 
 log = structlog.get_logger("meshd")
 
 
 def control_token(state_dir: Path) -> str:
     """The control API token, created 0600 on first start."""
-    path = state_dir / "control.token"
-    if not path.exists():
-        state_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(24) + "\n")
-    return path.read_text().strip()
+    return ensure_secret(state_dir / "control.token")
 
 
 def urls(cfg: MeshConfig) -> dict:
@@ -53,10 +55,10 @@ def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Applicatio
     async def auth(request, handler):
         if request.path in ("/healthz", "/metrics"):
             return await handler(request)
-        if request.path == "/" and (_loopback(request.remote) or request.query.get("token") == token):
+        if request.path == "/" and (_loopback(request.remote) or
+                                    hmac.compare_digest(request.query.get("token", "").encode(), token.encode())):
             return await handler(request)
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        if not bearer_matches(request, token):
             return json_error(401, "Missing or wrong control token; it is in control.token in the mesh's "
                                    "state directory (meshctl reads it for you)", code="unauthorized")
         return await handler(request)
@@ -78,8 +80,7 @@ def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Applicatio
         return web.json_response({"phase": ctl.state.phase, "generation": ctl.state.generation}, status=202)
 
     async def down(request):
-        body = await read_json(request) if request.can_read_body else {}
-        force = body.get("force", False) if isinstance(body, dict) else None
+        force = (await read_object(request)).get("force", False)
         if not isinstance(force, bool):
             raise ApiError(400, "'force' must be true or false", param="force")
         await ctl.down(force)
@@ -133,7 +134,7 @@ async def serve(cfg: MeshConfig) -> None:
     store = Store(cfg.state_dir / "meshd.sqlite")
     metrics = Metrics(cfg.name)
     ctl = Controller(cfg, store, metrics)
-    proxy = Proxy(ctl, metrics)
+    proxy = Proxy(cfg, ctl, metrics)
     await ctl.start()  # adopt first: no command may arrive before the controller knows what runs
     runners = await start_sites([(proxy.app(), *split_listen("proxy.listen", cfg.proxy.listen)),
                                  (control_app(ctl, metrics, token), *split_listen("control.listen", cfg.control.listen))])

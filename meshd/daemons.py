@@ -1,27 +1,28 @@
 """Background daemons that meshctl starts itself (the demo mesh's agents and
-controller): pidfiles and logs in a run directory, start, stop with a ladder."""
+controller): pidfiles and logs in a run directory, start, stop with the ladder."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-import signal
-import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
 
+from common import procs
 
-def _read_pid(pidfile: Path) -> psutil.Process | None:
+
+def _read_pid(pidfile: Path) -> procs.Target | None:
+    """The live daemon a pidfile (pid and create time) names, or None."""
     try:
         pid, created = pidfile.read_text().split()
-        p = psutil.Process(int(pid))
-        if abs(p.create_time() - float(created)) < 1.0 and p.status() != psutil.STATUS_ZOMBIE:
-            return p
-    except (OSError, ValueError, psutil.Error):
-        pass
-    return None
+        target = procs.Target(int(pid), float(created))
+    except (OSError, ValueError):
+        return None
+    return target if procs.alive(target) else None
 
 
 def running(pidfile: Path) -> bool:
@@ -30,31 +31,18 @@ def running(pidfile: Path) -> bool:
 
 def start(argv: list[str], pidfile: Path, logfile: Path) -> int:
     """Start a detached daemon unless its pidfile names a live one."""
-    if (p := _read_pid(pidfile)) is not None:
-        return p.pid
+    if (t := _read_pid(pidfile)) is not None:
+        return t.pid
     pidfile.parent.mkdir(parents=True, exist_ok=True)
-    with open(logfile, "ab") as log:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    pidfile.write_text(f"{proc.pid} {psutil.Process(proc.pid).create_time()}\n")
-    return proc.pid
+    t = procs.spawn_detached(argv, logfile)
+    pidfile.write_text(f"{t.pid} {t.create_time}\n")
+    return t.pid
 
 
 def stop(pidfiles: list[Path], grace: float = 10.0) -> None:
     """SIGTERM every daemon at once, wait up to `grace`, SIGKILL what is left."""
-    procs = [p for p in map(_read_pid, pidfiles) if p is not None]
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
+    targets = [t for t in map(_read_pid, pidfiles) if t is not None]
+    asyncio.run(procs.stop_ladder(targets, grace=grace, kill_grace=5.0))
     for f in pidfiles:
         f.unlink(missing_ok=True)
 
@@ -73,8 +61,6 @@ def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
 
 
 def answers(url: str) -> bool:
-    import urllib.request
-
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
             return r.status == 200

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.secretfile import ensure_secret
+from common.tomlcheck import write_toml
 from meshd import daemons
+from meshd.ports import free_run, run_free
+from runtime.demo_model import build_demo_model
 
 WORLD = 4
 PREFERRED = {"proxy": 8000, "control": 8001, "rank": 8100, "agents": 7701, "ring": 32323}
@@ -30,51 +32,24 @@ def home() -> Path:
     return Path(os.environ.get("MESHD_HOME", Path.home() / ".meshd")) / "demo"
 
 
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def _pick(preferred: int, count: int, taken: set[int]) -> int:
-    """`preferred` when it and the next count-1 ports are free, else a free run."""
-    base = preferred
-    while base < 65000:
-        run = range(base, base + count)
-        if not taken.intersection(run) and all(_free(p) for p in run):
-            taken.update(run)
-            return base
-        base += 97 if base == preferred else count + 1
-    raise RuntimeError("no free ports on 127.0.0.1")
-
-
 def _ports(root: Path) -> dict:
     """Ports stay what they were while they are free, so URLs do not move."""
     saved = root / "ports.json"
+    counts = {k: WORLD if k in ("agents", "ring") else 1 for k in PREFERRED}
     if saved.exists():
         ports = json.loads(saved.read_text())
-        if all(_free(p) for key, p in ports.items() if key != "agents" and key != "ring") and \
-                all(_free(ports["agents"] + i) and _free(ports["ring"] + i) for i in range(WORLD)):
+        if all(run_free(ports[k], n) for k, n in counts.items()):
             return ports
     taken: set[int] = set()
-    ports = {k: _pick(v, WORLD if k in ("agents", "ring") else 1, taken) for k, v in PREFERRED.items()}
+    ports = {}
+    for key, preferred in PREFERRED.items():
+        ports[key] = free_run(counts[key], preferred, taken)
+        taken.update(range(ports[key], ports[key] + counts[key]))
     saved.write_text(json.dumps(ports))
     return ports
 
 
-def _write_secret(path: Path) -> None:
-    if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(24) + "\n")
-
-
 def ensure_model(root: Path, say) -> Path:
-    from runtime.demo_model import build_demo_model
-
     model = root / "model"
     if not (model / "model.safetensors").exists():
         say("building the demo model (tiny llama, random weights, byte-level BPE tokenizer; no download)")
@@ -82,33 +57,39 @@ def ensure_model(root: Path, say) -> Path:
     return model
 
 
+def agent_config(node: str, port: int, opts: DemoOptions) -> dict:
+    return {"node": node, "listen": f"127.0.0.1:{port}", "token_file": "token", "state_dir": "state",
+            "grace_seconds": 10, "ibv_hang_seconds": 30,
+            "stall": {"base": opts.stall_window, "min_prefill_rate": 50, "load_deadline": 300,
+                      "start_deadline": opts.start_deadline}}
+
+
+def mesh_config(ports: dict, model: Path, opts: DemoOptions) -> dict:
+    return {
+        "name": "demo", "backend": "ring", "state_dir": "state",
+        "nodes": [{"name": f"node{i}", "agent": f"http://127.0.0.1:{ports['agents'] + i}",
+                   "token_file": f"agents/node{i}/token", "address": "127.0.0.1"} for i in range(WORLD)],
+        "runtime": {"profile": "meshd-rank", "model": str(model), "port": ports["rank"], "ring_port": ports["ring"],
+                    "args": {"max_tokens": 128, "model_name": "demo"}},
+        "proxy": {"listen": f"127.0.0.1:{ports['proxy']}", "queue_wait": 120, "keepalive_interval": 5},
+        "recovery": {"backoff_base": 0.5, "backoff_max": opts.backoff_max, "max_failures": opts.max_failures,
+                     "window": 300, "healthy_reset": 120, "stop_grace": 5, "drain_grace": 20,
+                     "start_deadline": opts.start_deadline},
+        "control": {"listen": f"127.0.0.1:{ports['control']}"},
+    }
+
+
 def write_configs(root: Path, opts: DemoOptions, say) -> Path:
     """Write (again) the agent configs and mesh.toml; returns mesh.toml's path."""
     root.mkdir(parents=True, exist_ok=True)
     model = ensure_model(root, say)
     ports = _ports(root)
-    nodes = []
     for i in range(WORLD):
         d = root / "agents" / f"node{i}"
         d.mkdir(parents=True, exist_ok=True)
-        _write_secret(d / "token")
-        (d / "agent.toml").write_text(
-            f'node = "node{i}"\nlisten = "127.0.0.1:{ports["agents"] + i}"\ntoken_file = "token"\n'
-            f'state_dir = "state"\ngrace_seconds = 10\nibv_hang_seconds = 30\n'
-            f"[stall]\nbase = {opts.stall_window}\nmin_prefill_rate = 50\nload_deadline = 300\n"
-            f"start_deadline = {opts.start_deadline}\n")
-        nodes.append(f'[[nodes]]\nname = "node{i}"\nagent = "http://127.0.0.1:{ports["agents"] + i}"\n'
-                     f'token_file = "agents/node{i}/token"\naddress = "127.0.0.1"\n')
-    mesh = root / "mesh.toml"
-    mesh.write_text(
-        'name = "demo"\nbackend = "ring"\nstate_dir = "state"\n\n' + "\n".join(nodes) +
-        f'\n[runtime]\nprofile = "meshd-rank"\nmodel = "{model}"\nport = {ports["rank"]}\n'
-        f'ring_port = {ports["ring"]}\nargs = {{max_tokens = 128, model_name = "demo"}}\n\n'
-        f'[proxy]\nlisten = "127.0.0.1:{ports["proxy"]}"\nqueue_wait = 120\nkeepalive_interval = 5\n\n'
-        f'[recovery]\nbackoff_base = 0.5\nbackoff_max = {opts.backoff_max}\nmax_failures = {opts.max_failures}\nwindow = 300\n'
-        f"healthy_reset = 120\nstop_grace = 5\ndrain_grace = 20\nstart_deadline = {opts.start_deadline}\n\n"
-        f'[control]\nlisten = "127.0.0.1:{ports["control"]}"\n')
-    return mesh
+        ensure_secret(d / "token")
+        write_toml(d / "agent.toml", agent_config(f"node{i}", ports["agents"] + i, opts))
+    return write_toml(root / "mesh.toml", mesh_config(ports, model, opts))
 
 
 def run_dir(root: Path) -> Path:

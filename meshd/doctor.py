@@ -11,12 +11,17 @@ import asyncio
 import math
 import re
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import aiohttp
 
+from common.hostfile import HostfileError
+from common.tomlcheck import ConfigError
+from meshd import provision
 from meshd.agentclient import AgentClient, AgentError
-from meshd.config import MeshConfig
+from meshd.config import MeshConfig, hostfile_for
+from meshd.ssh import Session, SshError
 
 USABLE_FRACTION = 0.9  # of iogpu.wired_limit_mb: what a model may take (oMLX caps prefill there too)
 JACCL = ("jaccl", "jaccl-ring")
@@ -143,12 +148,8 @@ def judge_stale(node: str, ranks: list[dict], current: int | None) -> Check:
 
 
 def judge_hostfile(cfg: MeshConfig) -> Check:
-    from meshd.config import ConfigError, hostfile_for
-    from meshd.hostfile import HostfileError
-    from meshd.provision import check_hostfile
-
     try:
-        hosts = check_hostfile(hostfile_for(cfg), cfg)
+        hosts = provision.check_hostfile(hostfile_for(cfg), cfg)
     except (ConfigError, HostfileError) as e:
         return Check("hostfile", "mesh", False, str(e), "meshctl provision")
     return Check("hostfile", "mesh", True, f"{cfg.backend}, {len(hosts)} hosts")
@@ -158,10 +159,6 @@ def judge_hostfile(cfg: MeshConfig) -> Check:
 
 def ssh_checks(cfg: MeshConfig, *, trust_new: bool = False, timeout: float = 15) -> list[Check]:
     """SSH reachable with a verified host key; for JACCL also sudo, bridge0 and RDMA. All nodes at once."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from meshd import provision
-
     with ThreadPoolExecutor(len(cfg.nodes)) as pool:
         per_node = pool.map(lambda nt: _ssh_node(cfg, *nt, trust_new=trust_new, timeout=timeout),
                             zip(cfg.nodes, provision.targets(cfg)))
@@ -169,9 +166,6 @@ def ssh_checks(cfg: MeshConfig, *, trust_new: bool = False, timeout: float = 15)
 
 
 def _ssh_node(cfg: MeshConfig, node, target, *, trust_new: bool, timeout: float) -> list[Check]:
-    from meshd.provision import sudo_fix
-    from meshd.ssh import Session, SshError
-
     jaccl = cfg.backend in JACCL
     if not node.ssh:
         return [Check("ssh", node.name, False, "no ssh address in mesh.toml; a JACCL mesh is set up over SSH",
@@ -184,7 +178,7 @@ def _ssh_node(cfg: MeshConfig, node, target, *, trust_new: bool, timeout: float)
                 return out
             sudo = s.run("sudo -n true", timeout=timeout)
             out.append(Check("sudo", node.name, sudo.ok, "passwordless" if sudo.ok else sudo.stderr.strip(),
-                             sudo_fix(node.name, target.user)))
+                             provision.sudo_fix(node.name, target.user)))
             out.append(judge_bridge(node.name, s.run("ifconfig bridge0", timeout=timeout).stdout))
             devices = s.run("ibv_devices", timeout=timeout).stdout
             try:

@@ -5,7 +5,6 @@ answers with the token the mesh holds."""
 
 from __future__ import annotations
 
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from urllib.parse import urlparse
 
 import paramiko
 
+from common.secretfile import ensure_secret
 from meshd import provision, service
 from meshd.config import MeshConfig, Node
 from meshd.ssh import Session, SshError
@@ -43,14 +43,9 @@ def build_wheel(out: Path) -> Path:
 
 def node_token(node: Node, say: Callable[[str], None]) -> str:
     """The token the mesh holds for this node; a new random one (0600) when there is none yet."""
-    if node.token_file.exists():
-        return node.token_file.read_text().strip()
-    token = secrets.token_hex(24)
-    node.token_file.parent.mkdir(parents=True, exist_ok=True)
-    node.token_file.write_text(token + "\n")
-    node.token_file.chmod(0o600)
-    say(f"{node.name}: new agent token in {node.token_file}")
-    return token
+    if not node.token_file.exists():
+        say(f"{node.name}: new agent token in {node.token_file}")
+    return ensure_secret(node.token_file)
 
 
 def agent_toml(node: Node, listen: str, *, allow_reboot: bool, wired_limit_mb: int) -> str:

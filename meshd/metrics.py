@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from meshd.fleet import PHASES
+from common.states import Phase
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 DETECTION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
@@ -37,8 +37,8 @@ class Metrics:
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.tokens = Counter("meshd_proxy_tokens_total", "Completion tokens served", registry=r)
         self.retries = Counter("meshd_proxy_retries_total", "Requests retried on the next generation", registry=r)
-        self.set_phase("stopped")
+        self.set_phase(Phase.STOPPED)
 
     def set_phase(self, phase: str) -> None:
-        for p in PHASES:
+        for p in Phase:
             self.fleet_state.labels(phase=p).set(1 if p == phase else 0)

@@ -17,18 +17,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 import structlog
 
-from meshd.agentclient import AgentError
-from meshd.config import ConfigError, MeshConfig, address_hostfile, hostfile_for
-from meshd.hostfile import HostfileError, validate
+from common import procs
+from common.hostfile import HostfileError, validate
+from common.tomlcheck import ConfigError
+from meshd import ssh
+from meshd.agentclient import AgentClient, AgentError
+from meshd.config import MeshConfig, address_hostfile, hostfile_for
 
 REBOOT_WAIT = 900.0
 SETUP_TIMEOUT = 600.0
@@ -52,13 +53,11 @@ def record_path(cfg: MeshConfig) -> Path:
     return cfg.state_dir / "provisioned.json"
 
 
-def targets(cfg: MeshConfig):
-    from meshd.ssh import parse_target
-
-    return [parse_target(n.name, n.ssh or n.address, cfg.ssh.user) for n in cfg.nodes]
+def targets(cfg: MeshConfig) -> list[ssh.Target]:
+    return [ssh.parse_target(n.name, n.ssh or n.address, cfg.ssh.user) for n in cfg.nodes]
 
 
-def target_of(cfg: MeshConfig, name: str):
+def target_of(cfg: MeshConfig, name: str) -> ssh.Target:
     return next(t for t in targets(cfg) if t.node == name)
 
 
@@ -100,8 +99,6 @@ def provision(cfg: MeshConfig, *, force: bool = False, trust_new: bool = False,
         out.write_text(json.dumps(hostfile, indent=2) + "\n")
         say(f"ring over Ethernet: wrote {out} from the nodes' addresses")
         return out
-    from meshd import ssh
-
     say(f"checking SSH and passwordless sudo on {', '.join(nodes)}")
     boots = {}
     for t in targets(cfg):
@@ -144,41 +141,32 @@ def provision(cfg: MeshConfig, *, force: bool = False, trust_new: bool = False,
 
 
 def stream(name: str, argv: list[str], env: dict, say: Callable[[str], None], timeout: float) -> int:
-    """Run a child, passing each output line to `say`; kill it after `timeout` seconds."""
-    proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    timer = threading.Timer(timeout, proc.kill)
-    timer.start()
-    try:
-        for line in proc.stdout:
-            say(f"  | {line.rstrip()}")
-        code = proc.wait()
-    finally:
-        timer.cancel()
-    if code < 0:
+    """Run a child, passing each output line to `say`; kill it (and its children) after `timeout` seconds."""
+    r = procs.run(argv, timeout, env=env, on_line=lambda line: say(f"  | {line}"))
+    if r.hung:
         raise ProvisionError(f"{name} did not finish within "
                              f"{timeout:.0f}s; a hung ibv_devices on a node (it has no timeout) means that node "
                              f"needs a reboot: meshctl reboot NODE")
-    return code
+    return r.code
 
 
 # --- the ladder's steps (run by the controller) ---------------------------------------
 
-async def reprovision(ctl) -> tuple[bool, str]:
-    if ctl.cfg.backend in ("jaccl", "jaccl-ring"):
+async def reprovision(cfg: MeshConfig) -> tuple[bool, str]:
+    if cfg.backend in ("jaccl", "jaccl-ring"):
         try:
-            path = await asyncio.to_thread(provision, ctl.cfg, say=lambda line: None)
-        except Exception as e:  # SshError, ProvisionError: the step failed, the ladder climbs
+            path = await asyncio.to_thread(provision, cfg, say=lambda line: None)
+        except (ssh.SshError, ProvisionError, OSError) as e:  # the step failed: the ladder climbs
             return False, str(e)
         return True, f"re-provisioned {path}"
     try:
-        backend, hosts = validate(hostfile_for(ctl.cfg), ctl.cfg.backend)
+        backend, hosts = validate(hostfile_for(cfg), cfg.backend)
     except (ConfigError, HostfileError) as e:
         return False, str(e)
     return True, f"{backend} hostfile for {len(hosts)} hosts"
 
 
-async def reboot_nodes(cfg: MeshConfig, agents: dict, nodes: tuple[str, ...], say: Callable[[str], None],
+async def reboot_nodes(cfg: MeshConfig, agents: dict[str, AgentClient], nodes: tuple[str, ...], say: Callable[[str], None],
                        wait: float = REBOOT_WAIT) -> tuple[bool, str]:
     """Reboot `nodes` (agent first, SSH when the agent cannot) and wait until each has a new boot id."""
     before, how = {}, {}
@@ -192,7 +180,7 @@ async def reboot_nodes(cfg: MeshConfig, agents: dict, nodes: tuple[str, ...], sa
             say(f"{name}: the agent cannot reboot it ({e}); rebooting over SSH")
             try:
                 before[name], how[name] = await asyncio.to_thread(_reboot_over_ssh, cfg, name), "ssh"
-            except Exception as e2:  # SshError: nothing more to try for this node
+            except (ssh.SshError, OSError) as e2:  # nothing more to try for this node
                 return False, f"cannot reboot {name}: agent: {e}; ssh: {e2}"
         say(f"{name}: reboot requested through the {how[name]} (boot id was {before[name][:8]})")
     deadline = time.monotonic() + wait
@@ -211,38 +199,35 @@ async def reboot_nodes(cfg: MeshConfig, agents: dict, nodes: tuple[str, ...], sa
 
 
 def _reboot_over_ssh(cfg: MeshConfig, name: str) -> str:
-    from meshd.ssh import Session, SshError
-
-    with Session(target_of(cfg, name), cfg.ssh) as s:
+    with ssh.Session(target_of(cfg, name), cfg.ssh) as s:
         boot = read_boot_id(s)
         r = s.run(REBOOT, timeout=30)
         if not r.ok:
-            raise SshError(f"{name}: `{REBOOT}` failed ({r.stderr.strip()}); allow it with passwordless sudo "
+            raise ssh.SshError(f"{name}: `{REBOOT}` failed ({r.stderr.strip()}); allow it with passwordless sudo "
                            f"for shutdown")
     return boot
 
 
-async def _boot_id_now(cfg: MeshConfig, client, name: str) -> str | None:
+async def _boot_id_now(cfg: MeshConfig, client: AgentClient, name: str) -> str | None:
     try:
         return (await client.call("GET", "/v1/node", timeout=5))["boot_id"]
     except AgentError:
         pass
     try:
         return await asyncio.to_thread(_ssh_boot_id, cfg, name)
-    except Exception:  # the node is still down: SSH refuses or times out
+    except (ssh.SshError, OSError):  # the node is still down: SSH refuses or times out
         return None
 
 
 def _ssh_boot_id(cfg: MeshConfig, name: str) -> str:
-    from meshd.ssh import Session
-
-    with Session(target_of(cfg, name), cfg.ssh) as s:
+    with ssh.Session(target_of(cfg, name), cfg.ssh) as s:
         return read_boot_id(s)
 
 
-async def run_ladder_step(ctl, step: str, nodes: tuple[str, ...]) -> tuple[bool, str]:
+async def run_ladder_step(cfg: MeshConfig, agents: dict[str, AgentClient], step: str,
+                          nodes: tuple[str, ...]) -> tuple[bool, str]:
     if step == "reprovision":
-        return await reprovision(ctl)
+        return await reprovision(cfg)
     if step == "reboot":
-        return await reboot_nodes(ctl.cfg, ctl.agents, nodes, say=lambda line: log.info("reboot", progress=line))
+        return await reboot_nodes(cfg, agents, nodes, say=lambda line: log.info("reboot", progress=line))
     return False, f"unknown ladder step {step!r}"

@@ -13,12 +13,15 @@
 - A client that goes away closes the upstream request, which cancels it on
   every rank.
 - Measures queue wait, time to first token, inter-token latency and tokens.
+- Asks the mesh for one token when it has been idle a while (the idle probe).
+
+It knows the fleet only through `seam.FleetView`: what serves now, a wait for
+that to change, and `report()` for what it saw.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import re
 import time
@@ -30,8 +33,12 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from meshd import fleet
-from meshd.web import json_error, json_errors, read_json
+from common.errors import ApiError, error_body
+from common.http import bearer_matches, json_error, json_errors, read_json
+from common.states import Phase
+from meshd.config import MeshConfig
+from meshd.metrics import Metrics
+from meshd.seam import FleetView, Observation, Serving
 from runtime import openai_api as oa
 
 RETRY_AFTER = "5"
@@ -95,17 +102,19 @@ class UpstreamFailed(Exception):
 
 
 class Proxy:
-    def __init__(self, ctl, metrics):
-        self.ctl = ctl
-        self.cfg = ctl.cfg
+    def __init__(self, cfg: MeshConfig, fleet: FleetView, metrics: Metrics):
+        self.cfg = cfg
+        self.fleet = fleet
         self.metrics = metrics
-        p = self.cfg.proxy
-        name = self.cfg.runtime.args.get("model_name") or Path(self.cfg.runtime.model).name
+        p = cfg.proxy
+        name = cfg.runtime.args.get("model_name") or Path(cfg.runtime.model).name
         self.limits = oa.Limits(name, default_max_tokens=256,
-                                max_tokens_limit=int(self.cfg.runtime.args.get("max_tokens_limit", 8192)))
-        self.admission = Admission(1 if self.cfg.speculative else p.concurrency, p.queue_limit)
+                                max_tokens_limit=int(cfg.runtime.args.get("max_tokens_limit", 8192)))
+        self.admission = Admission(1 if cfg.speculative else p.concurrency, p.queue_limit)
         metrics.queue_limit.set(p.queue_limit)
         self.api_keys = self._load_keys(p.api_keys_file)
+        self.session: aiohttp.ClientSession | None = None
+        self.last_request_at = time.monotonic()
 
     @staticmethod
     def _load_keys(path: Path | None) -> list[str]:
@@ -118,7 +127,16 @@ class Proxy:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._text)
+        app.cleanup_ctx.append(self._lifetime)
         return app
+
+    async def _lifetime(self, app: web.Application):
+        self.session = aiohttp.ClientSession()
+        probe = asyncio.create_task(self._probe_loop())
+        yield
+        probe.cancel()
+        await asyncio.gather(probe, return_exceptions=True)
+        await self.session.close()
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, "chat")
@@ -127,10 +145,7 @@ class Proxy:
         return await self._complete(request, "text")
 
     def _authorized(self, request: web.Request) -> bool:
-        if not self.api_keys:
-            return True
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        return any(hmac.compare_digest(given.encode(), k.encode()) for k in self.api_keys)
+        return not self.api_keys or any(bearer_matches(request, k) for k in self.api_keys)
 
     def _unauthorized(self) -> web.Response:
         return json_error(401, "Invalid or missing API key; send 'Authorization: Bearer <key>' with a key "
@@ -145,21 +160,19 @@ class Proxy:
         return json_error(503, why, code="mesh_unavailable", type_="server_error",
                           headers={"Retry-After": RETRY_AFTER})
 
-    async def _wait_serving(self, after: int, deadline: float) -> int | None:
+    async def _wait_serving(self, after: int, deadline: float) -> Serving | None:
         """The generation to send to: ready and newer than `after`. None when
         the fleet is down, failed, or not back before the deadline."""
-        def serving(s):
-            return (s.phase == fleet.READY and s.generation > after) or s.phase in (fleet.FAILED, fleet.STOPPED,
-                                                                                     fleet.DRAINING)
-        await self.ctl.wait_for(serving, max(0.0, deadline - time.monotonic()))
-        s = self.ctl.state
-        return s.generation if s.phase == fleet.READY and s.generation > after else None
+        def usable(s: Serving) -> bool:
+            return (s.ready and s.generation > after) or s.phase in (Phase.FAILED, Phase.STOPPED, Phase.DRAINING)
+        s = await self.fleet.wait_serving(usable, max(0.0, deadline - time.monotonic()))
+        return s if s.ready and s.generation > after else None
 
     def _why_unavailable(self) -> str:
-        s = self.ctl.state
-        if s.phase == fleet.FAILED:
+        s = self.fleet.serving()
+        if s.phase == Phase.FAILED:
             return f"The mesh has failed and waits for an operator: {s.reason}"
-        if s.phase in (fleet.STOPPED, fleet.DRAINING):
+        if s.phase in (Phase.STOPPED, Phase.DRAINING):
             return "The mesh is not running; start it with `meshctl up`"
         return f"The mesh is {s.phase} (generation {s.generation}) and did not come back in time; retry shortly"
 
@@ -172,7 +185,7 @@ class Proxy:
             resp = await self._serve(request, kind)
             status = resp.status
             return resp
-        except oa.ApiError as e:
+        except ApiError as e:
             status = e.status
             raise
         except asyncio.CancelledError:
@@ -181,14 +194,14 @@ class Proxy:
         finally:
             self.metrics.requests.labels(route=route, status=str(status)).inc()
             log.info("request", request_id=request_id, route=route, status=status,
-                     generation=self.ctl.state.generation, seconds=round(time.monotonic() - t0, 4))
+                     generation=self.fleet.serving().generation, seconds=round(time.monotonic() - t0, 4))
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         if not self._authorized(request):
             return self._unauthorized()
         body = await read_json(request)
         req = oa.parse_request(kind, body, self.limits)
-        self.ctl.last_request_at = time.time()
+        self.last_request_at = time.monotonic()
         p = self.cfg.proxy
         t0 = time.monotonic()
         deadline = t0 + p.queue_wait
@@ -210,6 +223,30 @@ class Proxy:
             self.metrics.in_flight.dec()
             self.admission.release()
 
+    # --- the idle probe ---------------------------------------------------------------
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            await self._maybe_probe()
+
+    async def _maybe_probe(self) -> None:
+        """When the mesh has been idle a while, ask it for one token."""
+        p = self.cfg.proxy
+        s = self.fleet.serving()
+        if not s.ready or time.monotonic() - self.last_request_at < p.probe_idle:
+            return
+        self.last_request_at = time.monotonic()
+        body = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+        try:
+            async with self.session.post(s.rank0_url + "/v1/chat/completions", json=body,
+                                         timeout=aiohttp.ClientTimeout(total=p.probe_timeout)) as r:
+                if r.status == 200:
+                    return
+                detail = f"probe answered {r.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            detail = f"probe failed: {type(e).__name__}"
+        await self.fleet.report(Observation(s.generation, "probe", detail))
+
 
 class _Exchange:
     """One client request through one or more upstream attempts."""
@@ -219,6 +256,7 @@ class _Exchange:
             # Stock mlx_lm.server loads whatever path "model" names; its own model is "default_model".
             body = {**body, "model": "default_model"}
         self.p, self.request, self.req, self.body, self.deadline = proxy, request, req, body, deadline
+        self.upstream = ""
         self.resp: web.StreamResponse | None = None  # prepared once anything reached the client
         self.sent_data = False
         self.t0 = time.monotonic()
@@ -227,9 +265,11 @@ class _Exchange:
     async def run(self) -> web.StreamResponse:
         after = -1
         while True:
-            g = await self.p._wait_serving(after, self.deadline)
-            if g is None:
+            serving = await self.p._wait_serving(after, self.deadline)
+            if serving is None:
                 return await self._give_up(self.p._why_unavailable())
+            g = serving.generation
+            self.upstream = serving.rank0_url + self.request.path
             try:
                 return await (self._stream(g) if self.req.stream else self._whole(g))
             except UpstreamFailed as e:
@@ -241,21 +281,16 @@ class _Exchange:
                 after = g
 
     async def _report(self, g: int, detail: str) -> None:
-        s = self.p.ctl.state
-        if s.phase == fleet.READY and s.generation == g:
-            await self.p.ctl.feed(fleet.RankDied(self.p.cfg.nodes[0].name, 0, g, "proxy", detail))
+        await self.p.fleet.report(Observation(g, "proxy", detail))
 
     async def _give_up(self, why: str) -> web.StreamResponse:
         if self.resp is None:
             return self.p._unavailable(why)
         return await self._end_stream_with_error(why)
 
-    def _upstream(self) -> str:
-        return self.p.ctl.rank0_url() + self.request.path
-
     async def _whole(self, g: int) -> web.Response:
         try:
-            async with self.p.ctl.session.post(self._upstream(), json=self.body,
+            async with self.p.session.post(self.upstream, json=self.body,
                                                timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as r:
                 data = await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -280,7 +315,7 @@ class _Exchange:
     async def _stream(self, g: int) -> web.StreamResponse:
         p = self.p.cfg.proxy
         try:
-            async with self.p.ctl.session.post(self._upstream(), json=self.body,
+            async with self.p.session.post(self.upstream, json=self.body,
                                                timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as r:
                 if r.status >= 500:
                     raise UpstreamFailed(f"rank 0 answered {r.status}", evidence=False)
@@ -324,7 +359,7 @@ class _Exchange:
 
     async def _end_stream_with_error(self, message: str) -> web.StreamResponse:
         resp = await self._prepare()
-        err = oa.error_body(message, "server_error", None, "mesh_failed")
+        err = error_body(message, "server_error", None, "mesh_failed")
         await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 from string import Template
 
+from agents import config as agent_config
+from meshd import config as mesh_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 UNITS = {("controller", "linux"): "systemd/meshd.service", ("agent", "linux"): "systemd/meshd-agent.service",
@@ -19,11 +22,7 @@ WIRED_LIMIT = "launchd/com.meshd.wired-limit.plist"
 
 
 def state_dir_of(kind: str, config: Path) -> Path:
-    if kind == "controller":
-        from meshd.config import load
-        return load(config).state_dir
-    from agents.config import load as load_agent
-    return load_agent(config).state_dir
+    return (mesh_config if kind == "controller" else agent_config).load(config).state_dir
 
 
 def render(kind: str, config: Path, *, user: str | None = None, system: str | None = None,

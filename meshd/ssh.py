@@ -16,6 +16,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
 import paramiko
 
 from meshd.config import Ssh as Settings
@@ -128,8 +129,12 @@ class Session:
     def run(self, command: str, *, timeout: float | None = None) -> Result:
         """Run `command` (a shell line) and wait for it, at most `timeout` seconds."""
         timeout = timeout or self.settings.command_timeout
-        chan = self.client.get_transport().open_session(timeout=self.settings.connect_timeout)
-        chan.exec_command(command)
+        try:
+            chan = self.client.get_transport().open_session(timeout=self.settings.connect_timeout)
+            chan.exec_command(command)
+        except (OSError, paramiko.SSHException) as e:
+            raise SshError(f"{self.target.node}: the connection broke running `{command}` ({e}); "
+                           "check that the node is still up") from None
         out, err = [], []
         deadline = time.monotonic() + timeout
         try:

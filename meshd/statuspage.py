@@ -9,7 +9,7 @@ import html
 import time
 
 PHASE_COLOURS = {"ready": "#1f9d55", "starting": "#d69e2e", "recovering": "#dd6b20", "draining": "#718096",
-                 "failed": "#e53e3e", "stopped": "#718096", "provisioning": "#d69e2e"}
+                 "failed": "#e53e3e", "stopped": "#718096"}
 
 
 class Rates:

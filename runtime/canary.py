@@ -14,7 +14,9 @@ import os
 import sys
 import time
 
-from runtime.rank import DISTRIBUTED_ENV
+import mlx.core as mx
+
+from common.hostfile import DISTRIBUTED_ENV
 
 
 def sizes(largest: int) -> list[int]:
@@ -33,8 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--largest", type=int, default=1 << 22, help="largest all_sum, in float32 elements")
     p.add_argument("--backend", default="any")
     args = p.parse_args(argv)
-
-    import mlx.core as mx
 
     group = mx.distributed.init(strict=any(k in os.environ for k in DISTRIBUTED_ENV), backend=args.backend)
     rank, world = group.rank(), group.size()

@@ -42,6 +42,9 @@ class DemoModelSpec:
     seed: int = 0
 
 
+# mlx, mlx-lm and tokenizers are imported when a model is built: meshctl imports
+# this module at every start (for the demo) and builds the model once; those
+# imports would cost every meshctl call 2 s.
 def _train_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

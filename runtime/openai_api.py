@@ -13,23 +13,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.errors import ApiError
+
 ROLES = ("system", "user", "assistant", "developer", "tool")
-
-
-@dataclass(frozen=True)
-class ApiError(Exception):
-    status: int
-    message: str
-    param: str | None = None
-    code: str | None = None
-    type: str = "invalid_request_error"
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,18 @@ import time
 import traceback
 from pathlib import Path
 
-from runtime.status import Heartbeat, RankStatus
+import mlx.core as mx
+from mlx_lm import load as load_whole
+from mlx_lm.utils import load_config, load_model, load_tokenizer
 
-DISTRIBUTED_ENV = ("MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_WORLD_SIZE")
+from common.hostfile import DISTRIBUTED_ENV
+from common.states import RankState
+from common.statusfile import RankStatus
+from runtime import openai_api as oa
+from runtime.engine import BatchEngine, Job, SpeculativeEngine
+from runtime.lockstep import Lockstep
+from runtime.server import Frontend
+from runtime.status import Heartbeat
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -61,9 +70,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def load_sharded(model_path: Path, group, on_progress):
     """Load lazily, shard across `group`, then materialise layer by layer so
     progress is real: (layers done, layers total)."""
-    import mlx.core as mx
-    from mlx_lm.utils import load_model
-
     model, config = load_model(model_path, lazy=True, strict=False)
     if group.size() > 1:
         if not hasattr(model, "shard"):
@@ -81,14 +87,29 @@ def load_sharded(model_path: Path, group, on_progress):
     return model
 
 
+class Signals:
+    """Signals as a handler records them: it only appends, since the code it
+    interrupts may hold any lock (the frontend's, the heartbeat's). The loop
+    takes them between exchanges and acts."""
+
+    def __init__(self, *signums: int):
+        self._seen: list[int] = []
+        for signum in signums:
+            signal.signal(signum, lambda n, frame: self._seen.append(n))
+
+    def take(self) -> list[int]:
+        taken, self._seen[:] = list(self._seen), []
+        return taken
+
+
 class LockstepLoop:
-    """The loop every rank runs; rank 0 also feeds and drains the frontend."""
+    """The loop every rank runs; rank 0 also feeds and drains the frontend.
+    `on_term` is what SIGTERM means to this rank, run by the loop."""
 
     def __init__(self, engine, lockstep, heartbeat: Heartbeat, frontend=None, idle_interval: float = 0.5,
-                 burst: int = 4):
-        from runtime.engine import Job
-
-        self._job = Job
+                 burst: int = 4, on_term=None):
+        self.signals = Signals(signal.SIGTERM)
+        self.on_term = on_term or (lambda: None)
         self.engine = engine
         self.lockstep = lockstep
         self.hb = heartbeat
@@ -103,7 +124,7 @@ class LockstepLoop:
     def _apply(self, msg: dict) -> None:
         op = msg["op"]
         if op == "insert":
-            job = self._job(msg["rid"], tuple(msg["prompt"]), msg["max_tokens"], msg["temperature"],
+            job = Job(msg["rid"], tuple(msg["prompt"]), msg["max_tokens"], msg["temperature"],
                             msg["top_p"], msg["seed"])
             if self.draining:
                 self._refuse(job.rid)
@@ -130,6 +151,8 @@ class LockstepLoop:
     def run(self) -> None:
         doze = 0.0
         while True:
+            if self.signals.take():
+                self.on_term()
             outbox, idle_next, burst = None, 0.0, 1
             if self.fe:
                 outbox = self.fe.collect(block=not self.engine.busy, timeout=doze)
@@ -147,7 +170,7 @@ class LockstepLoop:
             if self.draining and not self.engine.busy:
                 return
             if not self.engine.busy:
-                self.hb.update(progress=True, state="draining" if self.draining else "ready",
+                self.hb.update(progress=True, state=RankState.DRAINING if self.draining else RankState.READY,
                                requests_in_flight=0, prompt_tokens_in_flight=0)
                 if not self.fe and doze:
                     time.sleep(doze)
@@ -158,7 +181,7 @@ class LockstepLoop:
                 self._step()
 
     def _step(self) -> None:
-        self.hb.update(state="draining" if self.draining else "busy",
+        self.hb.update(state=RankState.DRAINING if self.draining else RankState.BUSY,
                        requests_in_flight=len(self.inflight),
                        prompt_tokens_in_flight=self.engine.prompt_tokens_in_flight())
         emissions = self.engine.step()
@@ -179,8 +202,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"meshd-rank: no model at {model_path} (config.json missing); "
                  "pass --model with an mlx-lm model directory")
 
-    import mlx.core as mx
-
     # The heartbeat starts before init: a rank waiting for its peers to connect
     # is loading, not gone.
     rank = int(os.environ.get("MLX_RANK", "0"))
@@ -193,16 +214,9 @@ def main(argv: list[str] | None = None) -> None:
     hb.update(rank=rank, world=world, flush=True)
     mx.random.seed(args.seed)
 
-    from runtime import openai_api as oa
-    from runtime.engine import BatchEngine, SpeculativeEngine
-    from runtime.lockstep import Lockstep
-    from runtime.server import Frontend
-
     def progress(done: int, total: int) -> None:
         hb.update(progress=True, flush=True, load_done=done, load_total=total)
         log(f"loading {done}/{total}")
-
-    from mlx_lm.utils import load_config, load_tokenizer
 
     config = load_config(model_path)
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
@@ -220,8 +234,6 @@ def main(argv: list[str] | None = None) -> None:
 
     eos = set(tokenizer.eos_token_ids)
     if args.draft_model:
-        from mlx_lm import load as load_whole
-
         draft, _ = load_whole(args.draft_model)
         engine = SpeculativeEngine(model, draft, eos, num_draft_tokens=args.num_draft_tokens,
                                    prefill_step_size=args.prefill_step_size)
@@ -231,14 +243,13 @@ def main(argv: list[str] | None = None) -> None:
 
     lockstep = Lockstep(group)
     lockstep.barrier()  # the arm barrier: every rank is loaded past this line
-    hb.update(state="armed")
+    hb.update(state=RankState.ARMED)
     log("armed")
     loop = LockstepLoop(engine, lockstep, hb, frontend, idle_interval=args.idle_interval,
-                        burst=args.burst)
-    _install_sigterm(rank, frontend, args.drain_wait, log)
+                        burst=args.burst, on_term=_on_term(frontend, args.drain_wait, log))
     if frontend:
         frontend.armed()
-    hb.update(state="ready")
+    hb.update(state=RankState.READY)
     log(f"ready on {args.host}:{args.port}" if rank == 0 else "ready")
     try:
         loop.run()
@@ -246,16 +257,22 @@ def main(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         if frontend:
             frontend.fail_all("A rank of this generation failed; the request was not finished. Retry it")
-        hb.stop("exited")
+        hb.stop()
         sys.stderr.flush()
         os._exit(1)
-    hb.update(state="draining")
+    hb.update(state=RankState.DRAINING)
     mx.synchronize()
     engine.close()
     log("drained, exiting 0")
     if frontend:
         frontend.stop()
-    hb.stop("exited")
+    hb.stop()
+    # Leave without the interpreter's finalization: it restores the default
+    # SIGTERM action, and a second SIGTERM landing then would turn a clean
+    # drain into a death by signal.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _logger(rank: int, generation: int):
@@ -264,25 +281,25 @@ def _logger(rank: int, generation: int):
     return log
 
 
-def _install_sigterm(rank: int, frontend, drain_wait: float, log) -> None:
-    """Rank 0 turns SIGTERM into a finishing drain. Another rank waits, bounded,
-    for rank 0's drain to reach it, then gives up with 128+SIGTERM."""
+def _on_term(frontend, drain_wait: float, log):
+    """What SIGTERM means: rank 0 starts a finishing drain. Another rank waits,
+    bounded, for rank 0's drain to reach it, then gives up with 128+SIGTERM."""
+    timers: list[threading.Timer] = []
 
-    def on_term(signum, frame):
+    def give_up() -> None:
+        log("no drain arrived, exiting")
+        os._exit(128 + signal.SIGTERM)
+
+    def on_term() -> None:
         if frontend is not None:
             log("SIGTERM: draining")
             frontend.begin_drain("finish")
-            return
-        log(f"SIGTERM: waiting up to {drain_wait}s for rank 0's drain")
-
-        def give_up():
-            time.sleep(drain_wait)
-            log("no drain arrived, exiting")
-            os._exit(128 + signal.SIGTERM)
-
-        threading.Thread(target=give_up, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, on_term)
+        elif not timers:
+            log(f"SIGTERM: waiting up to {drain_wait}s for rank 0's drain")
+            timers.append(threading.Timer(drain_wait, give_up))
+            timers[0].daemon = True
+            timers[0].start()
+    return on_term
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from meshd.web import json_error, json_errors, read_json
+from common.errors import ApiError, error_body
+from common.http import json_error, json_errors, read_json
 from runtime import openai_api as oa
 from runtime.engine import Emission
 
@@ -158,7 +159,7 @@ class Frontend:
         body = await read_json(request) if request.can_read_body else {}
         mode = body.get("mode", "finish") if isinstance(body, dict) else None
         if mode not in ("finish", "cancel"):
-            raise oa.ApiError(400, f"'mode' must be 'finish' or 'cancel', got {mode!r}", param="mode")
+            raise ApiError(400, f"'mode' must be 'finish' or 'cancel', got {mode!r}", param="mode")
         self.begin_drain(mode)
         return web.json_response({"draining": True, "mode": mode, "generation": self.generation}, status=202)
 
@@ -181,14 +182,14 @@ class Frontend:
             try:
                 ids = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True)
             except Exception as e:  # a template that rejects these messages is the caller's input
-                raise oa.ApiError(400, f"The chat template rejected these messages: {e}", param="messages")
+                raise ApiError(400, f"The chat template rejected these messages: {e}", param="messages")
             param = "messages"
         else:
             ids = self.tokenizer.encode(req.prompt)
             param = "prompt"
         room = self.context_length - req.params.max_tokens
         if len(ids) > room:
-            raise oa.ApiError(
+            raise ApiError(
                 400,
                 f"The prompt is {len(ids)} tokens; with max_tokens={req.params.max_tokens} it exceeds "
                 f"the context length of {self.context_length}. Shorten the {param} or lower max_tokens",
@@ -295,7 +296,7 @@ class _Run:
         first = True
         async for event in self._events(pending):
             if event[0] == "failed":
-                await send(oa.error_body(event[1], "server_error", None, "generation_failed"))
+                await send(error_body(event[1], "server_error", None, "generation_failed"))
                 break
             piece, reason = self._advance(event)
             if piece or first or reason is not None:

@@ -1,11 +1,8 @@
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from runtime.demo_model import DemoModelSpec, build_demo_model  # noqa: E402
+from runtime.demo_model import DemoModelSpec, build_demo_model
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from agents.config import ConfigError, DEFAULT_PROFILES, load, parse
+from agents.config import DEFAULT_PROFILES, ConfigError, load, parse
 
 BASE = {"node": "n", "token_file": "t"}
 

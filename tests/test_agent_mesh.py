@@ -12,9 +12,16 @@ import time
 import pytest
 import requests
 
-from agentkit import (make_agents, pid_of, ring_hostfile, start_generation, stop_generation,
-                      wait_mesh_ready)
-from meshkit import validate, wait_for
+from kit.agents import (
+    make_agents,
+    pid_of,
+    ring_hostfile,
+    start_generation,
+    stop_generation,
+    wait_mesh_ready,
+)
+from kit.openai import validate
+from kit.waiting import wait_for
 
 STALL_BASE = 3.0
 MIN_PREFILL_RATE = 50.0
@@ -291,7 +298,6 @@ def test_node_facts_report_versions_and_a_missing_rdma_tool(agents):
 
 
 def test_node_facts_report_rdma_devices_and_a_hung_tool(tmp_path):
-    from agentkit import make_agents
 
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -320,7 +326,6 @@ printf '    rdma_en3        \t0000000000000000\n'
 
 
 def test_rank_logs_are_capped(tmp_path):
-    from agentkit import make_agents
 
     (agent,) = make_agents(tmp_path, 1, extra={"log_max_bytes": 20000, "profiles": {"chatty": {
         "command": ["{python}", "-c", "import time\nfor i in range(4000): print('line', i, flush=True)\n"

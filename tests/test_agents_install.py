@@ -8,17 +8,21 @@ import signal
 import stat
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import psutil
 import requests
 
-from meshkit import free_ports
-from sshkit import start_fleet
+from kit.sshd import start_fleet
+from meshd.ports import free_ports
 
 
 def test_agents_install_leaves_a_running_agent_that_answers(tmp_path):
-    fleet = start_fleet(tmp_path, 1)
+    # The pretend Mac's Python already has mlx and meshd's other dependencies (on a Mac: Homebrew's
+    # python with mlx installed, which --system-site-packages lets the venv use): its sessions see the
+    # packages of this test run.
+    fleet = start_fleet(tmp_path, 1, env={"PYTHONPATH": sysconfig.get_paths()["purelib"]})
     node = fleet.nodes[0]
     home = node.home
     (port,) = free_ports(1)

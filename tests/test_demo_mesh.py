@@ -5,8 +5,6 @@ deaths of every kind and the recovery after them, a controller restart, and
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 
 import psutil
@@ -14,57 +12,21 @@ import pytest
 import requests
 from openai import OpenAI
 
-from meshkit import sse_events, validate, wait_for
+from kit.meshctl import Demo, demo_meshctl
+from kit.openai import sse_events, validate
+from kit.waiting import wait_for
 
 STALL = 6.0
-
-
-def meshctl(home, *args, timeout=300, check=True):
-    env = {**os.environ, "MESHD_HOME": str(home)}
-    env.pop("MESHD_CONFIG", None)
-    r = subprocess.run([sys.executable, "-m", "meshd.cli", *args], env=env, capture_output=True, text=True,
-                       timeout=timeout)
-    if check and r.returncode != 0:
-        raise AssertionError(f"meshctl {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
-    return r
-
-
-class Demo:
-    def __init__(self, home):
-        self.home = home
-
-    def status(self) -> dict:
-        return json.loads(meshctl(self.home, "status", "--json").stdout)
-
-    @property
-    def proxy(self) -> str:
-        return self.status()["urls"]["proxy"]
-
-    def rank_pid(self, i: int) -> int:
-        return self.status()["nodes"][i]["rank"]["pid"]
-
-    def wait_ready(self, after: int = 0, timeout: float = 120) -> dict:
-        def ready():
-            s = self.status()
-            return s if s["phase"] == "ready" and s["generation"] > after else None
-        return wait_for(ready, timeout, f"the mesh to serve a generation after {after}", interval=0.2)
-
-    def incidents(self) -> list[dict]:
-        return json.loads(meshctl(self.home, "events", "--json").stdout)["incidents"]
-
-    def chat(self, **kw):
-        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, **kw}
-        return requests.post(f"{self.proxy}/chat/completions", json=body, timeout=180)
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     home = tmp_path_factory.mktemp("meshd-home")
-    r = meshctl(home, "up", "--stall-window", str(STALL))
+    r = demo_meshctl(home, "up", "--stall-window", str(STALL))
     assert "OpenAI URL: http://127.0.0.1:" in r.stdout and "meshctl down" in r.stdout
     d = Demo(home)
     yield d
-    meshctl(home, "down", "--force", check=False)
+    demo_meshctl(home, "down", "--force", check=False)
 
 
 def test_up_serves_chat_through_the_proxy_streamed_and_whole(demo):
@@ -125,7 +87,7 @@ def test_sigkill_mid_stream_ends_that_stream_cleanly_and_the_mesh_recovers(demo)
     incident = demo.incidents()[0]
     assert (incident["cause"], incident["node"], incident["generation"]) == ("exit", "node2", g)
     assert "signal 9" in incident["detail"] and incident["serving_back_at"] is not None
-    assert "exit" in meshctl(demo.home, "events").stdout
+    assert "exit" in demo_meshctl(demo.home, "events").stdout
 
 
 def test_sigstop_of_a_busy_rank_is_a_stall_and_the_mesh_recovers(demo):
@@ -167,7 +129,7 @@ def test_a_killed_controller_comes_back_and_adopts_the_running_generation(demo):
     controller = int((demo.home / "demo" / "run" / "controller.pid").read_text().split()[0])
     os.kill(controller, signal.SIGKILL)
     psutil.Process(controller).wait(10) if psutil.pid_exists(controller) else None
-    up = meshctl(demo.home, "up")
+    up = demo_meshctl(demo.home, "up")
     assert f"ready: generation {s['generation']}" in up.stdout
     after = demo.status()
     assert after["generation"] == s["generation"] and after["phase"] == "ready"
@@ -182,29 +144,29 @@ def test_a_killed_controller_comes_back_and_adopts_the_running_generation(demo):
 def test_restart_drains_into_the_next_generation_without_an_incident(demo):
     s = demo.wait_ready()
     incidents = len(demo.incidents())
-    assert "restarting" in meshctl(demo.home, "restart").stdout
+    assert "restarting" in demo_meshctl(demo.home, "restart").stdout
     demo.wait_ready(after=s["generation"])
     assert len(demo.incidents()) == incidents
 
 
 def test_logs_show_a_nodes_rank_log(demo):
     demo.wait_ready()
-    out = meshctl(demo.home, "logs", "node0", "--lines", "50").stdout
+    out = demo_meshctl(demo.home, "logs", "node0", "--lines", "50").stdout
     assert "[meshd-rank" in out and "ready on 127.0.0.1:" in out
-    r = meshctl(demo.home, "logs", "nodeX", check=False)
+    r = demo_meshctl(demo.home, "logs", "nodeX", check=False)
     assert r.returncode == 1 and "no node 'nodeX'" in r.stderr
 
 
 def test_down_drains_and_leaves_no_process(tmp_path_factory, demo_model):
     home = tmp_path_factory.mktemp("meshd-home-down")
-    meshctl(home, "up")
+    demo_meshctl(home, "up")
     status = Demo(home).status()
     pids = [n["rank"]["pid"] for n in status["nodes"]]
-    out = meshctl(home, "down").stdout
+    out = demo_meshctl(home, "down").stdout
     assert "no process of the mesh remains" in out
     assert not [p for p in pids if psutil.pid_exists(p)]
     leftovers = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
                  if any(str(home) in part for part in (p.info["cmdline"] or []))]
     assert leftovers == []
-    r = meshctl(home, "status", check=False)
+    r = demo_meshctl(home, "status", check=False)
     assert r.returncode == 1 and "meshctl up" in r.stderr

@@ -11,9 +11,12 @@ from importlib import metadata
 
 import pytest
 
-from agentkit import make_agents, write_mesh
+from kit.agents import make_agents
+from kit.configs import write_mesh
+from kit.meshctl import meshctl, stop_controller
+from kit.sshd import STANDINS, start_fleet
 from meshd import doctor
-from sshkit import STANDINS, start_fleet
+from meshd.config import parse
 
 GiB = 2**30
 MAC = {"python": "3.12.4", "mlx": "0.29.1", "mlx_lm": "0.28.2", "memory_total_bytes": 192 * GiB,
@@ -90,10 +93,6 @@ def test_ranks_of_another_generation_are_stale():
 
 # --- the whole gate ---------------------------------------------------------------------
 
-def meshctl(mesh, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), *args], capture_output=True,
-                          text=True, timeout=timeout)
-
 
 def mesh_file(path, agents, model, backend="ring", fleet=None):
     if fleet is None:
@@ -160,18 +159,16 @@ def test_a_healthy_mesh_passes_and_each_fault_fails_with_its_fix(macs, tmp_path,
 
 
 def test_a_node_with_another_mlx_lm_fails_the_version_check(tmp_path, demo_model):
-    """One agent runs in a venv holding a different mlx-lm release (a real one from PyPI)."""
+    """One agent sees a different mlx-lm release (a real one from PyPI) ahead of this one on its path."""
     installed = metadata.version("mlx-lm")
     other = "0.28.0" if installed != "0.28.0" else "0.28.1"
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps",
+    site = tmp_path / "other-mlx-lm"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
                           f"mlx-lm=={other}"], capture_output=True, text=True, timeout=300)
     assert pip.returncode == 0, pip.stderr
     agents = make_agents(tmp_path, 2)
     agents[0].start()
-    cfg = agents[1].dir / "agent.toml"
-    agents[1].proc = subprocess.Popen([str(venv / "bin" / "python"), "-m", "agents.server", "--config", str(cfg)])
+    agents[1].start(env={"PYTHONPATH": str(site)})
     try:
         agents[1].wait_healthy()
         code, failed, checks = doctor_run(mesh_file(tmp_path, agents, demo_model))
@@ -214,7 +211,6 @@ def test_meshctl_up_refuses_to_start_when_the_preflight_fails(tmp_path, demo_mod
         assert "nothing was started" in r.stderr
         assert all(a.ranks() == [] for a in agents)  # no rank was spawned anywhere
     finally:
-        from test_controller import stop_controller
 
         stop_controller(mesh)
         for a in agents:
@@ -248,7 +244,6 @@ def test_the_agent_applies_its_wired_limit_at_start_and_reports_it(tmp_path):
      "no RDMA device is listed for a to b"),
 ])
 def test_a_malformed_or_mismatched_hostfile_fails_with_provision_as_the_fix(tmp_path, content, needle):
-    from meshd.config import parse
 
     (tmp_path / "hostfile.json").write_text(content)
     cfg = parse({"backend": "jaccl", "hostfile": "hostfile.json", "runtime": {"model": "/m"},

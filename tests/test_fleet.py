@@ -2,6 +2,7 @@
 
 import pytest
 
+from common.states import RankState
 from meshd import fleet as f
 
 NODES = ("n0", "n1")
@@ -155,8 +156,7 @@ def test_a_mesh_not_ready_by_the_start_deadline_is_a_failure():
 
 def test_rank_reports_update_load_progress():
     s, _ = run([(0, f.UpRequested()), (1, f.RankReported("n1", 1, "loading", 3, 10))])
-    assert s.rank_state("n1") == ("n1", "loading", 3, 10)
-    assert s.rank_state("n0") == ("n0", "starting", 0, 0)
+    assert s.ranks == (f.RankView("n0", RankState.SPAWNED), f.RankView("n1", RankState.LOADING, 3, 10))
 
 
 def test_adopting_a_running_generation_does_not_restart_it():
@@ -207,3 +207,34 @@ def test_a_failed_ladder_step_climbs_on_and_exhaustion_is_failed():
     s, a = run([(0, f.UpRequested()), (1, f.MeshReady(1)), death(1, 2, reboot=True), (3, f.GenerationStopped(1)),
                 (4, f.StepDone("reboot", False, "n1 did not come back"))], LADDER)
     assert s.phase == "failed" and "n1 did not come back" in s.reason
+
+
+def ranks(*gen_rank_state):
+    return [{"generation": g, "rank": r, "state": st} for g, r, st in gen_rank_state]
+
+
+@pytest.mark.parametrize("views,desired_up,ready,expected", [
+    ({"n0": ranks((7, 0, "ready")), "n1": ranks((7, 1, "ready"))}, True, True, f.Adopted(7, True)),
+    ({"n0": ranks((7, 0, "loading")), "n1": ranks((6, 1, "exited"), (7, 1, "loading"))}, False, False,
+     f.Adopted(7, False)),
+    ({"n0": ranks((6, 0, "exited")), "n1": []}, True, False, f.UpRequested()),
+    ({"n0": [], "n1": []}, False, False, None),
+    ({"n0": ranks((7, 0, "ready")), "n1": []}, True, False, f.LeftoversFound(7, True)),
+    ({"n0": ranks((7, 0, "ready")), "n1": ranks((8, 1, "loading"))}, False, False, f.LeftoversFound(8, False)),
+    ({"n0": ranks((7, 1, "ready")), "n1": ranks((7, 0, "ready"))}, True, True, f.LeftoversFound(7, True)),
+    ({"n0": ranks((7, 0, "ready")), "n1": None}, True, True, f.LeftoversFound(7, True)),
+], ids=["whole-ready", "whole-loading", "nothing-up", "nothing-down", "partial", "mixed", "swapped", "unanswered"])
+def test_adoption_decision_table(views, desired_up, ready, expected):
+    assert f.decide_adoption(views, NODES, desired_up=desired_up, rank0_ready=ready) == expected
+
+
+def test_leftovers_are_stopped_then_the_next_generation_starts_above_them():
+    s, a = run([(0, f.LeftoversFound(9, up=True))], state=f.FleetState(generation=4))
+    assert (s.phase, s.generation) == ("recovering", 9) and a == [f.StopGeneration(9, "kill", 5.0)]
+    s, a = run([(1, f.GenerationStopped(9))], state=s)
+    assert (s.phase, s.generation, s.failures) == ("starting", 10, ()) and f.StartGeneration(10) in a
+
+
+def test_leftovers_with_the_operator_down_are_stopped_and_stay_stopped():
+    s, a = run([(0, f.LeftoversFound(3, up=False)), (1, f.GenerationStopped(3))])
+    assert (s.phase, s.generation) == ("stopped", 3) and f.StopGeneration(3, "kill", 5.0) in a

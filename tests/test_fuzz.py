@@ -12,14 +12,24 @@ from pathlib import Path
 import pytest
 import requests
 import schemathesis
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error, response_schema_conformance
 
-from agentkit import make_agents, toml_value, write_mesh
-from meshd import config as mesh_config
 from agents import config as agent_config
-from test_controller import meshctl, stop_controller
+from agents.server import make_app
+from agents.supervisor import Supervisor
+from common.tomlcheck import dumps_toml
+from kit.agents import make_agents
+from kit.configs import write_mesh
+from kit.meshctl import meshctl, stop_controller
+from meshd import config as mesh_config
+from meshd.controller import Controller
+from meshd.daemon import control_app
+from meshd.metrics import Metrics
+from meshd.proxy import Proxy
+from meshd.store import Store
 
 OPENAPI = Path(__file__).resolve().parents[1] / "openapi"
 EXAMPLES = 50
@@ -132,21 +142,6 @@ def mutate(base: dict, data) -> dict:
     return raw
 
 
-def to_toml(raw: dict) -> str:
-    lines, tables = [], []
-    for k, v in raw.items():
-        if isinstance(v, dict):
-            tables.append((k, v))
-        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
-            tables += [(f"[{k}]", x) for x in v]
-        else:
-            lines.append(f"{json.dumps(k)} = {toml_value(v)}")
-    for name, table in tables:
-        lines.append(f"[{name}]")
-        lines += [f"{json.dumps(k)} = {toml_value(v)}" for k, v in table.items()]
-    return "\n".join(lines) + "\n"
-
-
 MESH = {"name": "fuzz", "backend": "ring",
         "nodes": [{"name": "a", "agent": "http://127.0.0.1:7701", "token_file": "token"},
                   {"name": "b", "agent": "http://127.0.0.1:7702", "token_file": "token"}],
@@ -177,7 +172,7 @@ def test_a_mangled_config_is_a_config_error_never_a_crash(tmp_path, name, data):
     (tmp_path / "token").write_text("x" * 32)
     (tmp_path / "token").chmod(0o600)
     valid, loader = LOADERS[name]
-    text = to_toml(mutate(valid, data))
+    text = dumps_toml(mutate(valid, data))
     try:
         tomllib.loads(text)
     except tomllib.TOMLDecodeError:
@@ -202,23 +197,15 @@ def described(schema) -> set[tuple[str, str]]:
 
 def test_the_openapi_descriptions_list_exactly_the_routes_the_servers_serve(tmp_path):
     """The fuzzing is only as good as the descriptions: no route undescribed, none described that is gone."""
-    from agents.server import make_app
-    from agents.supervisor import Supervisor
-    from meshd.controller import Controller
-    from meshd.daemon import control_app
-    from meshd.metrics import Metrics
-    from meshd.proxy import Proxy
-    from meshd.store import Store
-
     (tmp_path / "token").write_text("t" * 32)
     (tmp_path / "token").chmod(0o600)
-    (tmp_path / "agent.toml").write_text(to_toml(AGENT))
+    (tmp_path / "agent.toml").write_text(dumps_toml(AGENT))
     sup = Supervisor(agent_config.load(tmp_path / "agent.toml"))
     assert routes(make_app(sup, "t" * 32)) == described(agent_schema)
 
-    (tmp_path / "mesh.toml").write_text(to_toml(MESH))
+    (tmp_path / "mesh.toml").write_text(dumps_toml(MESH))
     cfg = mesh_config.load(tmp_path / "mesh.toml")
     metrics = Metrics(cfg.name)
     ctl = Controller(cfg, Store(tmp_path / "state" / "meshd.sqlite"), metrics)
     assert routes(control_app(ctl, metrics, "t" * 32)) == described(control_schema)
-    assert routes(Proxy(ctl, metrics).app()) == described(proxy_schema)
+    assert routes(Proxy(cfg, ctl, metrics).app()) == described(proxy_schema)

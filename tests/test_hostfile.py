@@ -8,7 +8,7 @@ import sys
 import pytest
 from mlx._distributed_utils import launch as mlx_launch
 
-from meshd.hostfile import HostfileError, launch_env, validate
+from common.hostfile import HostfileError, launch_env, validate
 
 RING = {"backend": "ring", "envs": ["MLX_METAL_FAST_SYNCH=0"],
         "hosts": [{"ssh": f"h{i}", "ips": [f"10.0.0.{i + 1}"], "rdma": []} for i in range(4)]}

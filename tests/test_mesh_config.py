@@ -2,10 +2,9 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 from meshd.config import ConfigError, hostfile_for, load, parse
 

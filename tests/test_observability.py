@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from meshkit import free_ports, wait_for
-from test_demo_mesh import Demo, meshctl
+from kit.meshctl import Demo, demo_meshctl
+from kit.waiting import wait_for
+from meshd.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -24,10 +25,10 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     home = tmp_path_factory.mktemp("meshd-home-obs")
-    meshctl(home, "up")
+    demo_meshctl(home, "up")
     d = Demo(home)
     yield d
-    meshctl(home, "down", "--force", check=False)
+    demo_meshctl(home, "down", "--force", check=False)
 
 
 def metrics_urls(demo) -> list[str]:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from meshkit import validate
+from kit.openai import validate
 from runtime import openai_api as oa
 
 LIMITS = oa.Limits("demo", default_max_tokens=64, max_tokens_limit=1000)

@@ -6,20 +6,15 @@ hostfile validated and recorded with each node's boot id."""
 import asyncio
 import json
 import subprocess
-import sys
-from types import SimpleNamespace
 
 import pytest
 
+from common.hostfile import validate
+from kit.meshctl import meshctl
+from kit.sshd import keygen, start_fleet
 from meshd import provision
 from meshd.config import load
-from meshd.hostfile import validate
-from sshkit import start_fleet
-
-
-def meshctl(mesh, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), *args], capture_output=True,
-                          text=True, timeout=timeout)
+from meshd.ports import free_ports
 
 
 def write_mesh(path, fleet, backend="jaccl", known_hosts=None, **ssh):
@@ -78,14 +73,14 @@ def test_the_real_distributed_config_provisions_through_meshd_ssh(fleet, tmp_pat
 
     # The recovery ladder's reprovision step (what the controller runs): refused within the same boot, so the
     # ladder climbs to reboot; a reboot of any node (shutdown -r: a new boot id) makes auto-setup due again.
-    ctl = SimpleNamespace(cfg=load(mesh))
-    ok, detail = asyncio.run(provision.run_ladder_step(ctl, "reprovision", ()))
+    cfg = load(mesh)
+    ok, detail = asyncio.run(provision.run_ladder_step(cfg, {}, "reprovision", ()))
     assert not ok and "already ran on node0, node1, node2, node3 in this boot" in detail
     node = fleet.nodes[2]
     subprocess.run(["ssh", "-i", str(fleet.client_key), "-o", f"UserKnownHostsFile={tmp_path / 'known_hosts'}",
                     "-p", str(node.port), "root@127.0.0.1", "sudo -n shutdown -r now"], check=True,
                    capture_output=True)
-    ok, detail = asyncio.run(provision.run_ladder_step(ctl, "reprovision", ()))
+    ok, detail = asyncio.run(provision.run_ladder_step(cfg, {}, "reprovision", ()))
     assert ok and detail == f"re-provisioned {tmp_path / 'state' / 'hostfile.json'}"
 
 
@@ -131,7 +126,6 @@ def test_a_changed_host_key_is_refused(tmp_path):
 
 
 def test_an_unreachable_node_fails_fast_naming_it(fleet, tmp_path):
-    from meshkit import free_ports
 
     mesh = write_mesh(tmp_path, fleet, "jaccl")
     text = mesh.read_text().replace(fleet.nodes[3].ssh, f"root@127.0.0.1:{free_ports(1)[0]}")
@@ -141,7 +135,6 @@ def test_an_unreachable_node_fails_fast_naming_it(fleet, tmp_path):
 
 
 def test_a_refused_key_names_the_node_and_authorized_keys(fleet, tmp_path):
-    from sshkit import keygen
 
     mesh = write_mesh(tmp_path, fleet, "ring", key_file=str(keygen(tmp_path / "stranger")))
     r = meshctl(mesh, "doctor", "--json")

@@ -4,10 +4,13 @@ and prefill progress in the status file, speculative decoding."""
 import json
 import signal
 import threading
+import time
 
 import requests
 
-from meshkit import StatusTrace, sse_events, start_mesh, validate, wait_for
+from kit.openai import sse_events, validate
+from kit.ranks import StatusTrace, start_mesh
+from kit.waiting import wait_for
 
 
 def stream_in_background(mesh, body):
@@ -71,6 +74,25 @@ def test_sigterm_on_rank0_drains_every_rank(demo_model, tmp_path):
         mesh.wait_ready()
         mesh.procs[0].send_signal(signal.SIGTERM)
         assert mesh.wait_exit() == [0, 0]
+
+
+def test_a_storm_of_sigterms_mid_stream_is_still_one_finishing_drain(demo_model, tmp_path):
+    """The handler only records: a SIGTERM that lands while the main thread holds the frontend's lock
+    (it takes it for every token) must not deadlock the rank into a SIGKILL."""
+    with start_mesh(demo_model, 2, tmp_path) as mesh:
+        mesh.wait_ready()
+        t, result = stream_in_background(mesh, {"messages": [{"role": "user", "content": "long"}],
+                                                "max_tokens": 300, "temperature": 0.9, "seed": 5})
+        wait_for(lambda: busy_everywhere(mesh), 30, "the request to be in flight on every rank")
+        for _ in range(2000):
+            if mesh.procs[0].poll() is not None:
+                break
+            mesh.procs[0].send_signal(signal.SIGTERM)
+            time.sleep(0.0005)
+        assert mesh.wait_exit(timeout=90) == [0, 0]
+        t.join(30)
+        assert result["events"][-1] == "[DONE]"
+        assert result["events"][-2]["choices"][0]["finish_reason"] == "length"
 
 
 def test_sigterm_on_another_rank_waits_for_rank0s_drain(demo_model, tmp_path):

@@ -8,7 +8,9 @@ import pytest
 import requests
 from openai import OpenAI
 
-from meshkit import StatusTrace, sse_events, start_mesh, validate, wait_for
+from kit.openai import sse_events, validate
+from kit.ranks import StatusTrace, start_mesh
+from kit.waiting import wait_for
 
 PROMPTS = ["hello world", "What is the answer?", "The quick brown fox", "Drain before close."]
 

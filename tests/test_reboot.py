@@ -12,10 +12,11 @@ import sys
 import pytest
 import requests
 
-from agentkit import make_agents, write_mesh
-from meshkit import wait_for
-from sshkit import STANDINS, start_fleet
-from test_controller import meshctl, stop_controller
+from kit.agents import make_agents
+from kit.configs import write_mesh
+from kit.meshctl import meshctl, stop_controller
+from kit.sshd import STANDINS, start_fleet
+from kit.waiting import wait_for
 
 REBOOT_LINE = "[jaccl] Couldn't allocate protection domain\n"
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from agentkit import make_agents
+from kit.agents import make_agents
 from meshd import service
 
 MESH = '[[nodes]]\nname = "a"\nagent = "http://127.0.0.1:7701"\ntoken_file = "t"\n[runtime]\nmodel = "/m"\n'

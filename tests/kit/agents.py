@@ -1,62 +1,20 @@
-"""Test helpers: real `meshd-agent` processes on loopback, each with its own
-port, state directory and token."""
+"""Real `meshd-agent` processes on loopback, each with its own port, state
+directory and token, and the calls a controller makes to them."""
 
 from __future__ import annotations
 
-import json
 import os
-import secrets
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import requests
 
-from meshkit import free_ports, wait_for
-
-STANDIN_PROFILES = {
-    # Prints what a JACCL rank prints when ibv_post_recv returns ENOMEM, then blocks.
-    "jaccl-standin": ["{python}", "-c",
-                      "import time; print('[jaccl] Recv failed with errno=12 (-12)', flush=True); time.sleep(3600)",
-                      "--meshd-generation", "{generation}"],
-    "ignores-sigterm": ["{python}", "-c",
-                        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                        "print('ignoring SIGTERM', flush=True); time.sleep(3600)",
-                        "--meshd-generation", "{generation}"],
-}
-
-
-def toml_value(v) -> str:
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return json.dumps(v)
-
-
-def write_config(path: Path, node: str, port: int, *, stall: dict | None = None, extra: dict | None = None) -> str:
-    token = secrets.token_hex(16)
-    (path / "token").write_text(token + "\n")
-    (path / "token").chmod(0o600)
-    lines = [f"node = {json.dumps(node)}", f'listen = "127.0.0.1:{port}"', 'token_file = "token"',
-             'state_dir = "state"']
-    extra = dict(extra or {})
-    profiles = {name: {"command": command, "status_file": False} for name, command in STANDIN_PROFILES.items()}
-    profiles.update(extra.pop("profiles", {}))
-    for k, v in extra.items():
-        lines.append(f"{k} = {toml_value(v)}")
-    lines.append("[stall]")
-    for k, v in (stall or {}).items():
-        lines.append(f"{k} = {v}")
-    for name, profile in profiles.items():
-        lines.append(f"[profiles.{name}]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in profile.items()]
-    (path / "agent.toml").write_text("\n".join(lines) + "\n")
-    return token
+from kit.configs import write_agent_config
+from kit.waiting import wait_for
+from meshd.ports import free_ports, free_run
 
 
 @dataclass
@@ -131,28 +89,9 @@ def make_agents(tmp: Path, n: int, **kw) -> list[Agent]:
     for i, port in enumerate(free_ports(n)):
         d = tmp / f"agent{i}"
         d.mkdir(parents=True)
-        token = write_config(d, f"node{i}", port, **kw)
+        token = write_agent_config(d, f"node{i}", port, **kw)
         agents.append(Agent(f"node{i}", port, d, token))
     return agents
-
-
-def free_port_run(n: int) -> int:
-    """A base port with n consecutive free ports (the ring backend's ports)."""
-    for _ in range(200):
-        base = 20000 + secrets.randbelow(30000)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
 
 
 def ring_hostfile(n: int) -> dict:
@@ -163,7 +102,7 @@ def start_generation(agents: list[Agent], generation: int, model: Path, *, http_
                      args: dict | None = None, profile: str = "meshd-rank") -> int:
     """Ask each agent to start its rank of `generation`; returns rank 0's HTTP port."""
     http_port = http_port or free_ports(1)[0]
-    ring_port = free_port_run(len(agents))
+    ring_port = free_run(len(agents))
     for rank, a in enumerate(agents):
         r = a.post("/v1/ranks", {"generation": generation, "rank": rank, "world": len(agents), "profile": profile,
                                  "model": str(model), "hostfile": ring_hostfile(len(agents)), "port": http_port,
@@ -192,32 +131,3 @@ def stop_generation(agents: list[Agent], generation: int, mode: str = "kill", gr
 
 def pid_of(agent: Agent, generation: int) -> int:
     return next(r["pid"] for r in agent.ranks() if r["generation"] == generation)
-
-
-def now() -> float:
-    return time.time()
-
-
-def write_mesh(path: Path, agents: list[Agent], model: Path, *, backend: str = "ring",
-               ssh_of: dict[str, str] | None = None, **sections) -> Path:
-    """A mesh.toml for these agents; `sections` add keys to [runtime], [proxy], [recovery], or add [ssh];
-    `ssh_of` gives nodes their ssh address."""
-    proxy_port, control_port, rank_port = free_ports(3)
-    ring = free_port_run(len(agents))
-    lines = ['name = "test"', f'backend = "{backend}"', 'state_dir = "state"', ""]
-    for a in agents:
-        lines += ["[[nodes]]", f'name = "{a.node}"', f'agent = "{a.url}"', f'token_file = "{a.dir / "token"}"']
-        lines += [f'ssh = "{ssh_of[a.node]}"', ""] if ssh_of else [""]
-    tables = {"runtime": {"model": str(model), "port": rank_port, "ring_port": ring},
-              "proxy": {"listen": f"127.0.0.1:{proxy_port}"},
-              "recovery": {"backoff_base": 0.2, "stop_grace": 2.0, "drain_grace": 10.0},
-              "control": {"listen": f"127.0.0.1:{control_port}"}}
-    for name, extra in sections.items():
-        tables.setdefault(name, {}).update(extra)
-    for name, values in tables.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
-        lines.append("")
-    mesh = path / "mesh.toml"
-    mesh.write_text("\n".join(lines))
-    return mesh

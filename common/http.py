@@ -1,30 +1,28 @@
-"""HTTP pieces shared by the rank server, the agent and the controller: JSON
-errors in the OpenAI shape for every failure, including aiohttp's own (unknown
-route, wrong method, oversized body), and a JSON body reader that names the
-problem."""
+"""HTTP pieces shared by the rank server, the agent, the proxy and the
+controller: JSON errors in the OpenAI shape for every failure, aiohttp's own
+included (unknown route, wrong method, oversized body); a JSON body reader that
+names the problem; a constant-time bearer check; and the daemons' entry point."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import signal
 import sys
 
 from aiohttp import web
 
-from meshd import sdnotify
-from runtime.openai_api import ApiError, error_body
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
-               413: "invalid_request_error", 429: "rate_limit_error"}
+from common import sdnotify
+from common.errors import ApiError, error_body, error_type
+from common.tomlcheck import ConfigError
 
 
 def json_error(status: int, message: str, *, param: str | None = None, code: str | None = None,
                type_: str | None = None, headers: dict | None = None) -> web.Response:
-    kind = type_ or ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return web.json_response(error_body(message, kind, param, code), status=status, headers=headers)
+    return web.json_response(error_body(message, type_ or error_type(status), param, code), status=status,
+                             headers=headers)
 
 
 @web.middleware
@@ -60,6 +58,20 @@ async def read_json(request: web.Request):
                        code="invalid_json")
 
 
+async def read_object(request: web.Request) -> dict:
+    """An optional JSON object body ({} when there is none), or ApiError(400)."""
+    body = await read_json(request) if request.can_read_body else {}
+    if not isinstance(body, dict):
+        raise ApiError(400, "The body must be a JSON object", code="invalid_json")
+    return body
+
+
+def bearer_matches(request: web.Request, token: str) -> bool:
+    """`Authorization: Bearer <token>`, compared in constant time."""
+    given = request.headers.get("Authorization", "")
+    return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+
 async def start_sites(apps: list[tuple[web.Application, str, int]], shutdown_timeout: float = 2.0) -> list[web.AppRunner]:
     """Listen with each app; client disconnects cancel their handlers."""
     runners = []
@@ -88,10 +100,8 @@ async def until_stopped(status: str) -> None:
 
 
 def run_daemon(prog: str, description: str, config_help: str, load, serve, listen_fix: str) -> None:
-    """The daemons' entry point: `--config FILE`, a config mistake or a port
+    """The daemons' entry point: `--config FILE`; a config mistake or a port
     that cannot be bound ends the process with a message saying what to fix."""
-    from meshd.config import ConfigError
-
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", required=True, help=config_help)
     args = p.parse_args()

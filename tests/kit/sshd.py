@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshkit import free_ports, wait_for
+import psutil
 
-STANDINS = Path(__file__).resolve().parent / "standins"
+from kit.waiting import wait_for
+from meshd.ports import free_ports
+
+STANDINS = Path(__file__).resolve().parents[1] / "standins"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
@@ -64,8 +68,6 @@ class Node:
         log = open(self.dir / "sshd.log", "ab")
         self.proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(self.dir / "sshd_config")], stdout=log,
                                      stderr=subprocess.STDOUT)
-        import socket
-
         def listening():
             if self.proc.poll() is not None:
                 raise AssertionError(f"sshd for {self.name} exited: {(self.dir / 'sshd.log').read_text()[-2000:]}")
@@ -101,8 +103,6 @@ class Fleet:
     def stop(self) -> None:
         """Stop the servers, and whatever their sessions left running (a hung ibv_devinfo stays hung, as the
         real one does, until someone kills it)."""
-        import psutil
-
         for n in self.nodes:
             n.stop()
         state = str(self.dir / "standin-state")
@@ -114,7 +114,8 @@ class Fleet:
                 pass
 
 
-def start_fleet(tmp: Path, n: int = 4, path_extra: list[str] | None = None) -> Fleet:
+def start_fleet(tmp: Path, n: int = 4, path_extra: list[str] | None = None, env: dict[str, str] | None = None) -> Fleet:
+    """`n` sshd servers; their sessions get the stand-ins first on PATH, then `path_extra`, plus `env`."""
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation directory
     client_key = keygen(tmp / "client_key")
     authorized = tmp / "authorized_keys"
@@ -134,6 +135,7 @@ def start_fleet(tmp: Path, n: int = 4, path_extra: list[str] | None = None) -> F
             f"AuthorizedKeysFile {authorized}\nStrictModes no\nUsePAM no\nPasswordAuthentication no\n"
             f"KbdInteractiveAuthentication no\nPubkeyAuthentication yes\nPermitRootLogin prohibit-password\n"
             f"AllowUsers {os.environ.get('USER', 'root')}\nSubsystem sftp internal-sftp\n"
-            f"SetEnv HOME={node.home} MESHD_STANDIN_NODE={node.name} MESHD_STANDIN_STATE={tmp / 'standin-state'} PATH={path}\n")
+            f"SetEnv HOME={node.home} MESHD_STANDIN_NODE={node.name} MESHD_STANDIN_STATE={tmp / 'standin-state'} PATH={path}"
+            + "".join(f" {k}={v}" for k, v in (env or {}).items()) + "\n")
         nodes.append(node.start())
     return Fleet(nodes, client_key, tmp)

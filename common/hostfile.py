@@ -13,6 +13,9 @@ import json
 from dataclasses import dataclass
 
 BACKENDS = ("ring", "jaccl", "jaccl-ring", "nccl")
+# Any of these in a process's environment means it was launched into a mesh
+# (mx.distributed.init must then succeed or fail, never fall back to one rank).
+DISTRIBUTED_ENV = ("MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_WORLD_SIZE")
 RING_STARTING_PORT = 32323  # mlx.launch --starting-port default
 NCCL_PORT = 12345  # mlx.launch --nccl-port default
 

@@ -1,13 +1,11 @@
-"""Test helpers: start real `meshd-rank` processes as a ring mesh on loopback,
-wait on what they report (never on sleeps), validate OpenAI bodies against the
-official schemas."""
+"""Real `meshd-rank` processes as a ring mesh on loopback, started the way
+mlx.launch would (MLX_RANK, MLX_HOSTFILE), and a recorder of a rank's status file."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,36 +13,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jsonschema
 import requests
-from referencing import Registry, Resource
-from referencing.jsonschema import DRAFT202012
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-SCHEMAS = Path(os.environ.get("MESHD_OPENAI_SCHEMAS", SHARED / "openai-response-schemas.json"))
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
-    """Poll `predicate` until it returns a truthy value; fail naming `what`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+from kit.waiting import wait_for
+from meshd.ports import free_ports
 
 
 @dataclass
@@ -157,37 +129,3 @@ class StatusTrace:
                 except ValueError:
                     raise AssertionError(f"status file was read half-written: {raw!r}")
             time.sleep(self.interval)
-
-
-def _nullable_to_anyof(node):
-    """The schemas mark null the OpenAPI 3.0 way (`nullable: true`); turn that
-    into JSON Schema so a validator honours it."""
-    if isinstance(node, dict):
-        node = {k: _nullable_to_anyof(v) for k, v in node.items()}
-        if node.pop("nullable", False):
-            return {"anyOf": [node, {"type": "null"}]}
-        return node
-    if isinstance(node, list):
-        return [_nullable_to_anyof(v) for v in node]
-    return node
-
-
-_DOC = _nullable_to_anyof(json.loads(SCHEMAS.read_text()))
-_REGISTRY = Registry().with_resource("urn:openai", Resource.from_contents(_DOC, default_specification=DRAFT202012))
-
-
-def validate(body: dict, schema: str) -> None:
-    """Raise if `body` does not validate against components.schemas[schema]."""
-    validator = jsonschema.Draft202012Validator({"$ref": f"urn:openai#/components/schemas/{schema}"},
-                                                registry=_REGISTRY)
-    validator.validate(body)
-
-
-def sse_events(lines) -> list:
-    """Parse SSE `data:` lines into JSON objects; '[DONE]' stays a string."""
-    out = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out

@@ -1,9 +1,10 @@
-"""Messages shared by the controller and the agents.
+"""Messages between the controller and the agents.
 
-`RankSpec` is desired (what the controller asks an agent to run); events are
-observations, named in the past tense, each carrying the node, generation and
-rank it is about. Events travel as JSON objects with a `kind` field and, on
-the agent's stream, a sequence number `seq`.
+`RankSpec` is desired (what the controller asks an agent to run: parameters,
+never a command line); events are observations, named in the past tense, each
+about one node, generation and rank. Events travel as JSON objects with a
+`kind` field and, on the agent's stream, a sequence number `seq`; a receiver
+decodes them at its edge with `event_from_dict` and matches them by class.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
+from common.states import RankState
+
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What a node should run: parameters only, never a command line."""
+    """What a node should run."""
 
     generation: int
     rank: int
@@ -54,7 +57,7 @@ class RankStateChanged(Event):
     """The rank's own status file moved to another state (loading, armed, ready...)."""
 
     kind: ClassVar[str] = "RankStateChanged"
-    state: str = ""
+    state: RankState = RankState.SPAWNED
     load_done: int = 0
     load_total: int = 0
 
@@ -74,7 +77,8 @@ class RankExited(Event):
 
 @dataclass(frozen=True)
 class RankSignature(Event):
-    """A known fatal line in the rank's log."""
+    """A known fatal line in the rank's log. Severity `reboot` means this node
+    holds resources only a reboot frees: the one report of that need."""
 
     kind: ClassVar[str] = "RankSignature"
     signature: str = ""
@@ -92,6 +96,8 @@ class RankStalled(Event):
 
 @dataclass(frozen=True)
 class RebootRequired(Event):
+    """Processes survived SIGKILL here: only a reboot of this node frees them."""
+
     kind: ClassVar[str] = "RebootRequired"
     reason: str = ""
 
@@ -111,10 +117,37 @@ EVENT_TYPES: dict[str, type[Event]] = {
 
 
 def event_from_dict(data: dict[str, Any]) -> Event:
-    cls = EVENT_TYPES[data["kind"]]
-    names = {f.name for f in fields(cls)}
-    values = {k: v for k, v in data.items() if k in names}
-    for k in ("killed", "survived"):
-        if k in values:
-            values[k] = tuple(values[k])
-    return cls(**values)
+    """The event a JSON record describes; ValueError when it describes none."""
+    try:
+        cls = EVENT_TYPES[data["kind"]]
+    except (KeyError, TypeError):
+        raise ValueError(f"not an agent event: {str(data)[:200]}") from None
+    values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+    for name in ("killed", "survived"):
+        if name in values:
+            values[name] = tuple(values[name])
+    if "state" in values:
+        values["state"] = RankState(values["state"])
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ValueError(f"{data['kind']} record is incomplete: {e}") from None
+
+
+@dataclass(frozen=True)
+class StopResult:
+    """What stopping a generation on one node did: the ladder's steps, the
+    processes it ended and those that survived SIGKILL."""
+
+    generation: int
+    stopped: tuple[int, ...] = ()
+    survivors: tuple[int, ...] = ()
+    steps: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StopResult":
+        return cls(int(data["generation"]), tuple(data.get("stopped", ())), tuple(data.get("survivors", ())),
+                   tuple(data.get("steps", ())))

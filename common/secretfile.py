@@ -1,0 +1,37 @@
+"""Token files: created with their final mode (0600) in one step, never
+world-readable for an instant, and refused when others can read them."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+from common.tomlcheck import ConfigError
+
+
+def ensure_secret(path: Path) -> str:
+    """The token in `path`, created (random, mode 0600) when the file does not exist yet."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text().strip()
+    token = secrets.token_hex(24)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def read_secret(path: Path, key: str) -> str:
+    """The token in `path`, or ConfigError naming `key` and the fix."""
+    try:
+        if path.stat().st_mode & 0o077:
+            raise ConfigError(f"{key}: {path} is readable by other users; run `chmod 600 {path}`")
+        value = path.read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot read {path} ({e.strerror}); create it with a random token, "
+                          f"e.g. `python -c 'import secrets; print(secrets.token_hex(24))' > {path}`")
+    if len(value) < 16:
+        raise ConfigError(f"{key}: the token in {path} is shorter than 16 characters; use a random one")
+    return value

@@ -1,0 +1,50 @@
+"""The rank's status file: JSON written atomically (write, then rename) by the
+rank, read by its agent.
+
+`progress_at` moves on every load step, prefill chunk, decode step and idle
+liveness exchange, so a rank blocked in a collective stops moving it while its
+heartbeat keeps `updated_at` fresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.states import RankState
+
+
+@dataclass
+class RankStatus:
+    generation: int
+    rank: int
+    world: int
+    pid: int
+    state: RankState = RankState.LOADING
+    load_done: int = 0
+    load_total: int = 0
+    step: int = 0
+    tokens: int = 0
+    requests_in_flight: int = 0
+    prompt_tokens_in_flight: int = 0
+    progress_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    started_at: float = field(default_factory=time.time)
+
+
+def write_atomic(path: Path, data) -> None:
+    """`data` as JSON at `path`; a reader sees the old file or the new one, never half of either."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def read_status(path: str | Path) -> dict | None:
+    """The last status written, or None when there is none (yet) or it is unreadable."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None

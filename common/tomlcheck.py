@@ -1,0 +1,106 @@
+"""TOML in and out for mesh.toml and agent.toml: reading with a message that
+names the file, checking a table against a dataclass's defaults (type by type,
+no unknown keys, every mistake naming the key and an example of right), and
+writing (tomli-w: quoting and escaping done right, in one place)."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def split_listen(key: str, value: str) -> tuple[str, int]:
+    if not isinstance(value, str) or ":" not in value or not value.rsplit(":", 1)[1].isdigit():
+        raise ConfigError(f'{key}: expected "host:port", got {value!r}; for example {key} = "127.0.0.1:8000"')
+    host, port = value.rsplit(":", 1)
+    return host, int(port)
+
+
+def _value(want, value, name: str, where: str, example: str, base: Path):
+    """`value` checked against the type of the default `want`, converted where TOML differs."""
+    if isinstance(want, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    elif isinstance(want, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}; for example {name} = {example}")
+        if value < 0:
+            raise ConfigError(f"{where}: must not be negative, got {value}")
+    elif isinstance(want, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected seconds, got {value!r}; for example {name} = {example}")
+        if value < 0:
+            raise ConfigError(f"{where}: must not be negative, got {value}")
+        value = float(value)
+    elif isinstance(want, tuple):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: expected a list of strings; for example {name} = {example}")
+        value = tuple(value)
+    elif isinstance(want, dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table; for example {name} = {example}")
+    elif name.endswith("_file"):
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a path; for example {name} = {example}")
+        value = base / value if value else None
+    elif not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {value!r}; for example {name} = {example}")
+    return value
+
+
+def table(cls, raw: Any, key: str, base: Path, examples: dict[str, str]):
+    """Check a TOML table against the defaults of dataclass `cls` and build it;
+    `key` "" means the top level."""
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{key}]: expected a table, got {raw!r}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        where = f"{key}.{unknown[0]}" if key else unknown[0]
+        raise ConfigError(f"{where}: unknown key; {f'[{key}]' if key else 'the file'} takes {', '.join(known)}")
+    defaults = cls()
+    values = {name: _value(getattr(defaults, name), value, name, f"{key}.{name}" if key else name,
+                           examples.get(name, repr(getattr(defaults, name))), base)
+              for name, value in raw.items()}
+    return cls(**values)
+
+
+def read_toml(path: Path, fix: str) -> dict:
+    """The parsed file, or ConfigError naming the file and `fix`."""
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}; {fix}")
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}")
+
+
+def dumps_toml(data: dict) -> str:
+    """`data` as TOML (paths as strings, None values left out)."""
+    return tomli_w.dumps(_plain(data))
+
+
+def write_toml(path: Path, data: dict) -> Path:
+    path.write_text(dumps_toml(data))
+    return path
+
+
+def _plain(v):
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items() if x is not None}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, os.PathLike):
+        return str(v)
+    return v

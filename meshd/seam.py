@@ -1,0 +1,46 @@
+"""The seam between the data plane (the proxy) and the control plane (the
+controller): a read-only view of the fleet plus one call back. The proxy knows
+the fleet only through this; the controller implements it in-process today,
+and the same three calls can cross a process boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from common.states import Phase
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the data plane needs to know of the fleet."""
+
+    phase: Phase
+    generation: int
+    reason: str  # why it is not serving, when it is not
+    rank0_url: str
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == Phase.READY
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Something the data plane saw that may mean generation `generation` is broken."""
+
+    generation: int
+    source: str  # proxy (an upstream failure) | probe (the idle probe)
+    detail: str
+
+
+class FleetView(Protocol):
+    def serving(self) -> Serving:
+        """The fleet now."""
+
+    async def wait_serving(self, predicate: Callable[[Serving], bool], timeout: float) -> Serving:
+        """The fleet once `predicate` holds for it, or when `timeout` seconds have passed."""
+
+    async def report(self, observation: Observation) -> None:
+        """Tell the control plane what was seen; it decides what it means."""

@@ -1,0 +1,2 @@
+"""Test kits, one subject each: waiting, ranks, agents, configs, openai, sshd.
+Ports come from meshd.ports, the demo's own picker."""

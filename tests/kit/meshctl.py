@@ -1,0 +1,72 @@
+"""`meshctl` as a user runs it: on a mesh.toml (`meshctl`), or on the embedded
+demo mesh under its own $MESHD_HOME (`demo_meshctl`, `Demo`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import requests
+
+from kit.waiting import wait_for
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "MESHD_CONFIG"}
+    return {**env, **extra}
+
+
+def meshctl(config, *args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(config), *args], env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def stop_controller(mesh):
+    """`meshctl down --force`, then the controller itself (it outlives a down)."""
+    meshctl(mesh, "down", "--force")
+    pidfile = mesh.parent / "state" / "run" / "controller.pid"
+    if pidfile.exists():
+        try:
+            os.kill(int(pidfile.read_text().split()[0]), 15)
+        except ProcessLookupError:
+            pass
+
+
+def demo_meshctl(home, *args, timeout=300, check=True):
+    r = subprocess.run([sys.executable, "-m", "meshd.cli", *args], env=_env(MESHD_HOME=str(home)),
+                       capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"meshctl {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+class Demo:
+    """The demo mesh of one $MESHD_HOME."""
+
+    def __init__(self, home):
+        self.home = home
+
+    def status(self) -> dict:
+        return json.loads(demo_meshctl(self.home, "status", "--json").stdout)
+
+    @property
+    def proxy(self) -> str:
+        return self.status()["urls"]["proxy"]
+
+    def rank_pid(self, i: int) -> int:
+        return self.status()["nodes"][i]["rank"]["pid"]
+
+    def wait_ready(self, after: int = 0, timeout: float = 120) -> dict:
+        def ready():
+            s = self.status()
+            return s if s["phase"] == "ready" and s["generation"] > after else None
+        return wait_for(ready, timeout, f"the mesh to serve a generation after {after}", interval=0.2)
+
+    def incidents(self) -> list[dict]:
+        return json.loads(demo_meshctl(self.home, "events", "--json").stdout)["incidents"]
+
+    def chat(self, **kw):
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, **kw}
+        return requests.post(f"{self.proxy}/chat/completions", json=body, timeout=180)
