@@ -1,11 +1,18 @@
 """The agent's event log: sequence-numbered, persisted to the state directory,
 so a controller that reconnects (to this agent or to its restarted self)
-resumes after the last sequence number it saw without losing an event."""
+resumes after the last sequence number it saw without losing an event.
+
+Each log has an epoch, made when the log is (a reinstall or a wiped state
+directory makes a new one); every record carries it. A reader whose epoch is
+another one reads the log from its start: its sequence numbers belong to a log
+that is gone.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from collections import deque
 from pathlib import Path
 
@@ -19,6 +26,10 @@ class EventLog:
         self._events: deque[dict] = deque(maxlen=keep)
         self._cond = asyncio.Condition()
         self.seq = 0
+        epoch_file = path.with_name(path.name + ".epoch")
+        if not path.exists() or not epoch_file.exists():
+            epoch_file.write_text(secrets.token_hex(8) + "\n")
+        self.epoch = epoch_file.read_text().strip()
         if path.exists():
             for line in path.read_text().splitlines():
                 try:
@@ -38,7 +49,7 @@ class EventLog:
     async def emit(self, event: Event) -> dict:
         async with self._cond:
             self.seq += 1
-            record = {"seq": self.seq, **event.to_dict()}
+            record = {"seq": self.seq, "epoch": self.epoch, **event.to_dict()}
             self._events.append(record)
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -46,6 +57,10 @@ class EventLog:
                 self._rewrite()
             self._cond.notify_all()
             return record
+
+    def resume_point(self, seq: int, epoch: str | None) -> int:
+        """Where a reader that saw `seq` of log `epoch` goes on from in this log."""
+        return seq if epoch in (None, "", self.epoch) else 0
 
     def since(self, seq: int) -> list[dict]:
         return [e for e in self._events if e["seq"] > seq]

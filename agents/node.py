@@ -17,6 +17,8 @@ import psutil
 from common import procs
 
 TOOL_TIMEOUT = 5.0
+# What a tokenizer mlx-lm can load leaves in a model directory: one of these.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
 async def run_tool(argv: list[str], timeout: float = TOOL_TIMEOUT) -> dict:
@@ -74,6 +76,8 @@ def model_fingerprint(model_dir: str) -> dict:
     try:
         if not (root / "config.json").is_file():
             return {"present": False, "path": model_dir}
+        if not any((root / name).is_file() for name in TOKENIZER_FILES):
+            return {"present": False, "path": model_dir, "error": f"no tokenizer ({' / '.join(TOKENIZER_FILES)})"}
         weights = sorted(p for p in root.iterdir() if p.suffix == ".safetensors")
         h = hashlib.sha256()
         for name in ("config.json", "model.safetensors.index.json"):

@@ -132,7 +132,9 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None) -> w
         model = request.query.get("model")
         return web.json_response({"node": cfg.node, **await node_facts.facts(model),
                                   "wired_limit_applied": sup.wired_limit,
-                                  "reboot_required": sup.reboot_required, "allow_reboot": cfg.allow_reboot})
+                                  "reboot_required": sup.reboot_required, "allow_reboot": cfg.allow_reboot,
+                                  "launch": {"profiles": {p.name: sorted(p.args) for p in cfg.profiles.values()},
+                                             "env_allowlist": list(cfg.env_allowlist)}})
 
     async def list_ranks(request):
         return web.json_response({"node": cfg.node, "generation": sup.current_generation(),
@@ -190,12 +192,14 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None) -> w
             since = int(raw)
         except ValueError:
             raise ApiError(400, f"'since' must be a sequence number, got {raw!r}", param="since")
+        since = sup.events.resume_point(since, request.query.get("epoch"))
         if request.query.get("stream", "1") == "0":
-            return web.json_response({"node": cfg.node, "seq": sup.events.seq, "events": sup.events.since(since)})
+            return web.json_response({"node": cfg.node, "epoch": sup.events.epoch, "seq": sup.events.seq,
+                                      "events": sup.events.since(since)})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         resp.enable_chunked_encoding()
         await resp.prepare(request)
-        await resp.write(f": meshd-agent {cfg.node} seq {sup.events.seq}\n\n".encode())
+        await resp.write(f": meshd-agent {cfg.node} epoch {sup.events.epoch} seq {sup.events.seq}\n\n".encode())
         while True:
             batch = await sup.events.wait_after(since, timeout=10.0)
             if not batch:

@@ -1,8 +1,13 @@
 """The fatal lines ranks print, and what each means.
 
-`fatal`: the generation is dead (restart it). `reboot`: this node holds
-resources only a reboot frees (queue pairs, protection domains, wired memory).
-Lines come from the field's reports and from mlx's transports (ring, JACCL, NCCL, Metal).
+Severity `fatal`: the generation is dead (restart it). `reboot`: this node
+holds resources only a reboot frees (queue pairs, protection domains, wired
+memory). Role `cause`: this rank failed by itself. `consequence`: this rank
+lost a peer (a socket closed, a remote process exited), so the root cause is
+that peer's; the controller lists such lines under the rank that died first.
+
+The lines are what mlx's transports (ring, JACCL, NCCL), Metal and CUDA print,
+in the forms the field has reported them.
 """
 
 from __future__ import annotations
@@ -11,29 +16,47 @@ import re
 from dataclasses import dataclass
 
 FATAL, REBOOT = "fatal", "reboot"
+CAUSE, CONSEQUENCE = "cause", "consequence"
 
 
 @dataclass(frozen=True)
 class Signature:
     name: str
     severity: str
+    role: str
     pattern: re.Pattern
 
 
 SIGNATURES: tuple[Signature, ...] = tuple(
-    Signature(name, severity, re.compile(pattern))
-    for name, severity, pattern in (
-        ("jaccl_protection_domain", REBOOT, r"[Cc]ouldn't allocate protection domain"),
-        ("jaccl_tbt_post_recv_crash", REBOOT, r"tbt_post_recv"),
-        ("jaccl_enomem", FATAL, r"\[jaccl\].*(Send|Recv) failed.*(-12\b|errno\s*=?\s*12\b)"),
-        ("jaccl_rtr", FATAL, r"\[jaccl\].*RTR.*errno\s*=?\s*(16|60|96)\b"),
-        ("jaccl_errno", FATAL, r"\[jaccl\].*(Send|Recv|failed).*errno"),
-        ("ring_send_failed", FATAL, r"\[ring\] (Sending to|Receiving from) socket \d+ failed with errno"),
-        ("ring_peer_lost", FATAL, r"\[ring\] connection to a peer was lost"),
-        ("ring_too_many_errors", FATAL, r"Too many send/recv errors"),
-        ("metal_gpu_timeout", FATAL, r"\[METAL\] Command buffer execution failed.*Timeout"),
-        ("metal_out_of_memory", FATAL, r"\[METAL\] Command buffer execution failed.*Insufficient Memory"),
-        ("nccl_error", FATAL, r"NCCL (error|WARN).*(unhandled|remote process exited|Connection closed)"),
+    Signature(name, severity, role, re.compile(pattern))
+    for name, severity, role, pattern in (
+        # JACCL (RDMA over Thunderbolt)
+        ("jaccl_protection_domain", REBOOT, CAUSE, r"[Cc]ouldn't allocate protection domain"),
+        ("jaccl_tbt_post_recv_crash", REBOOT, CAUSE, r"tbt_post_recv"),
+        ("jaccl_rtr_stale", REBOOT, CAUSE, r"\[jaccl\].*RTR failed with errno\s*=?\s*16\b"),
+        ("jaccl_rtr", FATAL, CAUSE, r"\[jaccl\].*RTR failed with errno\s*=?\s*\d+"),
+        ("jaccl_peer_gone_at_init", FATAL, CONSEQUENCE, r"\[jaccl\].*(Send|Recv) failed with errno\s*=?\s*2\b"),
+        ("jaccl_enomem", FATAL, CAUSE, r"\[jaccl\].*(Send|Recv) failed.*(-12\b|errno\s*=?\s*12\b)"),
+        ("jaccl_post_failed", FATAL, CAUSE, r"\[jaccl\].*(Send|Recv) failed with error code -?\d+"),
+        ("jaccl_poll_failed", FATAL, CAUSE, r"ibv_poll_cq failed"),
+        ("jaccl_work_completion", FATAL, CAUSE, r"(?i)work completion error"),
+        ("jaccl_errno", FATAL, CAUSE, r"\[jaccl\].*(Send|Recv|failed).*errno"),
+        ("tcp_connect_failed", FATAL, CONSEQUENCE, r"\[(jaccl|ring|ibv)\] Couldn't connect \(error: \d+\)"),
+        # ring (TCP)
+        ("ring_send_failed", FATAL, CONSEQUENCE, r"\[ring\] (Sending to|Receiving from) socket \d+ failed with errno"),
+        ("ring_peer_lost", FATAL, CONSEQUENCE, r"\[ring\] connection to a peer was lost"),
+        ("ring_peer_closed", FATAL, CONSEQUENCE, r"\[ring\] Socket \d+ was closed by the peer"),
+        ("ring_too_many_errors", FATAL, CONSEQUENCE, r"Too many send/recv errors"),
+        # NCCL and CUDA (mlx[cuda])
+        ("nccl_remote_exited", FATAL, CONSEQUENCE, r"NCCL.*remote process exited"),
+        ("nccl_connect_failed", FATAL, CONSEQUENCE, r"\[Rank \d+\] connect\(\) failed after \d+ retries"),
+        ("nccl_invalid_usage", FATAL, CAUSE, r"NCCL error.*invalid usage"),
+        ("nccl_system_error", FATAL, CAUSE, r"NCCL error.*unhandled (system|cuda) error"),
+        ("nccl_error", FATAL, CAUSE, r"NCCL (error|WARN).*(unhandled|Connection closed)"),
+        ("cuda_error", FATAL, CAUSE, r"CUDA error .*:\d+ '"),
+        # Metal
+        ("metal_gpu_timeout", FATAL, CAUSE, r"\[METAL\] Command buffer execution failed.*Timeout"),
+        ("metal_out_of_memory", FATAL, CAUSE, r"\[METAL\] Command buffer execution failed.*Insufficient Memory"),
     )
 )
 

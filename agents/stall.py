@@ -23,11 +23,17 @@ class StallWindows:
     start_deadline: float = 120.0  # seconds from spawn to a first status file
 
 
+# The heartbeat thread rewrites the status file every 0.5 s even while the
+# loop is blocked; a file this old means the whole process is stopped.
+FROZEN_AFTER = 3.0
+
+
 @dataclass(frozen=True)
 class Stall:
     phase: str
     idle_for: float
     window: float
+    frozen: bool = False  # the heartbeat stopped too: the process itself is stopped or wedged
 
 
 def window_for(status: dict, w: StallWindows) -> float:
@@ -45,4 +51,23 @@ def stall_verdict(status: dict | None, now: float, spawned_at: float, w: StallWi
         return None
     window = window_for(status, w)
     idle_for = now - float(status.get("progress_at", spawned_at))
-    return Stall(status.get("state", "unknown"), idle_for, window) if idle_for > window else None
+    if idle_for <= window:
+        return None
+    frozen = now - float(status.get("updated_at", now)) > FROZEN_AFTER
+    return Stall(status.get("state", "unknown"), idle_for, window, frozen)
+
+
+# A serving rank moves `progress_at` at least every idle interval (0.5 s) and
+# its heartbeat writes it at least every 0.5 s: older than this, it is not
+# running its loop.
+BLOCKED_AFTER = 1.5
+
+
+def blocked_on_peer(status: dict | None, peer_lost: bool, now: float) -> bool:
+    """Is this rank stuck in a collective with a dead peer? Such a rank runs no
+    Python signal handler, so SIGTERM only waits out the grace: stop it at once."""
+    if peer_lost:
+        return True
+    if not status or status.get("state") not in (RankState.READY, RankState.BUSY, RankState.DRAINING):
+        return False
+    return now - float(status.get("progress_at", now)) > BLOCKED_AFTER

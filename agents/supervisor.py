@@ -20,12 +20,18 @@ import aiohttp
 from agents import orphans
 from agents.config import AgentConfig, Profile
 from agents.events import EventLog
+from agents.stall import blocked_on_peer
 from agents.watch import RankRecord, RankWatcher
 from common import procs
 from common.hostfile import HostfileError, launch_env
 from common.protocol import (OrphansSwept, RankExited, RankSignature, RankSpec, RankStarted, RebootRequired,
                              StopResult)
 from common.statusfile import write_atomic
+
+
+# In a kill, a rank blocked in a collective on a dead peer (it runs no signal
+# handler) gets this long after SIGTERM before its SIGKILL.
+BLOCKED_GRACE = 0.5
 
 
 class Conflict(Exception):
@@ -207,15 +213,23 @@ class Supervisor:
         elif mode == "drain":
             async def drain():  # rank 0's drain reaches this rank through the mesh
                 return None
-        result = await procs.stop_ladder([r.target for r in recs], grace=grace, drain=drain)
+        by_pid = {r.pid: r for r in recs}
+
+        def blocked(t: procs.Target) -> bool:  # read live: the watchers go on reading logs and status files
+            rec = by_pid[t.pid]
+            return blocked_on_peer(rec.status, rec.peer_lost, time.time())
+
+        result = await procs.stop_ladder([r.target for r in recs], grace=grace, drain=drain,
+                                         escalate=blocked if mode == "kill" else None, escalate_grace=BLOCKED_GRACE)
         await self._settle(recs)
-        if result.survivors:
-            self.counters.survivors += len(result.survivors)
-            reason = f"pid(s) {list(result.survivors)} survived SIGKILL; reboot this node"
+        survivors = result.survivors
+        if survivors:
+            self.counters.survivors += len(survivors)
+            reason = f"pid(s) {list(survivors)} survived SIGKILL; reboot this node"
             await self.emit(RebootRequired(node=self.config.node, generation=generation, rank=-1, at=time.time(),
                                            reason=reason))
         self._write_manifest([e for e in self._read_manifest() if e["generation"] != generation])
-        return StopResult(generation, result.stopped, result.survivors, result.steps)
+        return StopResult(generation, result.stopped, survivors, result.steps)
 
     async def _settle(self, recs: list[RankRecord], timeout: float = 5.0) -> None:
         """Wait until the watchers have reported the exits (so events precede the answer)."""

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from agents.signatures import classify
+from agents.signatures import CONSEQUENCE, classify
 from agents.stall import StallWindows, stall_verdict
 from common import procs
 from common.protocol import Event, RankExited, RankSignature, RankStalled, RankStateChanged
@@ -44,6 +44,8 @@ class RankRecord:
     stopping: bool = False
     stalled: bool = False
     signatures: list[str] = field(default_factory=list)
+    peer_lost: bool = False
+    last_line: str = ""
 
     @property
     def target(self) -> procs.Target:
@@ -93,9 +95,11 @@ class RankWatcher:
             while procs.alive(rec.target):
                 await asyncio.sleep(0.02)
         await self._scan_log()  # the last lines often say why
-        rec.state = RankState.EXITED
+        last_state, rec.state = rec.state, RankState.EXITED
         await self.emit(self._event(RankExited, pid=rec.pid, code=rec.exit_code, signal=rec.exit_signal,
-                                    expected=rec.stopping))
+                                    expected=rec.stopping, state=last_state,
+                                    last_line=(self._partial.decode(errors="replace").strip() or rec.last_line)[-300:],
+                                    peer_lost=rec.peer_lost))
         for t in self._tasks:
             if t is not asyncio.current_task():
                 t.cancel()
@@ -124,11 +128,14 @@ class RankWatcher:
         self._partial = lines.pop()
         for raw in lines:
             line = raw.decode(errors="replace")
+            if line.strip():
+                self.rec.last_line = line.strip()
             sig = classify(line)
-            if sig is not None:
+            if sig is not None and sig.name not in self.rec.signatures:  # once per rank: a closed socket repeats
                 self.rec.signatures.append(sig.name)
+                self.rec.peer_lost |= sig.role == CONSEQUENCE
                 await self.emit(self._event(RankSignature, signature=sig.name, severity=sig.severity,
-                                            line=line[-500:]))
+                                            role=sig.role, line=line[-500:]))
         if size > self.log_max_bytes:
             shutil.copyfile(path, path.with_suffix(path.suffix + ".1"))
             with path.open("r+b") as f:
@@ -150,14 +157,16 @@ class RankWatcher:
                 state == RankState.LOADING and status.get("load_done") != previous.get("load_done"))
             if moved and state != RankState.EXITED:
                 rec.state = state
-                await self.emit(self._event(RankStateChanged, state=state, load_done=status.get("load_done", 0),
-                                            load_total=status.get("load_total", 0)))
+                # When the rank wrote it (a state change is written at once), not when this poll saw it.
+                changed = self._event(RankStateChanged, state=state, load_done=status.get("load_done", 0),
+                                      load_total=status.get("load_total", 0))
+                await self.emit(replace(changed, at=float(status.get("updated_at", changed.at))))
         if rec.stopping:
             return
         verdict = stall_verdict(status, time.time(), rec.spawned_at, self.windows)
         if verdict and not rec.stalled:
             rec.stalled = True
             await self.emit(self._event(RankStalled, phase=verdict.phase, idle_for=verdict.idle_for,
-                                        window=verdict.window))
+                                        window=verdict.window, frozen=verdict.frozen))
         elif verdict is None and rec.stalled:
             rec.stalled = False

@@ -43,6 +43,15 @@ def report(lines: list[str], write: bool) -> None:
         f.write(table + "\n")
 
 
+def standin_model(directory: Path) -> Path:
+    """What a stand-in rank "serves": a model directory that passes the controller's start checks
+    (a config and a tokenizer file) and holds no weights."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text('{"model_type": "standin"}')
+    (directory / "tokenizer.json").write_text("{}")
+    return directory
+
+
 def parser(trials: int | None = None) -> argparse.ArgumentParser:
     """The options every fault benchmark takes: a seed, --write, and trials when it repeats."""
     ap = argparse.ArgumentParser()

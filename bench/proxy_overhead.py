@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from benchkit import ROOT, meshctl_for, report
+from benchkit import ROOT, meshctl_for, report, standin_model
 
 from kit.agents import make_agents
 from kit.configs import write_mesh
@@ -97,7 +97,7 @@ def main() -> None:
         "command": ["{python}", str(ROOT / "bench" / "standin_rank.py"), "--host", "{host}", "--port", "{port}",
                     "--meshd-generation", "{generation}", "--chunks", str(args.chunks)], "status_file": False}}})
     agent.start()
-    mesh = write_mesh(tmp, [agent], tmp, runtime={"profile": "standin"},
+    mesh = write_mesh(tmp, [agent], standin_model(tmp / "model"), runtime={"profile": "standin"},
                       proxy={"concurrency": 64, "queue_limit": 256})
     (nginx_port,) = free_ports(1)
     for sub in ("body", "proxy", "fcgi", "uwsgi", "scgi"):
@@ -105,7 +105,7 @@ def main() -> None:
     rank_port = mesh_config.load(mesh).runtime.port
     ng = None
     try:
-        meshctl_for(mesh, "up", "--skip-preflight")  # the stand-in rank loads no model
+        meshctl_for(mesh, "up", "--skip-preflight")  # the stand-in rank loads no model: no memory to check
         status = json.loads(meshctl_for(mesh, "status", "--json"))
         ng = subprocess.Popen([nginx, "-c", str(nginx_conf(tmp, nginx_port, rank_port)), "-g", "daemon off;"])
         paths = {"direct": f"http://127.0.0.1:{rank_port}/v1/chat/completions",

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchkit import ROOT, parser, report
+from benchkit import ROOT, parser, report, standin_model
 from benchkit import meshctl_for as meshctl
 from detection_recovery import first_death_received, pct, wait
 
@@ -40,12 +40,12 @@ def measure(n: int, trials: int, rng: random.Random) -> dict:
     for a in agents:
         a.wait_healthy(timeout=300)
     print(f"{n} agents answer after {time.time() - t0:.1f} s", file=sys.stderr)
-    mesh = write_mesh(tmp, agents, tmp, runtime={"profile": "standin"},
+    mesh = write_mesh(tmp, agents, standin_model(tmp / "model"), runtime={"profile": "standin"},
                       recovery={"max_failures": 1000, "backoff_max": 0.0, "start_deadline": 300.0})
     db = tmp / "state" / "meshd.sqlite"
     try:
         t0 = time.time()
-        meshctl(mesh, "up", "--skip-preflight")  # the trivial profile loads no model
+        meshctl(mesh, "up", "--skip-preflight")  # the trivial profile loads no model: no memory to check
         up = time.time() - t0
         status_cmd, status_api, detect = [], [], []
         for _ in range(10):

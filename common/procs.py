@@ -109,19 +109,29 @@ def spawn_detached(argv: list[str], log_path: Path) -> Target:
     return identify(proc.pid) or Target(proc.pid, time.time())
 
 
-async def _wait_gone(targets: list[Target], deadline: float) -> None:
+async def _wait_gone(targets: list[Target], deadline: float, escalate: Callable[[Target], bool] | None = None,
+                     steps: list[str] | None = None) -> None:
     while any(alive(t) for t in targets) and time.monotonic() < deadline:
+        if escalate is not None:
+            for t in targets:
+                if alive(t) and escalate(t):
+                    steps.append(f"SIGKILL {t.pid} (blocked)")
+                    send(t, signal.SIGKILL)
         await asyncio.sleep(0.02)
 
 
 async def stop_ladder(targets: list[Target], *, grace: float, drain: Callable[[], Awaitable[None]] | None = None,
-                      kill_grace: float = 2.0, progress: Callable[[str], None] = lambda s: None) -> LadderResult:
+                      kill_grace: float = 2.0, progress: Callable[[str], None] = lambda s: None,
+                      escalate: Callable[[Target], bool] | None = None,
+                      escalate_grace: float = 0.5) -> LadderResult:
     """Drain (when given), then SIGTERM, the grace period, SIGKILL, and a check.
 
     `grace` bounds the drain and the SIGTERM steps each; a process still
     present `kill_grace` seconds after SIGKILL is a survivor (on macOS that
-    means a reboot)."""
-    steps = []
+    means a reboot). A process for which `escalate` says yes once it has had
+    `escalate_grace` seconds of its SIGTERM (one blocked where no signal
+    handler runs) gets its SIGKILL then, not at the end of the grace."""
+    steps: list[str] = []
     if drain is not None and any(alive(t) for t in targets):
         steps.append("drain")
         progress("drain")
@@ -137,7 +147,11 @@ async def stop_ladder(targets: list[Target], *, grace: float, drain: Callable[[]
         progress(sig.name)
         for t in targets:
             send(t, sig)
-        await _wait_gone(targets, time.monotonic() + wait)
+        if sig == signal.SIGTERM and escalate is not None:
+            await _wait_gone(targets, time.monotonic() + min(escalate_grace, wait))
+            await _wait_gone(targets, time.monotonic() + max(0.0, wait - escalate_grace), escalate, steps)
+        else:
+            await _wait_gone(targets, time.monotonic() + wait)
     survivors = tuple(t.pid for t in targets if alive(t))
     return LadderResult(tuple(t.pid for t in targets if t.pid not in survivors), survivors, tuple(steps))
 

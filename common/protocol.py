@@ -66,13 +66,19 @@ class RankStateChanged(Event):
 class RankExited(Event):
     """The process is gone. `expected` when the agent was stopping it; `code`
     is None when it was not the agent's child (adopted) or was killed by a
-    signal (then `signal` is set)."""
+    signal (then `signal` is set). `state` is where it was when it went
+    (loading: it never served), `last_line` the last line it printed (what a
+    crash says), `peer_lost` whether it had printed that it lost a peer (then
+    its death is a consequence of that peer's)."""
 
     kind: ClassVar[str] = "RankExited"
     pid: int = 0
     code: int | None = None
     signal: int | None = None
     expected: bool = False
+    state: RankState = RankState.SPAWNED
+    last_line: str = ""
+    peer_lost: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,7 @@ class RankSignature(Event):
     kind: ClassVar[str] = "RankSignature"
     signature: str = ""
     severity: str = "fatal"
+    role: str = "cause"  # or "consequence": this rank lost a peer
     line: str = ""
 
 
@@ -92,6 +99,7 @@ class RankStalled(Event):
     phase: str = ""
     idle_for: float = 0.0
     window: float = 0.0
+    frozen: bool = False  # its heartbeat stopped too (the process is stopped), not only its loop
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,11 @@ from meshd.config import Node
 
 
 class AgentError(Exception):
-    """The agent answered with an error or could not be reached."""
+    """The agent answered with an error (`status`) or could not be reached (`status` None)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class AgentClient:
@@ -33,14 +37,14 @@ class AgentClient:
                 data = await r.json(content_type=None)
                 if r.status >= 400:
                     raise AgentError(f"{self.node.name}: {method} {path} -> {r.status}: "
-                                     f"{(data or {}).get('error', {}).get('message', data)}")
+                                     f"{(data or {}).get('error', {}).get('message', data)}", r.status)
                 return data
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             raise AgentError(f"{self.node.name}: {method} {path} failed: {type(e).__name__} {e}") from e
 
-    async def follow(self, since: int, on_record: Callable[[dict], Awaitable[None]]) -> None:
-        """Stream events after `since` until the connection drops (raises AgentError)."""
-        url = f"{self.node.agent}/v1/events?since={since}"
+    async def follow(self, since: int, epoch: str | None, on_record: Callable[[dict], Awaitable[None]]) -> None:
+        """Stream events after `since` of log `epoch` until the connection drops (raises AgentError)."""
+        url = f"{self.node.agent}/v1/events?since={since}" + (f"&epoch={epoch}" if epoch else "")
         try:
             async with self.session.get(url, headers=self.headers,
                                         timeout=aiohttp.ClientTimeout(total=None, sock_read=30)) as r:

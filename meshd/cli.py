@@ -19,6 +19,7 @@ import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
+from agents.config import DEFAULT_ENV_ALLOWLIST, DEFAULT_PROFILES
 from common.tomlcheck import ConfigError
 from meshd import daemons, demo, service
 from meshd.config import MeshConfig, hostfile_for, load
@@ -209,8 +210,12 @@ def cmd_events(args) -> int:
     for i in data["incidents"]:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i["opened_at"]))
         back = f"serving after {i['recovery_seconds']:.1f}s via {'+'.join(i['steps'])}" if i["serving_back_at"] \
-            else "not recovered"
+            else ("failed: " + "+".join(i["steps"]) if "failed" in i["steps"] else "not recovered")
         say(f"{when}  g{i['generation']}  {i['cause']:<10} {i['node']} rank {i['rank']}: {i['detail']}  [{back}]")
+        if i["timeline"]:
+            say("    " + "  ".join(f"{t['step']} +{t['after']:.2f}s" for t in i["timeline"]))
+        for c in i["consequences"]:
+            say(f"    then {c}")
     if not data["incidents"]:
         say("no incidents")
     return 0
@@ -228,12 +233,27 @@ def cmd_config_check(args) -> int:
     if not path:
         raise CliError("name the file: meshctl config check mesh.toml")
     cfg = load(path)
-    missing = [f"nodes.{n.name}.token_file: {n.token_file} does not exist" for n in cfg.nodes
-               if not n.token_file.exists()]
-    for m in missing:
+    warnings = [f"nodes.{n.name}.token_file: {n.token_file} does not exist" for n in cfg.nodes
+                if not n.token_file.exists()]
+    warnings += default_profile_refusals(cfg)
+    for m in warnings:
         say(f"warning: {m}")
     say(f"{path}: ok ({cfg.backend} mesh {cfg.name!r}, {len(cfg.nodes)} nodes, model {cfg.runtime.model})")
     return 0
+
+
+def default_profile_refusals(cfg: MeshConfig) -> list[str]:
+    """What agents with the default profiles and env allowlist would refuse to launch (`meshctl doctor`
+    asks the real agents)."""
+    profile = DEFAULT_PROFILES.get(cfg.runtime.profile)
+    if profile is None:
+        return []
+    args = set(cfg.runtime.args) | ({"draft_model"} if cfg.runtime.draft_model else set())
+    fix = "an agent with the default profiles refuses it; remove it, or allow it in every agent.toml"
+    return ([f"runtime.args.{a}: not a parameter of the {cfg.runtime.profile} profile (it takes "
+             f"{', '.join(sorted(profile['args']))}); {fix}" for a in sorted(args - set(profile["args"]))] +
+            [f"runtime.env.{e}: not in the default env_allowlist ({', '.join(DEFAULT_ENV_ALLOWLIST)}); {fix}"
+             for e in sorted(set(cfg.runtime.env) - set(DEFAULT_ENV_ALLOWLIST))])
 
 
 def pick_nodes(cfg: MeshConfig, names: list[str], every: bool) -> tuple[str, ...]:

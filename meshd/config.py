@@ -44,9 +44,17 @@ class Proxy:
     queue_wait: float = 120.0
     max_body_bytes: int = 4 << 20
     keepalive_interval: float = 10.0
-    probe_idle: float = 60.0
+    probe_idle: float = 60.0  # seconds without a request before the idle probe asks for one token
     probe_timeout: float = 120.0
-    token_stall: float = 300.0  # seconds without a streamed chunk before the proxy calls it a hang
+    # Runtimes without a status file (the stock profile): the proxy judges hangs itself, waiting
+    # token_stall seconds plus the prompt's prefill at min_prefill_rate tokens/s (and, for a whole
+    # answer, max_tokens at min_decode_rate) for bytes from rank 0.
+    token_stall: float = 300.0
+    min_prefill_rate: float = 50.0
+    min_decode_rate: float = 1.0
+    # A request in flight when this many generations died is refused (502) for quarantine_seconds.
+    poison_after: int = 2
+    quarantine_seconds: float = 600.0
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ import structlog
 from common.protocol import RankSpec, StopResult, event_from_dict
 from common.states import Phase
 from common.tomlcheck import ConfigError
-from meshd import fleet, provision
-from meshd.evidence import meaning_of
+from meshd import doctor, fleet, provision
+from meshd.evidence import launch_refused, meaning_of, observed
 from meshd.agentclient import AgentClient, AgentError
 from meshd.config import MeshConfig, hostfile_for
 from meshd.metrics import Metrics
@@ -46,13 +46,16 @@ class Controller:
         carried = store.open_incident_row()
         self.state = fleet.FleetState(generation=saved.get("generation", 0),
                                       incident=fleet.Incident(**carried) if carried else None)
-        self.seen: dict[str, int] = store.get("agent_seq", {})
+        # node -> {"epoch", "seq"}: where each agent's event log was read up to
+        self.seen: dict[str, dict] = {node: mark if isinstance(mark, dict) else {"epoch": None, "seq": mark}
+                                      for node, mark in store.get("agent_seq", {}).items()}
         self.changed = asyncio.Condition()
         self.session: aiohttp.ClientSession | None = None
         self.agents: dict[str, AgentClient] = {}
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self.agent_errors: dict[str, str] = {}
+        self._steps_observed: dict[float, int] = {}  # incident -> timeline entries already in /metrics
 
     # --- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -103,16 +106,27 @@ class Controller:
             case fleet.OpenIncident(incident=i):
                 log.warning("incident", cause=i.cause, node=i.node, rank=i.rank, generation=i.generation,
                             detail=i.detail)
-                self.store.open_incident(i.opened_at, i.cause, i.node, i.rank, i.generation, i.detail)
+                self.store.open_incident(i)
                 self.metrics.restarts.labels(reason=i.cause).inc()
             case fleet.IncidentUpdated(incident=i):
-                self.store.update_incident(i.opened_at, i.steps)
-            case fleet.CloseIncident(incident=i, serving_back_at=back, steps=steps):
-                log.info("serving again", cause=i.cause, recovery_seconds=round(back - i.opened_at, 3))
-                self.store.close_incident(i.opened_at, back, steps)
+                self.store.update_incident(i)
+                self._observe_steps(i)
+            case fleet.CloseIncident(incident=i, serving_back_at=back):
+                log.info("serving again", cause=i.cause, node=i.node, rank=i.rank,
+                         recovery_seconds=round(back - i.opened_at, 3),
+                         timeline=" ".join(f"{step}+{at - i.opened_at:.2f}" for step, at in i.timeline))
+                self.store.update_incident(i, serving_back_at=back)
                 self.metrics.recovery.observe(back - i.opened_at)
+                self._observe_steps(i)
             case fleet.NoteGeneration(generation=g, what=what, detail=detail):
                 self.store.note_generation(g, what, time.time(), detail)
+
+    def _observe_steps(self, incident: fleet.Incident) -> None:
+        """Each timeline step's duration (from the step before it) into /metrics, once."""
+        seen = self._steps_observed.get(incident.opened_at, 1)
+        for (_, before), (step, at) in list(zip(incident.timeline, incident.timeline[1:]))[seen - 1:]:
+            self.metrics.recovery_steps.labels(step=step).observe(max(0.0, at - before))
+        self._steps_observed = {incident.opened_at: max(seen, len(incident.timeline))}
 
     # --- desired state from the operator ----------------------------------------
     async def up(self) -> None:
@@ -142,11 +156,29 @@ class Controller:
                                model=rt.model, hostfile=hostfile, port=rt.port, host=rt.host,
                                ring_port=rt.ring_port, seed=rt.seed, env=dict(rt.env), args=args))
 
+    async def _preflight(self) -> list[str]:
+        """The doctor's cheap checks (hostfile, versions, model, launch) as every start passes them:
+        the failures no restart can fix. An agent that does not answer is not one of them."""
+        async def facts(node: str) -> tuple[str, dict | None]:
+            try:
+                return node, await doctor.node_facts(self.cfg, self.agents[node])
+            except AgentError:
+                return node, None
+
+        answers = dict(await asyncio.gather(*(facts(n) for n in self.agents)))
+        known = {node: f for node, f in answers.items() if f is not None}
+        return [f"{c.name} on {c.node}: {c.detail} (fix: {c.fix})"
+                for c in doctor.judge_start(self.cfg, known) if not c.ok]
+
     async def _start_generation(self, g: int) -> None:
         try:
             hostfile = hostfile_for(self.cfg)
         except ConfigError as e:
-            await self.feed(fleet.RankDied("-", -1, g, "launch", str(e)))
+            await self.feed(fleet.StartRefused(g, str(e)))
+            return
+        refused = await self._preflight()
+        if refused:
+            await self.feed(fleet.StartRefused(g, "; ".join(refused)))
             return
         log.info("starting generation", generation=g, nodes=len(self.cfg.nodes))
 
@@ -154,7 +186,7 @@ class Controller:
             try:
                 await self.agents[node].call("POST", "/v1/ranks", self._spec(g, rank, hostfile), timeout=30)
             except AgentError as e:
-                await self.feed(fleet.RankDied(node, rank, g, "launch", str(e)))
+                await self.feed(launch_refused(node, rank, g, e.status, str(e)))
 
         await asyncio.gather(*(one(i, n.name) for i, n in enumerate(self.cfg.nodes)))
         self._spawn(self._await_ready(g))
@@ -186,9 +218,10 @@ class Controller:
                 return StopResult(g)
 
         results = await asyncio.gather(*(one(n) for n in self.agents))
+        stopped_at = time.time()
         survivors = tuple(n for n, r in zip(self.agents, results) if r.survivors)
         await asyncio.gather(*(self._sweep(n) for n in self.agents))
-        await self.feed(fleet.GenerationStopped(g, survivors))
+        await self.feed(fleet.GenerationStopped(g, survivors, stopped_at))
 
     async def _sweep(self, node: str) -> None:
         try:
@@ -202,10 +235,17 @@ class Controller:
         await self.feed(fleet.StepDone(step, ok, detail))
 
     # --- observation ------------------------------------------------------------
+    def _mark(self, node: str) -> tuple[int, str | None]:
+        mark = self.seen.get(node, {})
+        return mark.get("seq", 0), mark.get("epoch")
+
     async def on_record(self, node: str, record: dict) -> None:
-        if record["seq"] <= self.seen.get(node, 0):
+        seq, epoch = self._mark(node)
+        if record.get("epoch") not in (None, epoch):
+            seq = 0  # the agent's log was reset (reinstalled, state wiped): its numbering starts again
+        if record["seq"] <= seq:
             return  # the stream and the poll both deliver; keep the first
-        self.seen[node] = record["seq"]
+        self.seen[node] = {"epoch": record.get("epoch", epoch), "seq": record["seq"]}
         self.store.put("agent_seq", self.seen)
         self.store.record_event(record)
         try:
@@ -224,7 +264,7 @@ class Controller:
         delay = 0.2
         while True:
             try:
-                await self.agents[node].follow(self.seen.get(node, 0), lambda r: self.on_record(node, r))
+                await self.agents[node].follow(*self._mark(node), lambda r: self.on_record(node, r))
             except AgentError as e:
                 self.agent_errors[node] = str(e)
                 await asyncio.sleep(delay)
@@ -236,8 +276,9 @@ class Controller:
         """The backstop: events missed by a stream arrive here within a second.
         All agents at once, so one that does not answer delays no other."""
         async def poll(node: str, client: AgentClient) -> None:
+            seq, epoch = self._mark(node)
             try:
-                data = await client.call("GET", f"/v1/events?stream=0&since={self.seen.get(node, 0)}", timeout=5)
+                data = await client.call("GET", f"/v1/events?stream=0&since={seq}&epoch={epoch or ''}", timeout=5)
                 self.agent_errors.pop(node, None)
             except AgentError as e:
                 self.agent_errors[node] = str(e)
@@ -254,8 +295,8 @@ class Controller:
             await asyncio.sleep(0.25)
             await self.feed(fleet.Tick())
 
-    async def _adopt(self) -> None:
-        """A restarted controller keeps a healthy running generation."""
+    async def _views(self) -> dict[str, list[dict] | None]:
+        """Every agent's rank records; None for an agent that does not answer."""
         async def view(node: str, client: AgentClient) -> list[dict] | None:
             try:
                 return (await client.call("GET", "/v1/ranks", timeout=5))["ranks"]
@@ -263,15 +304,36 @@ class Controller:
                 self.agent_errors[node] = str(e)
                 return None
 
-        views = dict(zip(self.agents, await asyncio.gather(*(view(n, c) for n, c in self.agents.items()))))
+        return dict(zip(self.agents, await asyncio.gather(*(view(n, c) for n, c in self.agents.items()))))
+
+    async def _adopt(self) -> None:
+        """A restarted controller keeps a healthy running generation. It waits (bounded) for every
+        agent to answer; what a partial view cannot settle is settled once the view is whole."""
+        deadline = time.monotonic() + self.policy.adopt_wait
+        while None in (views := await self._views()).values() and time.monotonic() < deadline:
+            await asyncio.sleep(1.0)
+        if not await self._decide_adoption(views) and None in views.values():
+            log.warning("adoption waits for agents", missing=[n for n, v in views.items() if v is None])
+            self._spawn(self._adopt_when_whole())
+
+    async def _adopt_when_whole(self) -> None:
+        while self.state.phase == Phase.STOPPED:
+            await asyncio.sleep(2.0)
+            views = await self._views()
+            if None not in views.values():
+                await self._decide_adoption(views)
+                return
+
+    async def _decide_adoption(self, views: dict[str, list[dict] | None]) -> bool:
         decision = fleet.decide_adoption(views, self.policy.nodes, desired_up=self.store.get("desired") == "up",
-                                   rank0_ready=await self.ready_probe())
+                                         rank0_ready=await self.ready_probe())
         if decision is None:
-            return
+            return False
         log.info("adopting", decision=repr(decision))
         await self.feed(decision)
         if isinstance(decision, fleet.Adopted) and not decision.ready:
             self._spawn(self._await_ready(decision.generation))
+        return True
 
     # --- the proxy's view (seam.FleetView) ------------------------------------------
     def serving(self) -> Serving:
@@ -287,8 +349,7 @@ class Controller:
         return self.serving()
 
     async def report(self, obs: Observation) -> None:
-        if obs.generation == self.state.generation and self.state.phase == Phase.READY:
-            await self.feed(fleet.RankDied(self.cfg.nodes[0].name, 0, obs.generation, obs.source, obs.detail))
+        await self.feed(observed(obs, self.cfg.nodes[0].name))
 
     async def status(self) -> dict:
         s = self.state

@@ -20,7 +20,7 @@ from common.hostfile import HostfileError
 from common.tomlcheck import ConfigError
 from meshd import provision
 from meshd.agentclient import AgentClient, AgentError
-from meshd.config import MeshConfig, hostfile_for
+from meshd.config import MeshConfig, Runtime, hostfile_for
 from meshd.ssh import Session, SshError
 
 USABLE_FRACTION = 0.9  # of iogpu.wired_limit_mb: what a model may take (oMLX caps prefill there too)
@@ -71,7 +71,7 @@ def judge_model(facts: dict[str, dict], path: str) -> list[Check]:
     out = []
     for node, m in models.items():
         if not m.get("present"):
-            out.append(Check("model", node, False, f"no model at {path} (no config.json there)",
+            out.append(Check("model", node, False, f"no model at {path} ({m.get('error') or 'no config.json there'})",
                              f"copy it there: rsync -a {path}/ {node}:{path}/"))
         elif m["fingerprint"] != common:
             out.append(Check("model", node, False, f"{path} differs from the other nodes' copy "
@@ -195,21 +195,56 @@ def _ssh_fix(message: str) -> str:
 
 
 async def agent_checks(cfg: MeshConfig, current: int | None) -> list[Check]:
-    """Agent reachable and token accepted; versions, model, memory and stale ranks from what it reports."""
+    """Agent reachable and token accepted; versions, model, launch, memory and stale ranks from what it reports."""
     async with aiohttp.ClientSession() as session:
-        answers = await asyncio.gather(*(_agent_node(AgentClient(n, session), n, cfg, current) for n in cfg.nodes))
+        clients = {n.name: AgentClient(n, session) for n in cfg.nodes}
+        answers = await asyncio.gather(*(_agent_node(clients[n.name], n, cfg, current) for n in cfg.nodes))
     out = [c for checks, _ in answers for c in checks]
     facts = {n.name: f for n, (_, f) in zip(cfg.nodes, answers) if f is not None}
-    out.append(judge_hostfile(cfg))
-    out += judge_versions(facts)
-    out += judge_model(facts, cfg.runtime.model)
-    out += judge_memory(facts, len(cfg.nodes))
+    return out + judge_start(cfg, facts) + judge_memory(facts, len(cfg.nodes))
+
+
+def judge_start(cfg: MeshConfig, facts: dict[str, dict]) -> list[Check]:
+    """The cheap checks every start passes (the controller's too): mistakes no restart can fix."""
+    return ([judge_hostfile(cfg)] + judge_versions(facts) + judge_model(facts, cfg.runtime.model)
+            + judge_launch(facts, cfg.runtime))
+
+
+def judge_launch(facts: dict[str, dict], runtime: Runtime) -> list[Check]:
+    """Each agent allows what the controller will ask it to run: the profile, its parameters, the env names."""
+    args = set(runtime.args) | ({"draft_model"} if runtime.draft_model else set())
+    out = []
+    for node, f in facts.items():
+        launch = f.get("launch") or {}
+        profiles = launch.get("profiles", {})
+        if runtime.profile not in profiles:
+            out.append(Check("launch", node, False, f"profile {runtime.profile!r} is not allowed by {node}'s agent "
+                             f"(it allows {', '.join(sorted(profiles)) or 'none'})",
+                             f"set [runtime] profile to one of those, or add [profiles.{runtime.profile}] to "
+                             f"{node}'s agent.toml"))
+            continue
+        bad_args = sorted(args - set(profiles[runtime.profile]))
+        bad_env = sorted(set(runtime.env) - set(launch.get("env_allowlist", ())))
+        problems = ([f"[runtime] args {bad_args} are not parameters of profile {runtime.profile!r} "
+                     f"(it takes {', '.join(profiles[runtime.profile]) or 'none'})"] if bad_args else []) + \
+                   ([f"[runtime] env {bad_env} is not in {node}'s env_allowlist"] if bad_env else [])
+        if problems:
+            out.append(Check("launch", node, False, "; ".join(problems),
+                             "remove them from mesh.toml, or allow them in that node's agent.toml "
+                             "([profiles.NAME] args, env_allowlist)"))
+        else:
+            out.append(Check("launch", node, True, f"profile {runtime.profile}, {len(args)} parameters, "
+                                                   f"{len(runtime.env)} env names allowed"))
     return out
+
+
+async def node_facts(cfg: MeshConfig, client: AgentClient) -> dict:
+    return await client.call("GET", f"/v1/node?model={cfg.runtime.model}", timeout=30)
 
 
 async def _agent_node(client: AgentClient, n, cfg: MeshConfig, current: int | None) -> tuple[list[Check], dict | None]:
     try:
-        facts = await client.call("GET", f"/v1/node?model={cfg.runtime.model}", timeout=30)
+        facts = await node_facts(cfg, client)
         ranks = (await client.call("GET", "/v1/ranks", timeout=10))["ranks"]
     except AgentError as e:
         fix = (f"put the token from {n.name}'s agent config into {n.token_file}" if "401" in str(e) else

@@ -1,11 +1,20 @@
-"""What the agents' observations mean to the fleet, as pure functions: an
-agent event (already decoded at the controller's edge) becomes a rank's
-progress, death evidence, or nothing."""
+"""What the data plane and the agents observe, and what it means to the fleet,
+as pure functions. An agent event (decoded at the controller's edge) becomes a
+rank's progress, death evidence, or nothing; each piece of death evidence says
+whether the rank failed by itself or only lost a peer (a consequence), and
+whether any restart could fix it (deterministic: a launch the agent refuses, a
+probe answered 4xx) or it died before serving saying something (the same line
+twice in a row is deterministic too, judged by the fleet).
+"""
 
 from __future__ import annotations
 
 from common.protocol import Event, RankExited, RankSignature, RankStalled, RankStateChanged, RebootRequired
+from common.states import RankState
 from meshd import fleet
+from meshd.seam import Observation
+
+BEFORE_SERVING = (RankState.SPAWNED, RankState.LOADING, RankState.ARMED)
 
 
 def meaning_of(ev: Event) -> fleet.RankDied | fleet.RankReported | None:
@@ -13,16 +22,39 @@ def meaning_of(ev: Event) -> fleet.RankDied | fleet.RankReported | None:
     where = (ev.node, ev.rank, ev.generation)
     match ev:
         case RankStateChanged(state=state, load_done=done, load_total=total):
-            return fleet.RankReported(ev.node, ev.generation, state, done, total)
-        case RankExited(expected=False, signal=sig, code=code):
+            return fleet.RankReported(ev.node, ev.generation, state, done, total, ev.at)
+        case RankExited(expected=False, signal=sig, code=code, state=state, last_line=last, peer_lost=lost):
             how = f"signal {sig}" if sig else (f"exit code {code}" if code is not None else
                                                "gone (not the agent's child)")
-            return fleet.RankDied(*where, "exit", how)
-        case RankSignature(signature=name, severity=severity, line=line):
-            return fleet.RankDied(*where, "signature", f"{name}: {line[-200:]}", reboot=severity == "reboot")
-        case RankStalled(idle_for=idle, window=window, phase=phase):
-            return fleet.RankDied(*where, "stall", f"no progress for {idle:.1f}s (window {window:.1f}s) "
-                                                   f"while {phase}")
+            at_load = state in BEFORE_SERVING and code not in (None, 0) and not lost
+            return fleet.RankDied(*where, "exit", f"{how}: {last}" if last and code else how, consequence=lost,
+                                  load_line=last if at_load else "")
+        case RankSignature(signature=name, severity=severity, role=role, line=line):
+            return fleet.RankDied(*where, "signature", f"{name}: {line[-200:]}", reboot=severity == "reboot",
+                                  consequence=role == "consequence")
+        case RankStalled(idle_for=idle, window=window, phase=phase, frozen=frozen):
+            return fleet.RankDied(*where, "stall", f"no progress for {idle:.1f}s (window {window:.1f}s) while "
+                                                   f"{phase}" + ("" if frozen else ", its heartbeat alive"),
+                                  consequence=not frozen)
         case RebootRequired(reason=reason):
             return fleet.RankDied(*where, "reboot_required", reason, reboot=True)
     return None
+
+
+def launch_refused(node: str, rank: int, generation: int, status: int | None, message: str) -> fleet.RankDied:
+    """An agent that would not start its rank: a 4xx other than 409 (another generation still
+    running there) is a spec it will never run."""
+    deterministic = status is not None and 400 <= status < 500 and status != 409
+    return fleet.RankDied(node, rank, generation, "launch", message, deterministic=deterministic)
+
+
+def observed(obs: Observation, rank0_node: str) -> fleet.RankDied | fleet.RequestServed:
+    """What the proxy saw: a request served, or evidence against rank 0. Such evidence is a symptom
+    (a cut stream, a silent rank 0), so a rank that failed by itself takes the incident over. A probe
+    answered 4xx is a request the runtime will always refuse (a model name it does not serve, say):
+    deterministic."""
+    if obs.source == "served":
+        return fleet.RequestServed(obs.generation)
+    deterministic = obs.source == "probe" and obs.status is not None and 400 <= obs.status < 500
+    return fleet.RankDied(rank0_node, 0, obs.generation, obs.source, obs.detail, consequence=True,
+                          deterministic=deterministic)

@@ -22,6 +22,19 @@ The recovery ladder (configured, in order, each step taken only when the one
 before did not hold): `restart` -> `reprovision` (then restart) -> `reboot`
 (then re-provision and restart) -> failed. Reboot-severity evidence jumps to
 the reboot step when the ladder has one.
+
+Judgement:
+- Deterministic evidence (a start the preflight or an agent refuses, the same
+  fatal line at load in two consecutive generations, a 4xx from a probe) goes
+  to `failed` at once with its reason: no restart, re-provision or reboot can
+  fix a mistake in mesh.toml or a broken model.
+- Root cause: the incident names the first rank that failed by itself. Evidence
+  that a rank merely lost a peer (a closed socket, a blocked collective) and
+  arrives within `death_window` of the incident is listed under it as a
+  consequence; a rank that failed by itself and reports within that window
+  takes the incident over from a consequence that happened to arrive first.
+- Each incident keeps a timeline: detected, stopped, swept, backoff, started,
+  loaded, ready, and served (the first request answered after it).
 """
 
 from __future__ import annotations
@@ -44,6 +57,8 @@ class Recovery:
     stop_grace: float = 10.0
     drain_grace: float = 30.0
     start_deadline: float = 900.0
+    death_window: float = 2.0  # evidence this soon after an incident belongs to it
+    adopt_wait: float = 10.0  # a restarted controller waits this long for every agent to answer
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,12 @@ class Incident:
     generation: int
     detail: str
     steps: tuple[str, ...] = ()
+    consequences: tuple[str, ...] = ()  # "node rank R: what it said", peers that only lost the cause
+    timeline: tuple[tuple[str, float], ...] = ()  # (step, when)
+    primary: bool = True  # the named rank failed by itself (not a consequence of a peer)
+
+    def at(self, step: str, when: float) -> "Incident":
+        return replace(self, timeline=self.timeline + ((step, when),))
 
 
 @dataclass(frozen=True)
@@ -86,6 +107,8 @@ class FleetState:
     reboot_nodes: tuple[str, ...] = ()
     restart_requested: bool = False  # the generation ends on purpose: start the next, count no failure
     ranks: tuple[RankView, ...] = ()
+    last_load_failure: str = ""  # what the previous generation said when it died before serving
+    closing: Incident | None = None  # closed at ready, waiting for its first served request
 
 
 # --- events (past tense) -------------------------------------------------------
@@ -116,29 +139,53 @@ class MeshReady:
 
 @dataclass(frozen=True)
 class RankReported:
-    """A rank's own state, as its agent reported it."""
+    """A rank's own state, as its agent reported it (`at`: when the agent saw it)."""
     node: str
     generation: int
     state: RankState
     load_done: int = 0
     load_total: int = 0
+    at: float | None = None
 
 
 @dataclass(frozen=True)
 class RankDied:
-    """Death evidence about one rank: cause is exit, signature, stall, launch, probe, proxy, agent."""
+    """Death evidence about one rank: cause is exit, signature, stall, launch, probe, proxy, agent.
+    `consequence`: the rank only lost a peer. `deterministic`: no restart fixes it. `load_line`: the
+    rank died before it served, saying this (the same line twice in a row is deterministic)."""
     node: str
     rank: int
     generation: int
     cause: str
     detail: str = ""
     reboot: bool = False
+    consequence: bool = False
+    deterministic: bool = False
+    load_line: str = ""
+
+    def describe(self) -> str:
+        return f"{self.node} rank {self.rank}: {self.cause}: {self.detail}"
 
 
 @dataclass(frozen=True)
 class GenerationStopped:
+    """Generation G is gone everywhere: the stop ladders ended at `stopped_at`, then the sweep."""
     generation: int
     survivors: tuple[str, ...] = ()
+    stopped_at: float | None = None
+
+
+@dataclass(frozen=True)
+class StartRefused:
+    """The preflight refused to start generation G: a mistake no restart fixes."""
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RequestServed:
+    """The proxy answered a request from generation G."""
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -219,11 +266,20 @@ def backoff(policy: Policy, failures: int) -> float:
     return min(policy.backoff_max, policy.backoff_base * 2 ** (failures - 2))
 
 
+def _mark(state: FleetState, step: str, when: float) -> Result:
+    """Add a step to the open incident's timeline."""
+    if state.incident is None:
+        return state, []
+    incident = state.incident.at(step, when)
+    return replace(state, incident=incident), [IncidentUpdated(incident)]
+
+
 def _start_next(state: FleetState, now: float, policy: Policy) -> Result:
     g = state.generation + 1
     new = replace(state, phase=Phase.STARTING, generation=g, backoff_until=None, started_at=now,
                   ranks=tuple(RankView(n) for n in policy.nodes), reason="", restart_requested=False)
-    return new, [StartGeneration(g), NoteGeneration(g, "started")]
+    new, actions = _mark(new, "started", now)
+    return new, [StartGeneration(g), NoteGeneration(g, "started"), *actions]
 
 
 def _mark_reboot(state: FleetState, nodes, policy: Policy) -> FleetState:
@@ -235,17 +291,48 @@ def _mark_reboot(state: FleetState, nodes, policy: Policy) -> FleetState:
 
 
 def _fail(state: FleetState, now: float, policy: Policy, ev: RankDied) -> Result:
-    """Death evidence for the current generation: end it everywhere."""
+    """Death evidence for the current generation: end it everywhere, then climb the ladder,
+    or give up at once when no restart can fix it."""
+    repeated = bool(ev.load_line) and ev.load_line == state.last_load_failure
+    deterministic = ev.deterministic or repeated
     failures = tuple(t for t in state.failures if now - t < policy.window) + (now,)
-    incident = state.incident or Incident(now, ev.cause, ev.node, ev.rank, ev.generation, ev.detail)
-    actions: list = [] if state.incident else [OpenIncident(incident)]
+    incident = state.incident or Incident(now, ev.cause, ev.node, ev.rank, ev.generation, ev.detail,
+                                          primary=not ev.consequence, timeline=(("detected", now),))
+    opened = state.incident is None
+    if not opened:  # an incident a restart did not cure goes on
+        incident = incident.at("detected", now)
     new = replace(state, phase=Phase.RECOVERING, failures=failures, ready_since=None, incident=incident,
+                  closing=None, last_load_failure=ev.load_line,
                   reason=f"{ev.cause} on {ev.node} rank {ev.rank}: {ev.detail}".strip(": "))
-    if ev.reboot:
-        new = _mark_reboot(new, (ev.node,), policy)
+    actions: list = [OpenIncident(incident)] if opened else [IncidentUpdated(incident)]
     actions += [StopGeneration(ev.generation, "kill", policy.stop_grace),
                 NoteGeneration(ev.generation, "ended", new.reason)]
+    if deterministic:
+        why = "the same failure at load as the generation before" if repeated and not ev.deterministic else \
+            "no restart can fix it"
+        new, more = _give_up(new, f"{new.reason} ({why}). Fix the cause, then `meshctl up`")
+        return new, actions + more
+    if ev.reboot:
+        new = _mark_reboot(new, (ev.node,), policy)
     return new, actions
+
+
+def _attribute(state: FleetState, now: float, policy: Policy, ev: RankDied) -> Result:
+    """More evidence about the generation that just died. Within the death window, a rank that
+    failed by itself takes the incident over from one that only lost it; the rest are consequences."""
+    incident = state.incident
+    if incident is None or incident.generation != ev.generation or now - incident.opened_at > policy.death_window:
+        return state, []
+    if not incident.primary and not ev.consequence:
+        former = f"{incident.node} rank {incident.rank}: {incident.cause}: {incident.detail}"
+        incident = replace(incident, cause=ev.cause, node=ev.node, rank=ev.rank, detail=ev.detail, primary=True,
+                           consequences=incident.consequences + (former,))
+        state = replace(state, reason=f"{ev.cause} on {ev.node} rank {ev.rank}: {ev.detail}".strip(": "))
+    elif ev.describe() not in incident.consequences:
+        incident = replace(incident, consequences=incident.consequences + (ev.describe(),))
+    else:
+        return state, []
+    return replace(state, incident=incident), [IncidentUpdated(incident)]
 
 
 def _with_step(state: FleetState, name: str) -> Result:
@@ -270,7 +357,11 @@ def _climb(state: FleetState, now: float, policy: Policy) -> Result:
     state, actions = _with_step(state, step)
     if step == "restart" or state.ladder_step >= len(policy.ladder):
         wait = backoff(policy, len(state.failures))
-        return replace(state, backoff_until=now + wait, ladder_step=state.ladder_step + 1), actions
+        state = replace(state, backoff_until=now + wait, ladder_step=state.ladder_step + 1)
+        if wait > 0:
+            state, marked = _mark(state, "backoff", now)
+            actions += marked
+        return state, actions
     nodes = state.reboot_nodes if step == "reboot" and state.reboot_nodes else policy.nodes
     return replace(state, backoff_until=None), actions + [RunStep(step, nodes)]
 
@@ -279,20 +370,26 @@ def decide_adoption(views: dict[str, list[dict] | None], nodes: tuple[str, ...],
                     rank0_ready: bool):
     """What a restarted controller makes of the ranks its agents report (`views`:
     node -> that agent's rank records, None when it did not answer): the event
-    to feed, or None.
+    to feed, or None for nothing (yet).
 
-    One generation with each node running exactly its own rank: adopt it.
-    Nothing running: start when the operator's last word was up. Anything
-    else is the leftovers of a broken generation."""
-    live = {node: [r for r in views.get(node) or [] if r["state"] != "exited"] for node in nodes}
+    One generation with each node running exactly its own rank: adopt it. Nothing
+    running: start when the operator's last word was up. Anything else is the
+    leftovers of a broken generation, to stop, but never on a partial view: an
+    agent that does not answer may be restarting beside a rank that serves. With
+    a partial view, the answering nodes running their own ranks of one generation
+    while rank 0 serves are adopted; anything else waits for the whole view."""
+    live = {node: [r for r in views[node] if r["state"] != "exited"] for node in nodes if views.get(node) is not None}
     gens = {r["generation"] for rs in live.values() for r in rs}
-    whole = len(gens) == 1 and all(views.get(n) is not None and len(live[n]) == 1 and live[n][0]["rank"] == i
-                                   for i, n in enumerate(nodes))
-    if whole:
+    own = len(gens) == 1 and all(len(live[n]) == 1 and live[n][0]["rank"] == i
+                                 for i, n in enumerate(nodes) if n in live)
+    partial = len(live) < len(nodes)
+    if not gens:
+        return UpRequested() if desired_up else None
+    if own and not partial:
         return Adopted(gens.pop(), ready=rank0_ready)
-    if gens:
-        return LeftoversFound(max(gens), desired_up)
-    return UpRequested() if desired_up else None
+    if own and rank0_ready:
+        return Adopted(gens.pop(), ready=True)
+    return None if partial else LeftoversFound(max(gens), desired_up)
 
 
 # --- one function per event ----------------------------------------------------
@@ -330,7 +427,8 @@ def _on_adopted(state: FleetState, ev: Adopted, now: float, policy: Policy) -> R
                   ready_since=now if ev.ready else None, started_at=state.started_at or now,
                   ranks=tuple(RankView(n, rank_state) for n in policy.nodes), backoff_until=None)
     if ev.ready and state.incident:  # an incident a restarted controller inherited
-        return replace(new, incident=None), [CloseIncident(state.incident, now, state.incident.steps)]
+        incident = state.incident.at("ready", now)
+        return replace(new, incident=None, closing=incident), [CloseIncident(incident, now, incident.steps)]
     return new, []
 
 
@@ -346,28 +444,63 @@ def _on_leftovers(state: FleetState, ev: LeftoversFound, now: float, policy: Pol
 def _on_mesh_ready(state: FleetState, ev: MeshReady, now: float, policy: Policy) -> Result:
     if state.phase != Phase.STARTING or ev.generation != state.generation:
         return state, []
-    new = replace(state, phase=Phase.READY, ready_since=now, reason="",
+    new = replace(state, phase=Phase.READY, ready_since=now, reason="", last_load_failure="",
                   ranks=tuple(replace(r, state=RankState.READY) for r in state.ranks))
     actions: list = [NoteGeneration(ev.generation, "ready")]
     if state.incident:
-        actions.append(CloseIncident(state.incident, now, state.incident.steps))
-        new = replace(new, incident=None)
+        incident = state.incident.at("ready", now)
+        actions.append(CloseIncident(incident, now, incident.steps))
+        new = replace(new, incident=None, closing=incident)
     return new, actions
+
+
+def _on_request_served(state: FleetState, ev: RequestServed, now: float, policy: Policy) -> Result:
+    if state.closing is None or ev.generation != state.generation:
+        return state, []
+    incident = state.closing.at("served", now)
+    return replace(state, closing=None), [IncidentUpdated(incident)]
+
+
+LOADED = (RankState.ARMED, RankState.READY, RankState.BUSY)
 
 
 def _on_rank_reported(state: FleetState, ev: RankReported, now: float, policy: Policy) -> Result:
     if ev.generation != state.generation or state.phase not in (Phase.STARTING, Phase.READY):
         return state, []
     view = RankView(ev.node, ev.state, ev.load_done, ev.load_total)
-    return replace(state, ranks=tuple(view if r.node == ev.node else r for r in state.ranks)), []
+    new = replace(state, ranks=tuple(view if r.node == ev.node else r for r in state.ranks))
+    if not all(r.state in LOADED for r in new.ranks):
+        return new, []
+    # The last rank loaded. Rank 0 may have answered its readiness probe before this report arrived:
+    # then the step goes into the timeline of the incident that just closed, where it belongs.
+    incident = new.incident if new.phase == Phase.STARTING else new.closing
+    if incident is None or "loaded" in [step for step, _ in incident.timeline[_last_start(incident):]]:
+        return new, []
+    incident = replace(incident, timeline=tuple(sorted(incident.timeline + (("loaded", ev.at or now),),
+                                                       key=lambda entry: entry[1])))
+    new = replace(new, incident=incident) if new.phase == Phase.STARTING else replace(new, closing=incident)
+    return new, [IncidentUpdated(incident)]
+
+
+def _last_start(incident: Incident) -> int:
+    starts = [i for i, (step, _) in enumerate(incident.timeline) if step == "started"]
+    return starts[-1] if starts else len(incident.timeline)
 
 
 def _on_rank_died(state: FleetState, ev: RankDied, now: float, policy: Policy) -> Result:
     if ev.generation == state.generation and state.phase in (Phase.STARTING, Phase.READY):
         return _fail(state, now, policy, ev)
+    if ev.generation != state.generation or state.phase not in (Phase.RECOVERING, Phase.FAILED):
+        return state, []
     if ev.reboot and state.phase == Phase.RECOVERING:
-        return _mark_reboot(state, (ev.node,), policy), []
-    return state, []
+        state = _mark_reboot(state, (ev.node,), policy)
+    return _attribute(state, now, policy, ev)
+
+
+def _on_start_refused(state: FleetState, ev: StartRefused, now: float, policy: Policy) -> Result:
+    if ev.generation != state.generation or state.phase != Phase.STARTING:
+        return state, []
+    return _fail(state, now, policy, RankDied("-", -1, ev.generation, "preflight", ev.reason, deterministic=True))
 
 
 def _on_generation_stopped(state: FleetState, ev: GenerationStopped, now: float, policy: Policy) -> Result:
@@ -377,10 +510,11 @@ def _on_generation_stopped(state: FleetState, ev: GenerationStopped, now: float,
         return replace(state, phase=Phase.STOPPED, ranks=(), reason=""), [NoteGeneration(ev.generation, "ended", "down")]
     if state.phase != Phase.RECOVERING:
         return state, []
+    state, actions = _mark(state, "stopped", ev.stopped_at if ev.stopped_at is not None else now)
+    state, swept = _mark(state, "swept", now)
     state = _mark_reboot(state, ev.survivors, policy)
-    if state.restart_requested:
-        return _start_next(state, now, policy)
-    return _climb(state, now, policy)
+    new, more = _start_next(state, now, policy) if state.restart_requested else _climb(state, now, policy)
+    return new, actions + swept + more
 
 
 def _on_step_done(state: FleetState, ev: StepDone, now: float, policy: Policy) -> Result:
@@ -435,8 +569,8 @@ def _on_tick(state: FleetState, ev: Tick, now: float, policy: Policy) -> Result:
 
 HANDLERS = {UpRequested: _on_up, DownRequested: _on_down, RestartRequested: _on_restart, Adopted: _on_adopted,
             LeftoversFound: _on_leftovers, MeshReady: _on_mesh_ready, RankReported: _on_rank_reported,
-            RankDied: _on_rank_died, GenerationStopped: _on_generation_stopped, StepDone: _on_step_done,
-            Tick: _on_tick}
+            RankDied: _on_rank_died, StartRefused: _on_start_refused, GenerationStopped: _on_generation_stopped,
+            StepDone: _on_step_done, RequestServed: _on_request_served, Tick: _on_tick}
 
 
 def step(state: FleetState, event, now: float, policy: Policy) -> Result:

@@ -24,6 +24,10 @@ class Metrics:
                                    buckets=DETECTION_BUCKETS, registry=r)
         self.recovery = Histogram("meshd_recovery_seconds", "From an incident to serving again",
                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.recovery_steps = Histogram("meshd_recovery_step_seconds",
+                                        "Each step of a recovery (stopped, swept, backoff, started, loaded, ready, "
+                                        "served), from the step before it", ["step"], buckets=LATENCY_BUCKETS,
+                                        registry=r)
         self.requests = Counter("meshd_proxy_requests_total", "Proxied requests by route and status",
                                 ["route", "status"], registry=r)
         self.queue_depth = Gauge("meshd_proxy_queue_depth", "Requests waiting for admission", registry=r)
@@ -36,6 +40,8 @@ class Metrics:
         self.inter_token = Histogram("meshd_proxy_inter_token_seconds", "Time between streamed chunks",
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.tokens = Counter("meshd_proxy_tokens_total", "Completion tokens served", registry=r)
+        self.probes = Counter("meshd_proxy_probes_total", "Idle probes sent to rank 0, by result (ok, failed)",
+                              ["result"], registry=r)
         self.retries = Counter("meshd_proxy_retries_total", "Requests retried on the next generation", registry=r)
         self.set_phase(Phase.STOPPED)
 

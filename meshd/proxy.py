@@ -8,12 +8,16 @@
   503 with Retry-After.
 - Retries a request whose upstream failed before any data reached the client
   on the next generation; after data, a stream ends with an SSE error event and
-  `data: [DONE]`.
+  `data: [DONE]`. A request that was in flight when `poison_after` generations
+  died is refused with 502 (and so is the same request for a while after): it
+  may be what kills them.
 - Sends SSE keep-alive comments while the upstream is silent (long prefills).
 - A client that goes away closes the upstream request, which cancels it on
   every rank.
 - Measures queue wait, time to first token, inter-token latency and tokens.
-- Asks the mesh for one token when it has been idle a while (the idle probe).
+- Asks the mesh for one token when no request has run for a while (the idle
+  probe), and judges hangs of runtimes that keep no status file (the stock
+  profile) from the time rank 0 stays silent, scaled by the prompt.
 
 It knows the fleet only through `seam.FleetView`: what serves now, a wait for
 that to change, and `report()` for what it saw.
@@ -22,6 +26,7 @@ that to change, and `report()` for what it saw.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import time
@@ -37,6 +42,7 @@ from common.errors import ApiError, error_body
 from common.http import bearer_matches, json_error, json_errors, read_json
 from common.states import Phase
 from meshd.config import MeshConfig
+from meshd.config import Proxy as ProxyConfig
 from meshd.metrics import Metrics
 from meshd.seam import FleetView, Observation, Serving
 from runtime import openai_api as oa
@@ -91,14 +97,53 @@ class Admission:
         self.running -= 1
 
 
+CHARS_PER_TOKEN = 3  # fewer than real tokenizers average: a prompt's estimate errs long
+
+
+def stall_window(p: ProxyConfig, profile: str, prompt_chars: int, max_tokens: int, stream: bool) -> float | None:
+    """How long rank 0 may stay silent before the proxy calls it hung, or None when
+    the agents judge (meshd-rank's status file carries the real prompt length)."""
+    if profile == "meshd-rank":
+        return None
+    window = p.token_stall + prompt_chars / CHARS_PER_TOKEN / p.min_prefill_rate
+    return window if stream else window + max_tokens / p.min_decode_rate
+
+
+def prompt_chars(req: oa.CompletionRequest) -> int:
+    return sum(len(m["content"]) for m in req.messages) if req.kind == "chat" else len(req.prompt)
+
+
+def request_digest(path: str, body: dict) -> str:
+    return hashlib.sha256(path.encode() + json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 class UpstreamFailed(Exception):
     """Rank 0 could not be reached or failed before answering. `evidence` when
     the failure itself says the generation is broken (no connection, a cut
-    stream, a stall), rather than an answer like 503 while draining."""
+    stream, a stall), rather than an answer like 503 while draining;
+    `in_flight` when rank 0 had taken the request when it failed."""
 
-    def __init__(self, message: str, evidence: bool = True):
+    def __init__(self, message: str, evidence: bool = True, in_flight: bool = True):
         super().__init__(message)
         self.evidence = evidence
+        self.in_flight = in_flight
+
+
+def answered_failure(status: int, body: bytes) -> UpstreamFailed:
+    """Rank 0 answered 5xx: `generation_failed` means a rank died under this request; anything else
+    (loading, draining) means it never took it."""
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        code = None
+    died = code == "generation_failed"
+    return UpstreamFailed(f"rank 0 answered {status}" + (f" ({code})" if code else ""), evidence=died, in_flight=died)
+
+
+def upstream_failure(e: Exception) -> UpstreamFailed:
+    """A client error talking to rank 0, as the proxy judges it: a refused connection never
+    reached it; anything later cut a request it had taken."""
+    return UpstreamFailed(f"{type(e).__name__}: {e}", in_flight=not isinstance(e, aiohttp.ClientConnectorError))
 
 
 class Proxy:
@@ -114,7 +159,9 @@ class Proxy:
         metrics.queue_limit.set(p.queue_limit)
         self.api_keys = self._load_keys(p.api_keys_file)
         self.session: aiohttp.ClientSession | None = None
-        self.last_request_at = time.monotonic()
+        self.last_request_at = time.monotonic()  # when the last request ended (or the last probe ran)
+        self.quarantine: dict[str, float] = {}  # request digest -> refused until
+        self.served_generation = -1
 
     @staticmethod
     def _load_keys(path: Path | None) -> list[str]:
@@ -201,7 +248,9 @@ class Proxy:
             return self._unauthorized()
         body = await read_json(request)
         req = oa.parse_request(kind, body, self.limits)
-        self.last_request_at = time.monotonic()
+        digest = request_digest(request.path, body)
+        if self.quarantine.get(digest, 0) > time.monotonic():
+            return self._quarantined()
         p = self.cfg.proxy
         t0 = time.monotonic()
         deadline = t0 + p.queue_wait
@@ -218,10 +267,24 @@ class Proxy:
         self.metrics.queue_wait.observe(time.monotonic() - t0)
         self.metrics.in_flight.inc()
         try:
-            return await _Exchange(self, request, req, body, deadline).run()
+            return await _Exchange(self, request, req, body, deadline, digest).run()
         finally:
             self.metrics.in_flight.dec()
             self.admission.release()
+            self.last_request_at = time.monotonic()
+
+    def _quarantined(self) -> web.Response:
+        p = self.cfg.proxy
+        return json_error(502, f"This request was in flight when {p.poison_after} generations of the mesh died; it is "
+                               f"quarantined for {p.quarantine_seconds:.0f}s in case it is what kills them. Change "
+                               "it, or tell the operator (meshctl events)", code="request_quarantined",
+                          type_="server_error")
+
+    async def served(self, g: int) -> None:
+        """Tell the controller once per generation that it answers requests (its incident's last step)."""
+        if g != self.served_generation:
+            self.served_generation = g
+            await self.fleet.report(Observation(g, "served"))
 
     # --- the idle probe ---------------------------------------------------------------
     async def _probe_loop(self) -> None:
@@ -230,32 +293,47 @@ class Proxy:
             await self._maybe_probe()
 
     async def _maybe_probe(self) -> None:
-        """When the mesh has been idle a while, ask it for one token."""
+        """When no request has run for a while, ask the mesh for one token."""
         p = self.cfg.proxy
         s = self.fleet.serving()
-        if not s.ready or time.monotonic() - self.last_request_at < p.probe_idle:
+        if not s.ready or self.admission.running or self.admission.depth \
+                or time.monotonic() - self.last_request_at < p.probe_idle:
             return
         self.last_request_at = time.monotonic()
-        body = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+        body = upstream_body(self.cfg.runtime.profile, {"messages": [{"role": "user", "content": "ping"}],
+                                                        "max_tokens": 1})
+        status = None
         try:
             async with self.session.post(s.rank0_url + "/v1/chat/completions", json=body,
                                          timeout=aiohttp.ClientTimeout(total=p.probe_timeout)) as r:
                 if r.status == 200:
+                    self.metrics.probes.labels(result="ok").inc()
                     return
-                detail = f"probe answered {r.status}"
+                status = r.status
+                detail = f"probe answered {r.status}: {(await r.text())[:200]}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             detail = f"probe failed: {type(e).__name__}"
-        await self.fleet.report(Observation(s.generation, "probe", detail))
+        self.metrics.probes.labels(result="failed").inc()
+        await self.fleet.report(Observation(s.generation, "probe", detail, status))
+
+
+def upstream_body(profile: str, body: dict) -> dict:
+    """The body as rank 0 takes it: stock mlx_lm.server loads whatever path "model" names (its own
+    model is "default_model")."""
+    return {**body, "model": "default_model"} if profile == "mlx-lm-server" else body
 
 
 class _Exchange:
     """One client request through one or more upstream attempts."""
 
-    def __init__(self, proxy: Proxy, request: web.Request, req: oa.CompletionRequest, body: dict, deadline: float):
-        if proxy.cfg.runtime.profile == "mlx-lm-server":
-            # Stock mlx_lm.server loads whatever path "model" names; its own model is "default_model".
-            body = {**body, "model": "default_model"}
-        self.p, self.request, self.req, self.body, self.deadline = proxy, request, req, body, deadline
+    def __init__(self, proxy: Proxy, request: web.Request, req: oa.CompletionRequest, body: dict, deadline: float,
+                 digest: str):
+        self.p, self.request, self.req, self.deadline = proxy, request, req, deadline
+        self.body = upstream_body(proxy.cfg.runtime.profile, body)
+        self.digest = digest
+        self.killed: list[int] = []  # generations that died with this request in flight
+        p = proxy.cfg.proxy
+        self.window = stall_window(p, proxy.cfg.runtime.profile, prompt_chars(req), req.params.max_tokens, req.stream)
         self.upstream = ""
         self.resp: web.StreamResponse | None = None  # prepared once anything reached the client
         self.sent_data = False
@@ -271,14 +349,30 @@ class _Exchange:
             g = serving.generation
             self.upstream = serving.rank0_url + self.request.path
             try:
-                return await (self._stream(g) if self.req.stream else self._whole(g))
+                resp = await (self._stream(g) if self.req.stream else self._whole(g))
             except UpstreamFailed as e:
+                if e.evidence:
+                    await self._report(g, str(e))
+                if e.evidence and e.in_flight:
+                    self.killed.append(g)
+                if len(self.killed) >= self.p.cfg.proxy.poison_after:
+                    return await self._quarantine()
                 if self.sent_data:
                     return await self._end_stream_with_error(f"The mesh failed mid-answer ({e}); retry the request")
                 self.p.metrics.retries.inc()
-                if e.evidence:
-                    await self._report(g, str(e))
                 after = g
+                continue
+            if resp.status == 200:
+                await self.p.served(g)
+            return resp
+
+    async def _quarantine(self) -> web.StreamResponse:
+        self.p.quarantine[self.digest] = time.monotonic() + self.p.cfg.proxy.quarantine_seconds
+        log.warning("request quarantined", generations=self.killed, digest=self.digest[:16])
+        if self.resp is None:
+            return self.p._quarantined()
+        return await self._end_stream_with_error(
+            f"This request was in flight when generations {self.killed} died; it is quarantined")
 
     async def _report(self, g: int, detail: str) -> None:
         await self.p.fleet.report(Observation(g, "proxy", detail))
@@ -291,12 +385,14 @@ class _Exchange:
     async def _whole(self, g: int) -> web.Response:
         try:
             async with self.p.session.post(self.upstream, json=self.body,
-                                               timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as r:
+                                           timeout=aiohttp.ClientTimeout(total=None, sock_read=self.window)) as r:
                 data = await r.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise UpstreamFailed(f"{type(e).__name__}: {e}")
+        except asyncio.TimeoutError:
+            raise UpstreamFailed(f"no answer within {self.window:.0f}s")
+        except aiohttp.ClientError as e:
+            raise upstream_failure(e)
         if r.status >= 500:
-            raise UpstreamFailed(f"rank 0 answered {r.status}", evidence=False)
+            raise answered_failure(r.status, data)
         if r.status == 200:
             try:
                 self.p.metrics.tokens.inc(json.loads(data)["usage"]["completion_tokens"])
@@ -316,9 +412,9 @@ class _Exchange:
         p = self.p.cfg.proxy
         try:
             async with self.p.session.post(self.upstream, json=self.body,
-                                               timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as r:
+                                           timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as r:
                 if r.status >= 500:
-                    raise UpstreamFailed(f"rank 0 answered {r.status}", evidence=False)
+                    raise answered_failure(r.status, await r.read())
                 if r.status != 200:
                     return web.Response(body=await r.read(), status=r.status, content_type="application/json")
                 silent_since = time.monotonic()
@@ -326,8 +422,8 @@ class _Exchange:
                     try:
                         line = await asyncio.wait_for(r.content.readline(), p.keepalive_interval)
                     except asyncio.TimeoutError:
-                        if time.monotonic() - silent_since > p.token_stall:
-                            raise UpstreamFailed(f"no token for {p.token_stall:.0f}s")
+                        if self.window is not None and time.monotonic() - silent_since > self.window:
+                            raise UpstreamFailed(f"no token for {self.window:.0f}s")
                         await (await self._prepare()).write(b": keep-alive\n\n")
                         continue
                     if not line:
@@ -340,7 +436,7 @@ class _Exchange:
                         await self.resp.write_eof()
                         return self.resp
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise UpstreamFailed(f"{type(e).__name__}: {e}")
+            raise upstream_failure(e)
 
     async def _forward(self, line: bytes) -> None:
         resp = await self._prepare()

@@ -28,11 +28,14 @@ class Serving:
 
 @dataclass(frozen=True)
 class Observation:
-    """Something the data plane saw that may mean generation `generation` is broken."""
+    """Something the data plane saw about generation `generation`: that it may be
+    broken (`proxy`: an upstream failure; `probe`: the idle probe failed, with the
+    HTTP status when there was one), or that it served a request (`served`)."""
 
     generation: int
-    source: str  # proxy (an upstream failure) | probe (the idle probe)
-    detail: str
+    source: str  # proxy | probe | served
+    detail: str = ""
+    status: int | None = None
 
 
 class FleetView(Protocol):

@@ -20,6 +20,9 @@ CREATE TABLE IF NOT EXISTS incidents (
     id INTEGER PRIMARY KEY AUTOINCREMENT, opened_at REAL, cause TEXT, node TEXT, rank INTEGER,
     generation INTEGER, detail TEXT, steps TEXT, serving_back_at REAL);
 """
+# Columns added since the first release: a store made before them gets them on open.
+ADDED_COLUMNS = {"incidents": (("consequences", "TEXT"), ("timeline", "TEXT"))}
+INCIDENT_COLUMNS = ("opened_at", "cause", "node", "rank", "generation", "detail", "steps", "consequences", "timeline")
 
 
 class Store:
@@ -28,6 +31,11 @@ class Store:
         self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(SCHEMA)
+        for table, columns in ADDED_COLUMNS.items():
+            have = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            for name, kind in columns:
+                if name not in have:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
     def get(self, key: str, default=None):
         row = self.db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
@@ -53,32 +61,51 @@ class Store:
             self.db.execute("UPDATE generations SET ended_at = ?, end_reason = ? WHERE generation = ? "
                             "AND ended_at IS NULL", (at, detail, generation))
 
-    def open_incident(self, opened_at: float, cause: str, node: str, rank: int, generation: int, detail: str) -> None:
-        self.db.execute("INSERT INTO incidents (opened_at, cause, node, rank, generation, detail, steps) "
-                        "VALUES (?,?,?,?,?,?,?)", (opened_at, cause, node, rank, generation, detail, "[]"))
+    def open_incident(self, incident) -> None:
+        self.db.execute(f"INSERT INTO incidents ({', '.join(INCIDENT_COLUMNS)}) VALUES (?,?,?,?,?,?,?,?,?)",
+                        self._incident_values(incident))
 
-    def update_incident(self, opened_at: float, steps: tuple[str, ...]) -> None:
-        self.db.execute("UPDATE incidents SET steps = ? WHERE opened_at = ?", (json.dumps(list(steps)), opened_at))
+    def update_incident(self, incident, serving_back_at: float | None = None) -> None:
+        """Everything an incident may learn after it opened: its cause (a peer's report that came first
+        can be taken over), consequences, steps, timeline, and when serving came back."""
+        assignments = ", ".join(f"{c} = ?" for c in INCIDENT_COLUMNS[1:])
+        values = self._incident_values(incident)[1:]
+        if serving_back_at is not None:
+            assignments += ", serving_back_at = ?"
+            values += (serving_back_at,)
+        self.db.execute(f"UPDATE incidents SET {assignments} WHERE opened_at = ?", values + (incident.opened_at,))
 
-    def close_incident(self, opened_at: float, serving_back_at: float, steps: tuple[str, ...]) -> None:
-        self.db.execute("UPDATE incidents SET serving_back_at = ?, steps = ? WHERE opened_at = ?",
-                        (serving_back_at, json.dumps(list(steps)), opened_at))
+    @staticmethod
+    def _incident_values(i) -> tuple:
+        return (i.opened_at, i.cause, i.node, i.rank, i.generation, i.detail, json.dumps(list(i.steps)),
+                json.dumps(list(i.consequences)), json.dumps([[step, at] for step, at in i.timeline]))
 
     def open_incident_row(self) -> dict | None:
         """The newest incident still waiting to serve again (a restarted controller carries it on)."""
-        row = self.db.execute("SELECT opened_at, cause, node, rank, generation, detail, steps FROM incidents "
+        row = self.db.execute(f"SELECT {', '.join(INCIDENT_COLUMNS)} FROM incidents "
                               "WHERE serving_back_at IS NULL ORDER BY id DESC LIMIT 1").fetchone()
-        if row is None:
-            return None
-        return dict(zip(("opened_at", "cause", "node", "rank", "generation", "detail"), row[:6]),
-                    steps=tuple(json.loads(row[6] or "[]")))
+        return self._incident_dict(row) if row else None
+
+    @staticmethod
+    def _incident_dict(row) -> dict:
+        d = dict(zip(INCIDENT_COLUMNS, row))
+        d["steps"] = tuple(json.loads(d["steps"] or "[]"))
+        d["consequences"] = tuple(json.loads(d["consequences"] or "[]"))
+        d["timeline"] = tuple((step, at) for step, at in json.loads(d["timeline"] or "[]"))
+        return d
 
     def incidents(self, limit: int = 50) -> list[dict]:
-        rows = self.db.execute("SELECT opened_at, cause, node, rank, generation, detail, steps, serving_back_at "
-                               "FROM incidents ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
-        return [{"opened_at": r[0], "cause": r[1], "node": r[2], "rank": r[3], "generation": r[4],
-                 "detail": r[5], "steps": json.loads(r[6] or "[]"), "serving_back_at": r[7],
-                 "recovery_seconds": (r[7] - r[0]) if r[7] else None} for r in rows]
+        rows = self.db.execute(f"SELECT {', '.join(INCIDENT_COLUMNS)}, serving_back_at FROM incidents "
+                               "ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+        out = []
+        for r in rows:
+            d = self._incident_dict(r[:-1])
+            back = r[-1]
+            out.append({**d, "steps": list(d["steps"]), "consequences": list(d["consequences"]),
+                        "timeline": [{"step": step, "at": at, "after": round(at - d["opened_at"], 3)}
+                                     for step, at in d["timeline"]],
+                        "serving_back_at": back, "recovery_seconds": (back - d["opened_at"]) if back else None})
+        return out
 
     def generations(self, limit: int = 20) -> list[dict]:
         rows = self.db.execute("SELECT generation, started_at, ready_at, ended_at, end_reason FROM generations "

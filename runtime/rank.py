@@ -146,7 +146,7 @@ class LockstepLoop:
 
     def _refuse(self, rid: str) -> None:
         if self.fe:
-            self.fe.fail(rid, "The generation is draining; this request was cancelled. Retry it")
+            self.fe.fail(rid, "The generation is draining; this request was cancelled. Retry it", code="draining")
 
     def run(self) -> None:
         doze = 0.0
@@ -267,12 +267,11 @@ def main(argv: list[str] | None = None) -> None:
     if frontend:
         frontend.stop()
     hb.stop()
-    # Leave without the interpreter's finalization: it restores the default
-    # SIGTERM action, and a second SIGTERM landing then would turn a clean
-    # drain into a death by signal.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Drained: a late SIGTERM is ignored from here. The interpreter's finalization
+    # would otherwise restore its default action (a clean drain turned into a
+    # death by signal), and a normal exit runs the transport's destructors, which
+    # free RDMA resources that a kill leaks.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _logger(rank: int, generation: int):

@@ -140,9 +140,11 @@ class Frontend:
             if (p := self._pending_for(e.rid)) is not None:
                 p.put(("token", e.token, e.finish_reason))
 
-    def fail(self, rid: str, message: str) -> None:
+    def fail(self, rid: str, message: str, code: str = "generation_failed") -> None:
+        """End a request with an error: `generation_failed` (a rank died under it) or `draining`
+        (the generation is leaving and cancelled it; nothing is broken)."""
         if (p := self._pending_for(rid)) is not None:
-            p.put(("failed", message))
+            p.put(("failed", message, code))
 
     def fail_all(self, message: str) -> None:
         with self._lock:
@@ -276,7 +278,7 @@ class _Run:
     async def whole(self, pending: Pending) -> web.Response:
         async for event in self._events(pending):
             if event[0] == "failed":
-                return json_error(503, event[1], code="generation_failed", type_="server_error",
+                return json_error(503, event[1], code=event[2], type_="server_error",
                                   headers={"Retry-After": "2"})
             _, reason = self._advance(event)
             if reason is not None:
@@ -296,7 +298,7 @@ class _Run:
         first = True
         async for event in self._events(pending):
             if event[0] == "failed":
-                await send(error_body(event[1], "server_error", None, "generation_failed"))
+                await send(error_body(event[1], "server_error", None, event[2]))
                 break
             piece, reason = self._advance(event)
             if piece or first or reason is not None:

@@ -6,29 +6,13 @@ import pytest
 from agents.orphans import ProcInfo, select_orphans
 from agents.signatures import classify
 from agents.stall import StallWindows, stall_verdict
-
-LINES = [
-    ("[jaccl] Recv failed with errno=12 (-12)", "jaccl_enomem", "fatal"),
-    ("libc++abi: terminating: [jaccl] Send failed: ibv_post_send returned -12", "jaccl_enomem", "fatal"),
-    ("[jaccl] Recv failed with errno=2", "jaccl_errno", "fatal"),
-    ("[jaccl] Couldn't allocate protection domain", "jaccl_protection_domain", "reboot"),
-    ("[jaccl] Changing queue pair to RTR failed with errno=60", "jaccl_rtr", "fatal"),
-    ("Segmentation fault in tbt_post_recv+0x44", "jaccl_tbt_post_recv_crash", "reboot"),
-    ("[ring] Sending to socket 4 failed with errno 32", "ring_send_failed", "fatal"),
-    ("[ring] Receiving from socket 4 failed with errno 104", "ring_send_failed", "fatal"),
-    ("RuntimeError: [ring] connection to a peer was lost", "ring_peer_lost", "fatal"),
-    ("[ring] Too many send/recv errors. Failing pending tasks...", "ring_too_many_errors", "fatal"),
-    ("[METAL] Command buffer execution failed: Caused GPU Timeout Error", "metal_gpu_timeout", "fatal"),
-    ("[METAL] Command buffer execution failed: Insufficient Memory (00000008)", "metal_out_of_memory", "fatal"),
-    ("[meshd-rank g1 r0] loading 3/3", None, None),
-    ("INFO request finished in 12.0s", None, None),
-]
+from kit.fatal_lines import LINES
 
 
-@pytest.mark.parametrize("line,name,severity", LINES, ids=[l[0][:40] for l in LINES])
-def test_signatures(line, name, severity):
+@pytest.mark.parametrize("line,name,severity,role", LINES, ids=[l[0][:48] for l in LINES])
+def test_signatures(line, name, severity, role):
     sig = classify(line)
-    assert (sig.name if sig else None, sig.severity if sig else None) == (name, severity)
+    assert (sig.name, sig.severity, sig.role) == (name, severity, role) if sig else (name is None)
 
 
 W = StallWindows(base=10, min_prefill_rate=100, load_deadline=600, start_deadline=60)

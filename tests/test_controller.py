@@ -3,6 +3,7 @@ up after repeated deaths, API keys, admission, keep-alives, cancellation."""
 
 import json
 import os
+import shutil
 import threading
 import time
 
@@ -24,6 +25,51 @@ def two_agents(tmp_path):
     yield agents
     for a in agents:
         a.kill()
+
+
+def test_a_model_no_restart_can_load_ends_failed_at_its_second_generation_and_the_proxy_says_503(
+        two_agents, tmp_path, demo_model):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_model / name, broken / name)
+    (broken / "config.json").write_text(json.dumps({"model_type": "no_such_architecture"}))
+    mesh = write_mesh(tmp_path, two_agents, broken, recovery={"max_failures": 5, "backoff_base": 0.1})
+    try:
+        up = meshctl(mesh, "up", timeout=240)
+        assert up.returncode == 1, up.stdout + up.stderr
+        assert "no_such_architecture" in up.stdout and "the same failure at load" in up.stdout
+        assert "meshctl up" in up.stdout
+        status = json.loads(meshctl(mesh, "status", "--json").stdout)
+        assert status["phase"] == "failed" and status["generation"] == 2
+        r = requests.post(f"{status['urls']['proxy']}/chat/completions", timeout=30,
+                          json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503 and r.headers["Retry-After"]
+        validate(r.json(), "ErrorResponse")
+        assert "failed" in r.json()["error"]["message"]
+        events = json.loads(meshctl(mesh, "events", "--json").stdout)
+        assert len(events["incidents"]) == 1, "one incident from the first death until serving is back (or given up)"
+        incident = events["incidents"][0]
+        assert (incident["cause"], incident["generation"], incident["serving_back_at"]) == ("exit", 1, None)
+        assert "no_such_architecture" in incident["detail"] and incident["steps"] == ["restart", "failed"]
+        assert [g["generation"] for g in events["generations"]] == [2, 1]
+        assert all(g["ended_at"] for g in events["generations"])
+    finally:
+        stop_controller(mesh)
+
+
+def test_a_missing_model_is_refused_before_any_rank_starts(two_agents, tmp_path):
+    mesh = write_mesh(tmp_path, two_agents, tmp_path / "no-such-model")
+    try:
+        t0 = time.monotonic()
+        up = meshctl(mesh, "up", "--skip-preflight", timeout=120)
+        assert up.returncode == 1 and time.monotonic() - t0 < 15, up.stdout + up.stderr
+        assert "no model at" in up.stdout and "no-such-model" in up.stdout
+        assert all(a.ranks() == [] for a in two_agents), "nothing was spawned"
+        incident = json.loads(meshctl(mesh, "events", "--json").stdout)["incidents"][0]
+        assert incident["cause"] == "preflight" and incident["steps"] == ["failed"]
+    finally:
+        stop_controller(mesh)
 
 
 @pytest.fixture
@@ -129,22 +175,88 @@ def test_the_stock_mlx_lm_server_profile_serves_and_recovers(two_agents, tmp_pat
         stop_controller(mesh)
 
 
-def test_a_hung_stock_server_is_caught_by_the_idle_probe(two_agents, tmp_path, demo_model):
+def test_a_hung_stock_server_is_caught_idle_by_the_probe_and_busy_by_its_silence(two_agents, tmp_path, demo_model):
     mesh = write_mesh(tmp_path, two_agents, demo_model, runtime={"profile": "mlx-lm-server"},
-                      proxy={"probe_idle": 1.0, "probe_timeout": 3.0})
-    try:
-        assert meshctl(mesh, "up").returncode == 0
+                      proxy={"probe_idle": 1.0, "probe_timeout": 3.0, "token_stall": 2.0, "min_decode_rate": 4.0})
+
+    def status():
+        return json.loads(meshctl(mesh, "status", "--json").stdout)
+
+    def hang_rank1_until(generation: int, what: str):
         victim = two_agents[1].ranks()[-1]["pid"]
         os.kill(victim, 19)  # SIGSTOP: no status file, no exit; only a request can tell
         try:
-            wait_for(lambda: (s := json.loads(meshctl(mesh, "status", "--json").stdout))["generation"] == 2
-                     and s["phase"] == "ready", 120, "the probe to catch the hang and recover")
+            wait_for(lambda: (s := status())["generation"] == generation and s["phase"] == "ready", 120, what)
         finally:
             try:
                 os.kill(victim, 18)
             except ProcessLookupError:
                 pass
+
+    try:
+        assert meshctl(mesh, "up").returncode == 0
+        hang_rank1_until(2, "the idle probe to catch the hang and recover")
+        incident = json.loads(meshctl(mesh, "events", "--json").stdout)["incidents"][0]
+        assert incident["cause"] == "probe" and "probe failed" in incident["detail"]
+
+        # Under whole (non-streamed) requests back to back the probe never runs; rank 0's silence past
+        # each request's window is the evidence, and the request that waited is retried.
+        proxy, answers, done = status()["urls"]["proxy"], [], threading.Event()
+
+        def client():
+            while not done.is_set():
+                answers.append(requests.post(f"{proxy}/chat/completions", timeout=120, json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).status_code)
+
+        worker = threading.Thread(target=client)
+        worker.start()
+        try:
+            wait_for(lambda: len(answers) >= 3, 60, "traffic")
+            hang_rank1_until(3, "the silence of rank 0 to be caught under traffic")
+            n = len(answers)
+            wait_for(lambda: len(answers) > n + 2, 60, "traffic on generation 3")
+        finally:
+            done.set()
+            worker.join(120)
+        assert set(answers) == {200}, answers
+        incident = json.loads(meshctl(mesh, "events", "--json").stdout)["incidents"][0]
+        assert (incident["cause"], incident["generation"]) == ("proxy", 2) and "no answer within" in incident["detail"]
+    finally:
+        stop_controller(mesh)
+
+
+def test_no_probe_while_a_request_runs_and_a_request_in_flight_at_two_deaths_is_quarantined(
+        two_agents, tmp_path, demo_model):
+    mesh = write_mesh(tmp_path, two_agents, demo_model, proxy={"probe_idle": 1.0, "probe_timeout": 2.0})
+    body = {"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 4000, "temperature": 1.0,
+            "seed": 23}
+    try:
+        assert meshctl(mesh, "up").returncode == 0
+        proxy = json.loads(meshctl(mesh, "status", "--json").stdout)["urls"]["proxy"]
+        answer = {}
+        worker = threading.Thread(target=lambda: answer.update(
+            r=requests.post(f"{proxy}/chat/completions", json=body, timeout=300)))
+        worker.start()
+
+        def busy(g):  # this seed's answer runs 3272 tokens: long enough to be killed twice
+            wait_for(lambda: (r := two_agents[1].ranks()[-1])["generation"] == g
+                     and (r["status"] or {}).get("state") == "busy", 60, f"the request on generation {g}")
+
+        busy(1)
+        time.sleep(4)  # nothing may probe the mesh past probe_idle + probe_timeout while the request runs
+        os.kill(two_agents[1].ranks()[-1]["pid"], 9)
+        busy(2)
+        os.kill(two_agents[1].ranks()[-1]["pid"], 9)
+        worker.join(120)
+        r = answer["r"]
+        assert r.status_code == 502 and r.json()["error"]["code"] == "request_quarantined", r.text
+        validate(r.json(), "ErrorResponse")
+        again = requests.post(f"{proxy}/chat/completions", json=body, timeout=30)
+        assert again.status_code == 502 and "quarantined" in again.json()["error"]["message"]
+        other = requests.post(f"{proxy}/chat/completions", timeout=120,
+                              json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert other.status_code == 200
         incidents = json.loads(meshctl(mesh, "events", "--json").stdout)["incidents"]
-        assert incidents[0]["cause"] == "probe" and "probe failed" in incidents[0]["detail"]
+        assert [(i["cause"], i["node"]) for i in incidents] == [("exit", "node1"), ("exit", "node1")]
     finally:
         stop_controller(mesh)

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import psutil
 import pytest
@@ -15,6 +16,7 @@ from openai import OpenAI
 from kit.meshctl import Demo, demo_meshctl
 from kit.openai import sse_events, validate
 from kit.waiting import wait_for
+from meshd import daemons
 
 STALL = 6.0
 
@@ -85,9 +87,18 @@ def test_sigkill_mid_stream_ends_that_stream_cleanly_and_the_mesh_recovers(demo)
     after = demo.wait_ready(after=g)
     assert after["generation"] == g + 1
     incident = demo.incidents()[0]
+    # The killed rank is the cause, whatever reached the controller first; the peers that only lost
+    # their socket to it are consequences.
     assert (incident["cause"], incident["node"], incident["generation"]) == ("exit", "node2", g)
     assert "signal 9" in incident["detail"] and incident["serving_back_at"] is not None
-    assert "exit" in demo_meshctl(demo.home, "events").stdout
+    assert incident["consequences"] and not any(c.startswith("node2 ") for c in incident["consequences"])
+    steps = [t["step"] for t in incident["timeline"]]
+    assert steps == ["detected", "stopped", "swept", "started", "loaded", "ready", "served"], incident["timeline"]
+    assert [t["at"] for t in incident["timeline"]] == sorted(t["at"] for t in incident["timeline"])
+    events = demo_meshctl(demo.home, "events").stdout
+    assert "exit" in events and "served +" in events and "then node" in events
+    metrics = requests.get(demo.status()["urls"]["metrics"], timeout=5).text
+    assert 'meshd_recovery_step_seconds_count{step="served"}' in metrics
 
 
 def test_sigstop_of_a_busy_rank_is_a_stall_and_the_mesh_recovers(demo):
@@ -139,6 +150,44 @@ def test_a_killed_controller_comes_back_and_adopts_the_running_generation(demo):
     metrics = requests.get(after["urls"]["metrics"], timeout=5).text
     assert "meshd_restarts_total" not in metrics.replace("# HELP meshd_restarts_total", "").replace(
         "# TYPE meshd_restarts_total", "")
+
+
+def test_adoption_waits_for_an_agent_that_is_late_and_a_reset_agent_log_is_read_again(demo):
+    s = demo.wait_ready()
+    pids = [demo.rank_pid(i) for i in range(4)]
+    incidents = len(demo.incidents())
+    run = demo.home / "demo" / "run"
+    agent1 = demo.home / "demo" / "agents" / "node1"
+
+    def kill(name):
+        pid = int((run / f"{name}.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGKILL)
+        psutil.Process(pid).wait(10) if psutil.pid_exists(pid) else None
+
+    def start(name, module, config):
+        daemons.start(daemons.python_module(module, "--config", str(config)), run / f"{name}.pid", run / f"{name}.log")
+
+    # The controller comes back while node1's agent is still down: it waits, and adopts once the agent answers.
+    kill("controller")
+    kill("agent-node1")
+    start("controller", "meshd.daemon", demo.home / "demo" / "mesh.toml")
+    time.sleep(2)  # the agent is late on purpose: longer than a first look, shorter than adopt_wait
+    start("agent-node1", "agents.server", agent1 / "agent.toml")
+    wait_for(lambda: demo_meshctl(demo.home, "status", "--json", check=False).returncode == 0, 60, "the controller")
+    after = demo.status()
+    assert (after["generation"], after["phase"]) == (s["generation"], "ready")
+    assert [demo.rank_pid(i) for i in range(4)] == pids and len(demo.incidents()) == incidents
+
+    # node1's agent loses its event log (reinstalled, state wiped): a new epoch, numbered from 1 again.
+    kill("agent-node1")
+    for name in ("events.jsonl", "events.jsonl.epoch"):
+        (agent1 / "state" / name).unlink()
+    start("agent-node1", "agents.server", agent1 / "agent.toml")
+    wait_for(lambda: demo.status()["nodes"][1]["agent_ok"], 60, "node1's agent back")
+    os.kill(pids[1], signal.SIGKILL)
+    demo.wait_ready(after=s["generation"])
+    incident = demo.incidents()[0]
+    assert (incident["node"], incident["cause"], incident["generation"]) == ("node1", "exit", s["generation"])
 
 
 def test_restart_drains_into_the_next_generation_without_an_incident(demo):

@@ -16,7 +16,7 @@ from kit.configs import write_mesh
 from kit.meshctl import meshctl, stop_controller
 from kit.sshd import STANDINS, start_fleet
 from meshd import doctor
-from meshd.config import parse
+from meshd.config import Runtime, parse
 
 GiB = 2**30
 MAC = {"python": "3.12.4", "mlx": "0.29.1", "mlx_lm": "0.28.2", "memory_total_bytes": 192 * GiB,
@@ -134,11 +134,11 @@ def test_a_healthy_mesh_passes_and_each_fault_fails_with_its_fix(macs, tmp_path,
     assert provisioned.returncode == 0, provisioned.stdout + provisioned.stderr
     r = meshctl(mesh, "doctor")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "37 of 37 checks pass: ready to start" in r.stdout and "FAIL" not in r.stdout
+    assert "41 of 41 checks pass: ready to start" in r.stdout and "FAIL" not in r.stdout
     code, failed, checks = doctor_run(mesh)
     assert {c["name"] for c in checks} == {"ssh", "sudo", "bridge0", "rdma", "agent", "stale ranks", "versions",
-                                          "model", "memory", "hostfile"}
-    assert len(checks) == 9 * 4 + 1 and code == 0
+                                          "model", "launch", "memory", "hostfile"}
+    assert len(checks) == 10 * 4 + 1 and code == 0
 
     (fleet.nodes[1].state / "iogpu.wired_limit_mb").write_text("1\n")  # 0.9 MiB usable: the model cannot fit
     fleet.nodes[3].fault("ibv_hang")
@@ -250,3 +250,20 @@ def test_a_malformed_or_mismatched_hostfile_fails_with_provision_as_the_fix(tmp_
                  "nodes": [{"name": n, "agent": "http://127.0.0.1:9", "token_file": "t"} for n in "ab"]}, tmp_path)
     check = doctor.judge_hostfile(cfg)
     assert not check.ok and needle in check.detail and check.fix == "meshctl provision"
+
+
+LAUNCH = {"launch": {"profiles": {"meshd-rank": ["max_tokens", "draft_model"], "mlx-lm-server": ["max_tokens"]},
+                     "env_allowlist": ["NCCL_DEBUG"]}}
+
+
+@pytest.mark.parametrize("runtime,ok,words", [
+    (Runtime(profile="meshd-rank", args={"max_tokens": 8}, draft_model="/d"), True, "profile meshd-rank"),
+    (Runtime(profile="vllm"), False, "profile 'vllm' is not allowed"),
+    (Runtime(args={"max_tokens": 8, "temprature": 0.5}), False, "['temprature'] are not parameters"),
+    (Runtime(profile="mlx-lm-server", draft_model="/d"), False, "['draft_model'] are not parameters"),
+    (Runtime(env={"NCCL_DEBUG": "INFO", "LD_PRELOAD": "x"}), False, "env ['LD_PRELOAD'] is not in"),
+], ids=["allowed", "profile", "arg", "draft-on-stock", "env"])
+def test_launch_judgement_names_what_an_agent_would_refuse(runtime, ok, words):
+    (check,) = doctor.judge_launch({"n1": LAUNCH}, runtime)
+    assert (check.ok, check.node) == (ok, "n1") and words in check.detail
+    assert ok or "agent.toml" in check.fix

@@ -70,6 +70,13 @@ def test_meshctl_config_check(tmp_path):
     r = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "check", str(bad)], capture_output=True,
                        text=True)
     assert r.returncode == 1 and "nodes: at least one" in r.stderr
+    refused = tmp_path / "refused.toml"
+    refused.write_text(good.read_text().replace('model = "/m"', 'model = "/m"\nargs = {max_tokns = 9}\n'
+                                                                 'env = {LD_PRELOAD = "x"}'))
+    r = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "check", str(refused)], capture_output=True,
+                       text=True)
+    assert "warning: runtime.args.max_tokns: not a parameter of the meshd-rank profile" in r.stdout
+    assert "warning: runtime.env.LD_PRELOAD: not in the default env_allowlist" in r.stdout
     (tmp_path / "broken.toml").write_text("nodes = [")
     with pytest.raises(ConfigError, match="is not valid TOML"):
         load(tmp_path / "broken.toml")

@@ -11,13 +11,18 @@ from meshd.ports import free_ports, free_run
 
 STANDIN_PROFILES = {
     # Prints what a JACCL rank prints when ibv_post_recv returns ENOMEM, then blocks.
-    "jaccl-standin": ["{python}", "-c",
-                      "import time; print('[jaccl] Recv failed with errno=12 (-12)', flush=True); time.sleep(3600)",
-                      "--meshd-generation", "{generation}"],
-    "ignores-sigterm": ["{python}", "-c",
-                        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                        "print('ignoring SIGTERM', flush=True); time.sleep(3600)",
-                        "--meshd-generation", "{generation}"],
+    "jaccl-standin": {"command": ["{python}", "-c",
+                                  "import time; print('[jaccl] Recv failed with errno=12 (-12)', flush=True); "
+                                  "time.sleep(3600)", "--meshd-generation", "{generation}"]},
+    "ignores-sigterm": {"command": ["{python}", "-c",
+                                    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                    "print('ignoring SIGTERM', flush=True); time.sleep(3600)",
+                                    "--meshd-generation", "{generation}"]},
+    # A rank that dies the way a transport's or a backend's error kills a real one: the line on
+    # stderr, then exit 1.
+    "prints-line": {"command": ["{python}", "-c", "import sys; print(sys.argv[-1], file=sys.stderr, flush=True); "
+                                "sys.exit(1)", "--meshd-generation", "{generation}"],
+                    "args": {"line": "--line"}},
 }
 
 
@@ -28,7 +33,7 @@ def write_agent_config(path: Path, node: str, port: int, *, stall: dict | None =
     (path / "token").write_text(token + "\n")
     (path / "token").chmod(0o600)
     extra = dict(extra or {})
-    profiles = {name: {"command": command, "status_file": False} for name, command in STANDIN_PROFILES.items()}
+    profiles = {name: {**profile, "status_file": False} for name, profile in STANDIN_PROFILES.items()}
     profiles.update(extra.pop("profiles", {}))
     write_toml(path / "agent.toml", {"node": node, "listen": f"127.0.0.1:{port}", "token_file": "token",
                                      "state_dir": "state", **extra, "stall": stall or {}, "profiles": profiles})

@@ -1,0 +1,100 @@
+"""False alarms: what a healthy mesh does that must never be called a death.
+
+On a 2-rank mesh of real agents and ranks (ring over loopback), with tight
+windows so that each case outlasts them: a cold load of a slow-loading model,
+a prefill 10x the base stall window, a speculative request longer than
+`probe_idle + probe_timeout`, then an idle mesh with the probe on. The count
+that matters is incidents: it must stay 0.
+
+    python bench/false_alarms.py --idle-minutes 30 --write
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+from benchkit import meshctl_for as meshctl
+from benchkit import parser, report
+
+from kit.agents import make_agents
+from kit.configs import write_mesh
+from runtime.demo_model import DemoModelSpec, build_demo_model
+
+BASE = 2.0  # the agents' base stall window, seconds
+
+
+def incidents(mesh: Path) -> list[dict]:
+    return json.loads(meshctl(mesh, "events", "--json"))["incidents"]
+
+
+def timed(what: str, fn) -> tuple[str, float]:
+    t0 = time.monotonic()
+    fn()
+    return what, time.monotonic() - t0
+
+
+def main() -> None:
+    ap = parser()
+    ap.add_argument("--idle-minutes", type=float, default=30.0)
+    ap.add_argument("--probe-idle", type=float, default=5.0)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="meshd-false-alarms-"))
+    slow = build_demo_model(tmp / "slow", DemoModelSpec(hidden_size=512, num_hidden_layers=48,
+                                                        intermediate_size=1536, seed=5))
+    draft = build_demo_model(tmp / "draft", DemoModelSpec(hidden_size=32, num_hidden_layers=1,
+                                                          intermediate_size=64, seed=7))
+    agents = make_agents(tmp, 2, stall={"base": BASE, "min_prefill_rate": 50, "load_deadline": 300})
+    for a in agents:
+        a.start()
+    mesh = write_mesh(tmp, agents, slow,
+                      runtime={"draft_model": str(draft), "args": {"prefill_step_size": 16384,
+                                                                   "max_context": 16384, "model_name": "slow"}},
+                      proxy={"probe_idle": args.probe_idle, "probe_timeout": 2.0})
+    rows = []
+    try:
+        rows.append(timed("cold load of a 48-layer model", lambda: meshctl(mesh, "up")))
+        proxy = json.loads(meshctl(mesh, "status", "--json"))["urls"]["proxy"]
+
+        def post(body):
+            r = requests.post(f"{proxy}/completions", json=body, timeout=1800)
+            assert r.status_code == 200, r.text
+
+        words = "The ranks step in lockstep and every token needs an all-reduce across the ring. "
+        rows.append(timed(f"prefill of a long prompt (base window {BASE:g} s)",
+                          lambda: post({"prompt": words * 140, "max_tokens": 1})))
+        rows.append(timed(f"speculative decode (probe_idle {args.probe_idle:g} s + probe_timeout 2 s)",
+                          lambda: post({"prompt": "hello", "max_tokens": 600})))
+        idle = args.idle_minutes * 60
+        rows.append(timed(f"idle with the probe every {args.probe_idle:g} s", lambda: time.sleep(idle)))
+        found = incidents(mesh)
+        probes = requests.get(json.loads(meshctl(mesh, "status", "--json"))["urls"]["metrics"], timeout=5).text
+    finally:
+        meshctl(mesh, "down", "--force", check=False)
+        pidfile = tmp / "state" / "run" / "controller.pid"
+        if pidfile.exists():
+            os.kill(int(pidfile.read_text().split()[0]), signal.SIGTERM)
+        for a in agents:
+            a.kill()
+
+    lines = [f"### False alarms ({time.strftime('%Y-%m-%d')}, 2 ranks on the ring backend, {os.cpu_count()} CPUs)", "",
+             "| case | lasted s | outlasts |", "|---|---|---|"]
+    outlasts = [f"base stall window {BASE:g} s", f"base stall window {BASE:g} s ({rows[1][1] / BASE:.0f}x)",
+                f"probe_idle + probe_timeout = {args.probe_idle + 2:g} s", f"{idle / args.probe_idle:.0f} probe periods"]
+    lines += [f"| {what} | {took:.1f} | {o} |" for (what, took), o in zip(rows, outlasts)]
+    sent = {line.split('"')[1]: float(line.split()[-1]) for line in probes.splitlines()
+            if line.startswith("meshd_proxy_probes_total{")}
+    lines += ["", f"Incidents: **{len(found)}** (target 0)" + (f": {found}" if found else "") +
+              f". Idle probes: {sent.get('ok', 0):.0f} answered, {sent.get('failed', 0):.0f} failed.", "",
+              f"Command: `python bench/false_alarms.py --idle-minutes {args.idle_minutes:g} --probe-idle "
+              f"{args.probe_idle:g} --write`", ""]
+    report(lines, args.write)
+
+
+if __name__ == "__main__":
+    main()
