@@ -41,10 +41,14 @@ def status(home: Path) -> dict:
     return json.loads(meshctl(home, "status", "--json"))
 
 
-def chat_ok(proxy: str, max_tokens: int = 2, timeout: float = 300) -> bool:
+LONG = {"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 3000, "temperature": 1.0,
+        "seed": 23}  # 3272 tokens on the demo model before its end-of-turn token
+
+
+def chat_ok(proxy: str, body: dict | None = None, timeout: float = 300) -> bool:
     try:
         r = requests.post(f"{proxy}/chat/completions", timeout=timeout,
-                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens})
+                          json=body or {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
         return r.status_code == 200
     except requests.RequestException:
         return False
@@ -124,7 +128,9 @@ def main() -> None:
             s = wait(lambda: (x := status(home))["phase"] == "ready" and x, 300, 0.1)
             node = 1 + rng.randrange(3)
             pid = s["nodes"][node]["rank"]["pid"]
-            threading.Thread(target=chat_ok, args=(proxy, 3000, 60), daemon=True).start()
+            # A new request each time: one in flight at two deaths would be quarantined.
+            body = {**LONG, "messages": [{"role": "user", "content": f"a long answer {len(stall_detect)}"}]}
+            threading.Thread(target=chat_ok, args=(proxy, body, 60), daemon=True).start()
             wait(lambda: (status(home)["nodes"][node]["rank"]["status"] or {}).get("state") == "busy", 30, 0.05)
             stopped = time.time()
             os.kill(pid, signal.SIGSTOP)

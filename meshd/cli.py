@@ -104,7 +104,8 @@ def progress_line(status: dict) -> str:
 
 def cmd_up(args) -> int:
     opts = demo.DemoOptions(stall_window=args.stall_window, start_deadline=args.start_deadline,
-                            max_failures=args.max_failures, backoff_max=args.backoff_max)
+                            max_failures=args.max_failures, backoff_max=args.backoff_max,
+                            poison_after=args.poison_after)
     cfg = resolve_config(args.config, for_up=True, opts=opts)
     ctl = Control(cfg)
     if not ctl.alive():
@@ -216,6 +217,8 @@ def cmd_events(args) -> int:
             say("    " + "  ".join(f"{t['step']} +{t['after']:.2f}s" for t in i["timeline"]))
         for c in i["consequences"]:
             say(f"    then {c}")
+        if i["migrated"]:
+            say(f"    {i['migrated']} stream(s) it cut resumed on the next generation")
     if not data["incidents"]:
         say("no incidents")
     return 0
@@ -380,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--start-deadline", type=float, default=120.0, help="demo: seconds to become ready")
     up.add_argument("--max-failures", type=int, default=5, help="demo: failures in the window before failed")
     up.add_argument("--backoff-max", type=float, default=10.0, help="demo: longest wait between restarts")
+    up.add_argument("--poison-after", type=int, default=2,
+                    help="demo: a request in flight when this many generations died is quarantined")
     down = sub.add_parser("down", help="drain and stop the mesh (and the demo's daemons)")
     down.add_argument("--force", action="store_true", help="kill instead of draining")
     down.add_argument("--timeout", type=float, default=120)

@@ -52,7 +52,10 @@ class Proxy:
     token_stall: float = 300.0
     min_prefill_rate: float = 50.0
     min_decode_rate: float = 1.0
-    # A request in flight when this many generations died is refused (502) for quarantine_seconds.
+    # A stream cut by a generation's death resumes on the next one, at most this many times; a
+    # request in flight when poison_after generations died is refused (502, or an error event once
+    # streaming) and quarantined for quarantine_seconds, whatever its migrations.
+    migration_limit: int = 2
     poison_after: int = 2
     quarantine_seconds: float = 600.0
 

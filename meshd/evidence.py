@@ -48,13 +48,15 @@ def launch_refused(node: str, rank: int, generation: int, status: int | None, me
     return fleet.RankDied(node, rank, generation, "launch", message, deterministic=deterministic)
 
 
-def observed(obs: Observation, rank0_node: str) -> fleet.RankDied | fleet.RequestServed:
+def observed(obs: Observation, rank0_node: str) -> fleet.RankDied | fleet.RequestServed | fleet.RequestMigrated:
     """What the proxy saw: a request served, or evidence against rank 0. Such evidence is a symptom
     (a cut stream, a silent rank 0), so a rank that failed by itself takes the incident over. A probe
     answered 4xx is a request the runtime will always refuse (a model name it does not serve, say):
     deterministic."""
     if obs.source == "served":
         return fleet.RequestServed(obs.generation)
+    if obs.source == "migrated":
+        return fleet.RequestMigrated(obs.generation)
     deterministic = obs.source == "probe" and obs.status is not None and 400 <= obs.status < 500
     return fleet.RankDied(rank0_node, 0, obs.generation, obs.source, obs.detail, consequence=True,
                           deterministic=deterministic)

@@ -78,6 +78,7 @@ class Incident:
     consequences: tuple[str, ...] = ()  # "node rank R: what it said", peers that only lost the cause
     timeline: tuple[tuple[str, float], ...] = ()  # (step, when)
     primary: bool = True  # the named rank failed by itself (not a consequence of a peer)
+    migrated: int = 0  # streams it cut that resumed on the next generation
 
     def at(self, step: str, when: float) -> "Incident":
         return replace(self, timeline=self.timeline + ((step, when),))
@@ -185,6 +186,12 @@ class StartRefused:
 @dataclass(frozen=True)
 class RequestServed:
     """The proxy answered a request from generation G."""
+    generation: int
+
+
+@dataclass(frozen=True)
+class RequestMigrated:
+    """A stream generation G cut resumes on the next generation."""
     generation: int
 
 
@@ -461,6 +468,14 @@ def _on_request_served(state: FleetState, ev: RequestServed, now: float, policy:
     return replace(state, closing=None), [IncidentUpdated(incident)]
 
 
+def _on_request_migrated(state: FleetState, ev: RequestMigrated, now: float, policy: Policy) -> Result:
+    incident = state.incident
+    if incident is None or incident.generation != ev.generation:
+        return state, []
+    incident = replace(incident, migrated=incident.migrated + 1)
+    return replace(state, incident=incident), [IncidentUpdated(incident)]
+
+
 LOADED = (RankState.ARMED, RankState.READY, RankState.BUSY)
 
 
@@ -570,7 +585,8 @@ def _on_tick(state: FleetState, ev: Tick, now: float, policy: Policy) -> Result:
 HANDLERS = {UpRequested: _on_up, DownRequested: _on_down, RestartRequested: _on_restart, Adopted: _on_adopted,
             LeftoversFound: _on_leftovers, MeshReady: _on_mesh_ready, RankReported: _on_rank_reported,
             RankDied: _on_rank_died, StartRefused: _on_start_refused, GenerationStopped: _on_generation_stopped,
-            StepDone: _on_step_done, RequestServed: _on_request_served, Tick: _on_tick}
+            StepDone: _on_step_done, RequestServed: _on_request_served, RequestMigrated: _on_request_migrated,
+            Tick: _on_tick}
 
 
 def step(state: FleetState, event, now: float, policy: Policy) -> Result:

@@ -42,6 +42,8 @@ class Metrics:
         self.tokens = Counter("meshd_proxy_tokens_total", "Completion tokens served", registry=r)
         self.probes = Counter("meshd_proxy_probes_total", "Idle probes sent to rank 0, by result (ok, failed)",
                               ["result"], registry=r)
+        self.migrations = Counter("meshd_proxy_migrations_total",
+                                  "Streams cut by a generation's death and resumed on the next one", registry=r)
         self.retries = Counter("meshd_proxy_retries_total", "Requests retried on the next generation", registry=r)
         self.set_phase(Phase.STOPPED)
 

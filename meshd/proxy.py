@@ -51,6 +51,7 @@ RETRY_AFTER = "5"
 # A chunk carries text when its "content" (chat) or "text" (completions) is a
 # non-empty string. Matching bytes spares decoding every chunk of every stream.
 TEXT_FIELD = re.compile(rb'"(?:content|text)":\s?"(?!")')
+FINISHED = re.compile(rb'"finish_reason":\s?"')
 log = structlog.get_logger("meshd.proxy")
 
 
@@ -162,6 +163,8 @@ class Proxy:
         self.last_request_at = time.monotonic()  # when the last request ended (or the last probe ran)
         self.quarantine: dict[str, float] = {}  # request digest -> refused until
         self.served_generation = -1
+        self.probed_generation = -1
+        self.admitted = 0  # requests admitted since start (a probe that overlapped one is not judged)
 
     @staticmethod
     def _load_keys(path: Path | None) -> list[str]:
@@ -266,6 +269,7 @@ class Proxy:
             self.metrics.queue_depth.set(self.admission.depth)
         self.metrics.queue_wait.observe(time.monotonic() - t0)
         self.metrics.in_flight.inc()
+        self.admitted += 1
         try:
             return await _Exchange(self, request, req, body, deadline, digest).run()
         finally:
@@ -296,10 +300,13 @@ class Proxy:
         """When no request has run for a while, ask the mesh for one token."""
         p = self.cfg.proxy
         s = self.fleet.serving()
+        if s.ready and s.generation != self.probed_generation:  # idle from when it is first seen serving
+            self.probed_generation, self.last_request_at = s.generation, time.monotonic()
         if not s.ready or self.admission.running or self.admission.depth \
                 or time.monotonic() - self.last_request_at < p.probe_idle:
             return
         self.last_request_at = time.monotonic()
+        admitted = self.admitted
         body = upstream_body(self.cfg.runtime.profile, {"messages": [{"role": "user", "content": "ping"}],
                                                         "max_tokens": 1})
         status = None
@@ -311,7 +318,11 @@ class Proxy:
                     return
                 status = r.status
                 detail = f"probe answered {r.status}: {(await r.text())[:200]}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except asyncio.TimeoutError:
+            if self.admitted != admitted:
+                return  # a request came in meanwhile and shares the steps: a slow probe then proves nothing
+            detail = f"probe failed: no answer within {p.probe_timeout:g}s"
+        except aiohttp.ClientError as e:
             detail = f"probe failed: {type(e).__name__}"
         self.metrics.probes.labels(result="failed").inc()
         await self.fleet.report(Observation(s.generation, "probe", detail, status))
@@ -323,8 +334,42 @@ def upstream_body(profile: str, body: dict) -> dict:
     return {**body, "model": "default_model"} if profile == "mlx-lm-server" else body
 
 
+async def sse_lines(content: aiohttp.StreamReader, idle: float, on_idle):
+    """The lines of an SSE stream as bytes, whatever their length, calling `on_idle()` each `idle`
+    seconds nothing arrives. The pending read is never cancelled, so no line is cut in two."""
+    buf = b""
+    read = None
+    try:
+        while True:
+            if read is None:
+                read = asyncio.ensure_future(content.readany())
+            done, _ = await asyncio.wait({read}, timeout=idle)
+            if not done:
+                await on_idle()
+                continue
+            data, read = read.result(), None
+            if not data:
+                if buf:
+                    yield buf
+                return
+            buf += data
+            while (i := buf.find(b"\n")) >= 0:
+                line, buf = buf[:i + 1], buf[i + 1:]
+                yield line
+    finally:
+        if read is not None:
+            read.cancel()
+
+
 class _Exchange:
-    """One client request through one or more upstream attempts."""
+    """One client request through one or more upstream attempts.
+
+    A stream cut by its generation's death after data reached the client is
+    resumed on the next generation (up to `migration_limit` times): rank 0
+    reports the token ids behind each chunk in SSE comments, the proxy keeps
+    what it delivered and sends the same request with those ids to continue
+    from; the client sees one stream, kept open by keep-alive comments while
+    the mesh recovers."""
 
     def __init__(self, proxy: Proxy, request: web.Request, req: oa.CompletionRequest, body: dict, deadline: float,
                  digest: str):
@@ -339,11 +384,19 @@ class _Exchange:
         self.sent_data = False
         self.t0 = time.monotonic()
         self.last_chunk: float | None = None
+        # What the client has of the answer, for a resumption: its id, created and seed (rank 0's first
+        # comment), the token ids and characters of the chunks forwarded, whether its end went out.
+        self.answer: dict | None = None
+        self.delivered: list[int] = []
+        self.chars = 0
+        self.unconfirmed: tuple[int, list[int]] | None = None  # an ids comment whose chunk is not forwarded yet
+        self.ended = False
+        self.migrations = 0
 
     async def run(self) -> web.StreamResponse:
         after = -1
         while True:
-            serving = await self.p._wait_serving(after, self.deadline)
+            serving = await self._next_generation(after)
             if serving is None:
                 return await self._give_up(self.p._why_unavailable())
             g = serving.generation
@@ -358,13 +411,34 @@ class _Exchange:
                 if len(self.killed) >= self.p.cfg.proxy.poison_after:
                     return await self._quarantine()
                 if self.sent_data:
-                    return await self._end_stream_with_error(f"The mesh failed mid-answer ({e}); retry the request")
-                self.p.metrics.retries.inc()
+                    if self.ended:  # only the stream's last bytes were lost
+                        return await self._finish()
+                    if self.answer is None or self.migrations >= self.p.cfg.proxy.migration_limit:
+                        return await self._end_stream_with_error(
+                            f"The mesh failed mid-answer ({e}); retry the request")
+                    self.migrations += 1
+                    self.p.metrics.migrations.inc()
+                    await self.p.fleet.report(Observation(g, "migrated"))
+                else:
+                    self.p.metrics.retries.inc()
                 after = g
+                self.deadline = time.monotonic() + self.p.cfg.proxy.queue_wait
                 continue
             if resp.status == 200:
                 await self.p.served(g)
             return resp
+
+    async def _next_generation(self, after: int) -> Serving | None:
+        """Wait for a generation newer than `after`; a client already streaming gets keep-alives."""
+        while True:
+            step = min(self.deadline, time.monotonic() + self.p.cfg.proxy.keepalive_interval) \
+                if self.resp is not None else self.deadline
+            serving = await self.p._wait_serving(after, step)
+            phase = self.p.fleet.serving().phase
+            if serving is not None or time.monotonic() >= self.deadline \
+                    or phase in (Phase.FAILED, Phase.STOPPED, Phase.DRAINING):
+                return serving
+            await self.resp.write(b": keep-alive\n\n")
 
     async def _quarantine(self) -> web.StreamResponse:
         self.p.quarantine[self.digest] = time.monotonic() + self.p.cfg.proxy.quarantine_seconds
@@ -408,35 +482,55 @@ class _Exchange:
             await self.resp.prepare(self.request)
         return self.resp
 
+    def _stream_body(self) -> dict:
+        """What rank 0 gets: asked for the token ids of each chunk, and told where to resume from."""
+        meshd = {"ids": True}
+        if self.answer is not None and self.sent_data:
+            meshd["resume"] = {"ids": self.delivered, "chars": self.chars, **self.answer}
+        return {**self.body, "meshd": meshd}
+
     async def _stream(self, g: int) -> web.StreamResponse:
-        p = self.p.cfg.proxy
+        silent_since = time.monotonic()
+
+        async def idle() -> None:
+            if self.window is not None and time.monotonic() - silent_since > self.window:
+                raise UpstreamFailed(f"no token for {self.window:.0f}s")
+            await (await self._prepare()).write(b": keep-alive\n\n")
+
+        body = self._stream_body() if self.p.cfg.runtime.profile == "meshd-rank" else self.body
         try:
-            async with self.p.session.post(self.upstream, json=self.body,
+            async with self.p.session.post(self.upstream, json=body,
                                            timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as r:
                 if r.status >= 500:
                     raise answered_failure(r.status, await r.read())
                 if r.status != 200:
-                    return web.Response(body=await r.read(), status=r.status, content_type="application/json")
-                silent_since = time.monotonic()
-                while True:
-                    try:
-                        line = await asyncio.wait_for(r.content.readline(), p.keepalive_interval)
-                    except asyncio.TimeoutError:
-                        if self.window is not None and time.monotonic() - silent_since > self.window:
-                            raise UpstreamFailed(f"no token for {self.window:.0f}s")
-                        await (await self._prepare()).write(b": keep-alive\n\n")
+                    if self.resp is None:
+                        return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+                    return await self._end_stream_with_error(f"rank 0 refused to resume the answer ({r.status})")
+                async for line in sse_lines(r.content, self.p.cfg.proxy.keepalive_interval, idle):
+                    if line.startswith(b": "):
+                        self._note(line)
                         continue
-                    if not line:
-                        raise UpstreamFailed("rank 0 closed the stream before [DONE]")
                     if not line.startswith(b"data: "):
                         continue
                     silent_since = time.monotonic()
+                    if line.startswith(b'data: {"error"'):
+                        raise answered_failure(503, line[6:])
                     await self._forward(line)
-                    if line.strip() == b"data: [DONE]":
+                    if line.startswith(b"data: [DONE]"):
                         await self.resp.write_eof()
                         return self.resp
+                raise UpstreamFailed("rank 0 closed the stream before [DONE]")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise upstream_failure(e)
+
+    def _note(self, line: bytes) -> None:
+        """Rank 0's comments: the answer's identity, and the ids behind the next chunk."""
+        if line.startswith(b": meshd ") and self.answer is None:
+            self.answer = json.loads(line[8:])
+        elif line.startswith(b": ids "):
+            chars, _, ids = line[6:].strip().partition(b" ")
+            self.unconfirmed = (int(chars), [int(t) for t in ids.split(b",") if t])
 
     async def _forward(self, line: bytes) -> None:
         resp = await self._prepare()
@@ -451,12 +545,21 @@ class _Exchange:
                     self.p.metrics.inter_token.observe(now - self.last_chunk)
                 self.last_chunk = now
                 self.p.metrics.tokens.inc()
+            self.ended |= FINISHED.search(payload) is not None
         await resp.write(line if line.endswith(b"\n\n") else line.rstrip(b"\n") + b"\n\n")
+        if self.unconfirmed is not None:  # the chunk those ids belong to is with the client now
+            self.chars, ids = self.unconfirmed
+            self.delivered += ids
+            self.unconfirmed = None
+
+    async def _finish(self) -> web.StreamResponse:
+        resp = await self._prepare()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     async def _end_stream_with_error(self, message: str) -> web.StreamResponse:
         resp = await self._prepare()
         err = error_body(message, "server_error", None, "mesh_failed")
         await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        return await self._finish()

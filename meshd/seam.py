@@ -30,10 +30,11 @@ class Serving:
 class Observation:
     """Something the data plane saw about generation `generation`: that it may be
     broken (`proxy`: an upstream failure; `probe`: the idle probe failed, with the
-    HTTP status when there was one), or that it served a request (`served`)."""
+    HTTP status when there was one), that it served a request (`served`), or that
+    a stream it cut goes on on the next generation (`migrated`)."""
 
     generation: int
-    source: str  # proxy | probe | served
+    source: str  # proxy | probe | served | migrated
     detail: str = ""
     status: int | None = None
 

@@ -21,8 +21,9 @@ CREATE TABLE IF NOT EXISTS incidents (
     generation INTEGER, detail TEXT, steps TEXT, serving_back_at REAL);
 """
 # Columns added since the first release: a store made before them gets them on open.
-ADDED_COLUMNS = {"incidents": (("consequences", "TEXT"), ("timeline", "TEXT"))}
-INCIDENT_COLUMNS = ("opened_at", "cause", "node", "rank", "generation", "detail", "steps", "consequences", "timeline")
+ADDED_COLUMNS = {"incidents": (("consequences", "TEXT"), ("timeline", "TEXT"), ("migrated", "INTEGER"))}
+INCIDENT_COLUMNS = ("opened_at", "cause", "node", "rank", "generation", "detail", "steps", "consequences", "timeline",
+                    "migrated")
 
 
 class Store:
@@ -62,7 +63,7 @@ class Store:
                             "AND ended_at IS NULL", (at, detail, generation))
 
     def open_incident(self, incident) -> None:
-        self.db.execute(f"INSERT INTO incidents ({', '.join(INCIDENT_COLUMNS)}) VALUES (?,?,?,?,?,?,?,?,?)",
+        self.db.execute(f"INSERT INTO incidents ({', '.join(INCIDENT_COLUMNS)}) VALUES (?,?,?,?,?,?,?,?,?,?)",
                         self._incident_values(incident))
 
     def update_incident(self, incident, serving_back_at: float | None = None) -> None:
@@ -78,7 +79,7 @@ class Store:
     @staticmethod
     def _incident_values(i) -> tuple:
         return (i.opened_at, i.cause, i.node, i.rank, i.generation, i.detail, json.dumps(list(i.steps)),
-                json.dumps(list(i.consequences)), json.dumps([[step, at] for step, at in i.timeline]))
+                json.dumps(list(i.consequences)), json.dumps([[step, at] for step, at in i.timeline]), i.migrated)
 
     def open_incident_row(self) -> dict | None:
         """The newest incident still waiting to serve again (a restarted controller carries it on)."""
@@ -92,6 +93,7 @@ class Store:
         d["steps"] = tuple(json.loads(d["steps"] or "[]"))
         d["consequences"] = tuple(json.loads(d["consequences"] or "[]"))
         d["timeline"] = tuple((step, at) for step, at in json.loads(d["timeline"] or "[]"))
+        d["migrated"] = d["migrated"] or 0
         return d
 
     def incidents(self, limit: int = 50) -> list[dict]:

@@ -35,6 +35,7 @@ class Job:
     temperature: float
     top_p: float
     seed: int
+    offset: int = 0  # the index of the answer's first token this job samples (a resumed answer's is > 0)
 
 
 @dataclass(frozen=True)
@@ -48,25 +49,39 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-class SeededSampler:
-    """Temperature / top-p sampling from the request's own key, split once per
-    token: the same seed replays the same tokens, on every rank, whatever else
-    shares the batch."""
+MASK64 = (1 << 64) - 1
 
-    def __init__(self, seed: int, temperature: float, top_p: float):
-        self._key = mx.random.key(seed)
+
+def token_key(seed: int, i: int) -> mx.array:
+    """The random key of an answer's token i: a function of the seed and i alone (splitmix64 of
+    both), so an answer resumed at token i on another generation draws what it would have."""
+    z = (seed + (i + 1) * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return mx.random.key((z ^ (z >> 31)) & ((1 << 63) - 1))
+
+
+class SeededSampler:
+    """Temperature / top-p sampling with token i drawn from `token_key(seed, i)`:
+    the same seed replays the same tokens, on every rank, whatever else shares
+    the batch, and from any token on."""
+
+    def __init__(self, seed: int, temperature: float, top_p: float, start: int = 0):
+        self._seed = seed
+        self._i = start
         self._inv_temp = 1.0 / temperature
         self._top_p = top_p
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        self._key, sub = mx.random.split(self._key)
+        key = token_key(self._seed, self._i)
+        self._i += 1
         if 0.0 < self._top_p < 1.0:
             logprobs = apply_top_p(logprobs, self._top_p)
-        return mx.random.categorical(logprobs * self._inv_temp, key=sub)
+        return mx.random.categorical(logprobs * self._inv_temp, key=key)
 
 
 def sampler_for(job: Job):
-    return greedy if job.temperature == 0.0 else SeededSampler(job.seed, job.temperature, job.top_p)
+    return greedy if job.temperature == 0.0 else SeededSampler(job.seed, job.temperature, job.top_p, job.offset)
 
 
 class Engine(Protocol):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from common.errors import ApiError
@@ -28,8 +28,22 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """An answer cut by a generation's death, resumed on the next one (the proxy
+    sends it on the internal hop): the token ids and the characters of text the
+    client already has, and the id, created and seed of that answer."""
+
+    ids: tuple[int, ...]
+    chars: int
+    id: str
+    created: int
+    seed: int
+
+
+@dataclass(frozen=True)
 class CompletionRequest:
-    """A validated request; `kind` is "chat" or "text"."""
+    """A validated request; `kind` is "chat" or "text". `report_ids` and `resume`
+    come only from the proxy (the body's `meshd` object, refused from clients)."""
 
     kind: str
     model: str
@@ -38,7 +52,8 @@ class CompletionRequest:
     params: SamplingParams
     messages: tuple[dict, ...] = ()
     prompt: str = ""
-    extra: dict = field(default_factory=dict)
+    report_ids: bool = False
+    resume: Resume | None = None
 
 
 @dataclass(frozen=True)
@@ -134,9 +149,27 @@ def _messages(body: dict) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def parse_request(kind: str, body: Any, limits: Limits) -> CompletionRequest:
+def _internal(body: dict, internal: bool) -> tuple[bool, Resume | None]:
+    """The proxy's `meshd` object: `{"ids": true}` asks for the token ids of each streamed chunk,
+    `{"resume": {ids, chars, id, created, seed}}` continues an answer."""
+    raw = body.get("meshd")
+    if raw is None:
+        return False, None
+    if not internal:
+        raise _bad("meshd", "'meshd' is meshd's own field between its proxy and rank 0; leave it out")
+    try:
+        resume = raw.get("resume")
+        return bool(raw.get("ids")), (None if resume is None else Resume(
+            tuple(int(t) for t in resume["ids"]), int(resume["chars"]), str(resume["id"]), int(resume["created"]),
+            int(resume["seed"])))
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise _bad("meshd", f"'meshd' is malformed ({e})")
+
+
+def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False) -> CompletionRequest:
     """Validate a decoded JSON body for `/v1/chat/completions` ("chat") or
-    `/v1/completions` ("text"). Raises ApiError naming the field at fault."""
+    `/v1/completions` ("text"). Raises ApiError naming the field at fault.
+    `internal`: the body comes from meshd's proxy (rank 0 takes its `meshd` object)."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object", code="invalid_json")
     model = body.get("model", limits.model_name)
@@ -165,12 +198,15 @@ def parse_request(kind: str, body: Any, limits: Limits) -> CompletionRequest:
         seed=_seed(body),
         stop=_stop(body),
     )
+    report_ids, resume = _internal(body, internal)
     common = dict(
         kind=kind,
         model=limits.model_name,
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         params=params,
+        report_ids=report_ids,
+        resume=resume,
     )
     if kind == "chat":
         return CompletionRequest(messages=_messages(body), **common)

@@ -125,7 +125,7 @@ class LockstepLoop:
         op = msg["op"]
         if op == "insert":
             job = Job(msg["rid"], tuple(msg["prompt"]), msg["max_tokens"], msg["temperature"],
-                            msg["top_p"], msg["seed"])
+                      msg["top_p"], msg["seed"], msg.get("offset", 0))
             if self.draining:
                 self._refuse(job.rid)
                 return

@@ -146,11 +146,16 @@ class Frontend:
         if (p := self._pending_for(rid)) is not None:
             p.put(("failed", message, code))
 
-    def fail_all(self, message: str) -> None:
+    def fail_all(self, message: str, flush: float = 1.0) -> None:
+        """End every request with an error and wait (up to `flush` seconds) until their answers
+        went out: the process exits next, and a cut connection says less than an error."""
         with self._lock:
             rids = list(self._pending)
         for rid in rids:
             self.fail(rid, message)
+        deadline = time.monotonic() + flush
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     # --- HTTP (frontend thread) ------------------------------------------------
     async def _ready(self, request: web.Request) -> web.Response:
@@ -199,48 +204,61 @@ class Frontend:
         return list(ids)
 
     async def _complete(self, request: web.Request, kind: str) -> web.StreamResponse:
-        req = oa.parse_request(kind, await read_json(request), self.limits)
+        req = oa.parse_request(kind, await read_json(request), self.limits, internal=True)
         if self.phase != ADMITTING:
             return self._unavailable()
         prompt = self._tokenize(req)
-        rid = oa.new_id(kind)
+        resume = req.resume
+        done = len(resume.ids) if resume else 0
+        rid = resume.id if resume else oa.new_id(kind)
+        seed = resume.seed if resume else (req.params.seed if req.params.seed is not None else random.getrandbits(63))
+        run = _Run(self, req, rid, len(prompt), seed)
         pending = Pending(asyncio.get_running_loop())
-        seed = req.params.seed if req.params.seed is not None else random.getrandbits(63)
         with self._lock:
             if self.phase != ADMITTING:
                 return self._unavailable()
             self._pending[rid] = pending
-        self._inbox.put({"op": "insert", "rid": rid, "prompt": prompt, "max_tokens": req.params.max_tokens,
-                         "temperature": req.params.temperature, "top_p": req.params.top_p, "seed": seed})
-        finished = False
+        if req.params.max_tokens > done:
+            self._inbox.put({"op": "insert", "rid": rid, "prompt": prompt + list(resume.ids if resume else ()),
+                             "max_tokens": req.params.max_tokens - done, "temperature": req.params.temperature,
+                             "top_p": req.params.top_p, "seed": seed, "offset": done})
+        else:  # a resumed answer that had all its tokens: only its end was lost
+            pending.put(("token", None, "length"))
         try:
-            run = _Run(self, req, rid, len(prompt))
-            if req.stream:
-                resp = await run.stream(request, pending)
-            else:
-                resp = await run.whole(pending)
-            finished = run.finished
-            return resp
+            return await (run.stream(request, pending) if req.stream else run.whole(pending))
         finally:
             with self._lock:
                 self._pending.pop(rid, None)
-            if not finished:
+            if not run.engine_done:
                 self._inbox.put({"op": "cancel", "rid": rid})
 
 
 class _Run:
-    """Turns one request's token events into text, honouring stop strings."""
+    """Turns one request's token events into text, honouring stop strings. A
+    resumed answer starts from the tokens and the text its client already has.
 
-    def __init__(self, fe: Frontend, req: oa.CompletionRequest, rid: str, prompt_tokens: int):
-        self.fe, self.req, self.rid = fe, req, rid
+    With `report_ids` (the proxy asks) each streamed chunk is preceded by an SSE
+    comment `: ids CHARS ID,ID,...`: the token ids this chunk completes and how
+    many characters of text the client has once it is delivered; the stream
+    starts with `: meshd {"id", "created", "seed"}`. Comments never reach a
+    client: the proxy keeps them, to resume the answer if this generation dies.
+    """
+
+    def __init__(self, fe: Frontend, req: oa.CompletionRequest, rid: str, prompt_tokens: int, seed: int):
+        self.fe, self.req, self.rid, self.seed = fe, req, rid, seed
         self.prompt_tokens = prompt_tokens
         self.cached = 0
-        self.completion_tokens = 0
         self.detok = fe.tokenizer.detokenizer
-        self.text = ""
-        self.sent = 0
-        self.finished = False
-        self.created = int(time.time())
+        resume = req.resume
+        for token in resume.ids if resume else ():
+            self.detok.add_token(token)
+        self.text = self.detok.text
+        self.sent = resume.chars if resume else 0
+        self.completion_tokens = len(resume.ids) if resume else 0
+        self.created = resume.created if resume else int(time.time())
+        self.unreported: list[int] = []  # token ids not yet reported with a chunk
+        self.finished = False  # the answer ended (length, EOS or a stop string)
+        self.engine_done = False  # the ranks stopped working on it themselves
 
     def _advance(self, event: tuple) -> tuple[str, str | None]:
         """Feed one token event; returns (new text to send, finish reason)."""
@@ -248,6 +266,8 @@ class _Run:
         if token is not None and not (reason == "stop" and token in self.fe._eos):
             self.completion_tokens += 1
             self.detok.add_token(token)
+            self.unreported.append(token)
+        self.engine_done = reason is not None
         if reason is not None:
             self.detok.finalize()
         self.text = self.detok.text
@@ -291,11 +311,20 @@ class _Run:
                                            "X-Accel-Buffering": "no"})
         resp.enable_chunked_encoding()
         await resp.prepare(request)
+        ids = self.req.report_ids
 
         async def send(obj) -> None:
-            await resp.write(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
+            comment = b""
+            if ids and isinstance(obj, dict) and "choices" in obj and obj["choices"]:
+                comment = f": ids {self.sent} {','.join(map(str, self.unreported))}\n\n".encode()
+                self.unreported.clear()
+            await resp.write(comment + b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode())
+                             + b"\n\n")
 
-        first = True
+        if ids:
+            meta = {"id": self.rid, "created": self.created, "seed": self.seed}
+            await resp.write(b": meshd " + json.dumps(meta).encode() + b"\n\n")
+        first = self.req.resume is None  # the role goes out once per answer
         async for event in self._events(pending):
             if event[0] == "failed":
                 await send(error_body(event[1], "server_error", None, event[2]))

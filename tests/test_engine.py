@@ -64,3 +64,5 @@ def test_seeded_sampler_replays_and_differs_by_seed():
 
     assert draw(1) == draw(1)
     assert draw(1) != draw(2)
+    resumed = SeededSampler(1, 1.0, 1.0, start=12)
+    assert [resumed(logits).item() for _ in range(8)] == draw(1)[12:]

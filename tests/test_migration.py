@@ -1,0 +1,144 @@
+"""Invisible recovery on a real 2-rank mesh: a stream cut by a rank's death
+resumes on the next generation under the same id, and the client's text is
+what an uncut run of the same request gives (greedy, and seeded sampling);
+rank 0's own error before the first byte is retried, not passed on; a client
+that leaves while its stream waits for the next generation is not resumed."""
+
+import json
+import os
+import signal
+
+import pytest
+import requests
+
+from kit.agents import make_agents
+from kit.configs import write_mesh
+from kit.meshctl import meshctl, stop_controller
+from kit.openai import sse_events, validate
+from kit.waiting import wait_for
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, demo_model):
+    tmp = tmp_path_factory.mktemp("migration")
+    agents = make_agents(tmp, 2, stall={"base": 10})
+    for a in agents:
+        a.start()
+    config = write_mesh(tmp, agents, demo_model, proxy={"keepalive_interval": 0.5},
+                        runtime={"args": {"model_name": "demo", "max_tokens_limit": 4096}})
+    assert meshctl(config, "up").returncode == 0
+    yield config, agents
+    stop_controller(config)
+    for a in agents:
+        a.kill()
+
+
+def status(config) -> dict:
+    return json.loads(meshctl(config, "status", "--json").stdout)
+
+
+def ready(config, after: int) -> dict:
+    return wait_for(lambda: (s := status(config))["phase"] == "ready" and s["generation"] > after and s, 120,
+                    f"a generation after {after}")
+
+
+def stream(config, body, on_chunk=None) -> list:
+    """POST a streamed chat request; call on_chunk(n) after each data chunk; return its events."""
+    r = requests.post(f"{status(config)['urls']['proxy']}/chat/completions", json={**body, "stream": True},
+                      stream=True, timeout=300)
+    events, n = [], 0
+    for line in r.iter_lines(decode_unicode=True):
+        events += sse_events([line])
+        if line.startswith("data: ") and on_chunk:
+            n += 1
+            on_chunk(n)
+    return events
+
+
+def text_of(events) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                   if isinstance(e, dict) and e.get("choices"))
+
+
+def kill_at(agent, chunk: int):
+    """on_chunk callback: SIGKILL `agent`'s rank when the stream reaches `chunk` chunks."""
+    def on_chunk(n):
+        if n == chunk:
+            os.kill(agent.ranks()[-1]["pid"], signal.SIGKILL)
+    return on_chunk
+
+
+def assert_one_clean_stream(events):
+    assert events[-1] == "[DONE]" and not [e for e in events if isinstance(e, dict) and "error" in e], events[-3:]
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert len({e["id"] for e in chunks}) == 1 and len({e["created"] for e in chunks}) == 1
+    assert sum(1 for e in chunks if e["choices"] and "role" in e["choices"][0]["delta"]) == 1
+    for e in chunks:
+        validate(e, "CreateChatCompletionStreamResponse")
+
+
+@pytest.mark.parametrize("victim,body", [
+    (0, {"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 60}),
+    (1, {"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 60, "temperature": 1.0,
+         "seed": 23, "stream_options": {"include_usage": True}}),
+], ids=["greedy, rank 0 killed", "seeded sampling, rank 1 killed"])
+def test_a_stream_cut_by_a_death_resumes_and_reads_as_one_uncut_answer(mesh, victim, body):
+    config, agents = mesh
+    g = ready(config, 0)["generation"]
+    uncut = stream(config, body)
+    cut = stream(config, body, kill_at(agents[victim], 6))
+    assert ready(config, g)["generation"] == g + 1
+    assert_one_clean_stream(cut)
+    assert text_of(cut) == text_of(uncut) and text_of(cut)
+    if body.get("stream_options"):  # the whole answer counted once
+        (usage,) = [e["usage"] for e in cut if isinstance(e, dict) and e.get("usage")]
+        (whole,) = [e["usage"] for e in uncut if isinstance(e, dict) and e.get("usage")]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (whole["prompt_tokens"], 60)
+    incident = json.loads(meshctl(config, "events", "--json").stdout)["incidents"][0]
+    assert (incident["generation"], incident["node"], incident["migrated"]) == (g, f"node{victim}", 1)
+    metrics = requests.get(status(config)["urls"]["metrics"], timeout=5).text
+    assert "meshd_proxy_migrations_total" in metrics
+
+
+def test_rank_0s_error_before_the_first_byte_is_retried_not_passed_on(mesh):
+    config, agents = mesh
+    g = ready(config, 0)["generation"]
+    victim = agents[1].ranks()[-1]["pid"]
+    os.kill(victim, signal.SIGSTOP)  # rank 0 takes the request, but no step runs without rank 1
+    proxy = status(config)["urls"]["proxy"]
+    r = requests.post(f"{proxy}/chat/completions", stream=True, timeout=120,
+                      json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "stream": True})
+    lines = r.iter_lines(decode_unicode=True)
+    # A keep-alive means the proxy reads rank 0's answer: rank 0 holds the request.
+    assert next(lines).startswith(": keep-alive")
+    os.kill(victim, signal.SIGKILL)  # rank 0's collective fails: it answers with an error event, before any data
+    events = sse_events(lines)
+    assert ready(config, g)["generation"] > g
+    assert_one_clean_stream(events)
+    assert text_of(events)
+    rank0_log = agents[0].get(f"/v1/ranks/{g}/0/log?lines=30").json()["lines"]
+    assert any("connection to a peer was lost" in line for line in rank0_log)
+
+
+def test_a_client_gone_while_its_stream_waits_is_not_resumed(mesh):
+    config, agents = mesh
+    g = ready(config, 0)["generation"]
+    proxy = status(config)["urls"]["proxy"]
+    r = requests.post(f"{proxy}/chat/completions", stream=True, timeout=60,
+                      json={"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 2000,
+                            "temperature": 1.0, "seed": 23, "stream": True})
+    lines = r.iter_lines(decode_unicode=True)
+    next(line for line in lines if line.startswith("data: "))
+    os.kill(agents[1].ranks()[-1]["pid"], signal.SIGKILL)
+    next(line for line in lines if line.startswith(": keep-alive"))  # the proxy holds the stream open
+    r.close()
+
+    def in_flight() -> float:
+        metrics = requests.get(status(config)["urls"]["metrics"], timeout=5).text
+        return float(next(line.split()[-1] for line in metrics.splitlines()
+                          if line.startswith("meshd_proxy_requests_in_flight ")))
+
+    wait_for(lambda: in_flight() == 0, 30, "the proxy to free the request's place")
+    after = ready(config, g)
+    assert all((a.ranks()[-1]["status"] or {}).get("tokens", 0) == 0 for a in agents), "nothing was resumed"
+    assert after["phase"] == "ready"
