@@ -50,7 +50,7 @@ def parse_spec(body) -> RankSpec:
         raise ApiError(400, f"Unknown field(s) {unknown}; a start request takes: {', '.join(spec_fields)}",
                        param=unknown[0])
     types = {"generation": int, "rank": int, "world": int, "profile": str, "model": str, "hostfile": dict,
-             "port": int, "host": str, "ring_port": int, "seed": int, "env": dict, "args": dict}
+             "port": int, "host": str, "ring_port": int, "seed": int, "env": dict, "args": dict, "devices": str}
     required = ("generation", "rank", "world", "profile", "model", "hostfile")
     for name in required:
         if name not in body:

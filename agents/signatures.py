@@ -54,6 +54,9 @@ SIGNATURES: tuple[Signature, ...] = tuple(
         ("nccl_system_error", FATAL, CAUSE, r"NCCL error.*unhandled (system|cuda) error"),
         ("nccl_error", FATAL, CAUSE, r"NCCL (error|WARN).*(unhandled|Connection closed)"),
         ("cuda_error", FATAL, CAUSE, r"CUDA error .*:\d+ '"),
+        # meshd-rank's own lockstep checks
+        ("lockstep_peer_lost", FATAL, CONSEQUENCE, r"\[meshd\] lost a peer: the lockstep exchange"),
+        ("divergence", FATAL, CAUSE, r"\[meshd\] divergence: the ranks sampled different tokens"),
         # Metal
         ("metal_gpu_timeout", FATAL, CAUSE, r"\[METAL\] Command buffer execution failed.*Timeout"),
         ("metal_out_of_memory", FATAL, CAUSE, r"\[METAL\] Command buffer execution failed.*Insufficient Memory"),

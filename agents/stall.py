@@ -3,9 +3,10 @@
 `progress_at` moves on every load step, prefill chunk, decode step and idle
 liveness exchange. A rank whose peer is stopped or wedged stops moving it
 while its heartbeat keeps writing; a stopped rank stops both. The window a
-rank gets depends on what it is doing: loading has its own long deadline, and
-a request in prefill gets more time the longer its prompt, so neither a cold
-load nor a 100k-token prefill is ever called a hang.
+rank gets depends on what it is doing: loading has its own long deadline, the
+warm-up generation of an armed rank (the first steps on a GPU compile their
+kernels) its own, and a request in prefill gets more time the longer its
+prompt, so neither a cold load nor a 100k-token prefill is ever called a hang.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class StallWindows:
     base: float = 30.0  # seconds without progress while ready or decoding
     min_prefill_rate: float = 50.0  # prompt tokens per second the slowest prefill still reaches
     load_deadline: float = 1800.0  # seconds without a load step
+    warmup: float = 300.0  # seconds the armed rank's warm-up generation may take (it compiles kernels)
     start_deadline: float = 120.0  # seconds from spawn to a first status file
 
 
@@ -40,6 +42,8 @@ def window_for(status: dict, w: StallWindows) -> float:
     state = status.get("state")
     if state == RankState.LOADING:
         return w.load_deadline
+    if state == RankState.ARMED:
+        return w.warmup
     return w.base + status.get("prompt_tokens_in_flight", 0) / w.min_prefill_rate
 
 

@@ -23,7 +23,7 @@ from agents.events import EventLog
 from agents.stall import blocked_on_peer
 from agents.watch import RankRecord, RankWatcher
 from common import procs
-from common.hostfile import HostfileError, launch_env
+from common.hostfile import MLX_BACKEND, HostfileError, launch_env
 from common.protocol import (OrphansSwept, RankExited, RankSignature, RankSpec, RankStarted, RebootRequired,
                              StopResult)
 from common.statusfile import write_atomic
@@ -164,7 +164,7 @@ class Supervisor:
             if not Path(spec.model).exists():
                 raise BadSpec("model", f"model path {spec.model!r} does not exist on node {self.config.node}")
             try:
-                launch = launch_env(spec.hostfile, spec.rank, starting_port=spec.ring_port)
+                launch = launch_env(spec.hostfile, spec.rank, starting_port=spec.ring_port, nccl_port=spec.ring_port)
             except HostfileError as e:
                 raise BadSpec("hostfile", str(e))
             if len(spec.hostfile["hosts"]) != spec.world:
@@ -179,6 +179,9 @@ class Supervisor:
                 env[var] = str(path)
             status_path = rundir / "status.json"
             status_path.unlink(missing_ok=True)
+            if spec.devices and "CUDA_VISIBLE_DEVICES" in launch.env:
+                env["CUDA_VISIBLE_DEVICES"] = spec.devices
+            env["MESHD_BACKEND"] = MLX_BACKEND[spec.hostfile.get("backend", "ring")]
             env["MESHD_GENERATION"] = str(spec.generation)
             env["MESHD_NODE"] = self.config.node
             env["MESHD_AGENT"] = str(self.state_dir.resolve())

@@ -32,6 +32,7 @@ from pathlib import Path
 import requests
 from benchkit import meshctl, parser, report
 
+from kit.demo_answers import endless
 from kit.waiting import wait_for
 
 STEPS = ("detected", "stopped", "swept", "backoff", "started", "loaded", "ready", "served")
@@ -41,8 +42,7 @@ def status(home: Path) -> dict:
     return json.loads(meshctl(home, "status", "--json"))
 
 
-LONG = {"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 3000, "temperature": 1.0,
-        "seed": 23}  # 3272 tokens on the demo model before its end-of-turn token
+LONG = {"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 3000, "temperature": 1.0, "seed": 23}
 
 
 def chat_ok(proxy: str, body: dict | None = None, timeout: float = 300) -> bool:
@@ -129,7 +129,8 @@ def main() -> None:
             node = 1 + rng.randrange(3)
             pid = s["nodes"][node]["rank"]["pid"]
             # A new request each time: one in flight at two deaths would be quarantined.
-            body = {**LONG, "messages": [{"role": "user", "content": f"a long answer {len(stall_detect)}"}]}
+            body = {**LONG, **endless(home / "demo" / "model"),
+                    "messages": [{"role": "user", "content": f"a long answer {len(stall_detect)}"}]}
             threading.Thread(target=chat_ok, args=(proxy, body, 60), daemon=True).start()
             wait(lambda: (status(home)["nodes"][node]["rank"]["status"] or {}).get("state") == "busy", 30, 0.05)
             stopped = time.time()

@@ -20,6 +20,7 @@ from pathlib import Path
 import requests
 from benchkit import meshctl, parser, report
 
+from kit.demo_answers import endless
 from kit.openai import sse_events
 from kit.waiting import wait_for
 
@@ -30,9 +31,9 @@ def status(home: Path) -> dict:
     return json.loads(meshctl(home, "status", "--json"))
 
 
-def stream(proxy: str, kill=None, after: int = 0) -> tuple[str, float, bool]:
+def stream(proxy: str, body: dict, kill=None, after: int = 0) -> tuple[str, float, bool]:
     """(text, longest gap between data chunks, ended cleanly); `kill()` after `after` chunks."""
-    r = requests.post(f"{proxy}/chat/completions", json=BODY, stream=True, timeout=600)
+    r = requests.post(f"{proxy}/chat/completions", json=body, stream=True, timeout=600)
     text, n, last, gap, clean = "", 0, None, 0.0, True
     for line in r.iter_lines(decode_unicode=True):
         if not line.startswith("data: "):
@@ -64,12 +65,13 @@ def main() -> None:
     try:
         meshctl(home, "up", "--max-failures", "1000")
         proxy = status(home)["urls"]["proxy"]
-        uncut, _, _ = stream(proxy)
+        body = {**BODY, **endless(home / "demo" / "model")}  # all of max_tokens, greedy
+        uncut, _, _ = stream(proxy, body)
         for trial in range(args.trials):
             for rank in rng.sample(range(4), 4):
                 s = wait_for(lambda: (x := status(home))["phase"] == "ready" and x, 300, "the mesh", 0.2)
                 pid = s["nodes"][rank]["rank"]["pid"]
-                text, gap, clean = stream(proxy, lambda: os.kill(pid, signal.SIGKILL), args.after)
+                text, gap, clean = stream(proxy, body, lambda: os.kill(pid, signal.SIGKILL), args.after)
                 incident = wait_for(lambda: (i := json.loads(meshctl(home, "events", "--json"))["incidents"][0])
                                     ["generation"] == s["generation"] and i["serving_back_at"] and i, 60,
                                     "the incident", 0.2)

@@ -10,12 +10,20 @@ variables, plus the contents of the files some of them point to.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 BACKENDS = ("ring", "jaccl", "jaccl-ring", "nccl")
 # Any of these in a process's environment means it was launched into a mesh
 # (mx.distributed.init must then succeed or fail, never fall back to one rank).
 DISTRIBUTED_ENV = ("MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_WORLD_SIZE")
+# The mx.distributed backend each hostfile backend runs on; the agent passes it in MESHD_BACKEND.
+MLX_BACKEND = {"ring": "ring", "jaccl": "jaccl", "jaccl-ring": "jaccl", "nccl": "nccl"}
+
+
+def distributed_backend(requested: str) -> str:
+    """What a rank passes to mx.distributed.init: `requested`, or for "any" the agent's MESHD_BACKEND."""
+    return os.environ.get("MESHD_BACKEND", "any") if requested == "any" else requested
 RING_STARTING_PORT = 32323  # mlx.launch --starting-port default
 NCCL_PORT = 12345  # mlx.launch --nccl-port default
 
@@ -79,6 +87,17 @@ def validate(hostfile: dict, backend: str | None = None) -> tuple[str, list[dict
     return backend, hosts
 
 
+def host_of(h: dict) -> str:
+    """Which machine a hostfile entry is: its first address (several ranks may share one)."""
+    return (h.get("ips") or [h["ssh"]])[0]
+
+
+def local_index(hosts: list[dict], rank: int) -> int:
+    """The rank's place among the ranks on its own machine: its GPU, as `mlx.launch --repeat-hosts`
+    gives it (`rank % ranks_per_host`) for a hostfile that lists each machine that many times."""
+    return sum(1 for h in hosts[:rank] if host_of(h) == host_of(hosts[rank]))
+
+
 def launch_env(hostfile: dict, rank: int, backend: str | None = None, *,
                starting_port: int = RING_STARTING_PORT, nccl_port: int = NCCL_PORT) -> LaunchEnv:
     backend, hosts = validate(hostfile, backend)
@@ -108,6 +127,6 @@ def launch_env(hostfile: dict, rank: int, backend: str | None = None, *,
         env["NCCL_HOST_IP"] = hosts[0]["ips"][0]
         env["NCCL_PORT"] = str(nccl_port)
         env["MLX_WORLD_SIZE"] = str(len(hosts))
-        env["CUDA_VISIBLE_DEVICES"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = str(local_index(hosts, rank))
     env["MLX_RANK"] = str(rank)
     return LaunchEnv(env, files)

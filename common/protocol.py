@@ -31,6 +31,7 @@ class RankSpec:
     seed: int = 0
     env: dict = field(default_factory=dict)
     args: dict = field(default_factory=dict)
+    devices: str = ""  # the node's GPUs for this rank (CUDA_VISIBLE_DEVICES); "": its place on its host
 
 
 @dataclass(frozen=True)

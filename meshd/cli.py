@@ -51,6 +51,11 @@ class Control:
             raise CliError(f"no control token at {path}: is the controller for {self.cfg.name} running? "
                            f"Start it with `meshd --config {self.cfg.path}` (or `meshctl up`)")
 
+    def ours(self) -> bool:
+        """A controller answers at this mesh's control address and this mesh's token exists (another mesh's
+        controller on the same address is not this one's)."""
+        return (self.cfg.state_dir / "control.token").exists() and self.alive()
+
     def alive(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.base}/healthz", timeout=2) as r:
@@ -290,7 +295,7 @@ def preflight(cfg: MeshConfig, *, canary: bool = False, trust_new: bool = False)
 
     current, phase = None, "stopped"
     ctl = Control(cfg)
-    if ctl.alive():
+    if ctl.ours():
         status = ctl.call("GET", "/v1/status")
         current, phase = status["generation"], status["phase"]
     checks = doctor.ssh_checks(cfg, trust_new=trust_new)

@@ -20,6 +20,7 @@ class Node:
     token_file: Path
     address: str = "127.0.0.1"  # where the ring backend reaches it
     ssh: str = ""
+    devices: str = ""  # nccl: its GPUs (CUDA_VISIBLE_DEVICES); default: its place among the nodes at its address
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,13 @@ class Runtime:
     env: dict = field(default_factory=dict)
     args: dict = field(default_factory=dict)
     draft_model: str = ""
+    aliases: tuple[str, ...] = ()  # more names clients may use for the model (a Hugging Face id, say)
+
+
+def rank0_body(profile: str, body: dict) -> dict:
+    """A request body as rank 0 of `profile` takes it: stock mlx_lm.server loads whatever path "model"
+    names (its own model is "default_model")."""
+    return {**body, "model": "default_model"} if profile == "mlx-lm-server" else body
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,7 @@ class Proxy:
     # answer, max_tokens at min_decode_rate) for bytes from rank 0.
     token_stall: float = 300.0
     min_prefill_rate: float = 50.0
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the endpoint ("*": any)
     min_decode_rate: float = 1.0
     # A stream cut by a generation's death resumes on the next one, at most this many times; a
     # request in flight when poison_after generations died is refused (502, or an error event once
@@ -129,15 +138,21 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
         if not n["agent"].startswith(("http://", "https://")):
             raise ConfigError(f'{where}.agent: expected a URL, got {n["agent"]!r}; for example agent = '
                               '"http://10.0.0.1:7701"')
-        extra = sorted(set(n) - {"name", "agent", "token_file", "address", "ssh"})
+        extra = sorted(set(n) - {"name", "agent", "token_file", "address", "ssh", "devices"})
         if extra:
-            raise ConfigError(f"{where}.{extra[0]}: unknown key; a node takes name, agent, token_file, address, ssh")
+            raise ConfigError(f"{where}.{extra[0]}: unknown key; a node takes name, agent, token_file, address, ssh, "
+                              "devices")
+        for key in ("address", "ssh", "devices"):
+            if not isinstance(n.get(key, ""), str):
+                raise ConfigError(f'{where}.{key}: expected a string, got {n[key]!r}; for example devices = "1"')
         nodes.append(Node(n["name"], n["agent"].rstrip("/"), base / n["token_file"], n.get("address", "127.0.0.1"),
-                          n.get("ssh", "")))
+                          n.get("ssh", ""), n.get("devices", "")))
     names = [n.name for n in nodes]
     dupes = sorted({x for x in names if names.count(x) > 1})
     if dupes:
         raise ConfigError(f"nodes: the name {dupes[0]!r} is used twice; node names must be unique")
+    if backend == "nccl":
+        _check_devices(nodes)
     runtime = table(Runtime, raw.get("runtime"), "runtime", base,
                      {"model": '"/Volumes/models/DeepSeek-V4"', "profile": '"meshd-rank"'})
     if not runtime.model:
@@ -164,6 +179,23 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
         hostfile = str(Path(state_dir) / "hostfile.json")  # where `meshctl provision` writes it
     return MeshConfig(name, backend, tuple(nodes), runtime, proxy, recovery, control, base / state_dir,
                       base / hostfile if hostfile else None, path, _ssh(raw.get("ssh"), base))
+
+
+def gpu_of(nodes: tuple[Node, ...] | list[Node], i: int) -> str:
+    """The GPUs node i's rank uses: its `devices`, else its place among the nodes at its address."""
+    return nodes[i].devices or str(sum(1 for n in nodes[:i] if n.address == nodes[i].address))
+
+
+def _check_devices(nodes: list[Node]) -> None:
+    """Two NCCL ranks on one GPU fail with `invalid usage` at every start: refuse it here."""
+    seen: dict[tuple[str, str], str] = {}
+    for i, n in enumerate(nodes):
+        for gpu in gpu_of(nodes, i).split(","):
+            other = seen.setdefault((n.address, gpu.strip()), n.name)
+            if other != n.name:
+                raise ConfigError(f"nodes.{n.name}.devices: GPU {gpu.strip()} of {n.address} is {other}'s too; two "
+                                  f"ranks on one GPU fail (NCCL invalid usage). Give each node its own, e.g. "
+                                  f'devices = "{i}"')
 
 
 def _ssh(raw, base: Path) -> Ssh:

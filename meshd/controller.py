@@ -24,7 +24,7 @@ from common.tomlcheck import ConfigError
 from meshd import doctor, fleet, provision
 from meshd.evidence import launch_refused, meaning_of, observed
 from meshd.agentclient import AgentClient, AgentError
-from meshd.config import MeshConfig, hostfile_for
+from meshd.config import MeshConfig, hostfile_for, rank0_body
 from meshd.metrics import Metrics
 from meshd.seam import Observation, Serving
 from meshd.store import Store
@@ -154,7 +154,8 @@ class Controller:
             args["draft_model"] = rt.draft_model
         return asdict(RankSpec(generation=generation, rank=rank, world=len(self.cfg.nodes), profile=rt.profile,
                                model=rt.model, hostfile=hostfile, port=rt.port, host=rt.host,
-                               ring_port=rt.ring_port, seed=rt.seed, env=dict(rt.env), args=args))
+                               ring_port=rt.ring_port, seed=rt.seed, env=dict(rt.env), args=args,
+                               devices=self.cfg.nodes[rank].devices))
 
     async def _preflight(self) -> list[str]:
         """The doctor's cheap checks (hostfile, versions, model, launch) as every start passes them:
@@ -191,18 +192,39 @@ class Controller:
         await asyncio.gather(*(one(i, n.name) for i, n in enumerate(self.cfg.nodes)))
         self._spawn(self._await_ready(g))
 
-    async def ready_probe(self) -> bool:
-        path = "/internal/ready" if self.cfg.runtime.profile == "meshd-rank" else "/v1/models"
+    async def readiness(self) -> tuple[bool, fleet.RankDied | None]:
+        """Does rank 0 serve? meshd-rank answers /internal/ready once its own one-token generation went
+        through every rank. A runtime without that proves it here: its port answering, then a real
+        one-token completion; an error from a server that is up is evidence (a 4xx: deterministic)."""
+        url = self.rank0_url()
         try:
-            async with self.session.get(self.rank0_url() + path, timeout=aiohttp.ClientTimeout(total=2)) as r:
-                return r.status == 200
+            if self.cfg.runtime.profile == "meshd-rank":
+                async with self.session.get(url + "/internal/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    return r.status == 200, None
+            async with self.session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status != 200:
+                    return False, None
+            body = rank0_body(self.cfg.runtime.profile, {"messages": [{"role": "user", "content": "ping"}],
+                                                            "max_tokens": 1})
+            async with self.session.post(url + "/v1/chat/completions", json=body,
+                                         timeout=aiohttp.ClientTimeout(total=self.cfg.proxy.probe_timeout)) as r:
+                text = await r.text()
         except (aiohttp.ClientError, asyncio.TimeoutError):
-            return False
+            return False, None
+        if r.status == 200 and '"choices"' in text:
+            return True, None
+        return False, fleet.RankDied(self.cfg.nodes[0].name, 0, self.state.generation, "readiness",
+                                     f"a one-token completion answered {r.status}: {text[:200]}",
+                                     deterministic=400 <= r.status < 500)
+
+    async def ready_probe(self) -> bool:
+        return (await self.readiness())[0]
 
     async def _await_ready(self, g: int) -> None:
         while self.state.generation == g and self.state.phase == Phase.STARTING:
-            if await self.ready_probe():
-                await self.feed(fleet.MeshReady(g))
+            ready, died = await self.readiness()
+            if ready or died:
+                await self.feed(fleet.MeshReady(g) if ready else died)
                 return
             await asyncio.sleep(0.1)
 

@@ -15,9 +15,9 @@
 - A client that goes away closes the upstream request, which cancels it on
   every rank.
 - Measures queue wait, time to first token, inter-token latency and tokens.
-- Asks the mesh for one token when no request has run for a while (the idle
-  probe), and judges hangs of runtimes that keep no status file (the stock
-  profile) from the time rank 0 stays silent, scaled by the prompt.
+- For runtimes that keep no status file (the stock profile): asks the mesh for
+  one token when no request has run for a while (the idle probe), and judges
+  hangs from the time rank 0 stays silent, scaled by the prompt.
 
 It knows the fleet only through `seam.FleetView`: what serves now, a wait for
 that to change, and `report()` for what it saw.
@@ -41,7 +41,7 @@ from aiohttp import web
 from common.errors import ApiError, error_body
 from common.http import bearer_matches, json_error, json_errors, read_json
 from common.states import Phase
-from meshd.config import MeshConfig
+from meshd.config import MeshConfig, rank0_body
 from meshd.config import Proxy as ProxyConfig
 from meshd.metrics import Metrics
 from meshd.seam import FleetView, Observation, Serving
@@ -118,6 +118,25 @@ def request_digest(path: str, body: dict) -> str:
     return hashlib.sha256(path.encode() + json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def cors(origins: tuple[str, ...]):
+    """Browsers on `origins` ("*": any) may call the endpoint: their preflight is answered and every
+    answer names the origin. No origin configured: no CORS header at all."""
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        origin = request.headers.get("Origin")
+        allowed = origin is not None and ("*" in origins or origin in origins)
+        if request.method == "OPTIONS" and allowed and request.headers.get("Access-Control-Request-Method"):
+            resp = web.Response(status=204)
+        else:
+            resp = await handler(request)
+        if allowed:
+            resp.headers.update({"Access-Control-Allow-Origin": origin, "Vary": "Origin",
+                                 "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                                 "Access-Control-Allow-Methods": "GET, POST, OPTIONS"})
+        return resp
+    return middleware
+
+
 class UpstreamFailed(Exception):
     """Rank 0 could not be reached or failed before answering. `evidence` when
     the failure itself says the generation is broken (no connection, a cut
@@ -154,8 +173,10 @@ class Proxy:
         self.metrics = metrics
         p = cfg.proxy
         name = cfg.runtime.args.get("model_name") or Path(cfg.runtime.model).name
-        self.limits = oa.Limits(name, default_max_tokens=256,
-                                max_tokens_limit=int(cfg.runtime.args.get("max_tokens_limit", 8192)))
+        self.limits = oa.Limits(name, default_max_tokens=int(cfg.runtime.args.get("max_tokens", 0)),
+                                max_tokens_limit=int(cfg.runtime.args.get("max_tokens_limit", 8192)),
+                                aliases=tuple(a for a in dict.fromkeys((cfg.runtime.model, Path(cfg.runtime.model).name,
+                                                                        *cfg.runtime.aliases)) if a != name))
         self.admission = Admission(1 if cfg.speculative else p.concurrency, p.queue_limit)
         metrics.queue_limit.set(p.queue_limit)
         self.api_keys = self._load_keys(p.api_keys_file)
@@ -173,7 +194,9 @@ class Proxy:
         return [k.strip() for k in path.read_text().splitlines() if k.strip() and not k.startswith("#")]
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[json_errors], client_max_size=self.cfg.proxy.max_body_bytes)
+        app = web.Application(middlewares=[cors(self.cfg.proxy.cors_origins), json_errors],
+                              client_max_size=self.cfg.proxy.max_body_bytes)
+        app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._text)
@@ -204,7 +227,14 @@ class Proxy:
     async def _models(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return self._unauthorized()
-        return web.json_response(oa.models_body(self.limits.model_name))
+        return web.json_response(oa.models_body(self.limits.model_name, aliases=self.limits.aliases))
+
+    async def _health(self, request: web.Request) -> web.Response:
+        """200 only while a generation serves: what a load balancer in front of the mesh asks."""
+        s = self.fleet.serving()
+        if not s.ready:
+            return self._unavailable(self._why_unavailable())
+        return web.json_response({"status": "ok", "generation": s.generation})
 
     def _unavailable(self, why: str) -> web.Response:
         return json_error(503, why, code="mesh_unavailable", type_="server_error",
@@ -297,8 +327,12 @@ class Proxy:
             await self._maybe_probe()
 
     async def _maybe_probe(self) -> None:
-        """When no request has run for a while, ask the mesh for one token."""
+        """When no request has run for a while, ask the mesh for one token. Only runtimes without a
+        status file: meshd-rank's idle ranks move their progress at every liveness exchange, which the
+        agents watch, and a probe's latency would only measure the engine's speed."""
         p = self.cfg.proxy
+        if self.cfg.runtime.profile == "meshd-rank":
+            return
         s = self.fleet.serving()
         if s.ready and s.generation != self.probed_generation:  # idle from when it is first seen serving
             self.probed_generation, self.last_request_at = s.generation, time.monotonic()
@@ -307,7 +341,7 @@ class Proxy:
             return
         self.last_request_at = time.monotonic()
         admitted = self.admitted
-        body = upstream_body(self.cfg.runtime.profile, {"messages": [{"role": "user", "content": "ping"}],
+        body = rank0_body(self.cfg.runtime.profile, {"messages": [{"role": "user", "content": "ping"}],
                                                         "max_tokens": 1})
         status = None
         try:
@@ -326,12 +360,6 @@ class Proxy:
             detail = f"probe failed: {type(e).__name__}"
         self.metrics.probes.labels(result="failed").inc()
         await self.fleet.report(Observation(s.generation, "probe", detail, status))
-
-
-def upstream_body(profile: str, body: dict) -> dict:
-    """The body as rank 0 takes it: stock mlx_lm.server loads whatever path "model" names (its own
-    model is "default_model")."""
-    return {**body, "model": "default_model"} if profile == "mlx-lm-server" else body
 
 
 async def sse_lines(content: aiohttp.StreamReader, idle: float, on_idle):
@@ -374,7 +402,7 @@ class _Exchange:
     def __init__(self, proxy: Proxy, request: web.Request, req: oa.CompletionRequest, body: dict, deadline: float,
                  digest: str):
         self.p, self.request, self.req, self.deadline = proxy, request, req, deadline
-        self.body = upstream_body(proxy.cfg.runtime.profile, body)
+        self.body = rank0_body(proxy.cfg.runtime.profile, {**body, "model": proxy.limits.model_name})
         self.digest = digest
         self.killed: list[int] = []  # generations that died with this request in flight
         p = proxy.cfg.proxy

@@ -16,7 +16,7 @@ import time
 
 import mlx.core as mx
 
-from common.hostfile import DISTRIBUTED_ENV
+from common.hostfile import DISTRIBUTED_ENV, distributed_backend
 
 
 def sizes(largest: int) -> list[int]:
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="any")
     args = p.parse_args(argv)
 
-    group = mx.distributed.init(strict=any(k in os.environ for k in DISTRIBUTED_ENV), backend=args.backend)
+    group = mx.distributed.init(strict=any(k in os.environ for k in DISTRIBUTED_ENV),
+                                backend=distributed_backend(args.backend))
     rank, world = group.rank(), group.size()
     expected_sum = world * (world + 1) / 2
     done, moved, rounds = 0, 0, 0

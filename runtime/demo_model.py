@@ -40,6 +40,8 @@ class DemoModelSpec:
     vocab_size: int = 512
     max_position_embeddings: int = 4096
     seed: int = 0
+    model_vocab: int = 0  # rows of the embedding and head when larger than the tokenizer's (a real model's shape)
+    dtype: str = "float32"  # or bfloat16, float16
 
 
 # mlx, mlx-lm and tokenizers are imported when a model is built: meshctl imports
@@ -92,19 +94,20 @@ def build_demo_model(path: str | Path, spec: DemoModelSpec = DemoModelSpec()) ->
         "intermediate_size": spec.intermediate_size,
         "num_attention_heads": spec.num_attention_heads,
         "num_key_value_heads": spec.num_key_value_heads,
-        "vocab_size": tok.get_vocab_size(),
+        "vocab_size": max(tok.get_vocab_size(), spec.model_vocab),
         "max_position_embeddings": spec.max_position_embeddings,
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
         "eos_token_id": eos_id,
-        "torch_dtype": "float32",
+        "torch_dtype": spec.dtype,
         "meshd_demo": asdict(spec),
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
     mx.random.seed(spec.seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.set_dtype(getattr(mx, spec.dtype))
     weights = dict(tree_flatten(model.parameters()))
     # Scale the embeddings so random logits are spread out: greedy argmax then
     # has clear winners, and a float reduction order cannot flip it.
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("path", help="directory to write the model into")
     defaults = DemoModelSpec()
     for name, value in asdict(defaults).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     args = parser.parse_args(argv)
     spec = DemoModelSpec(**{k: getattr(args, k) for k in asdict(defaults)})
     print(build_demo_model(args.path, spec))

@@ -22,7 +22,7 @@ from typing import Protocol
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,8 @@ class Job:
     rid: str
     prompt: tuple[int, ...]
     max_tokens: int
-    temperature: float
-    top_p: float
     seed: int
+    sampling: dict  # SamplingParams.sampling(): temperature, top_p, top_k, min_p, penalties, logit_bias
     offset: int = 0  # the index of the answer's first token this job samples (a resumed answer's is > 0)
 
 
@@ -62,26 +61,39 @@ def token_key(seed: int, i: int) -> mx.array:
 
 
 class SeededSampler:
-    """Temperature / top-p sampling with token i drawn from `token_key(seed, i)`:
-    the same seed replays the same tokens, on every rank, whatever else shares
-    the batch, and from any token on."""
+    """Temperature sampling after top-k, min-p and top-p, with token i drawn from
+    `token_key(seed, i)`: the same seed replays the same tokens, on every rank,
+    whatever else shares the batch, and from any token on."""
 
-    def __init__(self, seed: int, temperature: float, top_p: float, start: int = 0):
+    def __init__(self, seed: int, sampling: dict, start: int = 0):
         self._seed = seed
         self._i = start
-        self._inv_temp = 1.0 / temperature
-        self._top_p = top_p
+        self._inv_temp = 1.0 / sampling["temperature"]
+        self._top_p, self._top_k, self._min_p = sampling["top_p"], sampling["top_k"], sampling["min_p"]
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         key = token_key(self._seed, self._i)
         self._i += 1
+        if 0 < self._top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, self._top_k)
+        if self._min_p > 0.0:
+            logprobs = apply_min_p(logprobs, self._min_p)
         if 0.0 < self._top_p < 1.0:
             logprobs = apply_top_p(logprobs, self._top_p)
         return mx.random.categorical(logprobs * self._inv_temp, key=key)
 
 
 def sampler_for(job: Job):
-    return greedy if job.temperature == 0.0 else SeededSampler(job.seed, job.temperature, job.top_p, job.offset)
+    return greedy if job.sampling["temperature"] == 0.0 else SeededSampler(job.seed, job.sampling, job.offset)
+
+
+def processors_for(job: Job) -> list:
+    """mlx-lm's logits processors for the job's logit_bias and penalties (none when all are off)."""
+    s = job.sampling
+    return make_logits_processors(logit_bias={int(t): b for t, b in s["logit_bias"]} or None,
+                                  repetition_penalty=s["repetition_penalty"] if s["repetition_penalty"] != 1.0 else None,
+                                  presence_penalty=s["presence_penalty"] or None,
+                                  frequency_penalty=s["frequency_penalty"] or None)
 
 
 class Engine(Protocol):
@@ -172,6 +184,7 @@ class BatchEngine:
             caches=[cache if cache is not None else make_prompt_cache(self._model)],
             all_tokens=[list(job.prompt[:cached])],
             samplers=[sampler_for(job)],
+            logits_processors=[processors_for(job)],
         )
         self._rid_by_uid[uid] = job.rid
         self._uid_by_rid[job.rid] = uid
@@ -259,6 +272,7 @@ class SpeculativeEngine:
                 num_draft_tokens=self._num_draft,
                 max_tokens=self._active.max_tokens,
                 sampler=sampler_for(self._active),
+                logits_processors=processors_for(self._active),
                 prefill_step_size=self._prefill_step_size,
             )
         job = self._active

@@ -1,11 +1,15 @@
 """Lockstep control channel: rank 0 shares a list of control messages with every
 rank once per loop iteration, through the same collective the model uses.
 
-Each exchange is one `all_sum` of the payload size and, when there is a payload,
-one `all_sum` of its bytes. Every rank applies the same messages at the same
+Each exchange is one `all_sum` of a header (payload size, doze, steps, and a
+digest of every token each rank has sampled) and, when there is a payload, one
+`all_sum` of its bytes. Every rank applies the same messages at the same
 iteration, which keeps batch composition, cancellations and drain identical
-across the mesh. While idle the loop still exchanges (empty) at a low pace, so
-a dead peer surfaces as a transport error instead of a silent wait.
+across the mesh; the digests prove the ranks also sampled the same tokens (on
+GPUs a reduction in another order can flip a greedy token), and a mismatch
+ends the generation at that exchange instead of letting it drift. While idle
+the loop still exchanges (empty) at a low pace, so a dead peer surfaces as a
+transport error instead of a silent wait.
 """
 
 from __future__ import annotations
@@ -15,6 +19,20 @@ import json
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
+
+
+class Divergence(RuntimeError):
+    """The ranks sampled different tokens: the generation cannot go on."""
+
+
+class PeerLost(RuntimeError):
+    """An exchange came back without every rank's share: a peer is gone and the transport handed back
+    what it had instead of failing."""
+
+
+def fold(digest: int, token: int) -> int:
+    """The running digest of a rank's sampled tokens, in emission order (fits an int32)."""
+    return (digest * 1_000_003 + token + 1) % 2_147_483_647
 
 
 class Lockstep:
@@ -31,18 +49,30 @@ class Lockstep:
         mx.eval(out)
         return out
 
-    def exchange(self, messages: list[dict] | None, doze: float = 0.0,
-                 steps: int = 1) -> tuple[list[dict], float, int]:
+    def exchange(self, messages: list[dict] | None, doze: float = 0.0, steps: int = 1,
+                 digest: int = 0) -> tuple[list[dict], float, int]:
         """Rank 0 passes its outbox, how long every rank may sleep before the
         next exchange (when idle) and how many engine steps to take before it
         (when busy); other ranks pass None. All get rank 0's three values.
-        Ranks sleep instead of waiting inside the collective because the ring
-        transport busy-polls while it waits."""
+        Every rank passes the digest of the tokens it sampled so far; if they
+        differ, every rank raises Divergence here. Each rank also adds its own
+        bit to a tally: a tally short of a bit is an exchange a dead peer did
+        not take part in (PeerLost), and its digests mean nothing. Ranks sleep instead of
+        waiting inside the collective because the ring transport busy-polls
+        while it waits."""
         if self.size == 1:
             return list(messages or []), doze, steps
         payload = json.dumps(messages).encode() if (self.rank == 0 and messages) else b""
         header = [len(payload), int(doze * 1000), steps] if self.rank == 0 else [0, 0, 0]
-        n, doze_ms, steps = self._all_sum(mx.array(header, dtype=mx.int32)).tolist()
+        digests = [0] * self.size
+        digests[self.rank] = digest
+        got = self._all_sum(mx.array(header + [1 << self.rank] + digests, dtype=mx.int32)).tolist()
+        (n, doze_ms, steps, tally), digests = got[:4], got[4:]
+        if tally != (1 << self.size) - 1:
+            raise PeerLost(f"[meshd] lost a peer: the lockstep exchange came back with tally {tally:#x}, not "
+                           f"{(1 << self.size) - 1:#x} (a rank missing from it)")
+        if len(set(digests)) > 1:
+            raise Divergence(f"[meshd] divergence: the ranks sampled different tokens; digests by rank {digests}")
         if n == 0:
             return [], doze_ms / 1000, steps
         if self.rank == 0:

@@ -20,11 +20,24 @@ ROLES = ("system", "user", "assistant", "developer", "tool")
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int
+    max_tokens: int  # the request's, or its server's default when it named none (`named` false)
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted
+    named: bool = True  # the request set max_tokens itself (else the answer may stop at the context's end)
+
+    def sampling(self) -> dict:
+        """What every rank needs to sample alike (it travels with the request through the lockstep)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty, "logit_bias": [list(b) for b in self.logit_bias]}
 
 
 @dataclass(frozen=True)
@@ -58,9 +71,16 @@ class CompletionRequest:
 
 @dataclass(frozen=True)
 class Limits:
+    """What a server serves: its model's name, and the answer length when a request names none
+    (`default_max_tokens`; 0: until the end of the context or a stop), never above `max_tokens_limit`."""
+
     model_name: str
     default_max_tokens: int
     max_tokens_limit: int
+    aliases: tuple[str, ...] = ()  # other names clients may ask for it by (its path, a Hugging Face id)
+
+    def unnamed_max_tokens(self) -> int:
+        return min(self.default_max_tokens or self.max_tokens_limit, self.max_tokens_limit)
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -78,11 +98,20 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     return float(value)
 
 
+def _integer(body: dict, name: str, default: int, lo: int, hi: int) -> int:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _bad(name, f"'{name}' must be an integer between {lo} and {hi}, got {value!r}")
+    return value
+
+
 def _max_tokens(body: dict, limits: Limits) -> int:
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     value = body.get(name)
     if value is None:
-        return limits.default_max_tokens
+        return limits.unnamed_max_tokens()
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(name, f"'{name}' must be an integer, got {value!r}")
     if value <= 0:
@@ -107,6 +136,23 @@ def _stop(body: dict) -> tuple[str, ...]:
     if len(stop) > 4:
         raise _bad("stop", f"'stop' holds {len(stop)} sequences; at most 4 are allowed")
     return tuple(stop)
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict) or len(bias) > 300:
+        raise _bad("logit_bias", "'logit_bias' must be an object of at most 300 token ids to biases, "
+                                 'e.g. {"50256": -100}')
+    out = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit()) or isinstance(value, bool) \
+                or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise _bad("logit_bias", f"'logit_bias' maps token ids (digit strings) to numbers between -100 and "
+                                     f"100; got {key!r}: {value!r}")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
 
 
 def _seed(body: dict) -> int | None:
@@ -166,16 +212,37 @@ def _internal(body: dict, internal: bool) -> tuple[bool, Resume | None]:
         raise _bad("meshd", f"'meshd' is malformed ({e})")
 
 
+# What each route honours; OpenAI's fields that change nothing about an answer (accepted, not acted on);
+# anything else is refused with a 400 that names it, never silently dropped.
+HONOURED = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+            "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty", "meshd"}
+HONOURED_BY = {"chat": HONOURED | {"messages", "max_completion_tokens"}, "text": HONOURED | {"prompt"}}
+HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+            "safety_identifier"}
+
+
+def _refuse_unhonoured(kind: str, body: dict) -> None:
+    for name in sorted(set(body) - HONOURED_BY[kind] - HARMLESS):
+        if name == "response_format" and body[name] in ({"type": "text"}, None):
+            continue
+        if name in ("tool_choice", "tools") and body[name] in ("none", None, []):
+            continue
+        raise ApiError(400, f"'{name}' is not supported by this server; leave it out (this server honours "
+                            f"{', '.join(sorted(HONOURED_BY[kind] - {'meshd'}))})", param=name,
+                       code="unsupported_parameter")
+
+
 def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False) -> CompletionRequest:
     """Validate a decoded JSON body for `/v1/chat/completions` ("chat") or
     `/v1/completions` ("text"). Raises ApiError naming the field at fault.
     `internal`: the body comes from meshd's proxy (rank 0 takes its `meshd` object)."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object", code="invalid_json")
+    _refuse_unhonoured(kind, body)
     model = body.get("model", limits.model_name)
     if not isinstance(model, str):
         raise _bad("model", f"'model' must be a string, got {model!r}")
-    if model not in (limits.model_name, "default", ""):
+    if model not in (limits.model_name, "default", "", *limits.aliases):
         raise ApiError(
             404,
             f"The model '{model}' does not exist; this server serves '{limits.model_name}' (GET /v1/models)",
@@ -193,10 +260,17 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False) 
         raise _bad("stream_options", "'stream_options' must be an object")
     params = SamplingParams(
         max_tokens=_max_tokens(body, limits),
+        named=body.get("max_tokens", body.get("max_completion_tokens")) is not None,
         temperature=_number(body, "temperature", 0.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         seed=_seed(body),
         stop=_stop(body),
+        top_k=_integer(body, "top_k", 0, 0, 1 << 20),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 10.0),
+        logit_bias=_logit_bias(body),
     )
     report_ids, resume = _internal(body, internal)
     common = dict(
@@ -271,13 +345,11 @@ def usage_chunk(req: CompletionRequest, rid: str, created: int, usage_: dict) ->
             "choices": [], "usage": usage_}
 
 
-def models_body(model_name: str, created: int | None = None) -> dict:
-    return {
-        "object": "list",
-        "data": [{"id": model_name, "object": "model",
-                  "created": int(created if created is not None else time.time()),
-                  "owned_by": "meshd"}],
-    }
+def models_body(model_name: str, created: int | None = None, aliases: tuple[str, ...] = ()) -> dict:
+    at = int(created if created is not None else time.time())
+    return {"object": "list",
+            "data": [{"id": name, "object": "model", "created": at, "owned_by": "meshd"}
+                     for name in dict.fromkeys((model_name, *aliases))]}
 
 
 def find_stop(text: str, stops: tuple[str, ...]) -> int:

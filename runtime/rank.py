@@ -22,13 +22,13 @@ import mlx.core as mx
 from mlx_lm import load as load_whole
 from mlx_lm.utils import load_config, load_model, load_tokenizer
 
-from common.hostfile import DISTRIBUTED_ENV
+from common.hostfile import DISTRIBUTED_ENV, distributed_backend
 from common.states import RankState
 from common.statusfile import RankStatus
 from runtime import openai_api as oa
 from runtime.engine import BatchEngine, Job, SpeculativeEngine
-from runtime.lockstep import Lockstep
-from runtime.server import Frontend
+from runtime.lockstep import Divergence, Lockstep, fold
+from runtime.server import WARMUP, Frontend
 from runtime.status import Heartbeat
 
 
@@ -43,7 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="mx.random seed, the same on every rank")
     p.add_argument("--status-file", default=os.environ.get("MESHD_STATUS_FILE"),
                    help="heartbeat JSON path (default: $MESHD_STATUS_FILE)")
-    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="max_tokens of a request that names none (default 0: until the end of the context or a "
+                        "stop, at most --max-tokens-limit)")
     p.add_argument("--max-tokens-limit", type=int, default=8192, help="largest max_tokens accepted")
     p.add_argument("--max-context", type=int, default=0,
                    help="context length (default: the model's max_position_embeddings)")
@@ -63,7 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "cancel latency, in steps)")
     p.add_argument("--heartbeat-interval", type=float, default=0.5,
                    help="seconds between status file writes while nothing changes state")
-    p.add_argument("--backend", default="any", help="mx.distributed backend (default: from the env)")
+    p.add_argument("--backend", default="any",
+                   help="mx.distributed backend (default: $MESHD_BACKEND, which the agent sets from the hostfile)")
     return p.parse_args(argv)
 
 
@@ -107,9 +110,20 @@ class LockstepLoop:
     `on_term` is what SIGTERM means to this rank, run by the loop."""
 
     def __init__(self, engine, lockstep, heartbeat: Heartbeat, frontend=None, idle_interval: float = 0.5,
-                 burst: int = 4, on_term=None):
+                 burst: int = 4, on_term=None, on_warm=None):
         self.signals = Signals(signal.SIGTERM)
+        # Armed until the warm-up generation finished on this rank: its first steps compile kernels, which
+        # the agent gives the warm-up window, not a serving rank's.
+        self.warming_since: float | None = None
+        self.on_warm = on_warm or (lambda seconds: None)
         self.on_term = on_term or (lambda: None)
+        self.digest = 0  # of every token this rank sampled, compared at each exchange
+        self.sampled = 0  # tokens sampled; `tokens` counts those of clients' requests
+        self.steps = 0
+        # A fault for tests (MESHD_FAULT_FLIP_TOKEN=RANK:N): this rank's Nth sampled token counts as another
+        # one, as if it had sampled differently.
+        rank, _, n = os.environ.get("MESHD_FAULT_FLIP_TOKEN", "").partition(":")
+        self.flip_at = int(n) if n and int(rank) == lockstep.rank else -1
         self.engine = engine
         self.lockstep = lockstep
         self.hb = heartbeat
@@ -124,13 +138,15 @@ class LockstepLoop:
     def _apply(self, msg: dict) -> None:
         op = msg["op"]
         if op == "insert":
-            job = Job(msg["rid"], tuple(msg["prompt"]), msg["max_tokens"], msg["temperature"],
-                      msg["top_p"], msg["seed"], msg.get("offset", 0))
+            job = Job(msg["rid"], tuple(msg["prompt"]), msg["max_tokens"], msg["seed"], msg["sampling"],
+                      msg.get("offset", 0))
             if self.draining:
                 self._refuse(job.rid)
                 return
             cached = self.engine.insert(job)
             self.inflight[job.rid] = len(job.prompt)
+            if job.rid == WARMUP:
+                self.warming_since = time.monotonic()
             if self.fe:
                 self.fe.started(job.rid, cached)
         elif op == "cancel":
@@ -164,7 +180,10 @@ class LockstepLoop:
                     # snappy; a mesh idle for long settles at idle_interval.
                     idle_for = time.monotonic() - self._active_at
                     idle_next = min(self.idle_interval, max(0.01, idle_for / 4))
-            msgs, doze, steps = self.lockstep.exchange(outbox, idle_next, burst)
+            try:
+                msgs, doze, steps = self.lockstep.exchange(outbox, idle_next, burst, self.digest)
+            except Divergence as e:
+                raise Divergence(f"{e} at step {self.steps}") from None
             for msg in msgs:
                 self._apply(msg)
             if self.draining and not self.engine.busy:
@@ -180,16 +199,27 @@ class LockstepLoop:
                     break
                 self._step()
 
+    def _state(self) -> RankState:
+        if self.draining:
+            return RankState.DRAINING
+        return RankState.ARMED if self.warming_since is not None else RankState.BUSY
+
     def _step(self) -> None:
-        self.hb.update(state=RankState.DRAINING if self.draining else RankState.BUSY,
+        self.hb.update(state=self._state(),
                        requests_in_flight=len(self.inflight),
                        prompt_tokens_in_flight=self.engine.prompt_tokens_in_flight())
         emissions = self.engine.step()
+        self.steps += 1
         for e in emissions:
             if e.token is not None:
-                self.tokens += 1
+                self.sampled += 1
+                self.tokens += e.rid != WARMUP
+                self.digest = fold(self.digest, e.token ^ (self.sampled == self.flip_at))
             if e.finish_reason is not None:
                 self.inflight.pop(e.rid, None)
+                if e.rid == WARMUP:
+                    self.on_warm(time.monotonic() - self.warming_since)
+                    self.warming_since = None
         self.hb.update(progress=True, tokens=self.tokens)
         if self.fe and emissions:
             self.fe.emit(emissions)
@@ -209,9 +239,11 @@ def main(argv: list[str] | None = None) -> None:
                    interval=args.heartbeat_interval).start()
     log = _logger(rank, args.generation)
     strict = any(k in os.environ for k in DISTRIBUTED_ENV)
-    group = mx.distributed.init(strict=strict, backend=args.backend)
+    began = time.monotonic()
+    group = mx.distributed.init(strict=strict, backend=distributed_backend(args.backend))
     rank, world = group.rank(), group.size()
     hb.update(rank=rank, world=world, flush=True)
+    log(f"joined as rank {rank} of {world} in {time.monotonic() - began:.1f}s")
     mx.random.seed(args.seed)
 
     def progress(done: int, total: int) -> None:
@@ -230,7 +262,9 @@ def main(argv: list[str] | None = None) -> None:
             frontend.start()
         except OSError as e:
             sys.exit(f"meshd-rank: cannot listen on {args.host}:{args.port} ({e}); pick a free --port")
+    began = time.monotonic()
     model = load_sharded(model_path, group, progress)
+    log(f"loaded in {time.monotonic() - began:.1f}s")
 
     eos = set(tokenizer.eos_token_ids)
     if args.draft_model:
@@ -245,12 +279,13 @@ def main(argv: list[str] | None = None) -> None:
     lockstep.barrier()  # the arm barrier: every rank is loaded past this line
     hb.update(state=RankState.ARMED)
     log("armed")
+    ready = f"ready on {args.host}:{args.port}" if rank == 0 else "ready"
     loop = LockstepLoop(engine, lockstep, hb, frontend, idle_interval=args.idle_interval,
-                        burst=args.burst, on_term=_on_term(frontend, args.drain_wait, log))
+                        burst=args.burst, on_term=_on_term(frontend, args.drain_wait, log),
+                        on_warm=lambda seconds: log(f"warmed up (one token through every rank) in {seconds:.1f}s; "
+                                                    f"{ready}"))
     if frontend:
-        frontend.armed()
-    hb.update(state=RankState.READY)
-    log(f"ready on {args.host}:{args.port}" if rank == 0 else "ready")
+        frontend.warm_up(warmup_prompt(tokenizer))
     try:
         loop.run()
     except Exception:
@@ -272,6 +307,14 @@ def main(argv: list[str] | None = None) -> None:
     # death by signal), and a normal exit runs the transport's destructors, which
     # free RDMA resources that a kill leaks.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def warmup_prompt(tokenizer) -> list[int]:
+    """A short prompt as a client's would be, through the model's own chat template when it has one."""
+    messages = [{"role": "user", "content": "ping"}]
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(tokenizer.encode("ping"))
 
 
 def _logger(rank: int, generation: int):

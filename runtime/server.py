@@ -24,6 +24,7 @@ from runtime import openai_api as oa
 from runtime.engine import Emission
 
 ADMITTING, LOADING, DRAINING = "admitting", "loading", "draining"
+WARMUP = "meshd-warmup"  # the readiness generation's request id
 
 
 @dataclass
@@ -100,8 +101,11 @@ class Frontend:
             pass
 
     # --- the loop's side (main thread) ----------------------------------------
-    def armed(self) -> None:
-        self.phase = ADMITTING
+    def warm_up(self, prompt: list[int]) -> None:
+        """Armed: before admitting anyone, prove the engine works with a real one-token generation
+        through the lockstep loop on every rank; `emit` opens the doors when it finishes."""
+        self._inbox.put({"op": "insert", "rid": WARMUP, "prompt": prompt, "max_tokens": 1, "seed": 0,
+                         "sampling": oa.SamplingParams(max_tokens=1).sampling()})
 
     def begin_drain(self, mode: str) -> None:
         with self._lock:
@@ -137,7 +141,11 @@ class Frontend:
 
     def emit(self, emissions: list[Emission]) -> None:
         for e in emissions:
-            if (p := self._pending_for(e.rid)) is not None:
+            if e.rid == WARMUP and e.finish_reason is not None:
+                with self._lock:
+                    if self.phase == LOADING:
+                        self.phase = ADMITTING
+            elif (p := self._pending_for(e.rid)) is not None:
                 p.put(("token", e.token, e.finish_reason))
 
     def fail(self, rid: str, message: str, code: str = "generation_failed") -> None:
@@ -194,7 +202,7 @@ class Frontend:
         else:
             ids = self.tokenizer.encode(req.prompt)
             param = "prompt"
-        room = self.context_length - req.params.max_tokens
+        room = self.context_length - (req.params.max_tokens if req.params.named else 1)
         if len(ids) > room:
             raise ApiError(
                 400,
@@ -218,10 +226,13 @@ class Frontend:
             if self.phase != ADMITTING:
                 return self._unavailable()
             self._pending[rid] = pending
-        if req.params.max_tokens > done:
+        # an answer whose length the client left open stops at the end of the context at the latest
+        max_tokens = req.params.max_tokens if req.params.named else \
+            min(req.params.max_tokens, self.context_length - len(prompt))
+        if max_tokens > done:
             self._inbox.put({"op": "insert", "rid": rid, "prompt": prompt + list(resume.ids if resume else ()),
-                             "max_tokens": req.params.max_tokens - done, "temperature": req.params.temperature,
-                             "top_p": req.params.top_p, "seed": seed, "offset": done})
+                             "max_tokens": max_tokens - done, "seed": seed,
+                             "sampling": req.params.sampling(), "offset": done})
         else:  # a resumed answer that had all its tokens: only its end was lost
             pending.put(("token", None, "length"))
         try:

@@ -20,6 +20,7 @@ from kit.agents import (
     stop_generation,
     wait_mesh_ready,
 )
+from kit.demo_answers import endless
 from kit.fatal_lines import LINES
 from kit.openai import validate
 from kit.waiting import wait_for
@@ -126,7 +127,8 @@ def test_sigstop_of_a_busy_rank_is_a_stall_after_the_window(agents, demo_model, 
     port = start_generation(agents, generation, demo_model)
     wait_mesh_ready(port)
     threading.Thread(target=chat_until_cut, args=(port,),
-                     kwargs={"max_tokens": 4000, "temperature": 1.0, "seed": 1}, daemon=True).start()
+                     kwargs={"max_tokens": 4000, "temperature": 1.0, "seed": 1, **endless(demo_model)},
+                     daemon=True).start()
     wait_for(lambda: all((a.ranks()[-1]["status"] or {}).get("state") == "busy" for a in agents), 30,
              "the request to reach every rank")
     since = [a.seq() for a in agents]

@@ -15,13 +15,16 @@ def test_signatures(line, name, severity, role):
     assert (sig.name, sig.severity, sig.role) == (name, severity, role) if sig else (name is None)
 
 
-W = StallWindows(base=10, min_prefill_rate=100, load_deadline=600, start_deadline=60)
+W = StallWindows(base=10, min_prefill_rate=100, load_deadline=600, warmup=120, start_deadline=60)
 T0 = 1000.0
 STALLS = [
     ("no status yet, young", None, T0 + 30, None),
     ("no status after the start deadline", None, T0 + 61, "starting"),
     ("loading slowly but under the load deadline", {"state": "loading", "progress_at": T0}, T0 + 500, None),
     ("loading past the load deadline", {"state": "loading", "progress_at": T0}, T0 + 601, "loading"),
+    ("armed, compiling kernels in its warm-up, within the warm-up window",
+     {"state": "armed", "progress_at": T0}, T0 + 100, None),
+    ("armed past the warm-up window", {"state": "armed", "progress_at": T0}, T0 + 121, "armed"),
     ("ready and moving", {"state": "ready", "progress_at": T0}, T0 + 9, None),
     ("ready but the idle exchange stopped", {"state": "ready", "progress_at": T0}, T0 + 11, "ready"),
     ("decoding stuck", {"state": "busy", "progress_at": T0, "prompt_tokens_in_flight": 0}, T0 + 11, "busy"),

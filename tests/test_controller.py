@@ -12,6 +12,7 @@ import requests
 
 from kit.agents import make_agents
 from kit.configs import write_mesh
+from kit.demo_answers import endless
 from kit.meshctl import meshctl, stop_controller
 from kit.openai import sse_events, validate
 from kit.waiting import wait_for
@@ -102,14 +103,14 @@ def test_api_keys_are_required_when_configured(guarded_mesh):
     assert requests.get(f"{proxy}/models", timeout=30).status_code == 401
 
 
-def test_a_full_queue_is_429_and_the_fifo_serves_the_rest(guarded_mesh):
+def test_a_full_queue_is_429_and_the_fifo_serves_the_rest(guarded_mesh, demo_model):
     proxy, _ = guarded_mesh
     results = {}
 
     def send(name, tokens):
         r = requests.post(f"{proxy}/chat/completions", headers=KEY, timeout=120,
                           json={"messages": [{"role": "user", "content": name}], "max_tokens": tokens,
-                                "temperature": 1.0, "seed": 1})
+                                "temperature": 1.0, "seed": 1, **endless(demo_model)})
         results[name] = r
 
     first = threading.Thread(target=send, args=("first", 1500))
@@ -136,7 +137,7 @@ def test_keepalive_comments_flow_while_a_long_prefill_runs(guarded_mesh):
     assert sse_events(lines)[-1] == "[DONE]"
 
 
-def test_a_client_that_goes_away_cancels_the_upstream_work(guarded_mesh):
+def test_a_client_that_goes_away_cancels_the_upstream_work(guarded_mesh, demo_model):
     proxy, agents = guarded_mesh
 
     def in_flight():
@@ -144,7 +145,7 @@ def test_a_client_that_goes_away_cancels_the_upstream_work(guarded_mesh):
 
     r = requests.post(f"{proxy}/chat/completions", headers=KEY, stream=True, timeout=120,
                       json={"messages": [{"role": "user", "content": "long"}], "max_tokens": 4000, "stream": True,
-                            "temperature": 1.0, "seed": 9})
+                            "temperature": 1.0, "seed": 9, **endless(demo_model)})
     lines = r.iter_lines(decode_unicode=True)
     next(line for line in lines if line.startswith("data: "))
     wait_for(lambda: in_flight() == [1, 1], 30, "the request on both ranks")
@@ -229,7 +230,7 @@ def test_no_probe_while_a_request_runs_and_a_request_in_flight_at_two_deaths_is_
         two_agents, tmp_path, demo_model):
     mesh = write_mesh(tmp_path, two_agents, demo_model, proxy={"probe_idle": 1.0, "probe_timeout": 2.0})
     body = {"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 4000, "temperature": 1.0,
-            "seed": 23}
+            "seed": 23, **endless(demo_model)}
     try:
         assert meshctl(mesh, "up").returncode == 0
         proxy = json.loads(meshctl(mesh, "status", "--json").stdout)["urls"]["proxy"]
@@ -238,7 +239,7 @@ def test_no_probe_while_a_request_runs_and_a_request_in_flight_at_two_deaths_is_
             r=requests.post(f"{proxy}/chat/completions", json=body, timeout=300)))
         worker.start()
 
-        def busy(g):  # this seed's answer runs 3272 tokens: long enough to be killed twice
+        def busy(g):  # 4000 tokens: long enough to be killed twice
             wait_for(lambda: (r := two_agents[1].ranks()[-1])["generation"] == g
                      and (r["status"] or {}).get("state") == "busy", 60, f"the request on generation {g}")
 

@@ -1,9 +1,12 @@
-"""The token tape and the seeded sampler, on real mlx caches and arrays."""
+"""The token tape, the seeded sampler and the lockstep exchange's judgement, on real mlx caches and arrays."""
 
 import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import KVCache
 
 from runtime.engine import SeededSampler, TokenTape
+from runtime.lockstep import Divergence, Lockstep, PeerLost, fold
+from runtime.openai_api import SamplingParams
 
 
 def cache_of(n: int) -> list:
@@ -55,14 +58,41 @@ def test_extending_tape_replaces_its_prefix():
     assert len(tape) == 1
 
 
+SAMPLING = SamplingParams(max_tokens=1, temperature=1.0).sampling()
+
+
 def test_seeded_sampler_replays_and_differs_by_seed():
     logits = mx.zeros((1, 50))
 
     def draw(seed):
-        sampler = SeededSampler(seed, 1.0, 1.0)
+        sampler = SeededSampler(seed, SAMPLING)
         return [sampler(logits).item() for _ in range(20)]
 
     assert draw(1) == draw(1)
     assert draw(1) != draw(2)
-    resumed = SeededSampler(1, 1.0, 1.0, start=12)
+    resumed = SeededSampler(1, SAMPLING, start=12)
     assert [resumed(logits).item() for _ in range(8)] == draw(1)[12:]
+
+
+def two_rank_lockstep(peer_share):
+    """Rank 0 of two, its collective summing in what the transport got from rank 1 (None: nothing, as
+    a ring transport that gave up on a dead peer hands back the local buffer)."""
+    lockstep = Lockstep.__new__(Lockstep)
+    lockstep.rank, lockstep.size = 0, 2
+    lockstep._all_sum = lambda x: x if peer_share is None else x + mx.array(peer_share, dtype=mx.int32)
+    return lockstep
+
+
+@pytest.mark.parametrize("peer_share,raises", [
+    ([0, 0, 0, 2, 0, fold(0, 7)], None),              # rank 1 sampled the same token
+    ([0, 0, 0, 2, 0, fold(0, 8)], Divergence),        # rank 1 sampled another
+    (None, PeerLost),                                 # rank 1 is gone: its digest is 0, not a divergence
+    ([0, 0, 0, 0, 0, fold(0, 7)], PeerLost),          # a share without rank 1's tally bit is no share
+])
+def test_an_exchange_is_judged_only_with_every_ranks_share(peer_share, raises):
+    lockstep = two_rank_lockstep(peer_share)
+    if raises is None:
+        assert lockstep.exchange([], 0.5, 1, digest=fold(0, 7)) == ([], 0.5, 1)
+    else:
+        with pytest.raises(raises):
+            lockstep.exchange([], 0.5, 1, digest=fold(0, 7))

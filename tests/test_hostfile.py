@@ -19,7 +19,7 @@ JACCL_RING = {**JACCL, "backend": "jaccl-ring"}
 NCCL = {"backend": "nccl", "envs": [], "hosts": [{"ssh": f"gpu{i}", "ips": [f"10.1.0.{i + 1}"]} for i in range(2)]}
 
 
-def mlx_would_set(hostfile: dict, tmp_path, monkeypatch) -> list[dict]:
+def mlx_would_set(hostfile: dict, tmp_path, monkeypatch, *flags: str) -> list[dict]:
     """Run mlx.launch's main() on the hostfile with its process spawner replaced
     by a recorder: returns, per rank, the env it would export and the contents
     of the files it would point variables at."""
@@ -33,7 +33,7 @@ def mlx_would_set(hostfile: dict, tmp_path, monkeypatch) -> list[dict]:
 
     monkeypatch.setattr(mlx_launch, "_launch_with_io", record)
     monkeypatch.setattr(mlx_launch.shutil, "get_terminal_size", lambda *a: os.terminal_size((0, 0)))
-    monkeypatch.setattr(sys, "argv", ["mlx.launch", "--hostfile", str(path), "--", "python", "x.py"])
+    monkeypatch.setattr(sys, "argv", ["mlx.launch", "--hostfile", str(path), *flags, "--", "python", "x.py"])
     mlx_launch.main()
     return captured
 
@@ -48,6 +48,15 @@ def test_launch_env_equals_mlx_launch(hostfile, tmp_path, monkeypatch):
         env["MLX_RANK"] = str(want["rank"])
         assert {k: v for k, v in got.env.items()} == env
         assert got.files == want["files"]
+
+
+def test_nccl_ranks_sharing_a_host_get_their_own_gpus_as_mlx_launch_repeat_hosts_gives_them(tmp_path, monkeypatch):
+    two_per_host = {"backend": "nccl", "envs": [],
+                    "hosts": [{"ssh": f"gpu{i // 2}", "ips": [f"10.1.0.{i // 2 + 1}"]} for i in range(4)]}
+    expected = mlx_would_set(two_per_host, tmp_path, monkeypatch, "--repeat-hosts", "2")
+    got = [launch_env(two_per_host, rank).env["CUDA_VISIBLE_DEVICES"] for rank in range(4)]
+    assert got == [dict(e.split("=", 1) for e in want["env"])["CUDA_VISIBLE_DEVICES"] for want in expected]
+    assert got == ["0", "1", "0", "1"]
 
 
 def test_ring_single_host_points_at_an_empty_file_like_mlx():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd.config import ConfigError, hostfile_for, load, parse
+from meshd.config import ConfigError, gpu_of, hostfile_for, load, parse
 
 NODE = {"name": "a", "agent": "http://127.0.0.1:7701", "token_file": "t"}
 BASE = {"nodes": [NODE], "runtime": {"model": "/m"}}
@@ -80,3 +80,19 @@ def test_meshctl_config_check(tmp_path):
     (tmp_path / "broken.toml").write_text("nodes = [")
     with pytest.raises(ConfigError, match="is not valid TOML"):
         load(tmp_path / "broken.toml")
+
+
+def nccl_mesh(*nodes) -> dict:
+    return {**BASE, "backend": "nccl",
+            "nodes": [{"name": f"g{i}", "agent": f"http://127.0.0.1:{7701 + i}", "token_file": "t", **n}
+                      for i, n in enumerate(nodes)]}
+
+
+def test_nccl_ranks_on_one_host_get_their_own_gpus_and_two_on_one_gpu_are_refused(tmp_path):
+    cfg = parse(nccl_mesh({}, {}, {"address": "10.0.0.2"}), tmp_path)
+    assert [gpu_of(cfg.nodes, i) for i in range(3)] == ["0", "1", "0"]
+    assert parse(nccl_mesh({"devices": "1"}, {"devices": "0"}), tmp_path).nodes[0].devices == "1"
+    with pytest.raises(ConfigError, match=r"nodes.g1.devices: GPU 0 of 127.0.0.1 is g0's too"):
+        parse(nccl_mesh({}, {"devices": "0"}), tmp_path)
+    with pytest.raises(ConfigError, match="nodes\\[0\\].devices: expected a string"):
+        parse(nccl_mesh({"devices": 1}), tmp_path)

@@ -13,6 +13,7 @@ import requests
 
 from kit.agents import make_agents
 from kit.configs import write_mesh
+from kit.demo_answers import endless
 from kit.meshctl import meshctl, stop_controller
 from kit.openai import sse_events, validate
 from kit.waiting import wait_for
@@ -78,12 +79,14 @@ def assert_one_clean_stream(events):
 
 
 @pytest.mark.parametrize("victim,body", [
-    (0, {"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 60}),
-    (1, {"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 60, "temperature": 1.0,
+    # 300 tokens: long enough that the kill lands mid-answer even when the client reads chunk 6 late
+    (0, {"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 300}),
+    (1, {"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 300, "temperature": 1.0,
          "seed": 23, "stream_options": {"include_usage": True}}),
 ], ids=["greedy, rank 0 killed", "seeded sampling, rank 1 killed"])
-def test_a_stream_cut_by_a_death_resumes_and_reads_as_one_uncut_answer(mesh, victim, body):
+def test_a_stream_cut_by_a_death_resumes_and_reads_as_one_uncut_answer(mesh, demo_model, victim, body):
     config, agents = mesh
+    body = {**body, **endless(demo_model)}
     g = ready(config, 0)["generation"]
     uncut = stream(config, body)
     cut = stream(config, body, kill_at(agents[victim], 6))
@@ -93,9 +96,9 @@ def test_a_stream_cut_by_a_death_resumes_and_reads_as_one_uncut_answer(mesh, vic
     if body.get("stream_options"):  # the whole answer counted once
         (usage,) = [e["usage"] for e in cut if isinstance(e, dict) and e.get("usage")]
         (whole,) = [e["usage"] for e in uncut if isinstance(e, dict) and e.get("usage")]
-        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (whole["prompt_tokens"], 60)
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (whole["prompt_tokens"], body["max_tokens"])
     incident = json.loads(meshctl(config, "events", "--json").stdout)["incidents"][0]
-    assert (incident["generation"], incident["node"], incident["migrated"]) == (g, f"node{victim}", 1)
+    assert (incident["generation"], incident["node"], incident["migrated"]) == (g, f"node{victim}", 1), incident
     metrics = requests.get(status(config)["urls"]["metrics"], timeout=5).text
     assert "meshd_proxy_migrations_total" in metrics
 
@@ -120,13 +123,13 @@ def test_rank_0s_error_before_the_first_byte_is_retried_not_passed_on(mesh):
     assert any("connection to a peer was lost" in line for line in rank0_log)
 
 
-def test_a_client_gone_while_its_stream_waits_is_not_resumed(mesh):
+def test_a_client_gone_while_its_stream_waits_is_not_resumed(mesh, demo_model):
     config, agents = mesh
     g = ready(config, 0)["generation"]
     proxy = status(config)["urls"]["proxy"]
     r = requests.post(f"{proxy}/chat/completions", stream=True, timeout=60,
                       json={"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 2000,
-                            "temperature": 1.0, "seed": 23, "stream": True})
+                            "temperature": 1.0, "seed": 23, "stream": True, **endless(demo_model)})
     lines = r.iter_lines(decode_unicode=True)
     next(line for line in lines if line.startswith("data: "))
     os.kill(agents[1].ranks()[-1]["pid"], signal.SIGKILL)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from kit.meshctl import Demo, demo_meshctl
+from kit.meshctl import Demo, demo_home, demo_meshctl
 from kit.waiting import wait_for
 from meshd.ports import free_ports
 
@@ -24,7 +24,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    home = tmp_path_factory.mktemp("meshd-home-obs")
+    home = demo_home(tmp_path_factory, "meshd-home-obs")
     demo_meshctl(home, "up")
     d = Demo(home)
     yield d

@@ -5,7 +5,7 @@ import pytest
 from kit.openai import validate
 from runtime import openai_api as oa
 
-LIMITS = oa.Limits("demo", default_max_tokens=64, max_tokens_limit=1000)
+LIMITS = oa.Limits("demo", default_max_tokens=64, max_tokens_limit=1000, aliases=("/models/demo", "org/demo-1b"))
 MSG = [{"role": "user", "content": "hi"}]
 
 GOOD = [
@@ -16,6 +16,16 @@ GOOD = [
     ("null temperature is default", {"messages": MSG, "temperature": None}, dict(temperature=0.0)),
     ("stop list", {"messages": MSG, "stop": ["a", "b"]}, dict(stop=("a", "b"))),
     ("default model alias", {"model": "default", "messages": MSG}, dict()),
+    ("model by its path", {"model": "/models/demo", "messages": MSG}, dict()),
+    ("model by a hub id", {"model": "org/demo-1b", "messages": MSG}, dict()),
+    ("sampling knobs", {"messages": MSG, "top_k": 1, "min_p": 0.1, "presence_penalty": 0.5,
+                        "frequency_penalty": -0.5, "repetition_penalty": 1.2, "logit_bias": {"7": -100, "3": 5}},
+     dict(top_k=1, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+          logit_bias=((3, 5.0), (7, -100.0)))),
+    ("harmless fields", {"messages": MSG, "user": "u1", "metadata": {"a": "b"}, "store": False}, dict()),
+    ("plain text format, no tools", {"messages": MSG, "response_format": {"type": "text"}, "tool_choice": "none"},
+     dict()),
+    ("no max_tokens: the server's default, said so", {"messages": MSG}, dict(max_tokens=64, named=False)),
 ]
 
 
@@ -98,3 +108,33 @@ def test_text_stream_chunks_differ_from_the_schema_only_by_a_null_finish_reason(
     chunk["choices"][0]["finish_reason"] = "stop"
     validate(chunk, "CreateCompletionResponse")
     validate(oa.models_body("demo", 1), "ListModelsResponse")
+
+
+@pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("response_format", {"type": "json_object"}), ("logprobs", True),
+                                         ("functions", []), ("reasoning_effort", "high"), ("frobnicate", 1),
+                                         ("meshd", {"ids": True})])
+def test_a_field_this_server_does_not_honour_is_refused_by_name_never_dropped(field, value):
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_request("chat", {"messages": MSG, field: value}, LIMITS)
+    assert (e.value.status, e.value.param) == (400, field)
+    assert e.value.code in ("unsupported_parameter", "invalid_value")
+
+
+@pytest.mark.parametrize("field,value", [("top_k", 1.5), ("top_k", -1), ("min_p", 2), ("logit_bias", {"x": 1}),
+                                         ("logit_bias", {"5": 101}), ("repetition_penalty", 0)])
+def test_sampling_knobs_out_of_range_are_400(field, value):
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_request("chat", {"messages": MSG, field: value}, LIMITS)
+    assert (e.value.status, e.value.param) == (400, field)
+
+
+def test_without_max_tokens_the_answer_may_run_to_the_limit_when_no_default_is_set():
+    open_ended = oa.Limits("demo", default_max_tokens=0, max_tokens_limit=1000)
+    assert oa.parse_request("chat", {"messages": MSG}, open_ended).params.max_tokens == 1000
+
+
+def test_models_lists_every_name_the_model_answers_to():
+    body = oa.models_body("demo", 1, LIMITS.aliases)
+    assert [m["id"] for m in body["data"]] == ["demo", "/models/demo", "org/demo-1b"]
+    validate(body, "ListModelsResponse")

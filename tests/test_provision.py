@@ -4,8 +4,10 @@ through meshd's SSH settings against stand-ins of the macOS tools, its
 hostfile validated and recorded with each node's boot id."""
 
 import asyncio
+import http.server
 import json
 import subprocess
+import threading
 
 import pytest
 
@@ -17,7 +19,7 @@ from meshd.config import load
 from meshd.ports import free_ports
 
 
-def write_mesh(path, fleet, backend="jaccl", known_hosts=None, **ssh):
+def write_mesh(path, fleet, backend="jaccl", known_hosts=None, control=None, **ssh):
     known_hosts = known_hosts or fleet.known_hosts(path / "known_hosts")
     lines = [f'name = "tb"\nbackend = "{backend}"\nstate_dir = "state"\n']
     for n in fleet.nodes:
@@ -28,6 +30,7 @@ def write_mesh(path, fleet, backend="jaccl", known_hosts=None, **ssh):
                      f'ssh = "{n.ssh}"\n')
     settings = {"known_hosts": str(known_hosts), "key_file": str(fleet.client_key), "connect_timeout": 5,
                 "command_timeout": 5, **ssh}
+    lines.append(f'[control]\nlisten = "{control or f"127.0.0.1:{free_ports(1)[0]}"}"\n')
     lines.append('[runtime]\nmodel = "/models/none"\n[ssh]\n' + "".join(f"{k} = {json.dumps(v)}\n"
                                                                          for k, v in settings.items()))
     mesh = path / "mesh.toml"
@@ -142,3 +145,25 @@ def test_a_refused_key_names_the_node_and_authorized_keys(fleet, tmp_path):
     assert sorted(failed) == ["node0", "node1", "node2", "node3"], r.stdout
     assert "the key was refused" in failed["node0"]["detail"]
     assert "authorized_keys on the node" in failed["node0"]["fix"]
+
+
+def test_doctor_beside_another_meshs_controller_on_the_control_address(fleet, tmp_path):
+    """Two meshes on one machine with the same control address: this one's doctor checks its own nodes
+    instead of failing on the other controller's missing token."""
+    class Healthz(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthz)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        mesh = write_mesh(tmp_path, fleet, "ring", control=f"127.0.0.1:{other.server_port}")
+        r = meshctl(mesh, "doctor")
+    finally:
+        other.shutdown()
+    assert "no control token" not in r.stderr, r.stderr
+    assert "host key verified" in r.stdout, r.stdout + r.stderr

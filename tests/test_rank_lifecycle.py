@@ -8,6 +8,8 @@ import time
 
 import requests
 
+from agents.signatures import classify
+from kit.demo_answers import endless
 from kit.openai import sse_events, validate
 from kit.ranks import StatusTrace, start_mesh
 from kit.waiting import wait_for
@@ -35,7 +37,8 @@ def test_drain_finish_completes_in_flight_work_and_every_rank_exits_0(demo_model
     with start_mesh(demo_model, 2, tmp_path, "--heartbeat-interval", "0.05") as mesh:
         mesh.wait_ready()
         t, result = stream_in_background(mesh, {"messages": [{"role": "user", "content": "long"}],
-                                                "max_tokens": 400, "temperature": 0.9, "seed": 3})
+                                                "max_tokens": 400, "temperature": 0.9, "seed": 3,
+                                                **endless(demo_model)})
         wait_for(lambda: busy_everywhere(mesh), 30, "the request to be in flight on every rank")
         r = requests.post(f"{mesh.url}/internal/drain", json={"mode": "finish"}, timeout=10)
         assert r.status_code == 202
@@ -56,7 +59,8 @@ def test_drain_cancel_cuts_in_flight_work_cleanly(demo_model, tmp_path):
     with start_mesh(demo_model, 2, tmp_path) as mesh:
         mesh.wait_ready()
         t, result = stream_in_background(mesh, {"messages": [{"role": "user", "content": "long"}],
-                                                "max_tokens": 4000, "temperature": 0.9, "seed": 3})
+                                                "max_tokens": 4000, "temperature": 0.9, "seed": 3,
+                                                **endless(demo_model)})
         wait_for(lambda: busy_everywhere(mesh), 30, "the request to be in flight on every rank")
         assert requests.post(f"{mesh.url}/internal/drain", json={"mode": "cancel"}, timeout=10).status_code == 202
         t.join(120)
@@ -82,7 +86,8 @@ def test_a_storm_of_sigterms_mid_stream_is_still_one_finishing_drain(demo_model,
     with start_mesh(demo_model, 2, tmp_path) as mesh:
         mesh.wait_ready()
         t, result = stream_in_background(mesh, {"messages": [{"role": "user", "content": "long"}],
-                                                "max_tokens": 300, "temperature": 0.9, "seed": 5})
+                                                "max_tokens": 300, "temperature": 0.9, "seed": 5,
+                                                **endless(demo_model)})
         wait_for(lambda: busy_everywhere(mesh), 30, "the request to be in flight on every rank")
         for _ in range(2000):
             if mesh.procs[0].poll() is not None:
@@ -158,3 +163,18 @@ def test_single_rank_without_distributed_env_serves(demo_model, tmp_path):
         r = requests.get(f"{mesh.url}/internal/ready", timeout=5).json()
         assert r == {"ready": True, "phase": "admitting", "generation": 1}
         assert json.loads(mesh.status_files[0].read_text())["world"] == 1
+
+
+def test_ranks_that_sample_different_tokens_end_the_generation_naming_the_step(demo_model, tmp_path):
+    """MESHD_FAULT_FLIP_TOKEN makes rank 1's 6th sampled token (the readiness generation's is the 1st)
+    count as another one: the digests part at the next exchange and every rank stops there."""
+    with start_mesh(demo_model, 2, tmp_path, env={"MESHD_FAULT_FLIP_TOKEN": "1:6"}) as mesh:
+        mesh.wait_ready()
+        r = requests.post(f"{mesh.url}/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 30,
+                                **endless(demo_model)})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "generation_failed"
+        assert mesh.wait_exit() == [1, 1]
+        for rank in range(2):
+            line = next(l for l in mesh.log(rank).splitlines() if "[meshd] divergence" in l)
+            assert classify(line).name == "divergence" and " at step " in line

@@ -32,6 +32,10 @@ LINES = [
      "(00000002:kIOGPUCommandBufferCallbackErrorTimeout)", "metal_gpu_timeout", "fatal", "cause"),
     ("[METAL] Command buffer execution failed: Insufficient Memory "
      "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)", "metal_out_of_memory", "fatal", "cause"),
+    ("runtime.lockstep.Divergence: [meshd] divergence: the ranks sampled different tokens; digests by rank "
+     "[1804289383, 846930886] at step 12", "divergence", "fatal", "cause"),
+    ("runtime.lockstep.PeerLost: [meshd] lost a peer: the lockstep exchange came back with tally 0x1, not 0x3 "
+     "(a rank missing from it)", "lockstep_peer_lost", "fatal", "consequence"),
     ("[meshd-rank g1 r0] loading 3/3", None, None, None),
     ("INFO request finished in 12.0s", None, None, None),
 ]

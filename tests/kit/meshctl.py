@@ -11,6 +11,8 @@ import sys
 import requests
 
 from kit.waiting import wait_for
+from meshd.demo import PREFERRED, WORLD
+from meshd.ports import free_run
 
 
 def _env(**extra) -> dict:
@@ -32,6 +34,16 @@ def stop_controller(mesh):
             os.kill(int(pidfile.read_text().split()[0]), 15)
         except ProcessLookupError:
             pass
+
+
+def demo_home(tmp_path_factory, name: str):
+    """A $MESHD_HOME whose demo mesh takes random free ports, not the preferred 8000/8001/...: tests run
+    beside each other (pytest -n) and beside a user's own demo, and preferred ports would collide."""
+    home = tmp_path_factory.mktemp(name)
+    (home / "demo").mkdir()
+    ports = {key: free_run(WORLD if key in ("agents", "ring") else 1) for key in PREFERRED}
+    (home / "demo" / "ports.json").write_text(json.dumps(ports))
+    return home
 
 
 def demo_meshctl(home, *args, timeout=300, check=True):

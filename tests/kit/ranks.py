@@ -72,13 +72,13 @@ class Mesh:
             p.wait(timeout=30)
 
 
-def start_mesh(model: Path, world: int, tmp: Path, *args: str, generation: int = 1) -> Mesh:
+def start_mesh(model: Path, world: int, tmp: Path, *args: str, generation: int = 1, env: dict | None = None) -> Mesh:
     """Spawn `world` ranks with the env mlx.launch would give a ring hostfile
-    (MLX_RANK, MLX_HOSTFILE) on loopback."""
+    (MLX_RANK, MLX_HOSTFILE) on loopback, plus `env`."""
     tmp.mkdir(parents=True, exist_ok=True)
     *ring_ports, http_port = free_ports(world + 1)
     hostfile = None
-    env_base = dict(os.environ, MESHD_GENERATION=str(generation), PYTHONUNBUFFERED="1")
+    env_base = dict(os.environ, MESHD_GENERATION=str(generation), PYTHONUNBUFFERED="1", **(env or {}))
     if world > 1:
         hostfile = tmp / "ring.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring_ports]))

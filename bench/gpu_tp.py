@@ -1,0 +1,318 @@
+"""meshd on NVIDIA GPUs (mlx[cuda13], the nccl backend), against a plain mlx
+tensor-parallel loop of the same model in the same run. For the device
+machine (nvidia-h200-x2): one rank per GPU, two agents on one host.
+
+- Cold start: `meshctl up` -> first answer, against the plain loop's load and
+  its process start -> first token.
+- Decode (greedy, batch 1, --tokens tokens) in alternating rounds: the plain
+  loop on stream_generate and on BatchGenerator, meshd through the proxy,
+  meshd direct to rank 0.
+- Recovery: SIGKILL of rank 1, SIGSTOP of rank 0 -> first answer again.
+- `meshctl down` leaves no rank process holding GPU memory.
+- The stock mlx_lm.server profile on the same mesh: served, or the reason.
+
+    python bench/gpu_tp.py --out DIR [--hidden 4096 --layers 32 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+from benchkit import ROOT, meshctl_for
+
+from common.hostfile import MLX_BACKEND, launch_env
+from common.tomlcheck import write_toml
+from kit.agents import make_agents
+from kit.demo_answers import endless
+from kit.waiting import wait_for
+from meshd.ports import free_ports
+from runtime.demo_model import DemoModelSpec, build_demo_model
+
+
+def say(msg: str) -> None:
+    print(f"[gpu_tp {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def status(mesh: Path) -> dict:
+    return json.loads(meshctl_for(mesh, "status", "--json"))
+
+
+def decode(url: str, model: Path, tokens: int) -> dict:
+    """One greedy streamed answer of `tokens` tokens: decode tok/s after the first token, and TTFT."""
+    t0 = time.perf_counter()
+    times = []
+    r = requests.post(f"{url}/chat/completions", stream=True, timeout=600,
+                      json={"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": tokens,
+                            "temperature": 0, "stream": True, **endless(model)})
+    for line in r.iter_lines(decode_unicode=True):
+        if line.startswith("data: ") and '"content"' in line:
+            times.append(time.perf_counter())
+    return {"tokens": len(times), "ttft_s": times[0] - t0, "tok_s": (len(times) - 1) / (times[-1] - times[0])}
+
+
+def first_answer(mesh: Path, after: float, timeout: float = 600) -> float:
+    proxy = status(mesh)["urls"]["proxy"]
+
+    def ok():
+        try:
+            return requests.post(f"{proxy}/chat/completions", timeout=300,
+                                 json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).ok
+        except requests.RequestException:
+            return False
+    wait_for(ok, timeout, "an answer", 0.05)
+    return time.time() - after
+
+
+def start_steps(db: Path, t0: float) -> dict:
+    """Where generation 1's start went, from the agents' events in the store: seconds after `meshctl up`
+    at which the first rank was spawned, the last reported loading, armed, ready."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    rows = con.execute("SELECT kind, at, data FROM events WHERE generation = 1 ORDER BY at").fetchall()
+    con.close()
+    steps: dict[str, float] = {}
+    for kind, at, data in rows:
+        step = "spawned" if kind == "RankStarted" else json.loads(data).get("state") if kind == "RankStateChanged" \
+            else None
+        if step:
+            steps[step] = round(max(steps.get(step, 0.0), at - t0), 2)
+    return steps
+
+
+def gpu_memory() -> dict:
+    """MiB in use on each GPU, and by each process that holds any (nothing without nvidia-smi: the CPU try-out)."""
+    if shutil.which("nvidia-smi") is None:
+        return {}
+
+    def query(*args: str) -> list[list[str]]:
+        out = subprocess.run(["nvidia-smi", *args, "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True).stdout
+        return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
+    return {"gpus_mib": [int(used) for (used,) in query("--query-gpu=memory.used")],
+            "processes": [{"pid": int(pid), "mib": int(mib), "bench": int(pid) == os.getpid()}
+                          for pid, mib in query("--query-compute-apps=pid,used_memory")]}
+
+
+class PlainLoop:
+    """bench/plain_tp.py on two ranks (one per GPU), started with the env mlx.launch gives; rounds on demand."""
+
+    ENGINES = ("stream", "batch")
+
+    def __init__(self, work: Path, engine: str, model: Path, args, tag: str = ""):
+        tag = tag or engine
+        self.signals = work / f"signals-{tag}"
+        self.signals.mkdir()
+        hostfile = {"backend": args.backend, "hosts": [{"ssh": f"r{r}", "ips": ["127.0.0.1"]} for r in range(2)]}
+        first = free_ports(2)[0]
+        envs = []
+        for r in range(2):
+            le = launch_env(hostfile, r, starting_port=first, nccl_port=first)
+            for var, content in le.files.items():
+                (work / f"plain-{tag}-{r}-{var}").write_text(content)
+                le.env[var] = str(work / f"plain-{tag}-{r}-{var}")
+            envs.append({**os.environ, **le.env, "MESHD_BACKEND": MLX_BACKEND[args.backend], "PYTHONUNBUFFERED": "1"})
+        t0 = time.time()
+        self.procs = [subprocess.Popen([sys.executable, str(ROOT / "bench" / "plain_tp.py"), "--model", str(model),
+                                        "--tokens", str(args.tokens), "--engine", engine,
+                                        "--signals", str(self.signals)],
+                                       env=envs[r], stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                                       text=True)
+                      for r in range(2)]
+        line = json.loads(self.procs[0].stdout.readline())
+        self.started = {"loaded_s": line["loaded_s"], "cold_start_s": line["first_token_at"] - t0}
+
+    def decode(self, n: int) -> dict:
+        (self.signals / f"go-{n}").touch()
+        done = self.signals / f"done-{n}"
+        wait_for(done.exists, 600, "the plain loop", 0.05)
+        return json.loads(done.read_text())
+
+    def stop(self) -> None:
+        (self.signals / "stop").touch()
+        for p in self.procs:
+            p.wait(60)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--backend", default="nccl", help="ring: the same run on CPUs, to try the script out")
+    args = ap.parse_args()
+    work = args.out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict = {"gpus": gpu_memory(), "shape": vars(args) | {"out": str(args.out)}}
+
+    def save():
+        (args.out / "gpu_tp.json").write_text(json.dumps(result, indent=2, default=str))
+
+    t0 = time.time()
+    model = build_demo_model(work / "model", DemoModelSpec(
+        hidden_size=args.hidden, num_hidden_layers=args.layers, intermediate_size=args.intermediate,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, model_vocab=args.vocab,
+        max_position_embeddings=8192, dtype="bfloat16", seed=1))
+    result["model_bytes"] = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    say(f"built the model: {result['model_bytes'] / 1e9:.1f} GB in {time.time() - t0:.0f} s")
+
+    agents = make_agents(work, 2, stall={"load_deadline": 900})
+    for a in agents:
+        a.start()
+    ring = free_ports(1)[0]
+    mesh = work / "mesh.toml"
+    proxy_port, control_port, rank_port = free_ports(3)
+    conf = {"name": "gpu", "backend": args.backend, "state_dir": "state",
+        "nodes": [{"name": a.node, "agent": a.url, "token_file": str(a.dir / "token")} for a in agents],
+        "runtime": {"model": str(model), "port": rank_port, "ring_port": ring,
+                    "args": {"max_tokens_limit": 8192}},
+        "proxy": {"listen": f"127.0.0.1:{proxy_port}"},
+        "recovery": {"backoff_base": 0.2, "stop_grace": 5.0, "start_deadline": 900.0},
+        "control": {"listen": f"127.0.0.1:{control_port}"}}
+    write_toml(mesh, conf)
+    plain: dict = {}
+    try:
+        # The first mlx process on a machine compiles its GPU kernels (cached on disk for the next): one
+        # throwaway start of the plain loop, so what follows compares starts with the same warm cache.
+        plain["warm"] = PlainLoop(work, "stream", model, args, tag="kernel-warm")
+        result["first_start_on_this_machine_s"] = plain["warm"].started["cold_start_s"]
+        say(f"first mlx start on this machine (plain loop, cold kernel cache): process start -> first token "
+            f"{result['first_start_on_this_machine_s']:.1f} s")
+        plain.pop("warm").stop()
+
+        t0 = time.time()
+        meshctl_for(mesh, "up")
+        result["cold_start_s"] = first_answer(mesh, t0)
+        result["cold_start_steps"] = start_steps(work / "state" / "meshd.sqlite", t0)
+        say(f"meshd cold start (up -> first answer): {result['cold_start_s']:.1f} s; "
+            f"steps {result['cold_start_steps']}")
+        s = status(mesh)
+        rank0 = f"http://127.0.0.1:{rank_port}/v1"
+
+        plain = {engine: PlainLoop(work, engine, model, args) for engine in PlainLoop.ENGINES}
+        for engine, loop in plain.items():
+            result[f"plain_{engine}"] = loop.started
+            say(f"plain TP2 ({engine}): load {loop.started['loaded_s']:.1f} s, "
+                f"process start -> first token {loop.started['cold_start_s']:.1f} s")
+
+        rounds = []
+        for n in range(1, args.rounds + 1):
+            row = {f"plain_{engine}": loop.decode(n) for engine, loop in plain.items()}
+            row |= {"proxy": decode(s["urls"]["proxy"], model, args.tokens),
+                    "direct": decode(rank0, model, args.tokens)}
+            rounds.append(row)
+            say(f"round {n}: " + ", ".join(f"{k} {v['tok_s']:.1f}" for k, v in row.items()) + " tok/s")
+        result["rounds"] = rounds
+        save()
+
+        for fault, rank in (("SIGKILL", 1), ("SIGSTOP", 0)):
+            pid = status(mesh)["nodes"][rank]["rank"]["pid"]
+            t0 = time.time()
+            os.kill(pid, getattr(signal, fault))
+            result[f"recovery_{fault.lower()}_rank{rank}_s"] = first_answer(mesh, t0)
+            if fault == "SIGSTOP":
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            incident = json.loads(meshctl_for(mesh, "events", "--json"))["incidents"][0]
+            result[f"timeline_{fault.lower()}"] = incident["timeline"]
+            say(f"{fault} rank {rank} -> first answer {result[f'recovery_{fault.lower()}_rank{rank}_s']:.1f} s")
+        save()
+
+        meshctl_for(mesh, "down")
+        time.sleep(2)
+        ours = {p.pid for loop in plain.values() for p in loop.procs} | {os.getpid()}
+        result["gpu_memory_after_down"] = gpu_memory()
+        result["gpu_holders_left"] = [p for p in result["gpu_memory_after_down"].get("processes", [])
+                                      if p["pid"] not in ours]
+        result["processes_left"] = subprocess.run(["pgrep", "-f", "runtime.rank"], capture_output=True,
+                                                  text=True, check=False).stdout.split()
+        say(f"after down: GPU memory held by anything but the bench and its plain loops: "
+            f"{result['gpu_holders_left']}; rank processes left {result['processes_left']}")
+
+        stock = work / "stock.toml"
+        runtime = {k: v for k, v in conf["runtime"].items() if k != "args"} | {"profile": "mlx-lm-server"}
+        write_toml(stock, conf | {"runtime": runtime, "recovery": conf["recovery"] | {"max_failures": 1}})
+        t0 = time.time()
+        up = subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(stock), "up", "--timeout", "240"],
+                            capture_output=True, text=True, timeout=300, check=False)
+        result["stock"] = {"up_exit": up.returncode, "seconds": time.time() - t0, "said": up.stdout[-1500:],
+                           "incidents": json.loads(meshctl_for(stock, "events", "--json"))["incidents"][:2]}
+        say(f"stock mlx_lm.server: exit {up.returncode}; {up.stdout.strip().splitlines()[-1:]}")
+        if up.returncode == 0:
+            result["stock"]["first_answer_s"] = first_answer(stock, t0, 120)
+            stock_rounds = []
+            for n in range(args.rounds + 1, 2 * args.rounds + 1):
+                row = {"plain_stream": plain["stream"].decode(n), "stock_direct": decode(rank0, model, args.tokens)}
+                stock_rounds.append(row)
+                say(f"stock round {n}: " + ", ".join(f"{k} {v['tok_s']:.1f}" for k, v in row.items()) + " tok/s")
+            result["stock_rounds"] = stock_rounds
+        meshctl_for(stock, "down", "--force", check=False)
+        for loop in plain.values():
+            loop.stop()
+    finally:
+        for loop in plain.values():
+            loop.kill()
+        meshctl_for(mesh, "down", "--force", check=False)
+        pidfile = work / "state" / "run" / "controller.pid"
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text().split()[0]), signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for a in agents:
+            a.kill()
+        save()
+
+    rounds = {k: [r[k]["tok_s"] for r in result["rounds"]] for k in result["rounds"][0]}
+    beside = result.get("stock_rounds", [])
+    rounds["plain_stream_beside_stock"] = [r["plain_stream"]["tok_s"] for r in beside]
+    rounds["stock_direct"] = [r["stock_direct"]["tok_s"] for r in beside]
+    rounds = {k: v for k, v in rounds.items() if v}
+
+    def median(key: str) -> float:
+        return statistics.median(rounds[key])
+
+    def spread(key: str) -> list[float]:
+        return [round(min(rounds[key]), 1), round(max(rounds[key]), 1)]
+
+    keys = list(rounds)
+    result["summary"] = {
+        "decode_median_tok_s": {k: round(median(k), 1) for k in keys},
+        "decode_spread_tok_s": {k: spread(k) for k in keys},
+        "decode_ratio_direct_vs_plain_stream": median("direct") / median("plain_stream"),
+        "decode_ratio_direct_vs_plain_batch": median("direct") / median("plain_batch"),
+        "proxy_cost": 1 - median("proxy") / median("direct"),
+        "cold_start_vs_plain_load": result["cold_start_s"] / result["plain_stream"]["loaded_s"],
+        "cold_start_vs_plain_cold_start": result["cold_start_s"] / result["plain_stream"]["cold_start_s"],
+        "recovery_sigkill_vs_cold_start": result["recovery_sigkill_rank1_s"] / result["cold_start_s"]}
+    if "stock_direct" in rounds:
+        result["summary"]["decode_ratio_stock_vs_plain_stream"] = median("stock_direct") / median(
+            "plain_stream_beside_stock")
+    save()
+    print(json.dumps(result["summary"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
