@@ -11,7 +11,7 @@ machine (nvidia-h200-x2): one rank per GPU, two agents on one host.
 - `meshctl down` leaves no rank process holding GPU memory.
 - The stock mlx_lm.server profile on the same mesh: served, or the reason.
 
-    python bench/gpu_tp.py --out DIR [--hidden 4096 --layers 32 ...]
+    python bench/gpu_tp.py --out DIR [--hidden 4096 --layers 32 ...] [--decode-only]
 """
 
 from __future__ import annotations
@@ -160,6 +160,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backend", default="nccl", help="ring: the same run on CPUs, to try the script out")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="cold start and decode rounds only: no recovery, no stock profile (a shorter device run)")
     args = ap.parse_args()
     work = args.out / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -225,7 +227,7 @@ def main() -> None:
         result["rounds"] = rounds
         save()
 
-        for fault, rank in (("SIGKILL", 1), ("SIGSTOP", 0)):
+        for fault, rank in () if args.decode_only else (("SIGKILL", 1), ("SIGSTOP", 0)):
             pid = status(mesh)["nodes"][rank]["rank"]["pid"]
             t0 = time.time()
             os.kill(pid, getattr(signal, fault))
@@ -251,24 +253,25 @@ def main() -> None:
         say(f"after down: GPU memory held by anything but the bench and its plain loops: "
             f"{result['gpu_holders_left']}; rank processes left {result['processes_left']}")
 
-        stock = work / "stock.toml"
-        runtime = {k: v for k, v in conf["runtime"].items() if k != "args"} | {"profile": "mlx-lm-server"}
-        write_toml(stock, conf | {"runtime": runtime, "recovery": conf["recovery"] | {"max_failures": 1}})
-        t0 = time.time()
-        up = subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(stock), "up", "--timeout", "240"],
-                            capture_output=True, text=True, timeout=300, check=False)
-        result["stock"] = {"up_exit": up.returncode, "seconds": time.time() - t0, "said": up.stdout[-1500:],
-                           "incidents": json.loads(meshctl_for(stock, "events", "--json"))["incidents"][:2]}
-        say(f"stock mlx_lm.server: exit {up.returncode}; {up.stdout.strip().splitlines()[-1:]}")
-        if up.returncode == 0:
-            result["stock"]["first_answer_s"] = first_answer(stock, t0, 120)
-            stock_rounds = []
-            for n in range(args.rounds + 1, 2 * args.rounds + 1):
-                row = {"plain_stream": plain["stream"].decode(n), "stock_direct": decode(rank0, model, args.tokens)}
-                stock_rounds.append(row)
-                say(f"stock round {n}: " + ", ".join(f"{k} {v['tok_s']:.1f}" for k, v in row.items()) + " tok/s")
-            result["stock_rounds"] = stock_rounds
-        meshctl_for(stock, "down", "--force", check=False)
+        if not args.decode_only:
+            stock = work / "stock.toml"
+            runtime = {k: v for k, v in conf["runtime"].items() if k != "args"} | {"profile": "mlx-lm-server"}
+            write_toml(stock, conf | {"runtime": runtime, "recovery": conf["recovery"] | {"max_failures": 1}})
+            t0 = time.time()
+            up = subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(stock), "up", "--timeout", "240"],
+                                capture_output=True, text=True, timeout=300, check=False)
+            result["stock"] = {"up_exit": up.returncode, "seconds": time.time() - t0, "said": up.stdout[-1500:],
+                               "incidents": json.loads(meshctl_for(stock, "events", "--json"))["incidents"][:2]}
+            say(f"stock mlx_lm.server: exit {up.returncode}; {up.stdout.strip().splitlines()[-1:]}")
+            if up.returncode == 0:
+                result["stock"]["first_answer_s"] = first_answer(stock, t0, 120)
+                stock_rounds = []
+                for n in range(args.rounds + 1, 2 * args.rounds + 1):
+                    row = {"plain_stream": plain["stream"].decode(n), "stock_direct": decode(rank0, model, args.tokens)}
+                    stock_rounds.append(row)
+                    say(f"stock round {n}: " + ", ".join(f"{k} {v['tok_s']:.1f}" for k, v in row.items()) + " tok/s")
+                result["stock_rounds"] = stock_rounds
+            meshctl_for(stock, "down", "--force", check=False)
         for loop in plain.values():
             loop.stop()
     finally:
@@ -305,8 +308,9 @@ def main() -> None:
         "decode_ratio_direct_vs_plain_batch": median("direct") / median("plain_batch"),
         "proxy_cost": 1 - median("proxy") / median("direct"),
         "cold_start_vs_plain_load": result["cold_start_s"] / result["plain_stream"]["loaded_s"],
-        "cold_start_vs_plain_cold_start": result["cold_start_s"] / result["plain_stream"]["cold_start_s"],
-        "recovery_sigkill_vs_cold_start": result["recovery_sigkill_rank1_s"] / result["cold_start_s"]}
+        "cold_start_vs_plain_cold_start": result["cold_start_s"] / result["plain_stream"]["cold_start_s"]}
+    if "recovery_sigkill_rank1_s" in result:
+        result["summary"]["recovery_sigkill_vs_cold_start"] = result["recovery_sigkill_rank1_s"] / result["cold_start_s"]
     if "stock_direct" in rounds:
         result["summary"]["decode_ratio_stock_vs_plain_stream"] = median("stock_direct") / median(
             "plain_stream_beside_stock")

@@ -6,7 +6,8 @@ function of those calls: uids, batch composition, tape hits and evictions are
 then identical on every rank without further talk.
 
 - `BatchEngine`: continuous batching over mlx-lm's BatchGenerator, with the
-  token-tape prefix cache.
+  token-tape prefix cache; a request alone runs in `SoloDecode` (the plain
+  loop's speed) until a second one arrives and it joins the batch.
 - `SpeculativeEngine`: one request at a time, a draft model loaded whole on
   every rank proposing tokens the sharded target verifies. An external drafter
   (DSpark / MTP overlays) plugs in by providing another Engine.
@@ -20,8 +21,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, speculative_generate_step
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.generate import BatchGenerator, generation_stream, speculative_generate_step
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 
@@ -160,6 +161,77 @@ def _common_prefix(a, b) -> int:
     return n
 
 
+class SoloDecode:
+    """One job decoded by its own loop with the next step already queued on the
+    device when a token is read back (mlx-lm's generate_step does the same):
+    at batch one this is the plain loop's speed, which BatchGenerator's
+    per-step bookkeeping does not reach. Each `step` is one prefill chunk or
+    one token."""
+
+    def __init__(self, model, job: Job, cache: list, cached: int, eos_ids: set[int], prefill_step_size: int):
+        self.job = job
+        self.cache = cache
+        self._model = model
+        self._eos = eos_ids
+        self._chunk = prefill_step_size
+        self._sampler = sampler_for(job)
+        self._processors = processors_for(job)
+        self._seen = mx.array(job.prompt[:cached], dtype=mx.uint32)  # what the logits processors see
+        self.fed = list(job.prompt[:cached])  # the tokens whose keys and values the cache holds
+        self.todo = list(job.prompt[cached:])
+        self.emitted = 0
+        self._next: mx.array | None = None  # the token sampled on the device, not yet read back
+
+    def _forward(self, tokens: mx.array) -> mx.array:
+        with mx.stream(generation_stream):
+            logits = self._model(tokens[None], cache=self.cache)[:, -1, :]
+            if self._processors:
+                self._seen = mx.concatenate([self._seen, tokens.astype(mx.uint32)])
+                for processor in self._processors:
+                    logits = processor(self._seen, logits)
+            return self._sampler(logits - mx.logsumexp(logits, keepdims=True))
+
+    def step(self) -> Emission | None:
+        if len(self.todo) > 1:
+            n = min(self._chunk, len(self.todo) - 1)
+            chunk = mx.array(self.todo[:n], dtype=mx.uint32)
+            with mx.stream(generation_stream):
+                self._model(chunk[None], cache=self.cache)
+            if self._processors:
+                self._seen = mx.concatenate([self._seen, chunk])
+            mx.eval([c.state for c in self.cache])
+            self.fed += self.todo[:n]
+            self.todo = self.todo[n:]
+            return None
+        if self.todo:
+            self._next = self._forward(mx.array(self.todo, dtype=mx.uint32))
+            self.fed += self.todo
+            self.todo = []
+        sampled, self._next = self._next, None
+        self.emitted += 1
+        if self.emitted < self.job.max_tokens:
+            self._next = self._forward(sampled)
+            mx.async_eval(self._next)
+        token = sampled.item()
+        if self._next is not None:
+            self.fed.append(token)
+        reason = "stop" if token in self._eos else ("length" if self.emitted >= self.job.max_tokens else None)
+        return Emission(self.job.rid, token, reason)
+
+    def handover(self) -> tuple[Job, list, int]:
+        """The rest of this job for a batch: a job from the next token on (its prompt the answer so
+        far), the cache, and how much of that prompt the cache holds. The token queued on the device
+        is dropped and the last one read back leaves the cache, so the batch samples that next token
+        itself, with the same key."""
+        job = self.job
+        if self.emitted == 0:
+            return job, self.cache, len(self.fed)
+        rest = Job(job.rid, tuple(self.fed), job.max_tokens - self.emitted, job.seed, job.sampling,
+                   job.offset + self.emitted)
+        trim_prompt_cache(self.cache, 1)
+        return rest, self.cache, len(self.fed) - 1
+
+
 class BatchEngine:
     def __init__(self, model, eos_ids: set[int], *, prefill_step_size: int = 512,
                  completion_batch_size: int = 16, tape_capacity: int = 8):
@@ -171,6 +243,11 @@ class BatchEngine:
             completion_batch_size=completion_batch_size,
         )
         self._model = model
+        self._eos = eos_ids
+        self._prefill_step_size = prefill_step_size
+        # A job alone runs solo only when its cache can give back a token at the handover.
+        self._solo_ok = can_trim_prompt_cache(make_prompt_cache(model))
+        self._solo: SoloDecode | None = None
         self._rid_by_uid: dict[int, str] = {}
         self._uid_by_rid: dict[str, int] = {}
         self._prompt_left: dict[str, int] = {}
@@ -178,10 +255,21 @@ class BatchEngine:
 
     def insert(self, job: Job) -> int:
         cache, cached = self.tape.take(job.prompt)
+        cache = cache if cache is not None else make_prompt_cache(self._model)
+        if self._solo_ok and not self.busy:
+            self._solo = SoloDecode(self._model, job, cache, cached, self._eos, self._prefill_step_size)
+            return cached
+        if self._solo is not None:
+            self._join_batch(*self._solo.handover())
+            self._solo = None
+        self._join_batch(job, cache, cached)
+        return cached
+
+    def _join_batch(self, job: Job, cache: list, cached: int) -> None:
         (uid,) = self._gen.insert(
             [list(job.prompt[cached:])],
             max_tokens=[job.max_tokens],
-            caches=[cache if cache is not None else make_prompt_cache(self._model)],
+            caches=[cache],
             all_tokens=[list(job.prompt[:cached])],
             samplers=[sampler_for(job)],
             logits_processors=[processors_for(job)],
@@ -189,9 +277,10 @@ class BatchEngine:
         self._rid_by_uid[uid] = job.rid
         self._uid_by_rid[job.rid] = uid
         self._prompt_left[job.rid] = len(job.prompt) - cached
-        return cached
 
     def cancel(self, rid: str) -> None:
+        if self._solo is not None and self._solo.job.rid == rid:
+            self._solo = None
         uid = self._uid_by_rid.pop(rid, None)
         if uid is not None:
             self._gen.remove([uid])
@@ -199,6 +288,8 @@ class BatchEngine:
             self._prompt_left.pop(rid, None)
 
     def step(self) -> list[Emission]:
+        if self._solo is not None:
+            return self._solo_step()
         prompt_responses, gen_responses = self._gen.next()
         for p in prompt_responses:
             rid = self._rid_by_uid.get(p.uid)
@@ -217,12 +308,22 @@ class BatchEngine:
                 self._prompt_left.pop(rid, None)
         return out
 
+    def _solo_step(self) -> list[Emission]:
+        solo = self._solo
+        emission = solo.step()
+        if emission is None:
+            return []
+        if emission.finish_reason is not None:
+            self.tape.store(tuple(solo.fed), solo.cache)
+            self._solo = None
+        return [emission]
+
     @property
     def busy(self) -> bool:
-        return bool(self._uid_by_rid)
+        return self._solo is not None or bool(self._uid_by_rid)
 
     def prompt_tokens_in_flight(self) -> int:
-        return sum(self._prompt_left.values())
+        return sum(self._prompt_left.values()) + (len(self._solo.todo) if self._solo is not None else 0)
 
     def close(self) -> None:
         mx.synchronize()

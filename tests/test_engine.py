@@ -1,10 +1,11 @@
-"""The token tape, the seeded sampler and the lockstep exchange's judgement, on real mlx caches and arrays."""
+"""The token tape, the seeded sampler, the batch engine's solo path and the lockstep exchange's judgement, on
+real mlx caches, arrays and the demo model."""
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from runtime.engine import SeededSampler, TokenTape
+from runtime.engine import BatchEngine, Job, SeededSampler, TokenTape
 from runtime.lockstep import Divergence, Lockstep, PeerLost, fold
 from runtime.openai_api import SamplingParams
 
@@ -72,6 +73,62 @@ def test_seeded_sampler_replays_and_differs_by_seed():
     assert draw(1) != draw(2)
     resumed = SeededSampler(1, SAMPLING, start=12)
     assert [resumed(logits).item() for _ in range(8)] == draw(1)[12:]
+
+
+@pytest.fixture(scope="module")
+def demo(demo_model):
+    from mlx_lm import load
+    return load(str(demo_model))
+
+
+def answers(model, eos, jobs: list[Job], join_at: int | None = None, prefill_step_size: int = 512) -> dict:
+    """Every job's tokens: the first alone from the start, the others inserted after `join_at` steps."""
+    engine = BatchEngine(model, eos, prefill_step_size=prefill_step_size)
+    out = {j.rid: [] for j in jobs}
+    engine.insert(jobs[0])
+    waiting, steps = list(jobs[1:]), 0
+    while engine.busy or waiting:
+        if waiting and steps == join_at:
+            for j in waiting:
+                engine.insert(j)
+            waiting = []
+        out.update({e.rid: out[e.rid] + [e.token] for e in engine.step() if e.token is not None})
+        steps += 1
+    return out
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 0.0},
+    {"temperature": 1.0},
+    {"temperature": 0.8, "top_k": 20, "repetition_penalty": 1.3, "logit_bias": ((2, -100.0),)},
+], ids=["greedy", "seeded", "seeded with penalties and bias"])
+@pytest.mark.parametrize("join_at", [2, 5, 20], ids=["in prefill", "at the first tokens", "mid-answer"])
+def test_a_request_alone_then_joined_answers_as_it_would_alone(demo, sampling, join_at):
+    """A request alone decodes solo; a second one moves it into the batch mid-answer. Neither
+    answer may change by it (the same tokens as each request alone, its seed's draws included)."""
+    model, tokenizer = demo
+    eos = set(tokenizer.eos_token_ids)
+    s = {**SAMPLING, **sampling}
+    prompt = tuple(tokenizer.encode("a long answer about the mesh, " * 2))
+    first, second = Job("a", prompt, 40, 7, s), Job("b", prompt[:9], 16, 3, s)
+    alone = {**answers(model, eos, [first], prefill_step_size=8), **answers(model, eos, [second])}
+    assert len(alone["a"]) > join_at
+    joined = answers(model, eos, [first, second], join_at, prefill_step_size=8)
+    assert joined == alone
+
+
+def test_a_solo_answer_is_the_reference_greedy_answer_and_feeds_the_tape(demo, reference):
+    model, tokenizer = demo
+    greedy = {**SAMPLING, "temperature": 0.0}
+    prompt = tuple(tokenizer.encode("hello"))
+    engine = BatchEngine(model, set(tokenizer.eos_token_ids))
+    engine.insert(Job("a", prompt, 24, 0, greedy))
+    tokens = []
+    while engine.busy:
+        tokens += [e.token for e in engine.step()]
+    assert tokenizer.decode(tokens) == reference(list(prompt), 24)
+    # a follow-up that extends the answer prefills only what is new
+    assert engine.insert(Job("b", prompt + tuple(tokens[:10]) + prompt, 4, 0, greedy)) == len(prompt) + 10
 
 
 def two_rank_lockstep(peer_share):
