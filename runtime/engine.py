@@ -36,6 +36,7 @@ class Job:
     seed: int
     sampling: dict  # SamplingParams.sampling(): temperature, top_p, top_k, min_p, penalties, logit_bias
     offset: int = 0  # the index of the answer's first token this job samples (a resumed answer's is > 0)
+    logprobs: int = -1  # -1: none; k >= 0: each token's log probability and its k most likely alternatives
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,20 @@ class Emission:
     rid: str
     token: int | None
     finish_reason: str | None
+    logprob: float | None = None  # when the job asked for logprobs
+    top: tuple[tuple[int, float], ...] = ()  # its k most likely tokens, most likely first
+
+
+def emission(rid: str, token: int, reason: str | None, logprobs: mx.array | None, k: int) -> Emission:
+    """The token's emission, with its log probability and the k most likely tokens when the job asked."""
+    if k < 0 or logprobs is None:
+        return Emission(rid, token, reason)
+    lp = logprobs.reshape(-1)
+    top: tuple = ()
+    if k > 0:
+        ids = mx.argpartition(-lp, k - 1)[:k]
+        top = tuple(sorted(zip(ids.tolist(), lp[ids].tolist()), key=lambda a: -a[1]))
+    return Emission(rid, token, reason, lp[token].item(), top)
 
 
 def greedy(logprobs: mx.array) -> mx.array:
@@ -180,16 +195,18 @@ class SoloDecode:
         self.fed = list(job.prompt[:cached])  # the tokens whose keys and values the cache holds
         self.todo = list(job.prompt[cached:])
         self.emitted = 0
-        self._next: mx.array | None = None  # the token sampled on the device, not yet read back
+        self._next: tuple[mx.array, mx.array] | None = None  # sampled on the device, not yet read back
 
-    def _forward(self, tokens: mx.array) -> mx.array:
+    def _forward(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        """The next token and the log probabilities it was drawn from."""
         with mx.stream(generation_stream):
             logits = self._model(tokens[None], cache=self.cache)[:, -1, :]
             if self._processors:
                 self._seen = mx.concatenate([self._seen, tokens.astype(mx.uint32)])
                 for processor in self._processors:
                     logits = processor(self._seen, logits)
-            return self._sampler(logits - mx.logsumexp(logits, keepdims=True))
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            return self._sampler(logprobs), logprobs
 
     def step(self) -> Emission | None:
         if len(self.todo) > 1:
@@ -207,7 +224,7 @@ class SoloDecode:
             self._next = self._forward(mx.array(self.todo, dtype=mx.uint32))
             self.fed += self.todo
             self.todo = []
-        sampled, self._next = self._next, None
+        (sampled, logprobs), self._next = self._next, None
         self.emitted += 1
         if self.emitted < self.job.max_tokens:
             self._next = self._forward(sampled)
@@ -216,7 +233,7 @@ class SoloDecode:
         if self._next is not None:
             self.fed.append(token)
         reason = "stop" if token in self._eos else ("length" if self.emitted >= self.job.max_tokens else None)
-        return Emission(self.job.rid, token, reason)
+        return emission(self.job.rid, token, reason, logprobs, self.job.logprobs)
 
     def handover(self) -> tuple[Job, list, int]:
         """The rest of this job for a batch: a job from the next token on (its prompt the answer so
@@ -227,7 +244,7 @@ class SoloDecode:
         if self.emitted == 0:
             return job, self.cache, len(self.fed)
         rest = Job(job.rid, tuple(self.fed), job.max_tokens - self.emitted, job.seed, job.sampling,
-                   job.offset + self.emitted)
+                   job.offset + self.emitted, job.logprobs)
         trim_prompt_cache(self.cache, 1)
         return rest, self.cache, len(self.fed) - 1
 
@@ -251,6 +268,7 @@ class BatchEngine:
         self._rid_by_uid: dict[int, str] = {}
         self._uid_by_rid: dict[str, int] = {}
         self._prompt_left: dict[str, int] = {}
+        self._logprobs: dict[str, int] = {}  # what each job asked for (Job.logprobs)
         self.tape = TokenTape(tape_capacity)
 
     def insert(self, job: Job) -> int:
@@ -277,15 +295,20 @@ class BatchEngine:
         self._rid_by_uid[uid] = job.rid
         self._uid_by_rid[job.rid] = uid
         self._prompt_left[job.rid] = len(job.prompt) - cached
+        self._logprobs[job.rid] = job.logprobs
+
+    def _forget(self, rid: str) -> None:
+        uid = self._uid_by_rid.pop(rid)
+        del self._rid_by_uid[uid]
+        self._prompt_left.pop(rid, None)
+        self._logprobs.pop(rid, None)
 
     def cancel(self, rid: str) -> None:
         if self._solo is not None and self._solo.job.rid == rid:
             self._solo = None
-        uid = self._uid_by_rid.pop(rid, None)
-        if uid is not None:
-            self._gen.remove([uid])
-            self._rid_by_uid.pop(uid, None)
-            self._prompt_left.pop(rid, None)
+        if rid in self._uid_by_rid:
+            self._gen.remove([self._uid_by_rid[rid]])
+            self._forget(rid)
 
     def step(self) -> list[Emission]:
         if self._solo is not None:
@@ -300,12 +323,10 @@ class BatchEngine:
             rid = self._rid_by_uid.get(r.uid)
             if rid is None:
                 continue
-            out.append(Emission(rid, r.token, r.finish_reason))
+            out.append(emission(rid, r.token, r.finish_reason, r.logprobs, self._logprobs[rid]))
             if r.finish_reason is not None:
                 self.tape.store(tuple(r.all_tokens), r.prompt_cache)
-                del self._rid_by_uid[r.uid]
-                del self._uid_by_rid[rid]
-                self._prompt_left.pop(rid, None)
+                self._forget(rid)
         return out
 
     def _solo_step(self) -> list[Emission]:
@@ -378,7 +399,7 @@ class SpeculativeEngine:
             )
         job = self._active
         try:
-            token, _, _ = next(self._stream)
+            token, logprobs, _ = next(self._stream)
         except StopIteration:
             self._finish()
             return [Emission(job.rid, None, "length")]
@@ -387,7 +408,7 @@ class SpeculativeEngine:
         reason = "stop" if token in self._eos else ("length" if self._count >= job.max_tokens else None)
         if reason is not None:
             self._finish()
-        return [Emission(job.rid, token, reason)]
+        return [emission(job.rid, token, reason, logprobs, job.logprobs)]
 
     @property
     def busy(self) -> bool:

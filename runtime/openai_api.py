@@ -1,7 +1,7 @@
 """OpenAI request validation and response shapes, as pure functions.
 
 Every body built here validates against the official response schemas: `logprobs`
-and `refusal` are present as null, errors are `{"error": {message, type, param,
+(null unless asked for) and `refusal` are present, errors are `{"error": {message, type, param,
 code}}`. Validation turns a bad request into an `ApiError` naming the field, so a
 bad request never reaches the lockstep loop.
 """
@@ -32,6 +32,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted
     named: bool = True  # the request set max_tokens itself (else the answer may stop at the context's end)
+    logprobs: int = -1  # -1: none; k >= 0: each token's log probability and its k most likely alternatives
 
     def sampling(self) -> dict:
         """What every rank needs to sample alike (it travels with the request through the lockstep)."""
@@ -155,6 +156,20 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
+def _logprobs(kind: str, body: dict) -> int:
+    """Chat: `logprobs` true, with `top_logprobs` alternatives (0-20); completions: `logprobs` = how many
+    alternatives (0-5). -1: none asked for."""
+    if kind == "text":
+        return -1 if body.get("logprobs") is None else _integer(body, "logprobs", 0, 0, 5)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise _bad("logprobs", f"'logprobs' must be true or false, got {wanted!r}")
+    top = _integer(body, "top_logprobs", 0, 0, 20)
+    if body.get("top_logprobs") is not None and not wanted:
+        raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return top if wanted else -1
+
+
 def _seed(body: dict) -> int | None:
     seed = body.get("seed")
     if seed is None:
@@ -216,7 +231,8 @@ def _internal(body: dict, internal: bool) -> tuple[bool, Resume | None]:
 # anything else is refused with a 400 that names it, never silently dropped.
 HONOURED = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
             "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty", "meshd"}
-HONOURED_BY = {"chat": HONOURED | {"messages", "max_completion_tokens"}, "text": HONOURED | {"prompt"}}
+HONOURED_BY = {"chat": HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+               "text": HONOURED | {"prompt", "logprobs"}}
 HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
             "safety_identifier"}
 
@@ -271,6 +287,7 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False) 
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 10.0),
         logit_bias=_logit_bias(body),
+        logprobs=_logprobs(kind, body),
     )
     report_ids, resume = _internal(body, internal)
     common = dict(
@@ -306,35 +323,62 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token as the logprobs report it: its text, log probability, the offset of its text
+    in the answer, and the most likely alternatives as (text, log probability)."""
+
+    text: str
+    logprob: float
+    offset: int
+    top: tuple[tuple[str, float], ...] = ()
+
+
+def logprobs_body(req: CompletionRequest, tokens: list[TokenLogprob]) -> dict | None:
+    """The choice's `logprobs` in the route's OpenAI shape (None when the request asked for none)."""
+    if req.params.logprobs < 0:
+        return None
+    if req.kind == "chat":
+        def entry(text: str, logprob: float) -> dict:
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"content": [{**entry(t.text, t.logprob), "top_logprobs": [entry(a, lp) for a, lp in t.top]}
+                            for t in tokens], "refusal": None}
+    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [dict(t.top) for t in tokens], "text_offset": [t.offset for t in tokens]}
+
+
 def completion_body(req: CompletionRequest, rid: str, created: int, text: str,
-                    finish_reason: str, usage_: dict) -> dict:
+                    finish_reason: str, usage_: dict, logprobs: list[TokenLogprob] = ()) -> dict:
     if req.kind == "chat":
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": None,
+            "logprobs": logprobs_body(req, list(logprobs)),
             "finish_reason": finish_reason,
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs_body(req, list(logprobs)),
+                  "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model,
             "choices": [choice], "usage": usage_}
 
 
 def chunk_body(req: CompletionRequest, rid: str, created: int, text: str | None,
-               finish_reason: str | None, first: bool = False) -> dict:
+               finish_reason: str | None, first: bool = False, logprobs: list[TokenLogprob] = ()) -> dict:
+    """One streamed chunk; `logprobs` are those of the tokens this chunk's text completes."""
+    lp = logprobs_body(req, list(logprobs)) if logprobs else None
     if req.kind == "chat":
         delta: dict = {}
         if first:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
 

@@ -146,7 +146,7 @@ class Frontend:
                     if self.phase == LOADING:
                         self.phase = ADMITTING
             elif (p := self._pending_for(e.rid)) is not None:
-                p.put(("token", e.token, e.finish_reason))
+                p.put(("token", e))
 
     def fail(self, rid: str, message: str, code: str = "generation_failed") -> None:
         """End a request with an error: `generation_failed` (a rank died under it) or `draining`
@@ -232,9 +232,10 @@ class Frontend:
         if max_tokens > done:
             self._inbox.put({"op": "insert", "rid": rid, "prompt": prompt + list(resume.ids if resume else ()),
                              "max_tokens": max_tokens - done, "seed": seed,
-                             "sampling": req.params.sampling(), "offset": done})
+                             "sampling": req.params.sampling(), "offset": done,
+                             "logprobs": req.params.logprobs})
         else:  # a resumed answer that had all its tokens: only its end was lost
-            pending.put(("token", None, "length"))
+            pending.put(("token", Emission(rid, None, "length")))
         try:
             return await (run.stream(request, pending) if req.stream else run.whole(pending))
         finally:
@@ -268,14 +269,21 @@ class _Run:
         self.completion_tokens = len(resume.ids) if resume else 0
         self.created = resume.created if resume else int(time.time())
         self.unreported: list[int] = []  # token ids not yet reported with a chunk
+        self.logprobs: list[oa.TokenLogprob] = []  # when the request asked for them
+        self.logprobs_sent = 0  # how many of them went out with a chunk
         self.finished = False  # the answer ended (length, EOS or a stop string)
         self.engine_done = False  # the ranks stopped working on it themselves
 
     def _advance(self, event: tuple) -> tuple[str, str | None]:
         """Feed one token event; returns (new text to send, finish reason)."""
-        _, token, reason = event
+        _, e = event
+        token, reason = e.token, e.finish_reason
         if token is not None and not (reason == "stop" and token in self.fe._eos):
             self.completion_tokens += 1
+            if e.logprob is not None:
+                decode = self.fe.tokenizer.decode
+                self.logprobs.append(oa.TokenLogprob(decode([token]), e.logprob, len(self.detok.text),
+                                                     tuple((decode([t]), lp) for t, lp in e.top)))
             self.detok.add_token(token)
             self.unreported.append(token)
         self.engine_done = reason is not None
@@ -295,6 +303,12 @@ class _Run:
         self.sent = max(self.sent, end)
         return piece, reason
 
+    def unsent_logprobs(self) -> list[oa.TokenLogprob]:
+        """The logprobs of the tokens since the last chunk (each goes out once, with the next chunk)."""
+        fresh = self.logprobs[self.logprobs_sent:]
+        self.logprobs_sent = len(self.logprobs)
+        return fresh
+
     def usage(self) -> dict:
         return oa.usage(self.prompt_tokens, self.completion_tokens, self.cached)
 
@@ -313,7 +327,8 @@ class _Run:
                                   headers={"Retry-After": "2"})
             _, reason = self._advance(event)
             if reason is not None:
-                body = oa.completion_body(self.req, self.rid, self.created, self.text, reason, self.usage())
+                body = oa.completion_body(self.req, self.rid, self.created, self.text, reason, self.usage(),
+                                          self.logprobs)
                 return web.json_response(body)
         raise AssertionError("event stream ended without a finish")
 
@@ -343,10 +358,12 @@ class _Run:
             piece, reason = self._advance(event)
             if piece or first or reason is not None:
                 if piece or first:
-                    await send(oa.chunk_body(self.req, self.rid, self.created, piece, None, first=first))
+                    await send(oa.chunk_body(self.req, self.rid, self.created, piece, None, first=first,
+                                             logprobs=self.unsent_logprobs()))
                     first = False
                 if reason is not None:
-                    await send(oa.chunk_body(self.req, self.rid, self.created, None, reason))
+                    await send(oa.chunk_body(self.req, self.rid, self.created, None, reason,
+                                             logprobs=self.unsent_logprobs()))
                     if self.req.include_usage:
                         await send(oa.usage_chunk(self.req, self.rid, self.created, self.usage()))
                     break

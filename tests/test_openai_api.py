@@ -111,7 +111,7 @@ def test_text_stream_chunks_differ_from_the_schema_only_by_a_null_finish_reason(
 
 
 @pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("response_format", {"type": "json_object"}), ("logprobs", True),
+                                         ("response_format", {"type": "json_object"}), ("logprobs", 3),
                                          ("functions", []), ("reasoning_effort", "high"), ("frobnicate", 1),
                                          ("meshd", {"ids": True})])
 def test_a_field_this_server_does_not_honour_is_refused_by_name_never_dropped(field, value):
@@ -122,7 +122,8 @@ def test_a_field_this_server_does_not_honour_is_refused_by_name_never_dropped(fi
 
 
 @pytest.mark.parametrize("field,value", [("top_k", 1.5), ("top_k", -1), ("min_p", 2), ("logit_bias", {"x": 1}),
-                                         ("logit_bias", {"5": 101}), ("repetition_penalty", 0)])
+                                         ("logit_bias", {"5": 101}), ("repetition_penalty", 0),
+                                         ("top_logprobs", 21)])
 def test_sampling_knobs_out_of_range_are_400(field, value):
     with pytest.raises(oa.ApiError) as e:
         oa.parse_request("chat", {"messages": MSG, field: value}, LIMITS)

@@ -8,6 +8,7 @@ import pytest
 import requests
 from openai import OpenAI
 
+from kit.demo_answers import endless
 from kit.openai import sse_events, validate
 from kit.ranks import StatusTrace, start_mesh
 from kit.waiting import wait_for
@@ -198,9 +199,56 @@ def test_bad_input_is_a_json_error_and_the_next_request_is_served(mesh4, name, p
     assert all(p.poll() is None for p in mesh4.procs)
 
 
-def test_stop_sequence_cuts_the_text(mesh2):
-    whole = chat(mesh2, "hello world", max_tokens=24).json()["choices"][0]["message"]["content"]
+def test_a_stop_sequence_cuts_the_text_and_ends_the_work_on_every_rank(mesh2, demo_model):
+    body = {"max_tokens": 2000, **endless(demo_model)}
+    whole = chat(mesh2, "hello world", max_tokens=24, **endless(demo_model)).json()["choices"][0]["message"]["content"]
     stop = whole[5:8]
-    r = chat(mesh2, "hello world", max_tokens=24, stop=[stop]).json()
+    before = [mesh2.status(r)["tokens"] for r in range(2)]
+    r = chat(mesh2, "hello world", stop=[stop], **body).json()
     assert r["choices"][0]["finish_reason"] == "stop"
     assert r["choices"][0]["message"]["content"] == whole[: whole.find(stop)]
+    wait_for(lambda: in_flight_everywhere(mesh2) == [0, 0], 60, "the ranks to drop the stopped request")
+    decoded = [mesh2.status(rank)["tokens"] - before[rank] for rank in range(2)]
+    assert max(decoded) < 200, f"the ranks decoded {decoded} tokens of an answer cut after a few"
+
+
+
+
+def test_logprobs_whole_and_streamed_in_the_openai_shapes(mesh2, demo_model):
+    client = OpenAI(base_url=f"{mesh2.url}/v1", api_key="unused", max_retries=0)
+    ask = dict(model="demo", messages=[{"role": "user", "content": "hello world"}], max_tokens=12,
+               temperature=0, logprobs=True, top_logprobs=3, extra_body=endless(demo_model))
+    whole = client.chat.completions.create(**ask)
+    validate(whole.model_dump(exclude_unset=True), "CreateChatCompletionResponse")
+    entries = whole.choices[0].logprobs.content
+    assert len(entries) == whole.usage.completion_tokens == 12
+    for e in entries:  # greedy: each token is its own most likely one, and probabilities are at most 1
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+        assert e.logprob == e.top_logprobs[0].logprob <= 0 and e.bytes == list(e.token.encode())
+        assert [a.logprob for a in e.top_logprobs] == sorted((a.logprob for a in e.top_logprobs), reverse=True)
+
+    streamed = []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        validate(chunk.model_dump(exclude_unset=True), "CreateChatCompletionStreamResponse")
+        streamed += [e for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+
+    plain = client.chat.completions.create(**{**ask, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
+
+
+def test_completions_logprobs_and_their_limits(mesh2):
+    r = requests.post(f"{mesh2.url}/v1/completions", timeout=60,
+                      json={"prompt": "The quick brown", "max_tokens": 6, "temperature": 0, "logprobs": 2})
+    body = r.json()
+    validate(body, "CreateCompletionResponse")
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"])
+    assert len(lp["tokens"]) == body["usage"]["completion_tokens"] and all(len(t) <= 2 for t in lp["top_logprobs"])
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    for bad, param in (({"logprobs": 9}, "logprobs"),):
+        r = requests.post(f"{mesh2.url}/v1/completions", json={"prompt": "x", **bad}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+    r = chat(mesh2, "hi", top_logprobs=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    assert "'logprobs': true" in r.json()["error"]["message"]
