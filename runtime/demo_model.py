@@ -18,7 +18,14 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# A model that thinks (`DemoModelSpec.thinking`) opens a think block after the assistant's header unless
+# `enable_thinking` is false, which closes an empty one (as DeepSeek-R1's and Qwen3's templates do).
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "<|im_start|>assistant\n{% endif %}",
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+THINK_TOKENS = ["<think>", "</think>"]
 CORPUS = """
 A mesh of machines serves one model. Every rank holds a shard of every layer.
 The ranks step in lockstep: each token needs an all-reduce across the ring.
@@ -41,13 +48,14 @@ class DemoModelSpec:
     max_position_embeddings: int = 4096
     seed: int = 0
     model_vocab: int = 0  # rows of the embedding and head when larger than the tokenizer's (a real model's shape)
+    thinking: bool = False  # <think> and </think> tokens, and a template that opens a think block
     dtype: str = "float32"  # or bfloat16, float16
 
 
 # mlx, mlx-lm and tokenizers are imported when a model is built: meshctl imports
 # this module at every start (for the demo) and builds the model once; those
 # imports would cost every meshctl call 2 s.
-def _train_tokenizer(vocab_size: int):
+def _train_tokenizer(vocab_size: int, special_tokens: list[str]):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -55,7 +63,7 @@ def _train_tokenizer(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -71,14 +79,14 @@ def build_demo_model(path: str | Path, spec: DemoModelSpec = DemoModelSpec()) ->
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer(spec.vocab_size)
+    tok = _train_tokenizer(spec.vocab_size, SPECIAL_TOKENS + (THINK_TOKENS if spec.thinking else []))
     tok.save(str(path / "tokenizer.json"))
     eos_id = tok.token_to_id("<|im_end|>")
     (path / "tokenizer_config.json").write_text(
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "chat_template": CHAT_TEMPLATE,
+                "chat_template": THINKING_TEMPLATE if spec.thinking else CHAT_TEMPLATE,
                 "eos_token": "<|im_end|>",
                 "bos_token": None,
                 "pad_token": "<|endoftext|>",
@@ -127,7 +135,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("path", help="directory to write the model into")
     defaults = DemoModelSpec()
     for name, value in asdict(defaults).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(value, bool):
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=type(value), default=value)
     args = parser.parse_args(argv)
     spec = DemoModelSpec(**{k: getattr(args, k) for k in asdict(defaults)})
     print(build_demo_model(args.path, spec))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import ApiError
@@ -68,6 +68,35 @@ class CompletionRequest:
     prompt: str = ""
     report_ids: bool = False
     resume: Resume | None = None
+    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, for the chat template
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """A model that thinks: the texts that open and close its reasoning."""
+
+    start: str
+    end: str
+
+
+def answer_regions(text: str, thinking: Thinking | None, reasoning_first: bool) -> tuple[int, int, int]:
+    """Where an answer's reasoning and its content lie in its text, as (reasoning start, reasoning end,
+    content start). It reasons when its prompt left a think block open (`reasoning_first`) or when it
+    opens one itself before anything else; the reasoning runs to the close (the end of the text while it
+    is still thinking), and the content starts after the close and the whitespace after it."""
+    if thinking is None:
+        return 0, 0, 0
+    start = 0
+    if not reasoning_first:
+        lead = len(text) - len(text.lstrip())
+        if not text.startswith(thinking.start, lead):
+            return 0, 0, 0
+        start = lead + len(thinking.start)
+    end = text.find(thinking.end, start)
+    if end < 0:
+        return start, len(text), len(text)
+    content = end + len(thinking.end)
+    return start, end, content + len(text[content:]) - len(text[content:].lstrip())
 
 
 @dataclass(frozen=True)
@@ -170,6 +199,14 @@ def _logprobs(kind: str, body: dict) -> int:
     return top if wanted else -1
 
 
+def _template_kwargs(body: dict) -> dict:
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise _bad("chat_template_kwargs", "'chat_template_kwargs' must be an object of arguments for the "
+                                           "chat template, e.g. {\"enable_thinking\": false}")
+    return kwargs
+
+
 def _seed(body: dict) -> int | None:
     seed = body.get("seed")
     if seed is None:
@@ -231,7 +268,8 @@ def _internal(body: dict, internal: bool) -> tuple[bool, Resume | None]:
 # anything else is refused with a 400 that names it, never silently dropped.
 HONOURED = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
             "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty", "meshd"}
-HONOURED_BY = {"chat": HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+HONOURED_BY = {"chat": HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                   "chat_template_kwargs"},
                "text": HONOURED | {"prompt", "logprobs"}}
 HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
             "safety_identifier"}
@@ -300,7 +338,7 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False) 
         resume=resume,
     )
     if kind == "chat":
-        return CompletionRequest(messages=_messages(body), **common)
+        return CompletionRequest(messages=_messages(body), template_kwargs=_template_kwargs(body), **common)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -348,11 +386,14 @@ def logprobs_body(req: CompletionRequest, tokens: list[TokenLogprob]) -> dict | 
 
 
 def completion_body(req: CompletionRequest, rid: str, created: int, text: str,
-                    finish_reason: str, usage_: dict, logprobs: list[TokenLogprob] = ()) -> dict:
+                    finish_reason: str, usage_: dict, logprobs: list[TokenLogprob] = (), reasoning: str = "") -> dict:
     if req.kind == "chat":
+        message = {"role": "assistant", "content": text, "refusal": None}
+        if reasoning:
+            message["reasoning"] = reasoning
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": None},
+            "message": message,
             "logprobs": logprobs_body(req, list(logprobs)),
             "finish_reason": finish_reason,
         }
@@ -366,13 +407,16 @@ def completion_body(req: CompletionRequest, rid: str, created: int, text: str,
 
 
 def chunk_body(req: CompletionRequest, rid: str, created: int, text: str | None,
-               finish_reason: str | None, first: bool = False, logprobs: list[TokenLogprob] = ()) -> dict:
+               finish_reason: str | None, first: bool = False, logprobs: list[TokenLogprob] = (),
+               reasoning: str = "") -> dict:
     """One streamed chunk; `logprobs` are those of the tokens this chunk's text completes."""
     lp = logprobs_body(req, list(logprobs)) if logprobs else None
     if req.kind == "chat":
         delta: dict = {}
         if first:
             delta["role"] = "assistant"
+        if reasoning:
+            delta["reasoning"] = reasoning
         if text is not None:
             delta["content"] = text
         choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}

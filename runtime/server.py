@@ -195,7 +195,8 @@ class Frontend:
     def _tokenize(self, req: oa.CompletionRequest) -> list[int]:
         if req.kind == "chat":
             try:
-                ids = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True)
+                ids = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True,
+                                                         **req.template_kwargs)
             except Exception as e:  # a template that rejects these messages is the caller's input
                 raise ApiError(400, f"The chat template rejected these messages: {e}", param="messages")
             param = "messages"
@@ -220,7 +221,7 @@ class Frontend:
         done = len(resume.ids) if resume else 0
         rid = resume.id if resume else oa.new_id(kind)
         seed = resume.seed if resume else (req.params.seed if req.params.seed is not None else random.getrandbits(63))
-        run = _Run(self, req, rid, len(prompt), seed)
+        run = _Run(self, req, rid, prompt, seed)
         pending = Pending(asyncio.get_running_loop())
         with self._lock:
             if self.phase != ADMITTING:
@@ -256,9 +257,15 @@ class _Run:
     client: the proxy keeps them, to resume the answer if this generation dies.
     """
 
-    def __init__(self, fe: Frontend, req: oa.CompletionRequest, rid: str, prompt_tokens: int, seed: int):
+    def __init__(self, fe: Frontend, req: oa.CompletionRequest, rid: str, prompt: list[int], seed: int):
         self.fe, self.req, self.rid, self.seed = fe, req, rid, seed
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens = len(prompt)
+        tok = fe.tokenizer
+        self.thinking = oa.Thinking(tok.think_start, tok.think_end) if req.kind == "chat" and tok.has_thinking \
+            else None
+        # the template left a think block open: the answer starts in its reasoning
+        self.reasoning_first = self.thinking is not None and tok.rfind_think_start(prompt) > tok.rfind_think_end(prompt)
+        self.regions = (0, 0, 0)  # oa.answer_regions of the text so far
         self.cached = 0
         self.detok = fe.tokenizer.detokenizer
         resume = req.resume
@@ -274,8 +281,9 @@ class _Run:
         self.finished = False  # the answer ended (length, EOS or a stop string)
         self.engine_done = False  # the ranks stopped working on it themselves
 
-    def _advance(self, event: tuple) -> tuple[str, str | None]:
-        """Feed one token event; returns (new text to send, finish reason)."""
+    def _advance(self, event: tuple) -> tuple[str, str, str | None]:
+        """Feed one token event; returns (new reasoning, new content to send, finish reason). One cursor
+        (`sent`) runs over the whole text; stop strings apply to the content alone."""
         _, e = event
         token, reason = e.token, e.finish_reason
         if token is not None and not (reason == "stop" and token in self.fe._eos):
@@ -290,18 +298,27 @@ class _Run:
         if reason is not None:
             self.detok.finalize()
         self.text = self.detok.text
+        self.regions = r0, r1, c0 = oa.answer_regions(self.text, self.thinking, self.reasoning_first)
         stops = self.req.params.stop
-        cut = oa.find_stop(self.text, stops) if stops else -1
+        content = self.text[c0:]
+        cut = oa.find_stop(content, stops) if stops else -1
         if cut >= 0:
-            self.text, reason = self.text[:cut], "stop"
+            self.text, reason = self.text[:c0 + cut], "stop"
         if reason is not None:
             self.finished = True
             end = len(self.text)
+        elif self.thinking and not self.reasoning_first and not self.text.strip():
+            end = self.sent  # whitespace before a possible think block: content or not, it is not known yet
         else:
-            end = len(self.text) - (oa.held_back(self.text, stops) if stops else 0)
-        piece = self.text[self.sent:end] if end > self.sent else ""
+            end = len(self.text) - (oa.held_back(content, stops) if stops else 0)
+        thought = self.text[max(self.sent, r0):min(end, r1)]
+        piece = self.text[max(self.sent, c0):end]
         self.sent = max(self.sent, end)
-        return piece, reason
+        return thought, piece, reason
+
+    def reasoning_and_content(self) -> tuple[str, str]:
+        r0, r1, c0 = self.regions
+        return self.text[r0:r1], self.text[c0:]
 
     def unsent_logprobs(self) -> list[oa.TokenLogprob]:
         """The logprobs of the tokens since the last chunk (each goes out once, with the next chunk)."""
@@ -325,10 +342,11 @@ class _Run:
             if event[0] == "failed":
                 return json_error(503, event[1], code=event[2], type_="server_error",
                                   headers={"Retry-After": "2"})
-            _, reason = self._advance(event)
+            *_, reason = self._advance(event)
             if reason is not None:
-                body = oa.completion_body(self.req, self.rid, self.created, self.text, reason, self.usage(),
-                                          self.logprobs)
+                reasoning, content = self.reasoning_and_content()
+                body = oa.completion_body(self.req, self.rid, self.created, content, reason, self.usage(),
+                                          self.logprobs, reasoning)
                 return web.json_response(body)
         raise AssertionError("event stream ended without a finish")
 
@@ -355,11 +373,12 @@ class _Run:
             if event[0] == "failed":
                 await send(error_body(event[1], "server_error", None, event[2]))
                 break
-            piece, reason = self._advance(event)
-            if piece or first or reason is not None:
-                if piece or first:
-                    await send(oa.chunk_body(self.req, self.rid, self.created, piece, None, first=first,
-                                             logprobs=self.unsent_logprobs()))
+            thought, piece, reason = self._advance(event)
+            if thought or piece or first or reason is not None:
+                if thought or piece or first:
+                    await send(oa.chunk_body(self.req, self.rid, self.created, piece if piece or not thought
+                                             else None, None, first=first, logprobs=self.unsent_logprobs(),
+                                             reasoning=thought))
                     first = False
                 if reason is not None:
                     await send(oa.chunk_body(self.req, self.rid, self.created, None, reason,

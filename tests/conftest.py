@@ -17,6 +17,12 @@ def draft_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def thinking_model(tmp_path_factory) -> Path:
+    """The demo model with <think> tokens and a template that opens a think block (DeepSeek-R1's way)."""
+    return build_demo_model(tmp_path_factory.mktemp("models") / "thinking", DemoModelSpec(thinking=True))
+
+
+@pytest.fixture(scope="session")
 def deep_model(tmp_path_factory) -> Path:
     """Many layers and wider, so load and prefill take long enough to watch."""
     spec = DemoModelSpec(hidden_size=256, num_hidden_layers=24, intermediate_size=512, seed=3)

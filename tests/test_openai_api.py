@@ -139,3 +139,29 @@ def test_models_lists_every_name_the_model_answers_to():
     body = oa.models_body("demo", 1, LIMITS.aliases)
     assert [m["id"] for m in body["data"]] == ["demo", "/models/demo", "org/demo-1b"]
     validate(body, "ListModelsResponse")
+
+
+THINK = oa.Thinking("<think>", "</think>")
+
+
+@pytest.mark.parametrize("text,thinking,reasoning_first,regions", [
+    ("abc", None, False, (0, 0, 0)),                                  # a model that does not think
+    ("abc", THINK, True, (0, 3, 3)),                                  # still thinking: all reasoning so far
+    ("abc</think>\n\nxyz", THINK, True, (0, 3, 13)),                  # closed: content after the whitespace
+    ("\n<think>ab</think>x", THINK, False, (8, 10, 18)),              # it opened the block itself
+    ("hello <think>ab</think>", THINK, False, (0, 0, 0)),             # a think tag inside the answer is text
+    ("ab</think>", THINK, True, (0, 2, 10)),                           # closed, no content yet
+])
+def test_answer_regions_split_reasoning_from_content(text, thinking, reasoning_first, regions):
+    assert oa.answer_regions(text, thinking, reasoning_first) == regions
+
+
+def test_chat_template_kwargs_reach_the_request_or_are_refused_by_name():
+    assert oa.parse_request("chat", {"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}},
+                            LIMITS).template_kwargs == {"enable_thinking": False}
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_request("chat", {"messages": MSG, "chat_template_kwargs": ["enable_thinking"]}, LIMITS)
+    assert (e.value.status, e.value.param) == (400, "chat_template_kwargs")
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_request("text", {"prompt": "p", "chat_template_kwargs": {}}, LIMITS)
+    assert (e.value.status, e.value.param) == (400, "chat_template_kwargs")

@@ -252,3 +252,44 @@ def test_completions_logprobs_and_their_limits(mesh2):
     r = chat(mesh2, "hi", top_logprobs=2)
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     assert "'logprobs': true" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def thinker(thinking_model, tmp_path_factory):
+    with start_mesh(thinking_model, 2, tmp_path_factory.mktemp("thinker"), "--heartbeat-interval", "0.05") as mesh:
+        mesh.wait_ready()
+        yield mesh
+
+
+def test_a_thinking_model_answers_its_reasoning_apart_and_the_template_takes_its_kwargs(thinker, thinking_model):
+    """The template opens a think block; with the close biased away the whole answer is reasoning, whole and
+    streamed alike, and a stop string inside the reasoning cuts nothing. `enable_thinking: false` closes
+    the block in the prompt: the answer is content."""
+    client = OpenAI(base_url=f"{thinker.url}/v1", api_key="unused", max_retries=0)
+    added = json.loads((thinking_model / "tokenizer.json").read_text())["added_tokens"]
+    think_end = next(t["id"] for t in added if t["content"] == "</think>")
+    bias = {**endless(thinking_model)["logit_bias"], str(think_end): -100}
+    ask = dict(model="thinking", messages=[{"role": "user", "content": "hello world"}], max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(**ask, extra_body={"logit_bias": bias})
+    validate(whole.model_dump(exclude_unset=True), "CreateChatCompletionResponse")
+    message = whole.choices[0].message.model_dump()
+    assert message["reasoning"] and message["content"] == ""
+
+    streamed = {"reasoning": "", "content": ""}
+    for chunk in client.chat.completions.create(**ask, stream=True, extra_body={"logit_bias": bias}):
+        validate(chunk.model_dump(exclude_unset=True), "CreateChatCompletionStreamResponse")
+        for c in chunk.choices:
+            delta = c.delta.model_dump()
+            streamed = {k: v + (delta.get(k) or "") for k, v in streamed.items()}
+    assert streamed == {"reasoning": message["reasoning"], "content": ""}
+
+    stop = message["reasoning"][3:6]
+    kept = client.chat.completions.create(**ask, stop=[stop], extra_body={"logit_bias": bias})
+    assert kept.choices[0].finish_reason == "length" and kept.choices[0].message.model_dump()["reasoning"] == \
+        message["reasoning"]
+
+    plain = client.chat.completions.create(**ask, extra_body={"logit_bias": bias,
+                                                              "chat_template_kwargs": {"enable_thinking": False}})
+    validate(plain.model_dump(exclude_unset=True), "CreateChatCompletionResponse")
+    assert plain.choices[0].message.content and "reasoning" not in plain.choices[0].message.model_dump()
+    assert plain.usage.prompt_tokens > whole.usage.prompt_tokens  # the template closed the block
