@@ -12,9 +12,21 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+# Tools as Qwen2.5's template renders them (mlx-lm reads it as the json_tools family): the functions in a
+# system turn, the assistant's calls as <tool_call> JSON, the tools' results as a user turn.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these functions. For each call, answer\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>\n<tools>\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools><|im_end|>\n{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}<|im_start|>assistant\n"
+    "{% if message['content'] %}{{ message['content'] }}\n{% endif %}"
+    "{% for call in message['tool_calls'] %}{% set tool_call = call['function'] %}<tool_call>\n"
+    '{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>\n'
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

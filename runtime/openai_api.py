@@ -8,6 +8,8 @@ bad request never reaches the lockstep loop.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -69,6 +71,7 @@ class CompletionRequest:
     report_ids: bool = False
     resume: Resume | None = None
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, for the chat template
+    tools: tuple[dict, ...] = ()  # the functions the answer may call (none when tool_choice is "none")
 
 
 @dataclass(frozen=True)
@@ -243,8 +246,101 @@ def _messages(body: dict) -> tuple[dict, ...]:
             content = "".join(parts)
         if not isinstance(content, str):
             raise _bad(f"{where}.content", f"'{where}.content' must be a string, got {type(content).__name__}")
-        out.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        if role == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _history_calls(m["tool_calls"], f"{where}.tool_calls")
+        if role == "tool" and m.get("tool_call_id") is not None:
+            message["tool_call_id"] = str(m["tool_call_id"])
+        out.append(message)
     return tuple(out)
+
+
+def _history_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant turn's tool calls as chat templates take them: arguments as an object."""
+    if not isinstance(calls, list):
+        raise _bad(where, f"'{where}' must be a list of tool calls")
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
+            raise _bad(f"{where}[{i}]", f"'{where}[{i}]' must be {{\"type\": \"function\", \"function\": "
+                                        "{\"name\": ..., \"arguments\": \"<JSON>\"}}")
+        try:
+            arguments = json.loads(fn["arguments"] or "{}")
+        except ValueError:
+            raise _bad(f"{where}[{i}].function.arguments", f"'{where}[{i}].function.arguments' must be a JSON "
+                                                           f"object in a string, got {fn['arguments']!r}")
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
+    return out
+
+
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _tools(body: dict) -> tuple[dict, ...]:
+    """The request's functions, unless `tool_choice` is "none". "required" or a named function would need
+    decoding constrained to a call, which this server does not do: a 400 that says so."""
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise _bad("tools", "'tools' must be a list of {\"type\": \"function\", \"function\": {...}}")
+    names = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not FUNCTION_NAME.match(fn["name"]):
+            raise _bad(f"tools[{i}]", f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": {{\"name\": "
+                                      "...}}}} with a name of letters, digits, '_' or '-' (at most 64)")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise _bad(f"tools[{i}].function.parameters", f"'tools[{i}].function.parameters' must be a JSON Schema "
+                                                          "object")
+        names.append(fn["name"])
+    choice = body.get("tool_choice", "auto" if tools else "none")
+    if choice == "none" or not tools:
+        if choice not in ("none", "auto", None):
+            raise _bad("tool_choice", "'tool_choice' names a function, but the request has no 'tools'")
+        return ()
+    if choice == "auto":
+        return tuple(tools)
+    if choice == "required" or isinstance(choice, dict):
+        named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if isinstance(choice, dict) and named not in names:
+            raise _bad("tool_choice", f"'tool_choice' names {named!r}, which is not among 'tools' ({', '.join(names)})")
+        raise ApiError(400, "'tool_choice' that forces a call (\"required\" or a named function) needs decoding "
+                            "constrained to a call, which this server does not do; use \"auto\"",
+                       param="tool_choice", code="unsupported_parameter")
+    raise _bad("tool_choice", f"'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                              f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}")
+
+
+def tool_spans(text: str, start: str, end: str, begin: int) -> tuple[list[tuple[int, int]], int | None]:
+    """The closed tool calls in `text` from `begin` on, as (start, end) positions around their markers,
+    and where an unclosed one opens (None: none is open)."""
+    spans, at = [], begin
+    while (s := text.find(start, at)) >= 0:
+        e = text.find(end, s + len(start))
+        if e < 0:
+            return spans, s
+        at = e + len(end)
+        spans.append((s, at))
+    return spans, None
+
+
+def outside(spans: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The stretches of [lo, hi) that no span covers."""
+    out, at = [], lo
+    for s, e in spans:
+        if s > at:
+            out.append((at, min(s, hi)))
+        at = max(at, e)
+    if at < hi:
+        out.append((at, hi))
+    return [(a, b) for a, b in out if a < b]
+
+
+def tool_call_body(call: dict, index: int | None = None) -> dict:
+    """A parsed call ({name, arguments}) in OpenAI's shape; streamed calls carry their index."""
+    out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+           "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}}
+    return out if index is None else {"index": index, **out}
 
 
 def _internal(body: dict, internal: bool) -> tuple[bool, Resume | None]:
@@ -269,7 +365,7 @@ def _internal(body: dict, internal: bool) -> tuple[bool, Resume | None]:
 HONOURED = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
             "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty", "meshd"}
 HONOURED_BY = {"chat": HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                   "chat_template_kwargs"},
+                                   "chat_template_kwargs", "tools", "tool_choice"},
                "text": HONOURED | {"prompt", "logprobs"}}
 HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
             "safety_identifier"}
@@ -278,8 +374,6 @@ HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", 
 def _refuse_unhonoured(kind: str, body: dict) -> None:
     for name in sorted(set(body) - HONOURED_BY[kind] - HARMLESS):
         if name == "response_format" and body[name] in ({"type": "text"}, None):
-            continue
-        if name in ("tool_choice", "tools") and body[name] in ("none", None, []):
             continue
         raise ApiError(400, f"'{name}' is not supported by this server; leave it out (this server honours "
                             f"{', '.join(sorted(HONOURED_BY[kind] - {'meshd'}))})", param=name,
@@ -338,7 +432,8 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False) 
         resume=resume,
     )
     if kind == "chat":
-        return CompletionRequest(messages=_messages(body), template_kwargs=_template_kwargs(body), **common)
+        return CompletionRequest(messages=_messages(body), template_kwargs=_template_kwargs(body), tools=_tools(body),
+                                 **common)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -385,12 +480,15 @@ def logprobs_body(req: CompletionRequest, tokens: list[TokenLogprob]) -> dict | 
             "top_logprobs": [dict(t.top) for t in tokens], "text_offset": [t.offset for t in tokens]}
 
 
-def completion_body(req: CompletionRequest, rid: str, created: int, text: str,
-                    finish_reason: str, usage_: dict, logprobs: list[TokenLogprob] = (), reasoning: str = "") -> dict:
+def completion_body(req: CompletionRequest, rid: str, created: int, text: str, finish_reason: str,
+                    usage_: dict, logprobs: list[TokenLogprob] = (), reasoning: str = "",
+                    tool_calls: list[dict] = ()) -> dict:
     if req.kind == "chat":
-        message = {"role": "assistant", "content": text, "refusal": None}
+        message = {"role": "assistant", "content": text or (None if tool_calls else text), "refusal": None}
         if reasoning:
             message["reasoning"] = reasoning
+        if tool_calls:
+            message["tool_calls"] = [tool_call_body(c) for c in tool_calls]
         choice = {
             "index": 0,
             "message": message,
@@ -408,8 +506,9 @@ def completion_body(req: CompletionRequest, rid: str, created: int, text: str,
 
 def chunk_body(req: CompletionRequest, rid: str, created: int, text: str | None,
                finish_reason: str | None, first: bool = False, logprobs: list[TokenLogprob] = (),
-               reasoning: str = "") -> dict:
-    """One streamed chunk; `logprobs` are those of the tokens this chunk's text completes."""
+               reasoning: str = "", tool_calls: list[tuple[int, dict]] = ()) -> dict:
+    """One streamed chunk; `logprobs` are those of the tokens this chunk's text completes, `tool_calls`
+    the calls that closed in it, with their indexes in the answer."""
     lp = logprobs_body(req, list(logprobs)) if logprobs else None
     if req.kind == "chat":
         delta: dict = {}
@@ -419,6 +518,8 @@ def chunk_body(req: CompletionRequest, rid: str, created: int, text: str | None,
             delta["reasoning"] = reasoning
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = [tool_call_body(c, i) for i, c in tool_calls]
         choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:

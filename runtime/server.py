@@ -196,7 +196,7 @@ class Frontend:
         if req.kind == "chat":
             try:
                 ids = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True,
-                                                         **req.template_kwargs)
+                                                         tools=list(req.tools) or None, **req.template_kwargs)
             except Exception as e:  # a template that rejects these messages is the caller's input
                 raise ApiError(400, f"The chat template rejected these messages: {e}", param="messages")
             param = "messages"
@@ -266,6 +266,11 @@ class _Run:
         # the template left a think block open: the answer starts in its reasoning
         self.reasoning_first = self.thinking is not None and tok.rfind_think_start(prompt) > tok.rfind_think_end(prompt)
         self.regions = (0, 0, 0)  # oa.answer_regions of the text so far
+        # the markers around the model's tool calls, when the request offers tools and the model can call them
+        self.tool_markers = (tok.tool_call_start, tok.tool_call_end) if req.tools and tok.has_tool_calling else None
+        self.spans: list[tuple[int, int]] = []  # its closed tool calls in the text
+        self.content_end = 0  # where the content stops: the end, or where a call opens that did not close
+        self.calls: list[dict] = []  # parsed, as {name, arguments}
         self.cached = 0
         self.detok = fe.tokenizer.detokenizer
         resume = req.resume
@@ -281,9 +286,10 @@ class _Run:
         self.finished = False  # the answer ended (length, EOS or a stop string)
         self.engine_done = False  # the ranks stopped working on it themselves
 
-    def _advance(self, event: tuple) -> tuple[str, str, str | None]:
-        """Feed one token event; returns (new reasoning, new content to send, finish reason). One cursor
-        (`sent`) runs over the whole text; stop strings apply to the content alone."""
+    def _advance(self, event: tuple) -> tuple[str, str, list[tuple[int, dict]], str | None]:
+        """Feed one token event; returns (new reasoning, new content to send, tool calls that closed with
+        their indexes, finish reason). One cursor (`sent`) runs over the whole text; stop strings apply to
+        the content alone, and a tool call's text is never content."""
         _, e = event
         token, reason = e.token, e.finish_reason
         if token is not None and not (reason == "stop" and token in self.fe._eos):
@@ -311,14 +317,39 @@ class _Run:
             end = self.sent  # whitespace before a possible think block: content or not, it is not known yet
         else:
             end = len(self.text) - (oa.held_back(content, stops) if stops else 0)
+        closed = []
+        self.content_end = len(self.text)
+        if self.tool_markers:
+            start, stop = self.tool_markers
+            self.spans, open_at = oa.tool_spans(self.text, start, stop, c0)
+            if open_at is not None:  # a call being written (dropped if the answer ends inside it)
+                end = self.content_end = min(end, open_at)
+            elif reason is None:
+                end -= oa.held_back(self.text[c0:end], (start,))
+            for a, b in self.spans:
+                if self.sent <= a and b <= end and (call := self._parse(a, b)) is not None:
+                    self.calls.append(call)
+                    closed.append((len(self.calls) - 1, call))
+            if reason == "stop" and self.calls:
+                reason = "tool_calls"
         thought = self.text[max(self.sent, r0):min(end, r1)]
-        piece = self.text[max(self.sent, c0):end]
+        piece = "".join(self.text[a:b] for a, b in oa.outside(self.spans, max(self.sent, c0), end))
         self.sent = max(self.sent, end)
-        return thought, piece, reason
+        return thought, piece, closed, reason
+
+    def _parse(self, a: int, b: int) -> dict | None:
+        """A closed call's text as {name, arguments} by the model's own tool parser; a call it cannot
+        read is dropped, as mlx-lm's server drops it."""
+        start, stop = self.tool_markers
+        try:
+            call = self.fe.tokenizer.tool_parser(self.text[a + len(start):b - len(stop)], list(self.req.tools))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+        return call if isinstance(call, dict) and isinstance(call.get("name"), str) else None
 
     def reasoning_and_content(self) -> tuple[str, str]:
         r0, r1, c0 = self.regions
-        return self.text[r0:r1], self.text[c0:]
+        return self.text[r0:r1], "".join(self.text[a:b] for a, b in oa.outside(self.spans, c0, self.content_end))
 
     def unsent_logprobs(self) -> list[oa.TokenLogprob]:
         """The logprobs of the tokens since the last chunk (each goes out once, with the next chunk)."""
@@ -346,7 +377,7 @@ class _Run:
             if reason is not None:
                 reasoning, content = self.reasoning_and_content()
                 body = oa.completion_body(self.req, self.rid, self.created, content, reason, self.usage(),
-                                          self.logprobs, reasoning)
+                                          self.logprobs, reasoning, self.calls)
                 return web.json_response(body)
         raise AssertionError("event stream ended without a finish")
 
@@ -373,12 +404,12 @@ class _Run:
             if event[0] == "failed":
                 await send(error_body(event[1], "server_error", None, event[2]))
                 break
-            thought, piece, reason = self._advance(event)
-            if thought or piece or first or reason is not None:
-                if thought or piece or first:
-                    await send(oa.chunk_body(self.req, self.rid, self.created, piece if piece or not thought
-                                             else None, None, first=first, logprobs=self.unsent_logprobs(),
-                                             reasoning=thought))
+            thought, piece, calls, reason = self._advance(event)
+            if thought or piece or calls or first or reason is not None:
+                if thought or piece or calls or first:
+                    await send(oa.chunk_body(self.req, self.rid, self.created,
+                                             piece if piece or not (thought or calls) else None, None, first=first,
+                                             logprobs=self.unsent_logprobs(), reasoning=thought, tool_calls=calls))
                     first = False
                 if reason is not None:
                     await send(oa.chunk_body(self.req, self.rid, self.created, None, reason,

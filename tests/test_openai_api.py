@@ -110,8 +110,7 @@ def test_text_stream_chunks_differ_from_the_schema_only_by_a_null_finish_reason(
     validate(oa.models_body("demo", 1), "ListModelsResponse")
 
 
-@pytest.mark.parametrize("field,value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                         ("response_format", {"type": "json_object"}), ("logprobs", 3),
+@pytest.mark.parametrize("field,value", [("response_format", {"type": "json_object"}), ("logprobs", 3),
                                          ("functions", []), ("reasoning_effort", "high"), ("frobnicate", 1),
                                          ("meshd", {"ids": True})])
 def test_a_field_this_server_does_not_honour_is_refused_by_name_never_dropped(field, value):
@@ -165,3 +164,58 @@ def test_chat_template_kwargs_reach_the_request_or_are_refused_by_name():
     with pytest.raises(oa.ApiError) as e:
         oa.parse_request("text", {"prompt": "p", "chat_template_kwargs": {}}, LIMITS)
     assert (e.value.status, e.value.param) == (400, "chat_template_kwargs")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("fields,param,says", [
+    ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0]", "letters, digits"),
+    ({"tools": "get_weather"}, "tools", "must be a list"),
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "constrained to a call"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
+     "not among 'tools'"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice", "no 'tools'"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", '"none", "auto"'),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}]}]},
+     "messages[1].tool_calls[0].function.arguments", "JSON object"),
+])
+def test_tools_that_cannot_be_honoured_are_400s_that_say_why(fields, param, says):
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_request("chat", {"messages": MSG, **fields}, LIMITS)
+    assert (e.value.status, e.value.param) == (400, param) and says in e.value.message
+
+
+def test_tools_reach_the_request_and_a_history_of_calls_reaches_the_template_as_objects():
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    req = oa.parse_request("chat", {"messages": history, "tools": [WEATHER]}, LIMITS)
+    assert req.tools == (WEATHER,)
+    assert req.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    assert req.messages[1]["content"] == "" and req.messages[2]["tool_call_id"] == "c1"
+    assert oa.parse_request("chat", {"messages": MSG, "tools": [WEATHER], "tool_choice": "none"}, LIMITS).tools == ()
+
+
+@pytest.mark.parametrize("text,begin,spans,open_at", [
+    ("plain answer", 0, [], None),
+    ("a<tool_call>x</tool_call>b", 0, [(1, 25)], None),
+    ("<tool_call>x</tool_call><tool_call>y", 0, [(0, 24)], 24),
+    ("<tool_call>x</tool_call>", 1, [], None),  # before the content: not a call
+])
+def test_tool_spans(text, begin, spans, open_at):
+    assert oa.tool_spans(text, "<tool_call>", "</tool_call>", begin) == (spans, open_at)
+
+
+@pytest.mark.parametrize("spans,lo,hi,gaps", [
+    ([], 0, 5, [(0, 5)]),
+    ([(1, 3)], 0, 5, [(0, 1), (3, 5)]),
+    ([(0, 2), (2, 4)], 0, 4, []),
+    ([(1, 3)], 2, 2, []),
+    ([(4, 9)], 0, 6, [(0, 4)]),
+])
+def test_outside(spans, lo, hi, gaps):
+    assert oa.outside(spans, lo, hi) == gaps

@@ -293,3 +293,74 @@ def test_a_thinking_model_answers_its_reasoning_apart_and_the_template_takes_its
     validate(plain.model_dump(exclude_unset=True), "CreateChatCompletionResponse")
     assert plain.choices[0].message.content and "reasoning" not in plain.choices[0].message.model_dump()
     assert plain.usage.prompt_tokens > whole.usage.prompt_tokens  # the template closed the block
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+def test_a_tool_round_trip_with_the_official_client_whole_and_streamed(mesh2, demo_model):
+    """The demo model's random weights never write a tool call, so the test writes its first one: the
+    request carries the call's tokens as an answer already begun (the `meshd.resume` the proxy sends rank 0
+    when it resumes a cut answer, with nothing yet delivered) and the end token biased in, so the model
+    ends its turn right after. Rank 0 parses the call out of the answer with the model's own tool parser
+    (mlx-lm's json_tools, which the demo template selects); the call and the tool's result then go back
+    as history, rendered by the template."""
+    from tokenizers import Tokenizer
+
+    said = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ids = Tokenizer.from_file(str(demo_model / "tokenizer.json")).encode(said).ids
+    eos = json.loads((demo_model / "config.json").read_text())["eos_token_id"]
+    begun = {"logit_bias": {str(eos): 100},
+             "meshd": {"resume": {"ids": ids, "chars": 0, "id": "chatcmpl-begun", "created": 1, "seed": 1}}}
+    client = OpenAI(base_url=f"{mesh2.url}/v1", api_key="unused", max_retries=0)
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    ask = dict(model="demo", messages=question, tools=[WEATHER], max_tokens=len(ids) + 8, temperature=0)
+
+    whole = client.chat.completions.create(**ask, extra_body=begun)
+    validate(whole.model_dump(exclude_unset=True), "CreateChatCompletionResponse")
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check.\n"
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == ("function", "get_weather",
+                                                                                    {"city": "Paris"})
+
+    content, calls, reasons = "", [], []
+    for chunk in client.chat.completions.create(**ask, stream=True, extra_body=begun):
+        validate(chunk.model_dump(exclude_unset=True), "CreateChatCompletionStreamResponse")
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            reasons.append(c.finish_reason)
+    assert content == "Let me check.\n" and reasons[-1] == "tool_calls"
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == \
+        [(0, "get_weather", {"city": "Paris"})]
+
+    history = question + [choice.message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    answer = client.chat.completions.create(**{**ask, "messages": history, "max_tokens": 8})
+    validate(answer.model_dump(exclude_unset=True), "CreateChatCompletionResponse")
+    assert answer.choices[0].finish_reason in ("length", "stop") and answer.choices[0].message.tool_calls is None
+    assert answer.usage.prompt_tokens > whole.usage.prompt_tokens + len(ids)  # the call and its result in the prompt
+
+
+def test_each_sampling_parameter_changes_what_it_must(mesh2, demo_model):
+    """On every rank alike (the ranks would diverge otherwise, and the divergence check would end them)."""
+    def tokens(**kw):
+        r = requests.post(f"{mesh2.url}/v1/completions", timeout=60,
+                          json={"prompt": "The quick brown fox", "max_tokens": 64, "logprobs": 0, **endless(demo_model),
+                                **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    greedy = tokens(temperature=0)
+    assert tokens(temperature=2.0, top_k=1, seed=5) == greedy  # one candidate left: the argmax
+    assert tokens(temperature=2.0, min_p=1.0, seed=5) == greedy  # only tokens as likely as the best
+    assert tokens(temperature=2.0, seed=5) != greedy
+    forced = tokens(temperature=0, logit_bias={"100": 100, **endless(demo_model)["logit_bias"]})
+    assert len(set(forced)) == 1
+    for penalty in ({"repetition_penalty": 5.0}, {"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
+        penalised = tokens(temperature=0, **penalty)
+        assert penalised != greedy, penalty
+        assert len(set(penalised)) > len(set(greedy)), penalty  # a repeated token costs: more kinds of them
