@@ -261,3 +261,47 @@ def test_no_probe_while_a_request_runs_and_a_request_in_flight_at_two_deaths_is_
         assert [(i["cause"], i["node"]) for i in incidents] == [("exit", "node1"), ("exit", "node1")]
     finally:
         stop_controller(mesh)
+
+
+def test_the_proxy_answers_health_cors_every_name_of_its_model_and_tools(two_agents, tmp_path, demo_model):
+    mesh = write_mesh(tmp_path, two_agents, demo_model, proxy={"cors_origins": ["https://chat.example"]},
+                      runtime={"aliases": ["org/demo-1b"], "args": {"model_name": "demo"}})
+    try:
+        assert meshctl(mesh, "up").returncode == 0
+        proxy = json.loads(meshctl(mesh, "status", "--json").stdout)["urls"]["proxy"]
+        health = requests.get(proxy.removesuffix("/v1") + "/health", timeout=10)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+
+        asks = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        pre = requests.options(f"{proxy}/chat/completions", headers={"Origin": "https://chat.example", **asks},
+                               timeout=10)
+        assert pre.status_code == 204 and pre.headers["Access-Control-Allow-Origin"] == "https://chat.example"
+        assert "Authorization" in pre.headers["Access-Control-Allow-Headers"]
+        stranger = requests.options(f"{proxy}/chat/completions", headers={"Origin": "https://else.example", **asks},
+                                    timeout=10)
+        assert "Access-Control-Allow-Origin" not in stranger.headers
+
+        names = [m["id"] for m in requests.get(f"{proxy}/models", timeout=10).json()["data"]]
+        assert names[0] == "demo" and {str(demo_model), demo_model.name, "org/demo-1b"} <= set(names)
+        for name in names:
+            r = requests.post(f"{proxy}/chat/completions", headers={"Origin": "https://chat.example"}, timeout=60,
+                              json={"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "demo", r.text
+            assert r.headers["Access-Control-Allow-Origin"] == "https://chat.example"
+        ask = {"messages": [{"role": "user", "content": "weather in Paris?"}], "max_tokens": 2}
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+        plain, offered = (requests.post(f"{proxy}/chat/completions", json=body, timeout=60).json()
+                          for body in (ask, {**ask, "tools": [tool]}))
+        assert offered["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]  # the tools reached the prompt
+        forced = requests.post(f"{proxy}/chat/completions", json={**ask, "tools": [tool], "tool_choice": "required"},
+                               timeout=30)
+        assert forced.status_code == 400 and forced.json()["error"]["param"] == "tool_choice"
+        unknown = requests.post(f"{proxy}/chat/completions", timeout=30,
+                                json={"model": "org/other", "messages": [{"role": "user", "content": "hi"}]})
+        assert unknown.status_code == 404 and "demo" in unknown.json()["error"]["message"]
+
+        meshctl(mesh, "down")
+        down = requests.get(proxy.removesuffix("/v1") + "/health", timeout=10)
+        assert down.status_code == 503 and down.json()["error"]["message"]
+    finally:
+        stop_controller(mesh)
