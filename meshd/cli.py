@@ -1,9 +1,14 @@
 """`meshctl`: up, down, status, restart, events, logs, config check,
 provision, doctor, reboot, agents install, service install.
 
-With no --config (and no $MESHD_CONFIG), meshctl drives the embedded demo
-mesh: `meshctl up` starts it (controller and four agents as background
-daemons on 127.0.0.1), `meshctl down` stops all of it.
+The mesh is the first of: --config (before or after the command),
+$MESHD_CONFIG, ./mesh.toml, $XDG_CONFIG_HOME/meshd/mesh.toml (~/.config),
+/etc/meshd/mesh.toml; with none of them, the embedded demo mesh: `meshctl up`
+starts it (controller and four agents as background daemons on 127.0.0.1)
+and says so, `meshctl down` stops all of it.
+
+Exit codes: 0 done, 1 failed (the message says why and what to do), 2 a
+usage error, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -47,9 +52,19 @@ class Control:
         path = self.cfg.state_dir / "control.token"
         try:
             return path.read_text().strip()
+        except PermissionError:
+            raise CliError(f"cannot read the control token at {path} (permission denied): run meshctl as the "
+                           f"user that runs the controller, or as root")
         except OSError:
+            if self.alive():
+                raise CliError(self.not_ours())
             raise CliError(f"no control token at {path}: is the controller for {self.cfg.name} running? "
                            f"Start it with `meshd --config {self.cfg.path}` (or `meshctl up`)")
+
+    def not_ours(self) -> str:
+        return (f"a controller answers at {self.cfg.control.listen}, but not this mesh's ({self.cfg.name}: no "
+                f"control token at {self.cfg.state_dir / 'control.token'}): another mesh's controller holds that "
+                f"address; give this mesh another [control] listen")
 
     def ours(self) -> bool:
         """A controller answers at this mesh's control address and this mesh's token exists (another mesh's
@@ -84,13 +99,28 @@ class Control:
                            "is it running? `meshctl up` starts it")
 
 
+def config_places() -> list[Path]:
+    """Where a mesh.toml is looked for after --config and $MESHD_CONFIG, in order."""
+    xdg = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return [Path("mesh.toml"), xdg / "meshd" / "mesh.toml", Path("/etc/meshd/mesh.toml")]
+
+
+def find_config(arg: str | None) -> Path | None:
+    """The mesh.toml meshctl drives (None: the demo mesh)."""
+    if arg or os.environ.get("MESHD_CONFIG"):
+        return Path(arg or os.environ["MESHD_CONFIG"])
+    return next((p for p in config_places() if p.is_file()), None)
+
+
 def resolve_config(arg: str | None, *, for_up: bool = False, opts: demo.DemoOptions | None = None) -> MeshConfig:
-    path = arg or os.environ.get("MESHD_CONFIG")
+    path = find_config(arg)
     if path:
         return load(path)
     root = demo.home()
     mesh = root / "mesh.toml"
     if for_up and not demo.any_running(root):
+        say(f"no mesh.toml (--config, $MESHD_CONFIG, {', '.join(map(str, config_places()))}): "
+            f"this is the embedded demo mesh")
         mesh = demo.write_configs(root, opts or demo.DemoOptions(), lambda m: say(f"demo: {m}"))
     if not mesh.exists():
         raise CliError("no mesh: pass --config mesh.toml, set MESHD_CONFIG, or run `meshctl up` for the demo mesh")
@@ -113,6 +143,8 @@ def cmd_up(args) -> int:
                             poison_after=args.poison_after)
     cfg = resolve_config(args.config, for_up=True, opts=opts)
     ctl = Control(cfg)
+    if ctl.alive() and not ctl.ours():
+        raise CliError(ctl.not_ours())
     if not ctl.alive():
         if cfg.path and demo.is_demo(cfg.path):
             say(f"demo: starting {demo.WORLD} agents and the controller on 127.0.0.1 (logs in {demo.run_dir(demo.home())})")
@@ -237,9 +269,10 @@ def cmd_logs(args) -> int:
 
 
 def cmd_config_check(args) -> int:
-    path = args.file or args.config or os.environ.get("MESHD_CONFIG")
+    path = args.file or find_config(args.config)
     if not path:
-        raise CliError("name the file: meshctl config check mesh.toml")
+        raise CliError(f"no mesh.toml in {', '.join(map(str, config_places()))}; name the file: "
+                       f"meshctl config check mesh.toml")
     cfg = load(path)
     warnings = [f"nodes.{n.name}.token_file: {n.token_file} does not exist" for n in cfg.nodes
                 if not n.token_file.exists()]
@@ -377,9 +410,47 @@ def cmd_service_install(args) -> int:
     return 0
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    def of(name: str) -> str:
+        try:
+            return installed(name)
+        except PackageNotFoundError:
+            return "not installed"
+    return f"meshctl {of('meshd')} (mlx {of('mlx')}, mlx-lm {of('mlx-lm')}, Python {sys.version.split()[0]})"
+
+
+class _Version(argparse.Action):
+    """--version, its package lookups done only when asked (meshctl starts fast)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print meshctl's, mlx's and mlx-lm's versions")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version())
+        parser.exit()
+
+
+def config_first(argv: list[str]) -> list[str]:
+    """`--config X` anywhere on the line, as git and kubectl take their global options."""
+    front, rest, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == "--config" and i + 1 < len(argv):
+            front += argv[i:i + 2]
+            i += 2
+            continue
+        (front if argv[i].startswith("--config=") else rest).append(argv[i])
+        i += 1
+    return front + rest
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="meshctl", description="Drive a meshd mesh (the demo mesh when no config).")
-    p.add_argument("--config", help="mesh.toml (default: $MESHD_CONFIG, else the demo mesh)")
+    p.add_argument("--config", help="mesh.toml, before or after the command (default: $MESHD_CONFIG, ./mesh.toml, "
+                                    "$XDG_CONFIG_HOME/meshd/mesh.toml, /etc/meshd/mesh.toml, else the demo mesh)")
+    p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start the mesh (the demo mesh when no config) and wait until it serves")
     up.add_argument("--timeout", type=float, default=900)
@@ -440,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     inst.add_argument("--dest", help="where to write (default: STATE_DIR/service)")
     inst.add_argument("--wired-limit-mb", type=int, help="macOS agent: also render the boot job that sets "
                                                          "iogpu.wired_limit_mb")
-    args = p.parse_args(argv)
+    args = p.parse_args(config_first(sys.argv[1:] if argv is None else argv))
     handlers = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "restart": cmd_restart,
                 "events": cmd_events, "logs": cmd_logs, "config": cmd_config_check,
                 "service": cmd_service_install, "provision": cmd_provision, "doctor": cmd_doctor,
@@ -450,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, ConfigError) as e:
         print(f"meshctl: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\nmeshctl: interrupted; what it asked of the controller goes on (`meshctl status` shows it, "
+              "`meshctl down` stops it)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

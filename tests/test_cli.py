@@ -1,0 +1,105 @@
+"""meshctl's conventions, as a user meets them: options before or after the command, where the mesh.toml
+is found, --version, Ctrl-C, and a control address another mesh's controller holds."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from kit.agents import make_agents
+from kit.configs import write_mesh
+from kit.meshctl import meshctl, stop_controller
+from kit.waiting import wait_for
+
+MESHCTL = [sys.executable, "-m", "meshd.cli"]
+
+
+def run(*args, cwd=None, env=None):
+    base = {k: v for k, v in os.environ.items() if k != "MESHD_CONFIG"}
+    return subprocess.run([*MESHCTL, *args], cwd=cwd, env={**base, **(env or {})}, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_config_goes_before_or_after_the_command(tmp_path, demo_model):
+    mesh = write_mesh(tmp_path, make_agents(tmp_path, 2), demo_model)
+    before, after = run("--config", str(mesh), "status"), run("status", "--config", str(mesh))
+    assert before.returncode == after.returncode == 1 and before.stderr == after.stderr
+    assert "no control token" in after.stderr and "usage:" not in after.stderr
+    assert run("config", "check", f"--config={mesh}").returncode == 0
+
+
+def test_the_mesh_toml_is_found_where_operators_put_it(tmp_path, demo_model):
+    """./mesh.toml, then $XDG_CONFIG_HOME/meshd/mesh.toml; $MESHD_CONFIG and --config before both."""
+    here, xdg, named = tmp_path / "here", tmp_path / "xdg", tmp_path / "named"
+    for d in (here, xdg / "meshd", named):
+        d.mkdir(parents=True)
+        write_mesh(d, make_agents(d, 1), demo_model)
+    env = {"XDG_CONFIG_HOME": str(xdg)}
+
+    def checked(*args, **kw) -> str:
+        r = run("config", "check", *args, cwd=here, **kw)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert checked(env=env).startswith("mesh.toml: ok")
+    assert checked(env={**env, "MESHD_CONFIG": str(named / "mesh.toml")}).startswith(f"{named / 'mesh.toml'}: ok")
+    assert checked("--config", str(named / "mesh.toml"), env=env).startswith(f"{named / 'mesh.toml'}: ok")
+    (here / "mesh.toml").unlink()
+    assert checked(env=env).startswith(f"{xdg / 'meshd' / 'mesh.toml'}: ok")
+    (xdg / "meshd" / "mesh.toml").unlink()
+    nothing = run("config", "check", cwd=here, env=env)
+    assert nothing.returncode == 1 and "no mesh.toml in mesh.toml, " in nothing.stderr
+
+
+def test_version_names_meshctl_mlx_and_mlx_lm():
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.startswith("meshctl 0.") and "mlx " in r.stdout and "mlx-lm " in r.stdout
+
+
+def test_ctrl_c_stops_meshctl_with_130_and_no_traceback(tmp_path, demo_model):
+    """`up` waiting for a controller that cannot come up (its proxy address is taken): Ctrl-C ends the
+    wait cleanly."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        mesh = write_mesh(tmp_path, make_agents(tmp_path, 2), demo_model,
+                          proxy={"listen": f"127.0.0.1:{taken.getsockname()[1]}"})
+        proc = subprocess.Popen([*MESHCTL, "--config", str(mesh), "up", "--skip-preflight"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: (tmp_path / "state" / "run" / "controller.log").exists(), 60, "the controller's start")
+            time.sleep(1)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+            stop_controller(mesh)
+    assert proc.returncode == 130, out + err
+    assert "interrupted" in err and "Traceback" not in err
+
+
+def test_up_on_a_control_address_another_meshs_controller_holds_says_so(tmp_path, demo_model):
+    class Healthz(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthz)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        mesh = write_mesh(tmp_path, make_agents(tmp_path, 2), demo_model,
+                          control={"listen": f"127.0.0.1:{other.server_port}"})
+        r = meshctl(mesh, "up")
+    finally:
+        other.shutdown()
+    assert r.returncode == 1 and "another mesh's controller holds that address" in r.stderr, r.stderr
+    assert "[control] listen" in r.stderr
