@@ -261,8 +261,37 @@ def cmd_events(args) -> int:
     return 0
 
 
+RECENT_INCIDENT = 600.0  # seconds an incident stays what `meshctl logs` shows by default
+
+
+def log_generation(current: int, incidents: list[dict], now: float, generation: int | None = None,
+                   incident: int | None = None) -> tuple[int, str]:
+    """Which generation's rank log `meshctl logs` shows, and why: the one asked for (-g), the one of the
+    Nth newest incident (--incident N), else the one that died in an incident of the last ten minutes
+    (what an operator wants after a crash), else the one serving now."""
+    if generation is not None:
+        return generation, "asked for"
+    if incident is not None:
+        if not 1 <= incident <= len(incidents):
+            raise CliError(f"--incident {incident}: there are {len(incidents)} incidents (1 is the newest; "
+                           f"`meshctl events` lists them)")
+        i = incidents[incident - 1]
+        return i["generation"], f"incident {incident}: {i['cause']} on {i['node']} rank {i['rank']}"
+    if incidents and now - incidents[0]["opened_at"] < RECENT_INCIDENT and incidents[0]["generation"] != current:
+        i = incidents[0]
+        when = time.strftime("%H:%M:%S", time.localtime(i["opened_at"]))
+        return i["generation"], (f"the last incident's, {i['cause']} on {i['node']} rank {i['rank']} at {when}; "
+                                 f"-g {current} for the one serving now")
+    return current, "serving now"
+
+
 def cmd_logs(args) -> int:
-    data = Control(resolve_config(args.config)).call("GET", f"/v1/logs/{args.node}?lines={args.lines}")
+    ctl = Control(resolve_config(args.config))
+    incidents = ctl.call("GET", "/v1/incidents")["incidents"]
+    generation, why = log_generation(ctl.call("GET", "/v1/status")["generation"], incidents, time.time(),
+                                     args.generation, args.incident)
+    data = ctl.call("GET", f"/v1/logs/{args.node}?lines={args.lines}&generation={generation}")
+    print(f"# {args.node} rank {data['rank']}, generation {generation} ({why})", file=sys.stderr)
     for line in data["lines"]:
         print(line)
     return 0
@@ -469,9 +498,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("restart", help="drain this generation and start the next")
     ev = sub.add_parser("events", help="incident history")
     ev.add_argument("--json", action="store_true")
-    lg = sub.add_parser("logs", help="a node's rank log tail")
+    lg = sub.add_parser("logs", help="a node's rank log tail: the generation of an incident of the last ten "
+                                      "minutes, else the one serving")
     lg.add_argument("node")
     lg.add_argument("--lines", type=int, default=100)
+    which = lg.add_mutually_exclusive_group()
+    which.add_argument("-g", "--generation", type=int, help="this generation's log")
+    which.add_argument("--incident", type=int, metavar="N", help="the log of the Nth newest incident's generation")
     cfg = sub.add_parser("config", help="config tools")
     cfg_sub = cfg.add_subparsers(dest="config_cmd", required=True)
     check = cfg_sub.add_parser("check", help="validate a mesh.toml")

@@ -100,12 +100,15 @@ def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Applicatio
                               code="unknown_node")
         try:
             lines = int(request.query.get("lines", "100"))
+            generation = int(request.query.get("generation", ctl.state.generation))
         except ValueError:
-            raise ApiError(400, "'lines' must be an integer", param="lines")
+            raise ApiError(400, "'lines' and 'generation' must be integers", param="lines")
         rank = [n.name for n in ctl.cfg.nodes].index(node)
         try:
-            data = await ctl.agents[node].call("GET", f"/v1/ranks/{ctl.state.generation}/{rank}/log?lines={lines}")
+            data = await ctl.agents[node].call("GET", f"/v1/ranks/{generation}/{rank}/log?lines={lines}")
         except AgentError as e:
+            if e.status == 404:  # that generation never ran there, or its directory is gone
+                return json_error(404, str(e), code="not_found")
             return json_error(502, str(e), code="agent_error")
         return web.json_response(data)
 

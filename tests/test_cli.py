@@ -12,10 +12,13 @@ import sys
 import threading
 import time
 
+import pytest
+
 from kit.agents import make_agents
 from kit.configs import write_mesh
 from kit.meshctl import meshctl, stop_controller
 from kit.waiting import wait_for
+from meshd.cli import CliError, log_generation
 
 MESHCTL = [sys.executable, "-m", "meshd.cli"]
 
@@ -103,3 +106,24 @@ def test_up_on_a_control_address_another_meshs_controller_holds_says_so(tmp_path
         other.shutdown()
     assert r.returncode == 1 and "another mesh's controller holds that address" in r.stderr, r.stderr
     assert "[control] listen" in r.stderr
+
+
+INCIDENTS = [{"generation": 7, "opened_at": 1000.0, "cause": "exit", "node": "node2", "rank": 2},
+             {"generation": 4, "opened_at": 100.0, "cause": "stall", "node": "node1", "rank": 1}]
+
+
+@pytest.mark.parametrize("now,generation,incident,shown", [
+    (1100.0, None, None, 7),    # an incident of the last ten minutes: the generation that died
+    (1700.0, None, None, 8),    # older than that: the one serving
+    (1100.0, 8, None, 8),       # -g
+    (1100.0, None, 2, 4),       # --incident 2
+])
+def test_logs_show_the_generation_that_crashed_while_its_incident_is_recent(now, generation, incident, shown):
+    assert log_generation(8, INCIDENTS, now, generation, incident)[0] == shown
+
+
+def test_logs_without_incidents_show_the_serving_generation_and_a_missing_incident_is_named():
+    assert log_generation(3, [], 0.0) == (3, "serving now")
+    assert log_generation(7, INCIDENTS[:1], 1001.0)[0] == 7  # the incident's generation is the one serving
+    with pytest.raises(CliError, match="there are 2 incidents"):
+        log_generation(8, INCIDENTS, 0.0, incident=3)

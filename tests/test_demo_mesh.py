@@ -97,6 +97,15 @@ def test_sigkill_mid_stream_resumes_that_stream_and_the_mesh_recovers(demo):
     assert [t["at"] for t in incident["timeline"]] == sorted(t["at"] for t in incident["timeline"])
     events = demo_meshctl(demo.home, "events").stdout
     assert "exit" in events and "served +" in events and "then node" in events
+    # After the crash `meshctl logs` shows the log of the rank that died; -g and --incident pick others.
+    crashed = demo_meshctl(demo.home, "logs", "node2")
+    assert f"generation {g} (the last incident's, exit on node2 rank 2" in crashed.stderr
+    assert f"[meshd-rank g{g} r2]" in crashed.stdout and f"g{g + 1} " not in crashed.stdout
+    assert demo_meshctl(demo.home, "logs", "node2", "--incident", "1").stdout == crashed.stdout
+    serving = demo_meshctl(demo.home, "logs", "node2", "-g", str(g + 1)).stdout
+    assert f"[meshd-rank g{g + 1} r2]" in serving and f"g{g} " not in serving
+    missing = demo_meshctl(demo.home, "logs", "node2", "--incident", "99", check=False)
+    assert missing.returncode == 1 and "1 is the newest" in missing.stderr
     metrics = requests.get(demo.status()["urls"]["metrics"], timeout=5).text
     assert 'meshd_recovery_step_seconds_count{step="served"}' in metrics
 
