@@ -233,8 +233,11 @@ class Chaos:
     # --- one run ---------------------------------------------------------------------
     def run(self, duration: float, say=print) -> dict:
         t_up = time.time()
+        # Faults land every few seconds on purpose: one request may live through several deaths, which
+        # outside chaos would mark it poison or use up its migrations; here every death is the fault's.
         meshctl(self.home, "up", "--stall-window", str(self.stall_window), "--max-failures", "1000",
-                "--backoff-max", "2", "--poison-after", "1000")
+                "--backoff-max", "2", "--poison-after", "1000",
+                "--migration-limit", "1000")
         say(f"chaos: demo mesh up in {time.time() - t_up:.1f}s")
         proxy = self.status()["urls"]["proxy"]
         workers = [threading.Thread(target=self.client, args=(i, proxy), daemon=True) for i in range(self.clients)]

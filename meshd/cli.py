@@ -140,7 +140,7 @@ def progress_line(status: dict) -> str:
 def cmd_up(args) -> int:
     opts = demo.DemoOptions(stall_window=args.stall_window, start_deadline=args.start_deadline,
                             max_failures=args.max_failures, backoff_max=args.backoff_max,
-                            poison_after=args.poison_after)
+                            poison_after=args.poison_after, migration_limit=args.migration_limit)
     cfg = resolve_config(args.config, for_up=True, opts=opts)
     ctl = Control(cfg)
     if ctl.alive() and not ctl.ours():
@@ -488,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--start-deadline", type=float, default=120.0, help="demo: seconds to become ready")
     up.add_argument("--max-failures", type=int, default=5, help="demo: failures in the window before failed")
     up.add_argument("--backoff-max", type=float, default=10.0, help="demo: longest wait between restarts")
+    up.add_argument("--migration-limit", type=int, default=2,
+                    help="demo: how many times a stream cut by a death resumes on the next generation")
     up.add_argument("--poison-after", type=int, default=2,
                     help="demo: a request in flight when this many generations died is quarantined")
     down = sub.add_parser("down", help="drain and stop the mesh (and the demo's daemons)")

@@ -27,6 +27,7 @@ class DemoOptions:
     max_failures: int = 5
     backoff_max: float = 10.0
     poison_after: int = 2
+    migration_limit: int = 2
 
 
 def home() -> Path:
@@ -73,7 +74,7 @@ def mesh_config(ports: dict, model: Path, opts: DemoOptions) -> dict:
         "runtime": {"profile": "meshd-rank", "model": str(model), "port": ports["rank"], "ring_port": ports["ring"],
                     "args": {"max_tokens": 128, "model_name": "demo"}},
         "proxy": {"listen": f"127.0.0.1:{ports['proxy']}", "queue_wait": 120, "keepalive_interval": 5,
-                  "poison_after": opts.poison_after},
+                  "poison_after": opts.poison_after, "migration_limit": opts.migration_limit},
         "recovery": {"backoff_base": 0.5, "backoff_max": opts.backoff_max, "max_failures": opts.max_failures,
                      "window": 300, "healthy_reset": 120, "stop_grace": 5, "drain_grace": 20,
                      "start_deadline": opts.start_deadline},
