@@ -178,13 +178,16 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None) -> w
         try:
             generation, rank = int(request.match_info["generation"]), int(request.match_info["rank"])
             lines = int(request.query.get("lines", "200"))
+            after = int(request.query["after"]) if "after" in request.query else None
         except ValueError:
-            raise ApiError(400, "generation, rank and lines must be integers", param="lines")
-        tail = sup.log_tail(generation, rank, max(1, min(lines, 10_000)))
-        if tail is None:
+            raise ApiError(400, "generation, rank, lines and after must be integers", param="lines")
+        found = sup.log_tail(generation, rank, max(1, min(lines, 10_000))) if after is None else \
+            sup.log_after(generation, rank, max(0, after))
+        if found is None:
             return json_error(404, f"no log for generation {generation} rank {rank} on {cfg.node}",
                               code="not_found")
-        return web.json_response({"node": cfg.node, "generation": generation, "rank": rank, "lines": tail})
+        return web.json_response({"node": cfg.node, "generation": generation, "rank": rank, "lines": found[0],
+                                  "offset": found[1]})
 
     async def events(request):
         raw = request.query.get("since", request.headers.get("Last-Event-ID", "0"))

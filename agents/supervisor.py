@@ -269,19 +269,39 @@ class Supervisor:
                                            reason=f"{len(survived)} process(es) survived SIGKILL in the sweep"))
         return {"killed": killed, "survived": survived, "steps": list(result.steps)}
 
-    def log_tail(self, generation: int, rank: int, lines: int) -> list[str] | None:
+    def _log_path(self, generation: int, rank: int) -> Path:
         rec = self.records.get((generation, rank))
-        path = rec.log_path if rec else self.state_dir / f"gen-{generation}" / f"rank-{rank}" / "rank.log"
+        return rec.log_path if rec else self.state_dir / f"gen-{generation}" / f"rank-{rank}" / "rank.log"
+
+    def log_tail(self, generation: int, rank: int, lines: int) -> tuple[list[str], int] | None:
+        """The last `lines` lines of a rank's log (its rotated file first), and the live file's size: where
+        `log_after` goes on from."""
+        path = self._log_path(generation, rank)
         if not path.exists():
             return None
-        data = b""
+        data, size = b"", 0
         for part in (path.with_suffix(path.suffix + ".1"), path):  # the rotated file, then the live one
             if part.exists():
                 with part.open("rb") as f:
                     f.seek(0, 2)
-                    f.seek(max(0, f.tell() - 256 * 1024))
+                    size = f.tell()
+                    f.seek(max(0, size - 256 * 1024))
                     data += f.read()
-        return data.decode(errors="replace").splitlines()[-lines:]
+        return data.decode(errors="replace").splitlines()[-lines:], size
+
+    def log_after(self, generation: int, rank: int, offset: int) -> tuple[list[str], int] | None:
+        """The whole lines written to a rank's live log after byte `offset`, and the offset after them; a
+        file rotated since (shorter than `offset`) is read from its start."""
+        path = self._log_path(generation, rank)
+        if not path.exists():
+            return None
+        with path.open("rb") as f:
+            f.seek(0, 2)
+            start = offset if offset <= f.tell() else 0
+            f.seek(start)
+            data = f.read(1 << 20)
+        end = data.rfind(b"\n") + 1
+        return data[:end].decode(errors="replace").splitlines(), start + end
 
 
 def _connect_host(host: str) -> str:

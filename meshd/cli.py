@@ -290,11 +290,21 @@ def cmd_logs(args) -> int:
     incidents = ctl.call("GET", "/v1/incidents")["incidents"]
     generation, why = log_generation(ctl.call("GET", "/v1/status")["generation"], incidents, time.time(),
                                      args.generation, args.incident)
-    data = ctl.call("GET", f"/v1/logs/{args.node}?lines={args.lines}&generation={generation}")
+    path = f"/v1/logs/{args.node}?lines={args.lines}&generation={generation}"
+    data = ctl.call("GET", path)
     print(f"# {args.node} rank {data['rank']}, generation {generation} ({why})", file=sys.stderr)
-    for line in data["lines"]:
-        print(line)
-    return 0
+    try:
+        while True:
+            for line in data["lines"]:
+                print(line, flush=True)
+            if not args.follow:
+                return 0
+            time.sleep(0.5)
+            data = ctl.call("GET", f"{path}&after={data['offset']}")
+    except KeyboardInterrupt:
+        if args.follow:  # how a follow ends
+            return 0
+        raise
 
 
 def cmd_config_check(args) -> int:
@@ -507,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     which = lg.add_mutually_exclusive_group()
     which.add_argument("-g", "--generation", type=int, help="this generation's log")
     which.add_argument("--incident", type=int, metavar="N", help="the log of the Nth newest incident's generation")
+    lg.add_argument("-f", "--follow", action="store_true", help="print lines as they are written, until Ctrl-C")
     cfg = sub.add_parser("config", help="config tools")
     cfg_sub = cfg.add_subparsers(dest="config_cmd", required=True)
     check = cfg_sub.add_parser("check", help="validate a mesh.toml")

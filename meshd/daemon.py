@@ -105,7 +105,8 @@ def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Applicatio
             raise ApiError(400, "'lines' and 'generation' must be integers", param="lines")
         rank = [n.name for n in ctl.cfg.nodes].index(node)
         try:
-            data = await ctl.agents[node].call("GET", f"/v1/ranks/{generation}/{rank}/log?lines={lines}")
+            after = f"&after={int(request.query['after'])}" if "after" in request.query else ""
+            data = await ctl.agents[node].call("GET", f"/v1/ranks/{generation}/{rank}/log?lines={lines}{after}")
         except AgentError as e:
             if e.status == 404:  # that generation never ran there, or its directory is gone
                 return json_error(404, str(e), code="not_found")

@@ -5,6 +5,8 @@ deaths of every kind and the recovery after them, a controller restart, and
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -199,11 +201,24 @@ def test_adoption_waits_for_an_agent_that_is_late_and_a_reset_agent_log_is_read_
     assert (incident["node"], incident["cause"], incident["generation"]) == ("node1", "exit", s["generation"])
 
 
-def test_restart_drains_into_the_next_generation_without_an_incident(demo):
+def test_restart_drains_into_the_next_generation_without_an_incident_and_logs_f_follows_it(demo):
     s = demo.wait_ready()
     incidents = len(demo.incidents())
-    assert "restarting" in demo_meshctl(demo.home, "restart").stdout
-    demo.wait_ready(after=s["generation"])
+    follow = subprocess.Popen([sys.executable, "-m", "meshd.cli", "logs", "node1", "-g", str(s["generation"]), "-f"],
+                              env={**{k: v for k, v in os.environ.items() if k != "MESHD_CONFIG"},
+                                   "MESHD_HOME": str(demo.home)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    seen: list[str] = []
+    threading.Thread(target=lambda: seen.extend(follow.stdout), daemon=True).start()
+    try:
+        wait_for(lambda: any("ready" in line for line in seen), 30, "the log so far")
+        assert "restarting" in demo_meshctl(demo.home, "restart").stdout
+        demo.wait_ready(after=s["generation"])
+        wait_for(lambda: any("drained, exiting 0" in line for line in seen), 30, "the drain as it is written")
+        follow.send_signal(signal.SIGINT)
+        assert follow.wait(30) == 0 and "Traceback" not in follow.stderr.read()
+    finally:
+        follow.kill()
     assert len(demo.incidents()) == incidents
 
 
