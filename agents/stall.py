@@ -26,7 +26,10 @@ class StallWindows:
 
 
 # The heartbeat thread rewrites the status file every 0.5 s even while the
-# loop is blocked; a file this old means the whole process is stopped.
+# loop is blocked; a file this old means the whole process is stopped. With a
+# short window the stall is judged when the heartbeat is barely older than
+# that, so half the time without progress is enough there: a stopped process's
+# heartbeat is about as old as its last progress, a live one's under a second.
 FROZEN_AFTER = 3.0
 
 
@@ -57,7 +60,7 @@ def stall_verdict(status: dict | None, now: float, spawned_at: float, w: StallWi
     idle_for = now - float(status.get("progress_at", spawned_at))
     if idle_for <= window:
         return None
-    frozen = now - float(status.get("updated_at", now)) > FROZEN_AFTER
+    frozen = now - float(status.get("updated_at", now)) > min(FROZEN_AFTER, idle_for / 2)
     return Stall(status.get("state", "unknown"), idle_for, window, frozen)
 
 

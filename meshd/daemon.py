@@ -101,11 +101,11 @@ def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Applicatio
         try:
             lines = int(request.query.get("lines", "100"))
             generation = int(request.query.get("generation", ctl.state.generation))
+            after = f"&after={int(request.query['after'])}" if "after" in request.query else ""
         except ValueError:
-            raise ApiError(400, "'lines' and 'generation' must be integers", param="lines")
+            raise ApiError(400, "'lines', 'generation' and 'after' must be integers", param="lines")
         rank = [n.name for n in ctl.cfg.nodes].index(node)
         try:
-            after = f"&after={int(request.query['after'])}" if "after" in request.query else ""
             data = await ctl.agents[node].call("GET", f"/v1/ranks/{generation}/{rank}/log?lines={lines}{after}")
         except AgentError as e:
             if e.status == 404:  # that generation never ran there, or its directory is gone

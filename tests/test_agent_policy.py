@@ -44,6 +44,18 @@ def test_stall_verdicts(name, status, now, phase):
         assert verdict.idle_for > verdict.window
 
 
+@pytest.mark.parametrize("base,idle_for,heartbeat_age,frozen", [
+    (3, 3.1, 2.7, True),     # a short window: stopped just after its last progress, judged at once
+    (3, 3.1, 0.4, False),    # a short window, its heartbeat alive: blocked in a collective
+    (30, 31, 3.5, True),     # the usual window: the heartbeat stopped long ago
+    (30, 31, 2.0, False),    # the usual window: a late heartbeat write is no stopped process
+])
+def test_a_stall_says_whether_the_heartbeat_stopped_too(base, idle_for, heartbeat_age, frozen):
+    status = {"state": "busy", "progress_at": T0, "updated_at": T0 + idle_for - heartbeat_age}
+    verdict = stall_verdict(status, T0 + idle_for, T0, StallWindows(base=base))
+    assert verdict.frozen is frozen
+
+
 def proc(pid, cmd, created=0.0, env_gen=None, name=None, agent="/state/n0"):
     return ProcInfo(pid, name or cmd.split()[0].rsplit("/", 1)[-1], tuple(cmd.split()), created, env_gen, agent)
 
