@@ -4,6 +4,16 @@ import pytest
 
 from runtime.demo_model import DemoModelSpec, build_demo_model
 
+# The slowest files first: on two workers (scripts/test) the run then ends on short files, not with one
+# worker alone on a long one.
+SLOW_FIRST = ["test_chaos.py", "test_doctor.py", "test_agent_mesh.py", "test_demo_mesh.py", "test_controller.py",
+              "test_provision.py", "test_rank_lifecycle.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
+
 
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory) -> Path:
