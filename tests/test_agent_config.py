@@ -1,8 +1,10 @@
-"""Agent config mistakes name the key, the problem and the fix."""
+"""Agent config mistakes name the key, the problem and the fix; the agent reads its rank logs back by offset."""
 
 import pytest
 
 from agents.config import DEFAULT_PROFILES, ConfigError, load, parse
+from agents.supervisor import Supervisor
+from kit.configs import write_agent_config
 
 BASE = {"node": "n", "token_file": "t"}
 
@@ -54,3 +56,24 @@ def test_invalid_toml_names_the_file(tmp_path):
     (tmp_path / "a.toml").write_text("node = ")
     with pytest.raises(ConfigError, match="is not valid TOML"):
         load(tmp_path / "a.toml")
+
+
+def test_a_rank_log_is_followed_by_offset_through_its_rotation(tmp_path):
+    """What `meshctl logs -f` reads: the tail and the live file's size, then the whole lines written after
+    it; a file rotated since (shorter than the offset) is read from its start."""
+    write_agent_config(tmp_path, "node0", 7701)
+    sup = Supervisor(load(tmp_path / "agent.toml"))
+    log = sup.state_dir / "gen-3" / "rank-1" / "rank.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("loading\nready\n")
+    lines, offset = sup.log_tail(3, 1, 100)
+    assert lines == ["loading", "ready"] and offset == len("loading\nready\n")
+    with log.open("a") as f:
+        f.write("busy\nhalf a li")
+    lines, offset = sup.log_after(3, 1, offset)
+    assert lines == ["busy"]
+    assert sup.log_after(3, 1, offset) == ([], offset)  # the unfinished line waits for its end
+    log.rename(log.with_suffix(".log.1"))
+    log.write_text("after rotation\n")
+    assert sup.log_after(3, 1, offset) == (["after rotation"], len("after rotation\n"))
+    assert sup.log_tail(9, 1, 10) is None and sup.log_after(9, 1, 0) is None
