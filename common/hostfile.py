@@ -20,12 +20,13 @@ DISTRIBUTED_ENV = ("MLX_HOSTFILE", "MLX_IBV_DEVICES", "MLX_WORLD_SIZE")
 # The mx.distributed backend each hostfile backend runs on; the agent passes it in MESHD_BACKEND.
 MLX_BACKEND = {"ring": "ring", "jaccl": "jaccl", "jaccl-ring": "jaccl", "nccl": "nccl"}
 
+RING_STARTING_PORT = 32323  # mlx.launch --starting-port default
+NCCL_PORT = 12345  # mlx.launch --nccl-port default
+
 
 def distributed_backend(requested: str) -> str:
     """What a rank passes to mx.distributed.init: `requested`, or for "any" the agent's MESHD_BACKEND."""
     return os.environ.get("MESHD_BACKEND", "any") if requested == "any" else requested
-RING_STARTING_PORT = 32323  # mlx.launch --starting-port default
-NCCL_PORT = 12345  # mlx.launch --nccl-port default
 
 
 class HostfileError(ValueError):

@@ -143,8 +143,6 @@ def cmd_up(args) -> int:
                             poison_after=args.poison_after, migration_limit=args.migration_limit)
     cfg = resolve_config(args.config, for_up=True, opts=opts)
     ctl = Control(cfg)
-    if ctl.alive() and not ctl.ours():
-        raise CliError(ctl.not_ours())
     if not ctl.alive():
         if cfg.path and demo.is_demo(cfg.path):
             say(f"demo: starting {demo.WORLD} agents and the controller on 127.0.0.1 (logs in {demo.run_dir(demo.home())})")

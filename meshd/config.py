@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from common.hostfile import BACKENDS
+from common.hostfile import BACKENDS, local_index
 from common.tomlcheck import ConfigError, read_toml, split_listen, table
 from meshd.fleet import Recovery
 
@@ -41,6 +41,11 @@ def rank0_body(profile: str, body: dict) -> dict:
     """A request body as rank 0 of `profile` takes it: stock mlx_lm.server loads whatever path "model"
     names (its own model is "default_model")."""
     return {**body, "model": "default_model"} if profile == "mlx-lm-server" else body
+
+
+def ping_body(profile: str) -> dict:
+    """One token asked of rank 0 (the readiness check and the idle probe)."""
+    return rank0_body(profile, {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1})
 
 
 @dataclass(frozen=True)
@@ -183,7 +188,7 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
 
 def gpu_of(nodes: tuple[Node, ...] | list[Node], i: int) -> str:
     """The GPUs node i's rank uses: its `devices`, else its place among the nodes at its address."""
-    return nodes[i].devices or str(sum(1 for n in nodes[:i] if n.address == nodes[i].address))
+    return nodes[i].devices or str(local_index([{"ips": [n.address]} for n in nodes], i))
 
 
 def _check_devices(nodes: list[Node]) -> None:

@@ -24,7 +24,7 @@ from common.tomlcheck import ConfigError
 from meshd import doctor, fleet, provision
 from meshd.evidence import launch_refused, meaning_of, observed
 from meshd.agentclient import AgentClient, AgentError
-from meshd.config import MeshConfig, hostfile_for, rank0_body
+from meshd.config import MeshConfig, hostfile_for, ping_body
 from meshd.metrics import Metrics
 from meshd.seam import Observation, Serving
 from meshd.store import Store
@@ -204,8 +204,7 @@ class Controller:
             async with self.session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
                 if r.status != 200:
                     return False, None
-            body = rank0_body(self.cfg.runtime.profile, {"messages": [{"role": "user", "content": "ping"}],
-                                                            "max_tokens": 1})
+            body = ping_body(self.cfg.runtime.profile)
             async with self.session.post(url + "/v1/chat/completions", json=body,
                                          timeout=aiohttp.ClientTimeout(total=self.cfg.proxy.probe_timeout)) as r:
                 text = await r.text()

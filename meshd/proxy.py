@@ -41,7 +41,7 @@ from aiohttp import web
 from common.errors import ApiError, error_body
 from common.http import bearer_matches, json_error, json_errors, read_json
 from common.states import Phase
-from meshd.config import MeshConfig, rank0_body
+from meshd.config import MeshConfig, ping_body, rank0_body
 from meshd.config import Proxy as ProxyConfig
 from meshd.metrics import Metrics
 from meshd.seam import FleetView, Observation, Serving
@@ -341,8 +341,7 @@ class Proxy:
             return
         self.last_request_at = time.monotonic()
         admitted = self.admitted
-        body = rank0_body(self.cfg.runtime.profile, {"messages": [{"role": "user", "content": "ping"}],
-                                                        "max_tokens": 1})
+        body = ping_body(self.cfg.runtime.profile)
         status = None
         try:
             async with self.session.post(s.rank0_url + "/v1/chat/completions", json=body,

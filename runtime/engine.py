@@ -60,6 +60,11 @@ def emission(rid: str, token: int, reason: str | None, logprobs: mx.array | None
     return Emission(rid, token, reason, lp[token].item(), top)
 
 
+def finish_reason(token: int, count: int, max_tokens: int, eos_ids: set[int]) -> str | None:
+    """Why an answer ends at its `count`th token (None: it goes on)."""
+    return "stop" if token in eos_ids else ("length" if count >= max_tokens else None)
+
+
 def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
@@ -232,7 +237,7 @@ class SoloDecode:
         token = sampled.item()
         if self._next is not None:
             self.fed.append(token)
-        reason = "stop" if token in self._eos else ("length" if self.emitted >= self.job.max_tokens else None)
+        reason = finish_reason(token, self.emitted, self.job.max_tokens, self._eos)
         return emission(self.job.rid, token, reason, logprobs, self.job.logprobs)
 
     def handover(self) -> tuple[Job, list, int]:
@@ -331,13 +336,13 @@ class BatchEngine:
 
     def _solo_step(self) -> list[Emission]:
         solo = self._solo
-        emission = solo.step()
-        if emission is None:
+        e = solo.step()
+        if e is None:
             return []
-        if emission.finish_reason is not None:
+        if e.finish_reason is not None:
             self.tape.store(tuple(solo.fed), solo.cache)
             self._solo = None
-        return [emission]
+        return [e]
 
     @property
     def busy(self) -> bool:
@@ -405,7 +410,7 @@ class SpeculativeEngine:
             return [Emission(job.rid, None, "length")]
         token = int(token)
         self._count += 1
-        reason = "stop" if token in self._eos else ("length" if self._count >= job.max_tokens else None)
+        reason = finish_reason(token, self._count, job.max_tokens, self._eos)
         if reason is not None:
             self._finish()
         return [emission(job.rid, token, reason, logprobs, job.logprobs)]

@@ -484,7 +484,7 @@ def completion_body(req: CompletionRequest, rid: str, created: int, text: str, f
                     usage_: dict, logprobs: list[TokenLogprob] = (), reasoning: str = "",
                     tool_calls: list[dict] = ()) -> dict:
     if req.kind == "chat":
-        message = {"role": "assistant", "content": text or (None if tool_calls else text), "refusal": None}
+        message = {"role": "assistant", "content": None if tool_calls and not text else text, "refusal": None}
         if reasoning:
             message["reasoning"] = reasoning
         if tool_calls:

@@ -3,20 +3,18 @@ is found, --version, Ctrl-C, and a control address another mesh's controller hol
 
 from __future__ import annotations
 
-import http.server
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from kit.agents import make_agents
 from kit.configs import write_mesh
-from kit.meshctl import meshctl, stop_controller
+from kit.meshctl import another_controller, meshctl, stop_controller
 from kit.waiting import wait_for
 from meshd.cli import CliError, log_generation
 
@@ -88,22 +86,9 @@ def test_ctrl_c_stops_meshctl_with_130_and_no_traceback(tmp_path, demo_model):
 
 
 def test_up_on_a_control_address_another_meshs_controller_holds_says_so(tmp_path, demo_model):
-    class Healthz(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthz)
-    threading.Thread(target=other.serve_forever, daemon=True).start()
-    try:
-        mesh = write_mesh(tmp_path, make_agents(tmp_path, 2), demo_model,
-                          control={"listen": f"127.0.0.1:{other.server_port}"})
+    with another_controller() as address:
+        mesh = write_mesh(tmp_path, make_agents(tmp_path, 2), demo_model, control={"listen": address})
         r = meshctl(mesh, "up")
-    finally:
-        other.shutdown()
     assert r.returncode == 1 and "another mesh's controller holds that address" in r.stderr, r.stderr
     assert "[control] listen" in r.stderr
 

@@ -4,15 +4,13 @@ through meshd's SSH settings against stand-ins of the macOS tools, its
 hostfile validated and recorded with each node's boot id."""
 
 import asyncio
-import http.server
 import json
 import subprocess
-import threading
 
 import pytest
 
 from common.hostfile import validate
-from kit.meshctl import meshctl
+from kit.meshctl import another_controller, meshctl
 from kit.sshd import keygen, start_fleet
 from meshd import provision
 from meshd.config import load
@@ -150,20 +148,8 @@ def test_a_refused_key_names_the_node_and_authorized_keys(fleet, tmp_path):
 def test_doctor_beside_another_meshs_controller_on_the_control_address(fleet, tmp_path):
     """Two meshes on one machine with the same control address: this one's doctor checks its own nodes
     instead of failing on the other controller's missing token."""
-    class Healthz(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthz)
-    threading.Thread(target=other.serve_forever, daemon=True).start()
-    try:
-        mesh = write_mesh(tmp_path, fleet, "ring", control=f"127.0.0.1:{other.server_port}")
+    with another_controller() as address:
+        mesh = write_mesh(tmp_path, fleet, "ring", control=address)
         r = meshctl(mesh, "doctor")
-    finally:
-        other.shutdown()
     assert "no control token" not in r.stderr, r.stderr
     assert "host key verified" in r.stdout, r.stdout + r.stderr

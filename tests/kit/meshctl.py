@@ -3,10 +3,13 @@ demo mesh under its own $MESHD_HOME (`demo_meshctl`, `Demo`)."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
+from contextlib import contextmanager
 
 import requests
 
@@ -34,6 +37,26 @@ def stop_controller(mesh):
             os.kill(int(pidfile.read_text().split()[0]), 15)
         except ProcessLookupError:
             pass
+
+
+@contextmanager
+def another_controller():
+    """A server answering /healthz as a controller does, on a free loopback port: another mesh's controller
+    on an address this mesh shares. Yields its "host:port"."""
+    class Healthz(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthz)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
 
 
 def demo_home(tmp_path_factory, name: str):
