@@ -28,16 +28,16 @@ def meaning_of(ev: Event) -> fleet.RankDied | fleet.RankReported | None:
                                                "gone (not the agent's child)")
             at_load = state in BEFORE_SERVING and code not in (None, 0) and not lost
             return fleet.RankDied(*where, "exit", f"{how}: {last}" if last and code else how, consequence=lost,
-                                  load_line=last if at_load else "")
+                                  load_line=last if at_load else "", at=ev.at)
         case RankSignature(signature=name, severity=severity, role=role, line=line):
             return fleet.RankDied(*where, "signature", f"{name}: {line[-200:]}", reboot=severity == "reboot",
-                                  consequence=role == "consequence")
+                                  consequence=role == "consequence", at=ev.at)
         case RankStalled(idle_for=idle, window=window, phase=phase, frozen=frozen):
             return fleet.RankDied(*where, "stall", f"no progress for {idle:.1f}s (window {window:.1f}s) while "
                                                    f"{phase}" + ("" if frozen else ", its heartbeat alive"),
-                                  consequence=not frozen)
+                                  consequence=not frozen, at=ev.at)
         case RebootRequired(reason=reason):
-            return fleet.RankDied(*where, "reboot_required", reason, reboot=True)
+            return fleet.RankDied(*where, "reboot_required", reason, reboot=True, at=ev.at)
     return None
 
 

@@ -30,9 +30,10 @@ Judgement:
   fix a mistake in mesh.toml or a broken model.
 - Root cause: the incident names the first rank that failed by itself. Evidence
   that a rank merely lost a peer (a closed socket, a blocked collective) and
-  arrives within `death_window` of the incident is listed under it as a
-  consequence; a rank that failed by itself and reports within that window
-  takes the incident over from a consequence that happened to arrive first.
+  happened within `death_window` of the incident (by the agent's clock, so an
+  agent that reconnects late still counts) is listed under it as a
+  consequence; a rank that failed by itself within that window takes the
+  incident over from a consequence that happened to arrive first.
 - Each incident keeps a timeline: detected, stopped, swept, backoff, started,
   loaded, ready, and served (the first request answered after it).
 """
@@ -163,6 +164,7 @@ class RankDied:
     consequence: bool = False
     deterministic: bool = False
     load_line: str = ""
+    at: float | None = None  # when it happened, by the agent's clock (None: when it arrives)
 
     def describe(self) -> str:
         return f"{self.node} rank {self.rank}: {self.cause}: {self.detail}"
@@ -328,7 +330,9 @@ def _attribute(state: FleetState, now: float, policy: Policy, ev: RankDied) -> R
     """More evidence about the generation that just died. Within the death window, a rank that
     failed by itself takes the incident over from one that only lost it; the rest are consequences."""
     incident = state.incident
-    if incident is None or incident.generation != ev.generation or now - incident.opened_at > policy.death_window:
+    # Evidence belongs to the incident by when it happened: an agent that reconnects late still blames right.
+    happened = now if ev.at is None else min(ev.at, now)
+    if incident is None or incident.generation != ev.generation or happened - incident.opened_at > policy.death_window:
         return state, []
     if not incident.primary and not ev.consequence:
         former = f"{incident.node} rank {incident.rank}: {incident.cause}: {incident.detail}"

@@ -297,6 +297,18 @@ def test_evidence_after_the_death_window_is_not_the_incidents():
     assert s.incident.consequences == () and s.incident.node == "n1"
 
 
+@pytest.mark.parametrize("arrives,happened,takes_over", [
+    (25, 19.9, True),     # died before the peers' lines, its agent's events arrived late (it reconnected)
+    (25, 24.0, False),    # died after the window: another incident's matter, not this one's cause
+    (25, None, False),    # no time of its own: judged by its arrival
+])
+def test_a_cause_is_judged_by_when_it_happened_not_when_it_arrived(arrives, happened, takes_over):
+    lost = f.RankDied("n0", 0, 1, "signature", "ring_peer_lost", consequence=True, at=20)
+    killed = f.RankDied("n1", 1, 1, "exit", "gone (not the agent's child)", at=happened)
+    s, _ = run(ready_at() + [(20, lost), (arrives, killed)])
+    assert (s.incident.node == "n1") is takes_over
+
+
 def test_a_cause_that_arrived_first_is_not_taken_over():
     s, _ = run(ready_at() + [death(1, 20), (20.1, f.RankDied("n0", 0, 1, "exit", "signal 9"))])
     assert (s.incident.node, s.incident.consequences) == ("n1", ("n0 rank 0: exit: signal 9",))
