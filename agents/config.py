@@ -14,7 +14,8 @@ from pathlib import Path
 
 from agents.stall import StallWindows
 from common.secretfile import read_secret
-from common.tomlcheck import ConfigError, read_toml, split_listen, table
+from common.tls import Pair
+from common.tomlcheck import ConfigError, loopback, read_toml, split_listen, table
 
 PLACEHOLDERS = {"python", "model", "port", "host", "seed", "generation", "rank", "world", "status_file"}
 
@@ -75,6 +76,7 @@ class AgentConfig:
     metrics_token_file: Path | None = None
     python: str = sys.executable
     wired_limit_mb: int = 0  # applied at start when set (macOS, lost at reboot)
+    tls: Pair | None = None  # the API's certificate and key, from the mesh CA
 
     def token(self) -> str:
         return read_secret(self.token_file, "token_file")
@@ -135,6 +137,8 @@ class Options:
     metrics_token_file: Path | None = None
     python: str = sys.executable
     wired_limit_mb: int = 0
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
 
 
 EXAMPLES = {"listen": '"127.0.0.1:7701"', "state_dir": '"/var/lib/meshd-agent"',
@@ -147,6 +151,13 @@ def parse(raw: dict, base: Path) -> AgentConfig:
     opts = table(Options, {k: v for k, v in raw.items() if k not in ("node", "token_file", "profiles", "stall")},
                  "", base, EXAMPLES)
     host, port = split_listen("listen", opts.listen)
+    if (opts.tls_cert_file is None) != (opts.tls_key_file is None):
+        raise ConfigError("tls_cert_file, tls_key_file: set both or neither; `meshctl agents install` writes both")
+    tls = Pair(opts.tls_cert_file, opts.tls_key_file) if opts.tls_cert_file and opts.tls_key_file else None
+    if tls is None and not loopback(host):
+        raise ConfigError(f"listen: {opts.listen} is off loopback, where the mesh's token would cross the network "
+                          "in clear; set tls_cert_file and tls_key_file (`meshctl agents install` issues them from the mesh "
+                          'CA), or listen = "127.0.0.1:7701"')
     if not opts.reboot_command:
         raise ConfigError(f"reboot_command: must not be empty; for example reboot_command = {EXAMPLES['reboot_command']}")
     extra = raw.get("profiles", {})
@@ -161,7 +172,7 @@ def parse(raw: dict, base: Path) -> AgentConfig:
         allow_reboot=opts.allow_reboot, reboot_command=opts.reboot_command, env_allowlist=opts.env_allowlist,
         stall=table(StallWindows, raw.get("stall"), "stall", base, {}),
         log_max_bytes=opts.log_max_bytes, ibv_hang_seconds=opts.ibv_hang_seconds, grace_seconds=opts.grace_seconds,
-        metrics_token_file=opts.metrics_token_file, python=opts.python, wired_limit_mb=opts.wired_limit_mb,
+        metrics_token_file=opts.metrics_token_file, python=opts.python, wired_limit_mb=opts.wired_limit_mb, tls=tls,
     )
 
 

@@ -9,12 +9,12 @@ import platform
 import shutil
 import socket
 import sys
-from importlib import metadata
 from pathlib import Path
 
 import psutil
 
 from common import procs
+from common.buildinfo import installed
 
 TOOL_TIMEOUT = 5.0
 # What a tokenizer mlx-lm can load leaves in a model directory: one of these.
@@ -31,13 +31,6 @@ async def run_tool(argv: list[str], timeout: float = TOOL_TIMEOUT) -> dict:
     if not r.ok:
         return {"ok": False, "error": f"{' '.join(argv)} exited {r.code}: {r.output.strip()[:300]}"}
     return {"ok": True, "output": r.output}
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 async def boot_id() -> str:
@@ -111,8 +104,8 @@ async def facts(model_dir: str | None = None) -> dict:
         "memory_total_bytes": mem.total,
         "memory_available_bytes": mem.available,
         "python": sys.version.split()[0],
-        "mlx": _version("mlx"),
-        "mlx_lm": _version("mlx-lm"),
+        "mlx": installed("mlx"),
+        "mlx_lm": installed("mlx-lm"),
         "boot_id": await boot_id(),
         "wired_limit_mb": await wired_limit_mb(),
         "rdma_devices": None,

@@ -23,7 +23,9 @@ from common import procs
 from common.errors import ApiError
 from common.http import (bearer_matches, json_error, json_errors, read_json, read_object, run_daemon, start_sites,
                          until_stopped)
+from common.buildinfo import register_process_metrics
 from common.protocol import RankSpec
+from common.tls import server_context
 
 log = structlog.get_logger("meshd.agent")
 
@@ -81,6 +83,9 @@ class AgentMetrics:
                                 labels=["node", "rank"])
         cpu = CounterMetricFamily("meshd_agent_rank_cpu_seconds", "CPU time of the rank",
                                   labels=["node", "rank"])
+        mlx = GaugeMetricFamily("meshd_agent_rank_mlx_memory_bytes",
+                                "MLX memory of the rank, from its status file: active (in arrays), peak, cache",
+                                labels=["node", "rank", "kind"])
         gen = GaugeMetricFamily("meshd_agent_generation", "Generation of the live rank (-1 when none)",
                                 labels=["node"])
         for rec in self.sup.live():
@@ -88,6 +93,9 @@ class AgentMetrics:
             up.add_metric([node, str(rec.rank)], 1)
             rss.add_metric([node, str(rec.rank)], res["rss_bytes"])
             cpu.add_metric([node, str(rec.rank)], res["cpu_seconds"])
+            for kind in ("active", "peak", "cache"):
+                if rec.status and f"mlx_{kind}_bytes" in rec.status:
+                    mlx.add_metric([node, str(rec.rank), kind], rec.status[f"mlx_{kind}_bytes"])
         current = self.sup.current_generation()
         gen.add_metric([node], -1 if current is None else current)
         exits = CounterMetricFamily("meshd_agent_rank_exits", "Rank exits by kind", labels=["node", "kind"])
@@ -112,13 +120,14 @@ class AgentMetrics:
         memory.add_metric([node, "available"], mem.available)
         events = CounterMetricFamily("meshd_agent_events", "Events emitted", labels=["node"])
         events.add_metric([node], self.sup.events.seq)
-        yield from (up, rss, cpu, gen, exits, sigs, orphans, survivors, reboot, memory, events)
+        yield from (up, rss, cpu, mlx, gen, exits, sigs, orphans, survivors, reboot, memory, events)
 
 
 def make_app(sup: Supervisor, token: str, metrics_token: str | None = None) -> web.Application:
     cfg = sup.config
     registry = CollectorRegistry()
     registry.register(AgentMetrics(sup))
+    register_process_metrics(registry, "agent")
     app = web.Application(middlewares=[json_errors, auth_middleware(token, metrics_token)],
                           client_max_size=1 << 20)
 
@@ -245,8 +254,10 @@ async def serve(cfg: agent_config.AgentConfig) -> None:
         log.info("wired limit", node=cfg.node, **sup.wired_limit)
     log.info("agent starting", node=cfg.node, adopted=[r.pid for r in sup.live()],
              swept=[k["pid"] for k in swept["killed"]])
-    (runner,) = await start_sites([(make_app(sup, token, metrics_token), cfg.host, cfg.port)], shutdown_timeout=1.0)
-    log.info("agent listening", node=cfg.node, address=f"{cfg.host}:{cfg.port}")
+    tls = server_context(cfg.tls) if cfg.tls else None
+    (runner,) = await start_sites([(make_app(sup, token, metrics_token), cfg.host, cfg.port, tls)],
+                                  shutdown_timeout=1.0)
+    log.info("agent listening", node=cfg.node, address=f"{'https' if tls else 'http'}://{cfg.host}:{cfg.port}")
     await until_stopped(f"agent {cfg.node} on {cfg.host}:{cfg.port}")
     log.info("agent stopping; ranks keep running and will be adopted", node=cfg.node)
     await runner.cleanup()

@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import aiohttp
 
 from agents import orphans
 from agents.config import AgentConfig, Profile
@@ -186,6 +185,9 @@ class Supervisor:
             env["MESHD_NODE"] = self.config.node
             env["MESHD_AGENT"] = str(self.state_dir.resolve())
             env["MESHD_STATUS_FILE"] = str(status_path)
+            env.pop("MESHD_RANK_SECRET", None)
+            if spec.secret:
+                env["MESHD_RANK_SECRET"] = spec.secret
             argv = self._argv(profile, spec, status_path)
             log_path = rundir / "rank.log"
             proc = await procs.spawn(argv, log_path, env=env, cwd=rundir)
@@ -208,11 +210,8 @@ class Supervisor:
         drain = None
         rank0 = next((r for r in recs if r.rank == 0), None)
         if mode == "drain" and rank0 is not None:
-            async def drain():
-                url = f"http://{_connect_host(rank0.host)}:{rank0.port}/internal/drain"
-                async with aiohttp.ClientSession() as s:
-                    async with s.post(url, json={"mode": "finish"}) as resp:
-                        await resp.read()
+            async def drain():  # SIGTERM is rank 0's finishing drain; it reaches the others through the mesh
+                procs.send(rank0.target, signal.SIGTERM)
         elif mode == "drain":
             async def drain():  # rank 0's drain reaches this rank through the mesh
                 return None
@@ -302,7 +301,3 @@ class Supervisor:
             data = f.read(1 << 20)
         end = data.rfind(b"\n") + 1
         return data[:end].decode(errors="replace").splitlines(), start + end
-
-
-def _connect_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "") else host

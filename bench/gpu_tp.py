@@ -36,6 +36,7 @@ from common.tomlcheck import write_toml
 from kit.agents import make_agents
 from kit.demo_answers import endless
 from kit.waiting import wait_for
+from meshd.controller import rank_secret
 from meshd.ports import free_ports
 from runtime.demo_model import DemoModelSpec, build_demo_model
 
@@ -48,11 +49,11 @@ def status(mesh: Path) -> dict:
     return json.loads(meshctl_for(mesh, "status", "--json"))
 
 
-def decode(url: str, model: Path, tokens: int) -> dict:
+def decode(url: str, model: Path, tokens: int, headers: dict | None = None) -> dict:
     """One greedy streamed answer of `tokens` tokens: decode tok/s after the first token, and TTFT."""
     t0 = time.perf_counter()
     times = []
-    r = requests.post(f"{url}/chat/completions", stream=True, timeout=600,
+    r = requests.post(f"{url}/chat/completions", stream=True, timeout=600, headers=headers,
                       json={"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": tokens,
                             "temperature": 0, "stream": True, **endless(model)})
     for line in r.iter_lines(decode_unicode=True):
@@ -210,6 +211,8 @@ def main() -> None:
             f"steps {result['cold_start_steps']}")
         s = status(mesh)
         rank0 = f"http://127.0.0.1:{rank_port}/v1"
+        secret = rank_secret((work / "state" / "rank.key").read_text().strip(), s["generation"])
+        rank0_auth = {"Authorization": f"Bearer {secret}"}  # what the proxy sends
 
         plain = {engine: PlainLoop(work, engine, model, args) for engine in PlainLoop.ENGINES}
         for engine, loop in plain.items():
@@ -221,7 +224,7 @@ def main() -> None:
         for n in range(1, args.rounds + 1):
             row = {f"plain_{engine}": loop.decode(n) for engine, loop in plain.items()}
             row |= {"proxy": decode(s["urls"]["proxy"], model, args.tokens),
-                    "direct": decode(rank0, model, args.tokens)}
+                    "direct": decode(rank0, model, args.tokens, rank0_auth)}
             rounds.append(row)
             say(f"round {n}: " + ", ".join(f"{k} {v['tok_s']:.1f}" for k, v in row.items()) + " tok/s")
         result["rounds"] = rounds

@@ -10,11 +10,14 @@ import asyncio
 import hmac
 import json
 import signal
+import ssl
 import sys
+from pathlib import Path
 
 from aiohttp import web
 
 from common import sdnotify
+from common.logfile import log_to
 from common.errors import ApiError, error_body, error_type
 from common.tomlcheck import ConfigError
 
@@ -72,13 +75,14 @@ def bearer_matches(request: web.Request, token: str) -> bool:
     return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
 
 
-async def start_sites(apps: list[tuple[web.Application, str, int]], shutdown_timeout: float = 2.0) -> list[web.AppRunner]:
-    """Listen with each app; client disconnects cancel their handlers."""
+async def start_sites(apps: list[tuple[web.Application, str, int, ssl.SSLContext | None]],
+                      shutdown_timeout: float = 2.0) -> list[web.AppRunner]:
+    """Listen with each app (over TLS where it has a context); client disconnects cancel their handlers."""
     runners = []
-    for app, host, port in apps:
+    for app, host, port, tls in apps:
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
         await runner.setup()
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=tls).start()
         runners.append(runner)
     return runners
 
@@ -104,7 +108,10 @@ def run_daemon(prog: str, description: str, config_help: str, load, serve, liste
     that cannot be bound ends the process with a message saying what to fix."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", required=True, help=config_help)
+    p.add_argument("--log-file", type=Path, help="write the log here, rotated by size (launchd has no journal)")
     args = p.parse_args()
+    if args.log_file:
+        log_to(args.log_file)
     try:
         cfg = load(args.config)
     except ConfigError as e:

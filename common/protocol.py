@@ -32,6 +32,7 @@ class RankSpec:
     env: dict = field(default_factory=dict)
     args: dict = field(default_factory=dict)
     devices: str = ""  # the node's GPUs for this rank (CUDA_VISIBLE_DEVICES); "": its place on its host
+    secret: str = field(default="", repr=False)  # the generation's rank secret, passed in the environment
 
 
 @dataclass(frozen=True)

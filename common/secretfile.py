@@ -3,6 +3,8 @@ world-readable for an instant, and refused when others can read them."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import secrets
 from pathlib import Path
@@ -21,6 +23,11 @@ def ensure_secret(path: Path) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token
+
+
+def derive(key: str, purpose: str) -> str:
+    """A secret for `purpose` that only holders of `key` can compute, and no other purpose's."""
+    return hmac.new(key.encode(), purpose.encode(), hashlib.sha256).hexdigest()
 
 
 def read_secret(path: Path, key: str) -> str:

@@ -30,6 +30,9 @@ class RankStatus:
     tokens: int = 0
     requests_in_flight: int = 0
     prompt_tokens_in_flight: int = 0
+    mlx_active_bytes: int = 0  # MLX's allocator: memory in arrays, the most it held, its cache
+    mlx_peak_bytes: int = 0
+    mlx_cache_bytes: int = 0
     progress_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     started_at: float = field(default_factory=time.time)

@@ -5,6 +5,7 @@ writing (tomli-w: quoting and escaping done right, in one place)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from dataclasses import fields
@@ -23,6 +24,17 @@ def split_listen(key: str, value: str) -> tuple[str, int]:
         raise ConfigError(f'{key}: expected "host:port", got {value!r}; for example {key} = "127.0.0.1:8000"')
     host, port = value.rsplit(":", 1)
     return host, int(port)
+
+
+def loopback(host: str | None) -> bool:
+    """Is `host` (an address, bracketed or not, or "localhost") this machine's loopback?"""
+    host = (host or "").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _value(want, value, name: str, where: str, example: str, base: Path):

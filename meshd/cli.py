@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import getpass
 import os
+import socket
 import sys
 import time
 import urllib.error
@@ -43,10 +45,29 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
+def caller() -> str:
+    """Who runs this meshctl, for the controller's audit trail."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid {os.getuid()}"
+    return f"{user}@{socket.gethostname()}"
+
+
 class Control:
     def __init__(self, cfg: MeshConfig):
         self.cfg = cfg
-        self.base = f"http://{cfg.control.listen}"
+        self.base = cfg.control.url
+
+    def _open(self, req, timeout: float):
+        """urlopen, over TLS pinned to the mesh CA when the control API is off loopback."""
+        if not self.cfg.control.tls:
+            return urllib.request.urlopen(req, timeout=timeout)
+        if not self.cfg.ca_file.exists():
+            raise CliError(f"the control API listens off loopback (TLS) but there is no mesh CA at "
+                           f"{self.cfg.ca_file} yet: start the controller (`meshctl up`) or copy ca.pem there")
+        from common.tls import client_context
+        return urllib.request.urlopen(req, timeout=timeout, context=client_context(self.cfg.ca_file))
 
     def token(self) -> str:
         path = self.cfg.state_dir / "control.token"
@@ -73,9 +94,9 @@ class Control:
 
     def alive(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.base}/healthz", timeout=2) as r:
+            with self._open(f"{self.base}/healthz", timeout=2) as r:
                 return r.status == 200
-        except (OSError, ValueError):
+        except (OSError, ValueError, CliError):
             return False
 
     def call(self, method: str, path: str, body=None, timeout: float = 30) -> dict:
@@ -83,9 +104,9 @@ class Control:
         req = urllib.request.Request(self.base + path, method=method,
                                      data=json.dumps(body).encode() if body is not None else None,
                                      headers={"Authorization": f"Bearer {self.token()}",
-                                              "Content-Type": "application/json"})
+                                              "Content-Type": "application/json", "X-Meshd-User": caller()})
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
+            with self._open(req, timeout=timeout) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             text = e.read().decode(errors="replace")
@@ -256,9 +277,16 @@ def cmd_events(args) -> int:
             say(f"    {i['migrated']} stream(s) it cut resumed on the next generation")
     if not data["incidents"]:
         say("no incidents")
+    audit = data["audit"]
+    more = f" (the last {AUDIT_SHOWN}; --json has {len(audit)})" if len(audit) > AUDIT_SHOWN else ""
+    say(f"control actions, newest first{more}:" if audit else "no control actions")
+    for a in audit[:AUDIT_SHOWN]:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a["at"]))
+        say(f"{when}  {a['action']:<18} {a['outcome']}  by {a['user'] or 'an unnamed caller'} from {a['remote']}")
     return 0
 
 
+AUDIT_SHOWN = 20
 RECENT_INCIDENT = 600.0  # seconds an incident stays what `meshctl logs` shows by default
 
 
@@ -392,16 +420,14 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_reboot(args) -> int:
-    import aiohttp
-
     from meshd import provision
-    from meshd.agentclient import AgentClient
+    from meshd.agentclient import AgentClient, agent_session
 
     cfg = resolve_config(args.config)
     nodes = pick_nodes(cfg, args.nodes, args.all)
 
     async def run():
-        async with aiohttp.ClientSession() as session:
+        async with agent_session(cfg) as session:
             agents = {n.name: AgentClient(n, session) for n in cfg.nodes}
             return await provision.reboot_nodes(cfg, agents, nodes, say, wait=args.wait)
 
@@ -448,15 +474,10 @@ def cmd_service_install(args) -> int:
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
+    from common.buildinfo import versions
 
-    def of(name: str) -> str:
-        try:
-            return installed(name)
-        except PackageNotFoundError:
-            return "not installed"
-    return f"meshctl {of('meshd')} (mlx {of('mlx')}, mlx-lm {of('mlx-lm')}, Python {sys.version.split()[0]})"
+    v = {k: s or "not installed" for k, s in versions().items()}
+    return f"meshctl {v['meshd']} (mlx {v['mlx']}, mlx-lm {v['mlx_lm']}, Python {v['python']})"
 
 
 class _Version(argparse.Action):
@@ -506,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="fleet state and a table of nodes and ranks")
     st.add_argument("--json", action="store_true")
     sub.add_parser("restart", help="drain this generation and start the next")
-    ev = sub.add_parser("events", help="incident history")
+    ev = sub.add_parser("events", help="control actions (who, what, when) and incident history")
     ev.add_argument("--json", action="store_true")
     lg = sub.add_parser("logs", help="a node's rank log tail: the generation of an incident of the last ten "
                                       "minutes, else the one serving")

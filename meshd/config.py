@@ -7,16 +7,17 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from urllib.parse import urlparse
 
 from common.hostfile import BACKENDS, local_index
-from common.tomlcheck import ConfigError, read_toml, split_listen, table
+from common.tomlcheck import ConfigError, loopback, read_toml, split_listen, table
 from meshd.fleet import Recovery
 
 
 @dataclass(frozen=True)
 class Node:
     name: str
-    agent: str  # http://host:port of its meshd-agent
+    agent: str  # https://host:port of its meshd-agent (http:// on loopback)
     token_file: Path
     address: str = "127.0.0.1"  # where the ring backend reaches it
     ssh: str = ""
@@ -72,6 +73,11 @@ class Proxy:
     migration_limit: int = 2
     poison_after: int = 2
     quarantine_seconds: float = 600.0
+    allow_open: bool = False  # serve off loopback without api_keys_file, on purpose (warned at every start)
+
+    @property
+    def open_off_loopback(self) -> bool:
+        return self.api_keys_file is None and not loopback(self.listen.rpartition(":")[0])
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,18 @@ class Ssh:
 @dataclass(frozen=True)
 class Control:
     listen: str = "127.0.0.1:8001"
+
+    @property
+    def tls(self) -> bool:
+        """Off loopback the control API speaks TLS only, with a certificate from the mesh CA."""
+        return not loopback(self.listen.rpartition(":")[0])
+
+    @property
+    def url(self) -> str:
+        host, _, port = self.listen.rpartition(":")
+        if host in ("0.0.0.0", "::", "[::]", ""):
+            host = "127.0.0.1"  # where a client on this machine reaches a wildcard listener
+        return f"{'https' if self.tls else 'http'}://{host}:{port}"
 
 
 @dataclass(frozen=True)
@@ -107,6 +125,15 @@ class MeshConfig:
     @property
     def speculative(self) -> bool:
         return bool(self.runtime.draft_model)
+
+    @property
+    def tls_dir(self) -> Path:
+        """The mesh CA (ca.pem, ca.key) and the control API's certificate."""
+        return self.state_dir / "tls"
+
+    @property
+    def ca_file(self) -> Path:
+        return self.tls_dir / "ca.pem"
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -129,20 +156,25 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
     nodes_raw = raw.get("nodes")
     if not isinstance(nodes_raw, list) or not nodes_raw:
         raise ConfigError('nodes: at least one [[nodes]] table is needed; for example\n'
-                          '  [[nodes]]\n  name = "studio-1"\n  agent = "http://10.0.0.1:7701"\n'
+                          '  [[nodes]]\n  name = "studio-1"\n  agent = "https://10.0.0.1:7701"\n'
                           '  token_file = "tokens/studio-1"')
     nodes = []
     for i, n in enumerate(nodes_raw):
         where = f"nodes[{i}]"
         if not isinstance(n, dict):
             raise ConfigError(f"{where}: expected a table")
-        for key, example in (("name", '"studio-1"'), ("agent", '"http://10.0.0.1:7701"'),
+        for key, example in (("name", '"studio-1"'), ("agent", '"https://10.0.0.1:7701"'),
                              ("token_file", '"tokens/studio-1"')):
             if not isinstance(n.get(key), str) or not n[key]:
                 raise ConfigError(f"{where}.{key}: missing or not a string; for example {key} = {example}")
         if not n["agent"].startswith(("http://", "https://")):
             raise ConfigError(f'{where}.agent: expected a URL, got {n["agent"]!r}; for example agent = '
-                              '"http://10.0.0.1:7701"')
+                              '"https://10.0.0.1:7701"')
+        url = urlparse(n["agent"])
+        if url.scheme == "http" and not loopback(url.hostname):
+            raise ConfigError(f"{where}.agent: {n['agent']} is plain HTTP off loopback, where the agent's token "
+                              "would cross the network in clear; use https:// (`meshctl agents install` issues "
+                              "the node's certificate from the mesh CA)")
         extra = sorted(set(n) - {"name", "agent", "token_file", "address", "ssh", "devices"})
         if extra:
             raise ConfigError(f"{where}.{extra[0]}: unknown key; a node takes name, agent, token_file, address, ssh, "
@@ -165,6 +197,10 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
                           'model = "/Volumes/models/DeepSeek-V4"')
     proxy = table(Proxy, raw.get("proxy"), "proxy", base, {"listen": '"127.0.0.1:8000"'})
     split_listen("proxy.listen", proxy.listen)
+    if proxy.open_off_loopback and not proxy.allow_open:
+        raise ConfigError(f"proxy.listen: {proxy.listen} is off loopback and proxy.api_keys_file is not set, so "
+                          "anyone who reaches it may use the mesh; set api_keys_file = \"api-keys\" (one key per "
+                          "line), or allow_open = true to serve it open on purpose")
     if proxy.concurrency < 1:
         raise ConfigError("proxy.concurrency: must be at least 1")
     recovery = table(Recovery, raw.get("recovery"), "recovery", base, {"ladder": '["restart", "reprovision", "reboot"]'})

@@ -19,11 +19,12 @@ import aiohttp
 import structlog
 
 from common.protocol import RankSpec, StopResult, event_from_dict
+from common.secretfile import derive, ensure_secret
 from common.states import Phase
 from common.tomlcheck import ConfigError
 from meshd import doctor, fleet, provision
 from meshd.evidence import launch_refused, meaning_of, observed
-from meshd.agentclient import AgentClient, AgentError
+from meshd.agentclient import AgentClient, AgentError, agent_session
 from meshd.config import MeshConfig, hostfile_for, ping_body
 from meshd.metrics import Metrics
 from meshd.seam import Observation, Serving
@@ -36,12 +37,20 @@ def policy_for(cfg: MeshConfig) -> fleet.Policy:
     return fleet.Policy(nodes=tuple(n.name for n in cfg.nodes), **asdict(cfg.recovery))
 
 
+def rank_secret(key: str, generation: int) -> str:
+    """Generation `generation`'s rank secret: rank 0 answers only to it, and a restarted controller
+    computes it again for the generation it adopts. Another generation's is refused (no replay)."""
+    return derive(key, f"rank secret of generation {generation}")
+
+
 class Controller:
     def __init__(self, cfg: MeshConfig, store: Store, metrics: Metrics):
         self.cfg = cfg
         self.store = store
         self.metrics = metrics
         self.policy = policy_for(cfg)
+        self.rank_key = ensure_secret(cfg.state_dir / "rank.key")
+        metrics.desired_up.set(store.get("desired") == "up")
         saved = store.get("fleet", {})
         carried = store.open_incident_row()
         self.state = fleet.FleetState(generation=saved.get("generation", 0),
@@ -59,7 +68,7 @@ class Controller:
 
     # --- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession()
+        self.session = agent_session(self.cfg)
         self.agents = {n.name: AgentClient(n, self.session) for n in self.cfg.nodes}
         await self._adopt()
         for node in self.agents:
@@ -131,10 +140,12 @@ class Controller:
     # --- desired state from the operator ----------------------------------------
     async def up(self) -> None:
         self.store.put("desired", "up")
+        self.metrics.desired_up.set(1)
         await self.feed(fleet.UpRequested())
 
     async def down(self, force: bool) -> None:
         self.store.put("desired", "down")
+        self.metrics.desired_up.set(0)
         await self.feed(fleet.DownRequested(force))
 
     async def restart(self) -> None:
@@ -147,6 +158,9 @@ class Controller:
             host = self.cfg.nodes[0].address
         return f"http://{host}:{self.cfg.runtime.port}"
 
+    def rank_secret(self, generation: int) -> str:
+        return rank_secret(self.rank_key, generation)
+
     def _spec(self, generation: int, rank: int, hostfile: dict) -> dict:
         rt = self.cfg.runtime
         args = dict(rt.args)
@@ -155,7 +169,7 @@ class Controller:
         return asdict(RankSpec(generation=generation, rank=rank, world=len(self.cfg.nodes), profile=rt.profile,
                                model=rt.model, hostfile=hostfile, port=rt.port, host=rt.host,
                                ring_port=rt.ring_port, seed=rt.seed, env=dict(rt.env), args=args,
-                               devices=self.cfg.nodes[rank].devices))
+                               devices=self.cfg.nodes[rank].devices, secret=self.rank_secret(generation)))
 
     async def _preflight(self) -> list[str]:
         """The doctor's cheap checks (hostfile, versions, model, launch) as every start passes them:
@@ -197,15 +211,22 @@ class Controller:
         through every rank. A runtime without that proves it here: its port answering, then a real
         one-token completion; an error from a server that is up is evidence (a 4xx: deterministic)."""
         url = self.rank0_url()
+        auth = {"Authorization": f"Bearer {self.rank_secret(self.state.generation)}"}
         try:
             if self.cfg.runtime.profile == "meshd-rank":
-                async with self.session.get(url + "/internal/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                async with self.session.get(url + "/internal/ready", headers=auth,
+                                            timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 401:
+                        return False, fleet.RankDied(
+                            self.cfg.nodes[0].name, 0, self.state.generation, "readiness",
+                            f"{url} refused this generation's rank secret: another generation's rank 0 (or "
+                            "another program) holds runtime.port")
                     return r.status == 200, None
-            async with self.session.get(url + "/v1/models", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            async with self.session.get(url + "/v1/models", headers=auth, timeout=aiohttp.ClientTimeout(total=2)) as r:
                 if r.status != 200:
                     return False, None
             body = ping_body(self.cfg.runtime.profile)
-            async with self.session.post(url + "/v1/chat/completions", json=body,
+            async with self.session.post(url + "/v1/chat/completions", json=body, headers=auth,
                                          timeout=aiohttp.ClientTimeout(total=self.cfg.proxy.probe_timeout)) as r:
                 text = await r.text()
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -301,8 +322,10 @@ class Controller:
             try:
                 data = await client.call("GET", f"/v1/events?stream=0&since={seq}&epoch={epoch or ''}", timeout=5)
                 self.agent_errors.pop(node, None)
+                self.metrics.agent_up.labels(node=node).set(1)
             except AgentError as e:
                 self.agent_errors[node] = str(e)
+                self.metrics.agent_up.labels(node=node).set(0)
                 return
             for record in data["events"]:
                 await self.on_record(node, record)
@@ -359,7 +382,7 @@ class Controller:
     # --- the proxy's view (seam.FleetView) ------------------------------------------
     def serving(self) -> Serving:
         s = self.state
-        return Serving(s.phase, s.generation, s.reason, self.rank0_url())
+        return Serving(s.phase, s.generation, s.reason, self.rank0_url(), self.rank_secret(s.generation))
 
     async def wait_serving(self, predicate: Callable[[Serving], bool], timeout: float) -> Serving:
         async with self.changed:

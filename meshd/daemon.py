@@ -6,6 +6,7 @@ mesh serving: a restarted controller adopts the running generation."""
 from __future__ import annotations
 
 import hmac
+import ssl
 from pathlib import Path
 
 import structlog
@@ -22,10 +23,11 @@ from common.http import (
     start_sites,
     until_stopped,
 )
-from common.secretfile import ensure_secret
-from common.tomlcheck import ConfigError, split_listen
+from common.secretfile import derive, ensure_secret
+from common.tls import Pair, ensure_ca, ensure_issued, local_names, server_context
+from common.tomlcheck import ConfigError, loopback, split_listen
 from meshd import statuspage
-from meshd.agentclient import AgentError
+from meshd.agentclient import AgentError, mesh_client_context
 from meshd.config import MeshConfig, load
 from meshd.controller import Controller
 from meshd.metrics import Metrics
@@ -40,25 +42,47 @@ def control_token(state_dir: Path) -> str:
     return ensure_secret(state_dir / "control.token")
 
 
+def control_tls(cfg: MeshConfig) -> ssl.SSLContext | None:
+    """Off loopback the control API speaks TLS with a certificate from the mesh CA (both made on first use)."""
+    if not cfg.control.tls:
+        return None
+    ca = ensure_ca(cfg.tls_dir, cfg.name)
+    host = cfg.control.listen.rpartition(":")[0].strip("[]")
+    return server_context(ensure_issued(ca, Pair(cfg.tls_dir / "control.pem", cfg.tls_dir / "control.key"),
+                                        f"meshd control of mesh {cfg.name}", local_names(host)))
+
+
 def urls(cfg: MeshConfig) -> dict:
-    return {"proxy": f"http://{cfg.proxy.listen}/v1", "control": f"http://{cfg.control.listen}",
-            "metrics": f"http://{cfg.control.listen}/metrics",
+    return {"proxy": f"http://{cfg.proxy.listen}/v1", "control": cfg.control.url,
+            "metrics": f"{cfg.control.url}/metrics",
             "agents": {n.name: {"api": n.agent, "metrics": f"{n.agent}/metrics"} for n in cfg.nodes}}
 
 
-def _loopback(remote: str | None) -> bool:
-    return remote is not None and (remote.startswith("127.") or remote == "::1")
+PAGE_COOKIE = "meshd_page"
+USER_HEADER = "X-Meshd-User"  # who the caller says it is (meshctl sends user@host); the audit trail keeps it
+
+
+def audit(ctl: Controller, request: web.Request, action: str, outcome: str) -> None:
+    user = "".join(c for c in request.headers.get(USER_HEADER, "")[:80] if c.isprintable())
+    ctl.store.record_audit(user, request.remote or "", action, outcome)
+    log.info("control action", action=action, outcome=outcome, user=user, remote=request.remote)
 
 
 def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Application:
+    page_cookie = derive(token, "status page cookie")  # opens the page only, never the control API
+
+    def page_allowed(request) -> bool:
+        return (loopback(request.remote) or bearer_matches(request, token)
+                or hmac.compare_digest(request.cookies.get(PAGE_COOKIE, "").encode(), page_cookie.encode()))
+
     @web.middleware
     async def auth(request, handler):
-        if request.path in ("/healthz", "/metrics"):
+        if request.path in ("/healthz", "/metrics", "/login"):
             return await handler(request)
-        if request.path == "/" and (_loopback(request.remote) or
-                                    hmac.compare_digest(request.query.get("token", "").encode(), token.encode())):
-            return await handler(request)
-        if not bearer_matches(request, token):
+        if request.path == "/" and not page_allowed(request):
+            return web.Response(text=statuspage.login(ctl.cfg.name, wrong=False), status=401, content_type="text/html")
+        if request.path != "/" and not bearer_matches(request, token):
+            audit(ctl, request, f"{request.method} {request.path}", "refused: missing or wrong token")
             return json_error(401, "Missing or wrong control token; it is in control.token in the mesh's "
                                    "state directory (meshctl reads it for you)", code="unauthorized")
         return await handler(request)
@@ -77,6 +101,7 @@ def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Applicatio
 
     async def up(request):
         await ctl.up()
+        audit(ctl, request, "up", "accepted")
         return web.json_response({"phase": ctl.state.phase, "generation": ctl.state.generation}, status=202)
 
     async def down(request):
@@ -84,14 +109,17 @@ def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Applicatio
         if not isinstance(force, bool):
             raise ApiError(400, "'force' must be true or false", param="force")
         await ctl.down(force)
+        audit(ctl, request, "down --force" if force else "down", "accepted")
         return web.json_response({"phase": ctl.state.phase, "generation": ctl.state.generation}, status=202)
 
     async def restart(request):
         await ctl.restart()
+        audit(ctl, request, "restart", "accepted")
         return web.json_response({"phase": ctl.state.phase, "generation": ctl.state.generation}, status=202)
 
     async def incidents(request):
-        return web.json_response({"incidents": ctl.store.incidents(200), "generations": ctl.store.generations(50)})
+        return web.json_response({"incidents": ctl.store.incidents(200), "generations": ctl.store.generations(50),
+                                  "audit": ctl.store.audit(200)})
 
     async def logs(request):
         node = request.match_info["node"]
@@ -120,7 +148,22 @@ def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Applicatio
         body = statuspage.render({**await ctl.status(), "urls": urls(ctl.cfg)}, ctl.store.incidents(12), rates)
         return web.Response(text=body, content_type="text/html")
 
+    async def login(request):
+        if request.content_type != "application/x-www-form-urlencoded":
+            raise ApiError(415, "Send the token as a form field (application/x-www-form-urlencoded), as the "
+                                "status page's login form does", code="unsupported_media_type")
+        given = (await request.post()).get("token", "")
+        if not isinstance(given, str) or not hmac.compare_digest(given.strip().encode(), token.encode()):
+            audit(ctl, request, "status page login", "refused: wrong token")
+            return web.Response(text=statuspage.login(ctl.cfg.name, wrong=True), status=401, content_type="text/html")
+        audit(ctl, request, "status page login", "accepted")
+        resp = web.Response(status=303, headers={"Location": "/"})
+        resp.set_cookie(PAGE_COOKIE, page_cookie, httponly=True, samesite="Strict", secure=ctl.cfg.control.tls,
+                        max_age=30 * 86400)
+        return resp
+
     app.router.add_get("/", page)
+    app.router.add_post("/login", login)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/v1/status", status)
@@ -139,9 +182,13 @@ async def serve(cfg: MeshConfig) -> None:
     metrics = Metrics(cfg.name)
     ctl = Controller(cfg, store, metrics)
     proxy = Proxy(cfg, ctl, metrics)
+    if cfg.proxy.open_off_loopback:
+        log.warning("the proxy serves off loopback without API keys (proxy.allow_open = true): anyone who "
+                    "reaches it may use the mesh", listen=cfg.proxy.listen)
     await ctl.start()  # adopt first: no command may arrive before the controller knows what runs
-    runners = await start_sites([(proxy.app(), *split_listen("proxy.listen", cfg.proxy.listen)),
-                                 (control_app(ctl, metrics, token), *split_listen("control.listen", cfg.control.listen))])
+    runners = await start_sites([(proxy.app(), *split_listen("proxy.listen", cfg.proxy.listen), None),
+                                 (control_app(ctl, metrics, token), *split_listen("control.listen", cfg.control.listen),
+                                  control_tls(cfg))])
     log.info("meshd running", mesh=cfg.name, proxy=cfg.proxy.listen, control=cfg.control.listen,
              phase=ctl.state.phase, generation=ctl.state.generation)
     await until_stopped(f"mesh {cfg.name}: proxy on {cfg.proxy.listen}")
@@ -158,6 +205,8 @@ def load_checked(path: str) -> MeshConfig:
         if not n.token_file.exists():
             raise ConfigError(f"nodes.{n.name}.token_file: {n.token_file} does not exist; copy the token "
                               "from that node's agent (its token_file)")
+    if any(n.agent.startswith("https://") for n in cfg.nodes):
+        mesh_client_context(cfg)  # ConfigError now when there is no mesh CA to check the agents against
     return cfg
 
 

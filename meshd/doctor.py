@@ -14,12 +14,10 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import aiohttp
-
 from common.hostfile import HostfileError
 from common.tomlcheck import ConfigError
 from meshd import provision
-from meshd.agentclient import AgentClient, AgentError
+from meshd.agentclient import AgentClient, AgentError, agent_session
 from meshd.config import MeshConfig, Runtime, hostfile_for
 from meshd.ssh import Session, SshError
 
@@ -196,7 +194,7 @@ def _ssh_fix(message: str) -> str:
 
 async def agent_checks(cfg: MeshConfig, current: int | None) -> list[Check]:
     """Agent reachable and token accepted; versions, model, launch, memory and stale ranks from what it reports."""
-    async with aiohttp.ClientSession() as session:
+    async with agent_session(cfg) as session:
         clients = {n.name: AgentClient(n, session) for n in cfg.nodes}
         answers = await asyncio.gather(*(_agent_node(clients[n.name], n, cfg, current) for n in cfg.nodes))
     out = [c for checks, _ in answers for c in checks]
@@ -259,7 +257,7 @@ async def _agent_node(client: AgentClient, n, cfg: MeshConfig, current: int | No
 
 async def canary(cfg: MeshConfig, hostfile: dict, seconds: float = 3.0, timeout: float = 120) -> list[Check]:
     """all_sum of growing sizes on every node at once (the agents' meshd-canary profile), as generation 0."""
-    async with aiohttp.ClientSession() as session:
+    async with agent_session(cfg) as session:
         clients = [AgentClient(n, session) for n in cfg.nodes]
         spec = {"generation": 0, "world": len(cfg.nodes), "profile": "meshd-canary", "model": cfg.runtime.model,
                 "hostfile": hostfile, "ring_port": cfg.runtime.ring_port, "args": {"seconds": seconds}}

@@ -5,12 +5,17 @@ answers with the token the mesh holds."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+import zipfile
+from importlib import metadata
 from pathlib import Path
 from typing import Callable
 from urllib.parse import urlparse
@@ -18,11 +23,12 @@ from urllib.parse import urlparse
 import paramiko
 
 from common.secretfile import ensure_secret
+from common.tls import client_context, ensure_ca, issue
 from meshd import provision, service
 from meshd.config import MeshConfig, Node
+from meshd.share import CHECKOUT, in_checkout
 from meshd.ssh import Session, SshError
 
-ROOT = Path(__file__).resolve().parents[1]
 DAEMONS = "/Library/LaunchDaemons"
 UNITS = "/etc/systemd/system"
 
@@ -32,13 +38,38 @@ class InstallError(Exception):
 
 
 def build_wheel(out: Path) -> Path:
-    """This meshd as a wheel (no dependencies: the node's pip resolves them)."""
+    """This meshd as a wheel (no dependencies: the node's pip resolves them): built from the checkout, or
+    packed again from the installed files when meshd was installed from a wheel."""
+    if not in_checkout():
+        return repack_installed(out)
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
-                        str(out), str(ROOT)], capture_output=True, text=True, timeout=300)
+                        str(out), str(CHECKOUT)], capture_output=True, text=True, timeout=300)
     wheels = sorted(out.glob("meshd-*.whl"))
     if r.returncode != 0 or not wheels:
         raise InstallError(f"cannot build the meshd wheel here: {r.stderr.strip()[-500:]}")
     return wheels[-1]
+
+
+def repack_installed(out: Path) -> Path:
+    """The installed meshd distribution as a wheel again: its files as its RECORD lists them (scripts,
+    which pip writes for each machine, and caches left out), with a RECORD of their hashes."""
+    dist = metadata.distribution("meshd")
+    info = f"meshd-{dist.version}.dist-info"
+    skip = {f"{info}/{name}" for name in ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")}
+    files = [f for f in dist.files or () if not str(f).startswith("..") and "__pycache__" not in f.parts
+             and str(f) not in skip]
+    out.mkdir(parents=True, exist_ok=True)
+    wheel = out / f"meshd-{dist.version}-py3-none-any.whl"
+    record = []
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in files:
+            data = Path(dist.locate_file(f)).read_bytes()
+            z.writestr(str(f), data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            record.append(f"{f},sha256={digest},{len(data)}")
+        record.append(f"{info}/RECORD,,")
+        z.writestr(f"{info}/RECORD", "\n".join(record) + "\n")
+    return wheel
 
 
 def node_token(node: Node, say: Callable[[str], None]) -> str:
@@ -48,9 +79,11 @@ def node_token(node: Node, say: Callable[[str], None]) -> str:
     return ensure_secret(node.token_file)
 
 
-def agent_toml(node: Node, listen: str, *, allow_reboot: bool, wired_limit_mb: int) -> str:
+def agent_toml(node: Node, listen: str, *, allow_reboot: bool, wired_limit_mb: int, tls: bool) -> str:
     lines = [f'node = "{node.name}"', f'listen = "{listen}"', 'token_file = "token"', 'state_dir = "state"',
              f"allow_reboot = {'true' if allow_reboot else 'false'}"]
+    if tls:
+        lines += ['tls_cert_file = "tls/agent.pem"', 'tls_key_file = "tls/agent.key"']
     if wired_limit_mb:
         lines.append(f"wired_limit_mb = {wired_limit_mb}")
     return "\n".join(lines) + "\n"
@@ -63,6 +96,11 @@ def install_agent(cfg: MeshConfig, node: Node, wheel: Path, *, trust_new: bool =
     url = urlparse(node.agent)
     listen = f"{url.hostname}:{url.port or 7701}"
     token = node_token(node, say)
+    tls_files = None
+    if url.scheme == "https":
+        ca = ensure_ca(cfg.tls_dir, cfg.name)
+        tls_files = issue(ca, node.name, [url.hostname, node.address])
+        say(f"{node.name}: certificate for {url.hostname} from the mesh CA ({ca.cert})")
     with Session(target, cfg.ssh, trust_new=trust_new) as s:
         def run(command: str, what: str, timeout: float = 120) -> str:
             r = s.run(command, timeout=timeout)
@@ -93,11 +131,17 @@ def install_agent(cfg: MeshConfig, node: Node, wheel: Path, *, trust_new: bool =
             # meshd itself always replaced (a re-install of the same version), then what it needs.
             run(f"{pip} --force-reinstall --no-deps '{base}/dist/{wheel.name}' && {pip} '{base}/dist/{wheel.name}{extra}'",
                 "pip install", 1800)
-            with sftp.open(f"{base}/agent/token", "w") as f:
-                f.write(token + "\n")
-            sftp.chmod(f"{base}/agent/token", 0o600)
+            private = {"token": (token + "\n").encode()}
+            if tls_files:
+                run(f"mkdir -p {base}/agent/tls", "creating the certificate directory")
+                private.update({"tls/agent.pem": tls_files[0], "tls/agent.key": tls_files[1]})
+            for name, data in private.items():
+                with sftp.open(f"{base}/agent/{name}", "w") as f:
+                    f.chmod(0o600)  # before anything is in it: never readable by others, not for an instant
+                    f.write(data)
             with sftp.open(f"{base}/agent/agent.toml", "w") as f:
-                f.write(agent_toml(node, listen, allow_reboot=allow_reboot, wired_limit_mb=wired_limit_mb))
+                f.write(agent_toml(node, listen, allow_reboot=allow_reboot, wired_limit_mb=wired_limit_mb,
+                                   tls=tls_files is not None))
             values = {"python": f"{venv}/bin/python", "config": f"{base}/agent/agent.toml", "user": target.user,
                       "workdir": f"{base}/agent", "state_dir": f"{base}/agent/state",
                       "log_dir": f"{base}/agent/state/log"}
@@ -118,17 +162,17 @@ def install_agent(cfg: MeshConfig, node: Node, wheel: Path, *, trust_new: bool =
                 unit = name.removesuffix(".service")
                 run(f"sudo -n systemctl daemon-reload && sudo -n systemctl enable --now {unit}", f"starting {unit}")
         say(f"{node.name}: agent service started; waiting for {node.agent}/healthz")
-    confirm(node, token)
+    confirm(node, token, client_context(cfg.ca_file) if tls_files else None)
     say(f"{node.name}: the agent answers at {node.agent} and accepts the mesh's token")
 
 
-def confirm(node: Node, token: str, timeout: float = 120) -> None:
+def confirm(node: Node, token: str, tls: ssl.SSLContext | None, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
         try:
             req = urllib.request.Request(f"{node.agent}/v1/node", headers={"Authorization": f"Bearer {token}"})
-            with urllib.request.urlopen(req, timeout=10) as r:
+            with urllib.request.urlopen(req, timeout=10, context=tls) as r:
                 if r.status == 200:
                     return
         except urllib.error.HTTPError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from common.buildinfo import register_process_metrics
 from common.states import Phase
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
@@ -15,6 +16,11 @@ class Metrics:
     def __init__(self, mesh: str):
         r = self.registry = CollectorRegistry()
         Info("meshd_mesh", "The mesh this controller runs", registry=r).info({"mesh": mesh})
+        register_process_metrics(r, "controller")
+        self.desired_up = Gauge("meshd_desired_up", "1 when the operator asked for the mesh to serve (meshctl up), "
+                                "0 after a deliberate meshctl down", registry=r)
+        self.agent_up = Gauge("meshd_agent_up", "1 while the controller holds the agent's event stream",
+                              ["node"], registry=r)
         self.fleet_state = Gauge("meshd_fleet_state", "1 for the fleet's current phase", ["phase"], registry=r)
         self.generation = Gauge("meshd_generation", "Current generation", registry=r)
         self.restarts = Counter("meshd_restarts_total", "Generations ended by a failure, by cause", ["reason"],

@@ -344,7 +344,7 @@ class Proxy:
         body = ping_body(self.cfg.runtime.profile)
         status = None
         try:
-            async with self.session.post(s.rank0_url + "/v1/chat/completions", json=body,
+            async with self.session.post(s.rank0_url + "/v1/chat/completions", json=body, headers=s.rank0_auth,
                                          timeout=aiohttp.ClientTimeout(total=p.probe_timeout)) as r:
                 if r.status == 200:
                     self.metrics.probes.labels(result="ok").inc()
@@ -407,6 +407,7 @@ class _Exchange:
         p = proxy.cfg.proxy
         self.window = stall_window(p, proxy.cfg.runtime.profile, prompt_chars(req), req.params.max_tokens, req.stream)
         self.upstream = ""
+        self.auth: dict[str, str] = {}
         self.resp: web.StreamResponse | None = None  # prepared once anything reached the client
         self.sent_data = False
         self.t0 = time.monotonic()
@@ -428,6 +429,7 @@ class _Exchange:
                 return await self._give_up(self.p._why_unavailable())
             g = serving.generation
             self.upstream = serving.rank0_url + self.request.path
+            self.auth = serving.rank0_auth
             try:
                 resp = await (self._stream(g) if self.req.stream else self._whole(g))
             except UpstreamFailed as e:
@@ -485,7 +487,7 @@ class _Exchange:
 
     async def _whole(self, g: int) -> web.Response:
         try:
-            async with self.p.session.post(self.upstream, json=self.body,
+            async with self.p.session.post(self.upstream, json=self.body, headers=self.auth,
                                            timeout=aiohttp.ClientTimeout(total=None, sock_read=self.window)) as r:
                 data = await r.read()
         except asyncio.TimeoutError:
@@ -526,7 +528,7 @@ class _Exchange:
 
         body = self._stream_body() if self.p.cfg.runtime.profile == "meshd-rank" else self.body
         try:
-            async with self.p.session.post(self.upstream, json=body,
+            async with self.p.session.post(self.upstream, json=body, headers=self.auth,
                                            timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as r:
                 if r.status >= 500:
                     raise answered_failure(r.status, await r.read())

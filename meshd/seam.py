@@ -6,7 +6,7 @@ and the same three calls can cross a process boundary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from common.states import Phase
@@ -20,10 +20,15 @@ class Serving:
     generation: int
     reason: str  # why it is not serving, when it is not
     rank0_url: str
+    rank0_secret: str = field(default="", repr=False)  # this generation's; rank 0 answers nothing without it
 
     @property
     def ready(self) -> bool:
         return self.phase == Phase.READY
+
+    @property
+    def rank0_auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.rank0_secret}"} if self.rank0_secret else {}
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,12 @@ from string import Template
 
 from agents import config as agent_config
 from meshd import config as mesh_config
+from meshd.share import shared
 
-ROOT = Path(__file__).resolve().parents[1]
-
-UNITS = {("controller", "linux"): "systemd/meshd.service", ("agent", "linux"): "systemd/meshd-agent.service",
-         ("controller", "macos"): "launchd/com.meshd.controller.plist",
-         ("agent", "macos"): "launchd/com.meshd.agent.plist"}
-WIRED_LIMIT = "launchd/com.meshd.wired-limit.plist"
+UNITS = {("controller", "linux"): ("systemd", "meshd.service"), ("agent", "linux"): ("systemd", "meshd-agent.service"),
+         ("controller", "macos"): ("launchd", "com.meshd.controller.plist"),
+         ("agent", "macos"): ("launchd", "com.meshd.agent.plist")}
+WIRED_LIMIT = ("launchd", "com.meshd.wired-limit.plist")
 
 
 def state_dir_of(kind: str, config: Path) -> Path:
@@ -38,14 +37,10 @@ def render(kind: str, config: Path, *, user: str | None = None, system: str | No
 
 def render_with(kind: str, system: str, values: dict[str, str], wired_limit_mb: int | None = None) -> dict[str, str]:
     """The same with every path given (another machine's, for `meshctl agents install`)."""
-    values = {**values, "docs": str(ROOT / "docs"), "wired_limit_mb": str(wired_limit_mb or "")}
-    out = {}
-    path = ROOT / UNITS[(kind, system)]
-    out[path.name] = Template(path.read_text()).substitute(values)
-    if system == "macos" and kind == "agent" and wired_limit_mb:
-        path = ROOT / WIRED_LIMIT
-        out[path.name] = Template(path.read_text()).substitute(values)
-    return out
+    values = {**values, "docs": str(shared("docs")), "wired_limit_mb": str(wired_limit_mb or "")}
+    wanted = [UNITS[(kind, system)]] + ([WIRED_LIMIT] if system == "macos" and kind == "agent" and wired_limit_mb
+                                        else [])
+    return {name: Template((shared(where) / name).read_text()).substitute(values) for where, name in wanted}
 
 
 def enable_commands(files: dict[str, str], dest: Path, system: str) -> list[str]:
@@ -54,10 +49,10 @@ def enable_commands(files: dict[str, str], dest: Path, system: str) -> list[str]
         if name.endswith(".service"):
             cmds += [f"sudo cp {dest / name} /etc/systemd/system/{name}", "sudo systemctl daemon-reload",
                      f"sudo systemctl enable --now {name.removesuffix('.service')}"]
-        elif name == Path(WIRED_LIMIT).name:
+        else:  # LaunchDaemons, bootstrapped into the system domain: they run with no one logged in
+            label = name.removesuffix(".plist")
             cmds += [f"sudo cp {dest / name} /Library/LaunchDaemons/{name}",
-                     f"sudo launchctl load -w /Library/LaunchDaemons/{name}"]
-        else:
-            cmds += [f"cp {dest / name} ~/Library/LaunchAgents/{name}",
-                     f"launchctl load -w ~/Library/LaunchAgents/{name}"]
+                     f"sudo chown root:wheel /Library/LaunchDaemons/{name}",
+                     f"sudo launchctl bootout system/{label} 2>/dev/null; "
+                     f"sudo launchctl bootstrap system /Library/LaunchDaemons/{name}"]
     return cmds

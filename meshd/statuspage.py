@@ -44,6 +44,17 @@ def _ago(t: float | None) -> str:
     return f"{s:.0f}s ago" if s < 120 else (f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.1f}h ago")
 
 
+def login(mesh: str, wrong: bool) -> str:
+    """The form a browser off loopback gets instead of the page: the control token, once, for a cookie."""
+    note = '<p class="reason">That is not the control token.</p>' if wrong else ""
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>meshd {html.escape(mesh)}</title></head>
+<body style="font-family: system-ui, sans-serif; margin: 48px;">
+<h1>meshd &middot; {html.escape(mesh)}</h1>{note}
+<form method="post" action="/login"><label>control token (control.token in the state directory)
+<input type="password" name="token" autocomplete="current-password" autofocus></label>
+<button type="submit">open the status page</button></form></body></html>"""
+
+
 def render(status: dict, incidents: list[dict], rates: Rates) -> str:
     e = html.escape
     phase = status["phase"]

@@ -1,5 +1,5 @@
-"""SQLite in the state directory: generations, events, incidents, and the few
-values a restarted controller needs (what the operator asked for, the last
+"""SQLite in the state directory: generations, events, incidents, the audit
+trail of control actions (who, what, when), and the few values a restarted controller needs (what the operator asked for, the last
 generation, each agent's last event sequence number)."""
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE TABLE IF NOT EXISTS incidents (
     id INTEGER PRIMARY KEY AUTOINCREMENT, opened_at REAL, cause TEXT, node TEXT, rank INTEGER,
     generation INTEGER, detail TEXT, steps TEXT, serving_back_at REAL);
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL, user TEXT, remote TEXT, action TEXT, outcome TEXT);
 """
+AUDIT_KEEP = 10_000  # newest rows kept: refused attempts must not grow the store without bound
 # Columns added since the first release: a store made before them gets them on open.
 ADDED_COLUMNS = {"incidents": (("consequences", "TEXT"), ("timeline", "TEXT"), ("migrated", "INTEGER"))}
 INCIDENT_COLUMNS = ("opened_at", "cause", "node", "rank", "generation", "detail", "steps", "consequences", "timeline",
@@ -108,6 +111,16 @@ class Store:
                                      for step, at in d["timeline"]],
                         "serving_back_at": back, "recovery_seconds": (back - d["opened_at"]) if back else None})
         return out
+
+    def record_audit(self, user: str, remote: str, action: str, outcome: str) -> None:
+        cur = self.db.execute("INSERT INTO audit (at, user, remote, action, outcome) VALUES (?,?,?,?,?)",
+                              (time.time(), user, remote, action, outcome))
+        self.db.execute("DELETE FROM audit WHERE id <= ?", (cur.lastrowid - AUDIT_KEEP,))
+
+    def audit(self, limit: int = 200) -> list[dict]:
+        rows = self.db.execute("SELECT at, user, remote, action, outcome FROM audit ORDER BY id DESC LIMIT ?",
+                               (limit,)).fetchall()
+        return [dict(zip(("at", "user", "remote", "action", "outcome"), r)) for r in rows]
 
     def generations(self, limit: int = 20) -> list[dict]:
         rows = self.db.execute("SELECT generation, started_at, ready_at, ended_at, end_reason FROM generations "

@@ -23,6 +23,7 @@ from mlx_lm import load as load_whole
 from mlx_lm.utils import load_config, load_model, load_tokenizer
 
 from common.hostfile import DISTRIBUTED_ENV, distributed_backend
+from common.tomlcheck import loopback
 from common.states import RankState
 from common.statusfile import RankStatus
 from runtime import openai_api as oa
@@ -225,18 +226,27 @@ class LockstepLoop:
             self.fe.emit(emissions)
 
 
+def mlx_memory() -> dict:
+    return {"mlx_active_bytes": mx.get_active_memory(), "mlx_peak_bytes": mx.get_peak_memory(),
+            "mlx_cache_bytes": mx.get_cache_memory()}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model_path = Path(args.model)
     if not (model_path / "config.json").is_file():
         sys.exit(f"meshd-rank: no model at {model_path} (config.json missing); "
                  "pass --model with an mlx-lm model directory")
+    secret = os.environ.pop("MESHD_RANK_SECRET", "")
+    if not secret and not loopback(args.host):
+        sys.exit(f"meshd-rank: --host {args.host} is off loopback and MESHD_RANK_SECRET is not set: anyone who "
+                 "reaches it could drain the mesh; set the secret (the agent does) or listen on 127.0.0.1")
 
     # The heartbeat starts before init: a rank waiting for its peers to connect
     # is loading, not gone.
     rank = int(os.environ.get("MLX_RANK", "0"))
     hb = Heartbeat(args.status_file, RankStatus(args.generation, rank, 0, os.getpid()),
-                   interval=args.heartbeat_interval).start()
+                   interval=args.heartbeat_interval, sample=mlx_memory).start()
     log = _logger(rank, args.generation)
     strict = any(k in os.environ for k in DISTRIBUTED_ENV)
     began = time.monotonic()
@@ -257,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         limits = oa.Limits(args.model_name or model_path.name, args.max_tokens, args.max_tokens_limit)
         frontend = Frontend(tokenizer, limits, generation=args.generation, context_length=context,
-                            host=args.host, port=args.port, drain_deadline=args.drain_deadline)
+                            host=args.host, port=args.port, drain_deadline=args.drain_deadline, secret=secret)
         try:
             frontend.start()
         except OSError as e:

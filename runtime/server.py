@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from common.errors import ApiError, error_body
-from common.http import json_error, json_errors, read_json
+from common.http import bearer_matches, json_error, json_errors, read_json
 from runtime import openai_api as oa
 from runtime.engine import Emission
 
@@ -38,7 +38,8 @@ class Pending:
 
 class Frontend:
     def __init__(self, tokenizer, limits: oa.Limits, *, generation: int, context_length: int,
-                 host: str, port: int, drain_deadline: float = 30.0, max_body_bytes: int = 4 << 20):
+                 host: str, port: int, drain_deadline: float = 30.0, max_body_bytes: int = 4 << 20,
+                 secret: str = ""):
         self.tokenizer = tokenizer
         self.limits = limits
         self.generation = generation
@@ -46,6 +47,7 @@ class Frontend:
         self.host, self.port = host, port
         self.drain_deadline = drain_deadline
         self.max_body_bytes = max_body_bytes
+        self.secret = secret  # every route wants it as a bearer token, when set
         self.phase = LOADING
         self._inbox: queue.Queue = queue.Queue()
         self._pending: dict[str, Pending] = {}
@@ -80,16 +82,26 @@ class Frontend:
         if failure:
             raise failure[0]
 
-    async def _serve(self) -> None:
-        app = web.Application(middlewares=[json_errors], client_max_size=self.max_body_bytes)
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[json_errors, self._auth], client_max_size=self.max_body_bytes)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._text)
         app.router.add_get("/internal/ready", self._ready)
         app.router.add_post("/internal/drain", self._drain)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        return app
+
+    async def _serve(self) -> None:
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.secret and not bearer_matches(request, self.secret):
+            return json_error(401, "Missing or wrong rank secret: rank 0 answers only its controller and proxy; "
+                                   "send requests through the proxy", code="unauthorized")
+        return await handler(request)
 
     def stop(self) -> None:
         if self._loop is None or self._runner is None:

@@ -8,6 +8,7 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 from common.states import RankState
 from common.statusfile import RankStatus, write_atomic
@@ -17,8 +18,10 @@ class Heartbeat:
     """`update()` changes fields and writes at once on a state change; a daemon
     thread rewrites the file every `interval` seconds."""
 
-    def __init__(self, path: str | Path | None, status: RankStatus, interval: float = 0.5):
+    def __init__(self, path: str | Path | None, status: RankStatus, interval: float = 0.5,
+                 sample: Callable[[], dict] = dict):
         self._path = Path(path) if path else None
+        self._sample = sample  # fields read afresh at every periodic write (memory figures)
         self._status = status
         self._interval = interval
         self._lock = threading.Lock()
@@ -57,4 +60,5 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
+            self.update(**self._sample())
             self._write()

@@ -20,6 +20,9 @@ BAD = [
     ("args not flags", {**BASE, "profiles": {"x": {"command": ["{generation}"], "args": {"a": "b"}}}},
      "profiles.x.args"),
     ("unknown stall key", {**BASE, "stall": {"bogus": 1}}, "stall.bogus: unknown key"),
+    ("off loopback without TLS", {**BASE, "listen": "0.0.0.0:7701"},
+     "listen: 0.0.0.0:7701 is off loopback, where the mesh's token would cross the network in clear"),
+    ("half a TLS pair", {**BASE, "tls_cert_file": "agent.pem"}, "tls_cert_file, tls_key_file: set both or neither"),
     ("reboot not bool", {**BASE, "allow_reboot": "yes"}, "allow_reboot: expected true or false"),
 ]
 
@@ -35,6 +38,12 @@ def test_defaults_are_loopback_with_both_builtin_profiles(tmp_path):
     cfg = parse(BASE, tmp_path)
     assert (cfg.host, cfg.port, cfg.allow_reboot) == ("127.0.0.1", 7701, False)
     assert set(cfg.profiles) == set(DEFAULT_PROFILES)
+
+
+def test_off_loopback_with_a_certificate_and_its_key(tmp_path):
+    cfg = parse({**BASE, "listen": "10.0.0.1:7701", "tls_cert_file": "tls/a.pem", "tls_key_file": "tls/a.key"},
+                tmp_path)
+    assert (cfg.host, cfg.tls.cert, cfg.tls.key) == ("10.0.0.1", tmp_path / "tls/a.pem", tmp_path / "tls/a.key")
 
 
 def test_token_file_must_be_private_and_long(tmp_path):

@@ -1,7 +1,8 @@
 """`meshctl agents install` against a loopback sshd playing a Mac: meshd goes
 into a venv on the node, the agent config and a 0600 token are written, the
 launchd daemon is bootstrapped (launchctl is a stand-in: Linux has none) and
-the agent that starts answers with the mesh's token."""
+the agent that starts answers with the mesh's token, over TLS with a certificate
+from the mesh CA."""
 
 import os
 import signal
@@ -12,6 +13,7 @@ import sysconfig
 from pathlib import Path
 
 import psutil
+import pytest
 import requests
 
 from kit.sshd import start_fleet
@@ -29,7 +31,7 @@ def test_agents_install_leaves_a_running_agent_that_answers(tmp_path):
     token = tmp_path / "tokens" / "node0"
     known = fleet.known_hosts(tmp_path / "known_hosts")
     mesh = tmp_path / "mesh.toml"
-    mesh.write_text(f'name = "inst"\n[[nodes]]\nname = "node0"\nagent = "http://127.0.0.1:{port}"\n'
+    mesh.write_text(f'name = "inst"\n[[nodes]]\nname = "node0"\nagent = "https://127.0.0.1:{port}"\n'
                     f'token_file = "{token}"\nssh = "{node.ssh}"\n[runtime]\nmodel = "/models/x"\n'
                     f'[ssh]\nknown_hosts = "{known}"\nkey_file = "{fleet.client_key}"\ncommand_timeout = 60\n')
     services = tmp_path / "LaunchDaemons"
@@ -56,10 +58,15 @@ def test_agents_install_leaves_a_running_agent_that_answers(tmp_path):
         assert (services / "com.meshd.agent.plist").exists()
         assert f"<string>{base / 'venv' / 'bin' / 'python'}</string>" in (services / "com.meshd.agent.plist").read_text()
 
+        for name in ("agent.pem", "agent.key"):
+            assert stat.S_IMODE((base / "agent" / "tls" / name).stat().st_mode) == 0o600
+        ca = str(tmp_path / "state" / "tls" / "ca.pem")
         headers = {"Authorization": f"Bearer {token.read_text().strip()}"}
-        facts = requests.get(f"http://127.0.0.1:{port}/v1/node", headers=headers, timeout=10)
+        facts = requests.get(f"https://127.0.0.1:{port}/v1/node", headers=headers, verify=ca, timeout=10)
         assert facts.status_code == 200 and facts.json()["node"] == "node0"
-        assert requests.get(f"http://127.0.0.1:{port}/v1/node", timeout=10).status_code == 401
+        assert requests.get(f"https://127.0.0.1:{port}/v1/node", verify=ca, timeout=10).status_code == 401
+        with pytest.raises(requests.ConnectionError):  # plain HTTP: the TLS listener drops it
+            requests.get(f"http://127.0.0.1:{port}/v1/node", headers=headers, timeout=10)
 
         again = subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), "agents", "install",
                                 "node0", "--system-site-packages", "--service-dir", str(services)],

@@ -137,8 +137,8 @@ def test_sigstop_of_a_busy_rank_is_a_stall_and_the_mesh_recovers(demo):
 
 def test_a_rank_that_exits_0_is_a_death_and_the_mesh_recovers(demo):
     s = demo.wait_ready()
-    rank0 = f"http://127.0.0.1:{json.loads((demo.home / 'demo' / 'ports.json').read_text())['rank']}"
-    requests.post(f"{rank0}/internal/drain", json={"mode": "cancel"}, timeout=10)
+    rank0, auth = demo.rank0(s["generation"])
+    assert requests.post(f"{rank0}/internal/drain", json={"mode": "cancel"}, headers=auth, timeout=10).status_code == 202
     demo.wait_ready(after=s["generation"])
     incident = demo.incidents()[0]
     assert incident["cause"] == "exit" and "exit code 0" in incident["detail"]

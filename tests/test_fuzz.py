@@ -7,11 +7,14 @@ mesh must still serve afterwards."""
 import json
 import string
 import tomllib
+from types import SimpleNamespace
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 import schemathesis
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
@@ -25,11 +28,13 @@ from kit.agents import make_agents
 from kit.configs import write_mesh
 from kit.meshctl import meshctl, stop_controller
 from meshd import config as mesh_config
-from meshd.controller import Controller
+from meshd.controller import Controller, rank_secret
 from meshd.daemon import control_app
 from meshd.metrics import Metrics
 from meshd.proxy import Proxy
 from meshd.store import Store
+from runtime.openai_api import Limits
+from runtime.server import Frontend
 
 OPENAPI = Path(__file__).resolve().parents[1] / "openapi"
 EXAMPLES = 50
@@ -43,14 +48,18 @@ def load_schema(name: str):
 
 
 proxy_schema = load_schema("proxy")
+rank_schema = load_schema("rank")
 control_schema = load_schema("control")
 agent_schema = load_schema("agent")
 CALL = {"timeout": 60}
 
 
+PAGES = ("/", "/login")  # the status page and its login form answer HTML, as described
+
+
 def check(case, response) -> None:
     case.validate_response(response, checks=[not_a_server_error, response_schema_conformance])
-    if response.status_code >= 400:
+    if response.status_code >= 400 and case.operation.path not in PAGES:
         body = response.json()
         assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
 
@@ -68,8 +77,10 @@ def fuzz_mesh(tmp_path_factory, demo_model):
     assert up.returncode == 0, up.stdout + up.stderr
     status = json.loads(meshctl(mesh, "status", "--json").stdout)
     token = (tmp / "state" / "control.token").read_text().strip()
+    secret = rank_secret((tmp / "state" / "rank.key").read_text().strip(), status["generation"])
+    rank0 = f"http://127.0.0.1:{tomllib.loads(mesh.read_text())['runtime']['port']}"
     yield {"proxy": status["urls"]["proxy"].removesuffix("/v1"), "control": status["urls"]["control"],
-           "token": token, "mesh": mesh, "agents": agents}
+           "token": token, "mesh": mesh, "agents": agents, "rank0": rank0, "rank_secret": secret}
     stop_controller(mesh)
     for a in agents:
         a.kill()
@@ -86,6 +97,43 @@ def test_the_proxy_answers_bad_input_with_4xx_json(case, fuzz_mesh):
 def test_the_control_api_answers_bad_input_with_4xx_json(case, fuzz_mesh):
     headers = {"Authorization": f"Bearer {fuzz_mesh['token']}"}
     check(case, case.call(base_url=fuzz_mesh["control"], headers=headers, **CALL))
+
+
+@rank_schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck))
+def test_rank0_answers_bad_input_with_4xx_json(case, fuzz_mesh):
+    if case.operation.path == "/internal/drain":
+        return  # a well-formed drain ends the mesh; the next test sends drains without the secret
+    check(case, case.call(base_url=fuzz_mesh["rank0"],
+                          headers={"Authorization": f"Bearer {fuzz_mesh['rank_secret']}"}, **CALL))
+
+
+@rank_schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck), max_examples=10)
+def test_rank0_refuses_every_route_without_the_generations_secret(case, fuzz_mesh):
+    for auth in ({}, {"Authorization": "Bearer " + "0" * 64}, {"Authorization": fuzz_mesh["rank_secret"]},
+                 {"Authorization": f"Bearer {rank_secret('another mesh', 1)}"}):
+        response = case.call(base_url=fuzz_mesh["rank0"], headers=auth, **CALL)
+        assert response.status_code == 401, (auth, response.text)
+        assert "rank secret" in response.json()["error"]["message"]
+
+
+def test_a_generations_secret_opens_no_other_generation(fuzz_mesh):
+    state = fuzz_mesh["mesh"].parent / "state"
+    g = json.loads(meshctl(fuzz_mesh["mesh"], "status", "--json").stdout)["generation"]
+    key = (state / "rank.key").read_text().strip()
+    for other in (g - 1, g + 1):
+        r = requests.get(f"{fuzz_mesh['rank0']}/internal/ready",
+                         headers={"Authorization": f"Bearer {rank_secret(key, other)}"}, timeout=10)
+        assert r.status_code == 401, r.text
+    r = requests.get(f"{fuzz_mesh['rank0']}/internal/ready",
+                     headers={"Authorization": f"Bearer {rank_secret(key, g)}"}, timeout=10)
+    assert r.status_code == 200 and r.json()["generation"] == g
+    rank_logs = "".join(p.read_text(errors="replace") for p in state.parent.rglob("rank.log"))
+    assert key not in rank_logs and rank_secret(key, g) not in rank_logs
+    for a in fuzz_mesh["agents"]:
+        (rank,) = [r for r in a.ranks() if r["generation"] == g]
+        assert rank_secret(key, g) not in " ".join(psutil.Process(rank["pid"]).cmdline())  # environment only
 
 
 def test_the_mesh_serves_after_the_fuzzing(fuzz_mesh):
@@ -192,7 +240,16 @@ def routes(app) -> set[tuple[str, str]]:
 
 
 def described(schema) -> set[tuple[str, str]]:
-    return {(method, path) for path, ops in schema.raw_schema["paths"].items() for method in ops}
+    def operations(ops: dict) -> dict:  # a path item may be another description's ($ref: "proxy.yaml#/paths/...")
+        if "$ref" not in ops:
+            return ops
+        name, _, pointer = ops["$ref"].partition("#/")
+        node = yaml.safe_load((OPENAPI / name).read_text())
+        for part in pointer.split("/"):
+            node = node[part.replace("~1", "/").replace("~0", "~")]
+        return node
+
+    return {(method, path) for path, ops in schema.raw_schema["paths"].items() for method in operations(ops)}
 
 
 def test_the_openapi_descriptions_list_exactly_the_routes_the_servers_serve(tmp_path):
@@ -209,3 +266,6 @@ def test_the_openapi_descriptions_list_exactly_the_routes_the_servers_serve(tmp_
     ctl = Controller(cfg, Store(tmp_path / "state" / "meshd.sqlite"), metrics)
     assert routes(control_app(ctl, metrics, "t" * 32)) == described(control_schema)
     assert routes(Proxy(cfg, ctl, metrics).app()) == described(proxy_schema)
+    rank0 = Frontend(SimpleNamespace(eos_token_ids=[0]), Limits("m", 8, 8), generation=1, context_length=64,
+                     host="127.0.0.1", port=8100, secret="s" * 32)
+    assert routes(rank0.app()) == described(rank_schema)

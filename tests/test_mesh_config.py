@@ -15,6 +15,8 @@ BAD = [
     ("no nodes", {"runtime": {"model": "/m"}}, "nodes: at least one [[nodes]]"),
     ("node without agent", {**BASE, "nodes": [{"name": "a", "token_file": "t"}]}, "nodes[0].agent: missing"),
     ("agent not a url", {**BASE, "nodes": [{**NODE, "agent": "127.0.0.1:7701"}]}, "nodes[0].agent: expected a URL"),
+    ("plain http off loopback", {**BASE, "nodes": [{**NODE, "agent": "http://10.0.0.1:7701"}]},
+     "nodes[0].agent: http://10.0.0.1:7701 is plain HTTP off loopback"),
     ("duplicate node", {**BASE, "nodes": [NODE, NODE]}, "the name 'a' is used twice"),
     ("unknown node key", {**BASE, "nodes": [{**NODE, "port": 1}]}, "nodes[0].port: unknown key"),
     ("no model", {"nodes": [NODE]}, "runtime.model: missing"),
@@ -28,6 +30,9 @@ BAD = [
     ("negative wait", {**BASE, "proxy": {"queue_wait": -1}}, "proxy.queue_wait: must not be negative"),
     ("bad listen", {**BASE, "proxy": {"listen": "8000"}}, 'proxy.listen: expected "host:port"'),
     ("bad ladder", {**BASE, "recovery": {"ladder": ["reboot"]}}, 'recovery.ladder: must start with "restart"'),
+    ("open proxy off loopback", {**BASE, "proxy": {"listen": "0.0.0.0:8000"}},
+     "proxy.listen: 0.0.0.0:8000 is off loopback and proxy.api_keys_file is not set"),
+    ("open proxy on a LAN address", {**BASE, "proxy": {"listen": "[fd00::2]:8000"}}, "allow_open = true"),
     ("env not a table", {**BASE, "runtime": {"model": "/m", "env": "X=1"}}, "runtime.env: expected a table"),
 ]
 
@@ -59,9 +64,17 @@ def test_defaults_listen_on_loopback(tmp_path):
     assert cfg.recovery.ladder == ("restart",) and cfg.state_dir == tmp_path / "state"
 
 
+@pytest.mark.parametrize("proxy", [{"listen": "0.0.0.0:8000", "allow_open": True},
+                                   {"listen": "0.0.0.0:8000", "api_keys_file": "keys"},
+                                   {"listen": "[::1]:8000"}, {"listen": "localhost:8000"}])
+def test_a_proxy_is_open_off_loopback_only_when_the_config_says_so(proxy, tmp_path):
+    cfg = parse({**BASE, "proxy": proxy}, tmp_path)
+    assert cfg.proxy.open_off_loopback == proxy.get("allow_open", False)
+
+
 def test_meshctl_config_check(tmp_path):
     good = tmp_path / "mesh.toml"
-    good.write_text('[[nodes]]\nname = "a"\nagent = "http://h:7701"\ntoken_file = "t"\n[runtime]\nmodel = "/m"\n')
+    good.write_text('[[nodes]]\nname = "a"\nagent = "https://h:7701"\ntoken_file = "t"\n[runtime]\nmodel = "/m"\n')
     r = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "check", str(good)], capture_output=True,
                        text=True)
     assert r.returncode == 0 and "ok (ring mesh 'mesh', 1 nodes" in r.stdout and "warning: nodes.a.token_file" in r.stdout

@@ -43,13 +43,14 @@ def test_every_metrics_endpoint_passes_promtool(demo):
         r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
         assert r.returncode == 0 and not r.stdout.strip() and not r.stderr.strip(), (url, r.stdout, r.stderr)
         names = set(re.findall(r"^# TYPE (\S+)", text, re.M))
-        assert names and all(n.startswith("meshd_") and ":" not in n for n in names), names
+        assert names and all(n.startswith(("meshd_", "process_", "python_")) and ":" not in n for n in names), names
+        assert {"meshd_build_info", "process_cpu_seconds_total", "process_resident_memory_bytes"} <= names
 
 
 def test_alert_rules_check_and_pass_their_unit_tests():
     rules = ROOT / "prometheus"
     r = subprocess.run(["promtool", "check", "rules", str(rules / "meshd.rules.yml")], capture_output=True, text=True)
-    assert r.returncode == 0 and "SUCCESS: 8 rules found" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "SUCCESS: 9 rules found" in r.stdout, r.stdout + r.stderr
     r = subprocess.run(["promtool", "test", "rules", "meshd.rules.test.yml"], cwd=rules, capture_output=True,
                        text=True)
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
@@ -103,6 +104,19 @@ def test_a_real_prometheus_scrapes_the_demo_mesh(demo, prometheus):
                      "the restart counter to move in Prometheus")
     assert float(moved[0]["value"][1]) >= 1
     wait_for(lambda: query(prometheus, "meshd_recovery_seconds_count > 0"), 30, "a recovery time")
+
+
+def test_processes_report_their_build_and_ranks_their_mlx_memory(demo, prometheus):
+    wait_for(lambda: len(query(prometheus, 'meshd_agent_rank_mlx_memory_bytes{kind="active"} > 0')) == 4, 30,
+             "every rank's MLX memory (the loaded weights) in Prometheus")
+    assert len(query(prometheus, 'meshd_agent_rank_mlx_memory_bytes{kind="peak"} > 0')) == 4
+    builds = query(prometheus, "meshd_build_info")
+    assert sorted(b["metric"]["component"] for b in builds) == ["agent"] * 4 + ["controller"]
+    assert all(b["metric"]["mlx"] != "not installed" for b in builds)
+    assert len(query(prometheus, 'process_cpu_seconds_total{job=~"meshd-.*"}')) == 5
+    assert [float(r["value"][1]) for r in query(prometheus, "meshd_desired_up")] == [1.0]
+    assert sorted(r["metric"]["node"] for r in query(prometheus, "meshd_agent_up == 1")) == \
+        ["node0", "node1", "node2", "node3"]
 
 
 def test_the_dashboard_queries_only_metrics_that_exist(demo, prometheus):

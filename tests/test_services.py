@@ -2,14 +2,18 @@
 NOTIFY_SOCKET."""
 
 import plistlib
+import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 
 import pytest
 
+from common.logfile import RotatingLog
 from kit.agents import make_agents
+from kit.waiting import wait_for
 from meshd import service
 
 MESH = '[[nodes]]\nname = "a"\nagent = "http://127.0.0.1:7701"\ntoken_file = "t"\n[runtime]\nmodel = "/m"\n'
@@ -27,9 +31,18 @@ def verify(path) -> str:
     return (r.stdout + r.stderr).strip() + ("" if r.returncode == 0 else f" (exit {r.returncode})")
 
 
-@pytest.mark.parametrize("kind,config,name", [("controller", "mesh.toml", "meshd.service"),
-                                              ("agent", "agent.toml", "meshd-agent.service")])
-def test_rendered_units_pass_systemd_analyze_verify(configs, kind, config, name):
+def exposure(path) -> float:
+    """What `systemd-analyze security` rates the unit (0 safest .. 10 unsafe)."""
+    r = subprocess.run(["systemd-analyze", "security", "--offline=true", "--no-pager", str(path)],
+                       capture_output=True, text=True)
+    m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", r.stdout)
+    assert m, r.stdout + r.stderr
+    return float(m.group(1))
+
+
+@pytest.mark.parametrize("kind,config,name,most", [("controller", "mesh.toml", "meshd.service", 3.0),
+                                                   ("agent", "agent.toml", "meshd-agent.service", 5.0)])
+def test_rendered_units_pass_systemd_analyze_verify_and_security(configs, kind, config, name, most):
     out = subprocess.run([sys.executable, "-m", "meshd.cli", "service", "install", kind, str(configs / config),
                           "--system", "linux", "--dest", str(configs / "out")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -43,6 +56,11 @@ def test_rendered_units_pass_systemd_analyze_verify(configs, kind, config, name)
     broken = configs / "out" / f"broken-{name}"
     broken.write_text(unit.replace("Type=notify", "Type=bogus"))
     assert "Failed to parse service type" in verify(broken)  # the check bites
+    assert exposure(configs / "out" / name) <= most
+    open_door = configs / "out" / f"open-{name}"
+    open_door.write_text("\n".join(line for line in unit.splitlines()
+                                   if not line.startswith(("SystemCall", "Protect", "Restrict", "Private"))))
+    assert exposure(open_door) > most  # the rating reads the sandbox
 
 
 def test_plists_load_and_carry_the_launchd_keys(configs):
@@ -54,11 +72,40 @@ def test_plists_load_and_carry_the_launchd_keys(configs):
     for p in (ctl, agent):
         assert p["KeepAlive"] is True and p["RunAtLoad"] is True
         assert p["ThrottleInterval"] > 0 and p["ExitTimeOut"] > 0
-        assert p["StandardOutPath"].endswith(".log") and p["ProgramArguments"][0] == sys.executable
+        assert p["StandardErrorPath"].endswith(".log") and p["ProgramArguments"][0] == sys.executable
+        assert p["ProgramArguments"][-2] == "--log-file" and p["ProgramArguments"][-1].endswith(".log")
+        assert p["SoftResourceLimits"]["NumberOfFiles"] == p["HardResourceLimits"]["NumberOfFiles"] >= 65536
+        assert p["Umask"] == 0o077 and p["UserName"]
     assert agent["AbandonProcessGroup"] is True and "AbandonProcessGroup" not in ctl
-    assert agent["ProgramArguments"][-1] == str((configs / "agent.toml").resolve())
+    assert agent["ProcessType"] == "Interactive"  # launchd throttles the CPU and I/O of jobs without one
+    assert agent["ProgramArguments"][4] == str((configs / "agent.toml").resolve())
+    out = subprocess.run([sys.executable, "-m", "meshd.cli", "service", "install", "agent", str(configs / "agent.toml"),
+                          "--system", "macos", "--dest", str(configs / "out")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "sudo launchctl bootstrap system /Library/LaunchDaemons/com.meshd.agent.plist" in out.stdout
+    assert "LaunchAgents" not in out.stdout and "load -w" not in out.stdout
     assert wired["ProgramArguments"] == ["/usr/sbin/sysctl", "iogpu.wired_limit_mb=253952"]
     assert wired["RunAtLoad"] is True and "KeepAlive" not in wired
+
+
+def test_a_daemons_log_file_is_private_and_rotates_by_size(tmp_path):
+    (agent,) = make_agents(tmp_path, 1)
+    log = tmp_path / "log" / "meshd-agent.log"
+    agent.proc = subprocess.Popen([sys.executable, "-m", "agents.server", "--config", str(agent.dir / "agent.toml"),
+                                   "--log-file", str(log)], stderr=subprocess.PIPE)
+    try:
+        agent.wait_healthy()
+        wait_for(lambda: "agent listening" in log.read_text(), 30, "the agent's first line in its log file")
+        assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    finally:
+        agent.kill()
+    rotating = RotatingLog(tmp_path / "r.log", max_bytes=100, keep=2)
+    for i in range(13):  # three lines a file
+        rotating.write(f"line {i:02d} " + "x" * 30 + "\n")
+    names = sorted(p.name for p in tmp_path.glob("r.log*"))
+    assert names == ["r.log", "r.log.1", "r.log.2"]
+    assert "line 12" in (tmp_path / "r.log").read_text() and "line 00" not in "".join(
+        p.read_text() for p in tmp_path.glob("r.log*"))  # the oldest is dropped, the newest kept
 
 
 def test_sd_notify_ready_watchdog_and_stopping_on_a_real_socket(tmp_path):

@@ -24,10 +24,15 @@ class Agent:
     dir: Path
     token: str
     proc: subprocess.Popen | None = None
+    ca: Path | None = None  # set: the agent speaks TLS with a certificate from this CA
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.ca else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def verify(self) -> str | bool:
+        return str(self.ca) if self.ca else True
 
     def start(self, env: dict | None = None) -> "Agent":
         return self.spawn(env).wait_healthy()
@@ -47,7 +52,7 @@ class Agent:
             raise AssertionError(f"agent {self.node} exited {self.proc.returncode}: "
                                  f"{(self.dir / 'agent.log').read_text()[-2000:]}")
         try:
-            return requests.get(f"{self.url}/healthz", timeout=1).ok
+            return requests.get(f"{self.url}/healthz", timeout=1, verify=self.verify).ok
         except requests.RequestException:
             return False
 
@@ -60,11 +65,12 @@ class Agent:
         return {"Authorization": f"Bearer {self.token}"}
 
     def get(self, path: str, **kw) -> requests.Response:
-        return requests.get(f"{self.url}{path}", headers=self.headers(), timeout=kw.pop("timeout", 30), **kw)
+        return requests.get(f"{self.url}{path}", headers=self.headers(), timeout=kw.pop("timeout", 30),
+                            verify=self.verify, **kw)
 
     def post(self, path: str, body=None, **kw) -> requests.Response:
         return requests.post(f"{self.url}{path}", json=body, headers=self.headers(),
-                             timeout=kw.pop("timeout", 120), **kw)
+                             timeout=kw.pop("timeout", 120), verify=self.verify, **kw)
 
     def events(self, since: int = 0) -> list[dict]:
         return self.get(f"/v1/events?stream=0&since={since}").json()["events"]

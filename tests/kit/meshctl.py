@@ -14,6 +14,8 @@ from contextlib import contextmanager
 import requests
 
 from kit.waiting import wait_for
+from meshd import config as mesh_config
+from meshd.controller import rank_secret
 from meshd.demo import PREFERRED, WORLD
 from meshd.ports import free_run
 
@@ -89,6 +91,12 @@ class Demo:
     @property
     def proxy(self) -> str:
         return self.status()["urls"]["proxy"]
+
+    def rank0(self, generation: int) -> tuple[str, dict]:
+        """Rank 0's address and the header that opens it in `generation` (what the proxy sends)."""
+        cfg = mesh_config.load(self.home / "demo" / "mesh.toml")
+        secret = rank_secret((cfg.state_dir / "rank.key").read_text().strip(), generation)
+        return f"http://127.0.0.1:{cfg.runtime.port}", {"Authorization": f"Bearer {secret}"}
 
     def rank_pid(self, i: int) -> int:
         return self.status()["nodes"][i]["rank"]["pid"]

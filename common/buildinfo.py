@@ -1,0 +1,31 @@
+"""What this process is built from (meshd, MLX, mlx-lm, Python): for
+`meshctl --version`, the agent's node facts and the `meshd_build_info` metric;
+and the `process_*` metrics every meshd registry carries."""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+
+
+def installed(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    return {"meshd": installed("meshd"), "mlx": installed("mlx"), "mlx_lm": installed("mlx-lm"),
+            "python": sys.version.split()[0]}
+
+
+def register_process_metrics(registry, component: str) -> None:
+    """process_* (CPU, memory, open files), python_info, and meshd_build_info{component, versions} in
+    `registry`: a custom registry has none of them by itself."""
+    from prometheus_client import Info, PlatformCollector, ProcessCollector
+
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    Info("meshd_build", "The versions this process runs", registry=registry).info(
+        {"component": component, **{k: v or "not installed" for k, v in versions().items()}})

@@ -1,0 +1,58 @@
+"""A daemon's own log file, rotated by size in the process: launchd has no
+journal, and newsyslog cannot rotate a file a job holds open (it would go on
+writing to the renamed one). `--log-file` on the daemons sends their log here."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import structlog
+
+
+class RotatingLog:
+    """A text file renamed to PATH.1 (older ones to .2 .. .keep, the oldest dropped) when it grows past
+    `max_bytes`; created 0600."""
+
+    def __init__(self, path: Path, max_bytes: int = 64 << 20, keep: int = 5):
+        self.path, self.max_bytes, self.keep = Path(path), max_bytes, keep
+        self._lock = threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._open()
+
+    def _open(self) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._file = os.fdopen(fd, "a", buffering=1)
+        self._size = self._file.tell()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            n = self._file.write(text)
+            self._size += len(text.encode())
+            if self._size >= self.max_bytes:
+                self._rotate()
+            return n
+
+    def flush(self) -> None:
+        with self._lock:
+            self._file.flush()
+
+    def _rotate(self) -> None:
+        self._file.close()
+        for i in range(self.keep - 1, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{i}")
+            if older.exists():
+                older.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
+        self.path.replace(self.path.with_name(f"{self.path.name}.1"))
+        self._open()
+
+
+def log_to(path: Path, max_bytes: int = 64 << 20, keep: int = 5) -> RotatingLog:
+    """Send structlog's lines (timestamped, no colours) to a rotating file at `path`."""
+    out = RotatingLog(path, max_bytes, keep)
+    structlog.configure(processors=[structlog.processors.add_log_level,
+                                    structlog.processors.TimeStamper(fmt="iso"),
+                                    structlog.dev.ConsoleRenderer(colors=False)],
+                        logger_factory=structlog.PrintLoggerFactory(file=out))
+    return out
