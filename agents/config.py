@@ -77,6 +77,7 @@ class AgentConfig:
     python: str = sys.executable
     wired_limit_mb: int = 0  # applied at start when set (macOS, lost at reboot)
     tls: Pair | None = None  # the API's certificate and key, from the mesh CA
+    keep_generations: int = 10  # generation directories (rank logs, status files) kept; older ones pruned
 
     def token(self) -> str:
         return read_secret(self.token_file, "token_file")
@@ -139,6 +140,7 @@ class Options:
     wired_limit_mb: int = 0
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
+    keep_generations: int = AgentConfig.keep_generations
 
 
 EXAMPLES = {"listen": '"127.0.0.1:7701"', "state_dir": '"/var/lib/meshd-agent"',
@@ -151,6 +153,9 @@ def parse(raw: dict, base: Path) -> AgentConfig:
     opts = table(Options, {k: v for k, v in raw.items() if k not in ("node", "token_file", "profiles", "stall")},
                  "", base, EXAMPLES)
     host, port = split_listen("listen", opts.listen)
+    if opts.keep_generations < 1:
+        raise ConfigError("keep_generations: must be at least 1 (the generation that runs); for example "
+                          "keep_generations = 10")
     if (opts.tls_cert_file is None) != (opts.tls_key_file is None):
         raise ConfigError("tls_cert_file, tls_key_file: set both or neither; `meshctl agents install` writes both")
     tls = Pair(opts.tls_cert_file, opts.tls_key_file) if opts.tls_cert_file and opts.tls_key_file else None
@@ -173,6 +178,7 @@ def parse(raw: dict, base: Path) -> AgentConfig:
         stall=table(StallWindows, raw.get("stall"), "stall", base, {}),
         log_max_bytes=opts.log_max_bytes, ibv_hang_seconds=opts.ibv_hang_seconds, grace_seconds=opts.grace_seconds,
         metrics_token_file=opts.metrics_token_file, python=opts.python, wired_limit_mb=opts.wired_limit_mb, tls=tls,
+        keep_generations=opts.keep_generations,
     )
 
 

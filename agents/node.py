@@ -15,6 +15,7 @@ import psutil
 
 from common import procs
 from common.buildinfo import installed
+from common.modelref import ModelNotFound, resolve
 
 TOOL_TIMEOUT = 5.0
 # What a tokenizer mlx-lm can load leaves in a model directory: one of these.
@@ -94,7 +95,8 @@ def parse_ibv_devices(output: str) -> list[str]:
     return names
 
 
-async def facts(model_dir: str | None = None) -> dict:
+async def facts(model: str | None = None, node: str = "this node") -> dict:
+    """This machine as doctor wants it; with `model` (a path or a Hugging Face repo id) its fingerprint."""
     mem = psutil.virtual_memory()
     out = {
         "hostname": socket.gethostname(),
@@ -110,8 +112,14 @@ async def facts(model_dir: str | None = None) -> dict:
         "wired_limit_mb": await wired_limit_mb(),
         "rdma_devices": None,
     }
-    if model_dir:
-        out["model"] = model_fingerprint(model_dir)
+    model_dir = None
+    if model:
+        try:
+            model_dir = str(resolve(model, node))
+        except ModelNotFound as e:
+            out["model"] = {"present": False, "path": model, "error": str(e)}
+        else:
+            out["model"] = {**model_fingerprint(model_dir), "name": model}
     where = Path(model_dir) if model_dir else Path.home()
     try:
         while not where.exists() and where != where.parent:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import psutil
 import structlog
@@ -20,10 +21,10 @@ from agents import config as agent_config
 from agents import node as node_facts
 from agents.supervisor import BadSpec, Conflict, Supervisor
 from common import procs
-from common.errors import ApiError
-from common.http import (bearer_matches, json_error, json_errors, read_json, read_object, run_daemon, start_sites,
-                         until_stopped)
 from common.buildinfo import register_process_metrics
+from common.errors import ApiError
+from common.http import (bearer_matches, json_error, json_errors, log_answer, read_json, read_object, run_daemon,
+                         start_sites, until_stopped)
 from common.protocol import RankSpec
 from common.tls import server_context
 
@@ -123,7 +124,8 @@ class AgentMetrics:
         yield from (up, rss, cpu, mlx, gen, exits, sigs, orphans, survivors, reboot, memory, events)
 
 
-def make_app(sup: Supervisor, token: str, metrics_token: str | None = None) -> web.Application:
+def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
+             log_file: Path | None = None) -> web.Application:
     cfg = sup.config
     registry = CollectorRegistry()
     registry.register(AgentMetrics(sup))
@@ -139,7 +141,7 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None) -> w
 
     async def node(request):
         model = request.query.get("model")
-        return web.json_response({"node": cfg.node, **await node_facts.facts(model),
+        return web.json_response({"node": cfg.node, **await node_facts.facts(model, cfg.node),
                                   "wired_limit_applied": sup.wired_limit,
                                   "reboot_required": sup.reboot_required, "allow_reboot": cfg.allow_reboot,
                                   "launch": {"profiles": {p.name: sorted(p.args) for p in cfg.profiles.values()},
@@ -186,17 +188,16 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None) -> w
     async def rank_log(request):
         try:
             generation, rank = int(request.match_info["generation"]), int(request.match_info["rank"])
-            lines = int(request.query.get("lines", "200"))
-            after = int(request.query["after"]) if "after" in request.query else None
         except ValueError:
-            raise ApiError(400, "generation, rank, lines and after must be integers", param="lines")
-        found = sup.log_tail(generation, rank, max(1, min(lines, 10_000))) if after is None else \
-            sup.log_after(generation, rank, max(0, after))
-        if found is None:
-            return json_error(404, f"no log for generation {generation} rank {rank} on {cfg.node}",
-                              code="not_found")
-        return web.json_response({"node": cfg.node, "generation": generation, "rank": rank, "lines": found[0],
-                                  "offset": found[1]})
+            raise ApiError(400, "generation and rank must be integers", param="generation")
+        return log_answer(request, sup.log_path(generation, rank),
+                          f"no log for generation {generation} rank {rank} on {cfg.node}",
+                          node=cfg.node, generation=generation, rank=rank)
+
+    async def own_log(request):
+        return log_answer(request, log_file, f"agent {cfg.node} writes no log file (it runs without --log-file, "
+                                             f"so it logs to its service's journal: `journalctl -u meshd-agent` on "
+                                             f"{cfg.node})", node=cfg.node)
 
     async def events(request):
         raw = request.query.get("since", request.headers.get("Last-Event-ID", "0"))
@@ -239,23 +240,25 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None) -> w
     app.router.add_post("/v1/generations/{generation}/stop", stop_generation)
     app.router.add_post("/v1/sweep", sweep)
     app.router.add_get("/v1/ranks/{generation}/{rank}/log", rank_log)
+    app.router.add_get("/v1/log", own_log)
     app.router.add_get("/v1/events", events)
     app.router.add_post("/v1/reboot", reboot)
     return app
 
 
-async def serve(cfg: agent_config.AgentConfig) -> None:
+async def serve(cfg: agent_config.AgentConfig, log_file: Path | None = None) -> None:
     token, metrics_token = cfg.token(), cfg.metrics_token()
     sup = Supervisor(cfg)
     await sup.adopt()
     swept = await sup.sweep()
+    sup.prune()
     if cfg.wired_limit_mb:
         sup.wired_limit = await node_facts.apply_wired_limit(cfg.wired_limit_mb)
         log.info("wired limit", node=cfg.node, **sup.wired_limit)
     log.info("agent starting", node=cfg.node, adopted=[r.pid for r in sup.live()],
              swept=[k["pid"] for k in swept["killed"]])
     tls = server_context(cfg.tls) if cfg.tls else None
-    (runner,) = await start_sites([(make_app(sup, token, metrics_token), cfg.host, cfg.port, tls)],
+    (runner,) = await start_sites([(make_app(sup, token, metrics_token, log_file), cfg.host, cfg.port, tls)],
                                   shutdown_timeout=1.0)
     log.info("agent listening", node=cfg.node, address=f"{'https' if tls else 'http'}://{cfg.host}:{cfg.port}")
     await until_stopped(f"agent {cfg.node} on {cfg.host}:{cfg.port}")

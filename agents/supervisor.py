@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from agents.stall import blocked_on_peer
 from agents.watch import RankRecord, RankWatcher
 from common import procs
 from common.hostfile import MLX_BACKEND, HostfileError, launch_env
+from common.modelref import ModelNotFound, resolve
 from common.protocol import (OrphansSwept, RankExited, RankSignature, RankSpec, RankStarted, RebootRequired,
                              StopResult)
 from common.statusfile import write_atomic
@@ -31,6 +33,11 @@ from common.statusfile import write_atomic
 # In a kill, a rank blocked in a collective on a dead peer (it runs no signal
 # handler) gets this long after SIGTERM before its SIGKILL.
 BLOCKED_GRACE = 0.5
+
+
+def generations_to_prune(existing: list[int], keep: int, live: set[int]) -> list[int]:
+    """The generations past the newest `keep`, less any that still runs."""
+    return sorted(g for g in sorted(existing, reverse=True)[keep:] if g not in live)
 
 
 class Conflict(Exception):
@@ -127,8 +134,8 @@ class Supervisor:
         self._write_manifest(keep)
 
     # --- start ------------------------------------------------------------------
-    def _argv(self, profile: Profile, spec: RankSpec, status_file: Path) -> list[str]:
-        values = {"python": self.config.python, "model": spec.model, "port": spec.port, "host": spec.host,
+    def _argv(self, profile: Profile, spec: RankSpec, model: Path, status_file: Path) -> list[str]:
+        values = {"python": self.config.python, "model": model, "port": spec.port, "host": spec.host,
                   "seed": spec.seed, "generation": spec.generation, "rank": spec.rank, "world": spec.world,
                   "status_file": status_file}
         argv = [part.format(**values) for part in profile.command]
@@ -160,8 +167,10 @@ class Supervisor:
             if bad_env:
                 raise BadSpec("env", f"env {bad_env} not in this agent's env_allowlist "
                                      f"({', '.join(self.config.env_allowlist)})")
-            if not Path(spec.model).exists():
-                raise BadSpec("model", f"model path {spec.model!r} does not exist on node {self.config.node}")
+            try:
+                model = resolve(spec.model, self.config.node)
+            except ModelNotFound as e:
+                raise BadSpec("model", str(e))
             try:
                 launch = launch_env(spec.hostfile, spec.rank, starting_port=spec.ring_port, nccl_port=spec.ring_port)
             except HostfileError as e:
@@ -188,7 +197,7 @@ class Supervisor:
             env.pop("MESHD_RANK_SECRET", None)
             if spec.secret:
                 env["MESHD_RANK_SECRET"] = spec.secret
-            argv = self._argv(profile, spec, status_path)
+            argv = self._argv(profile, spec, model, status_path)
             log_path = rundir / "rank.log"
             proc = await procs.spawn(argv, log_path, env=env, cwd=rundir)
             target = procs.identify(proc.pid)
@@ -200,6 +209,7 @@ class Supervisor:
             await self.emit(RankStarted(node=self.config.node, generation=rec.generation, rank=rec.rank,
                                         at=time.time(), pid=rec.pid))
             self._watch(rec)
+            self.prune()
             return rec, True
 
     # --- stop -------------------------------------------------------------------
@@ -268,36 +278,15 @@ class Supervisor:
                                            reason=f"{len(survived)} process(es) survived SIGKILL in the sweep"))
         return {"killed": killed, "survived": survived, "steps": list(result.steps)}
 
-    def _log_path(self, generation: int, rank: int) -> Path:
+    def prune(self) -> list[int]:
+        """Remove the generation directories retention no longer keeps (never one a live rank uses)."""
+        existing = [int(d.name.removeprefix("gen-")) for d in self.state_dir.glob("gen-*")
+                    if d.name.removeprefix("gen-").isdigit()]
+        gone = generations_to_prune(existing, self.config.keep_generations, {r.generation for r in self.live()})
+        for g in gone:
+            shutil.rmtree(self.state_dir / f"gen-{g}", ignore_errors=True)
+        return gone
+
+    def log_path(self, generation: int, rank: int) -> Path:
         rec = self.records.get((generation, rank))
         return rec.log_path if rec else self.state_dir / f"gen-{generation}" / f"rank-{rank}" / "rank.log"
-
-    def log_tail(self, generation: int, rank: int, lines: int) -> tuple[list[str], int] | None:
-        """The last `lines` lines of a rank's log (its rotated file first), and the live file's size: where
-        `log_after` goes on from."""
-        path = self._log_path(generation, rank)
-        if not path.exists():
-            return None
-        data, size = b"", 0
-        for part in (path.with_suffix(path.suffix + ".1"), path):  # the rotated file, then the live one
-            if part.exists():
-                with part.open("rb") as f:
-                    f.seek(0, 2)
-                    size = f.tell()
-                    f.seek(max(0, size - 256 * 1024))
-                    data += f.read()
-        return data.decode(errors="replace").splitlines()[-lines:], size
-
-    def log_after(self, generation: int, rank: int, offset: int) -> tuple[list[str], int] | None:
-        """The whole lines written to a rank's live log after byte `offset`, and the offset after them; a
-        file rotated since (shorter than `offset`) is read from its start."""
-        path = self._log_path(generation, rank)
-        if not path.exists():
-            return None
-        with path.open("rb") as f:
-            f.seek(0, 2)
-            start = offset if offset <= f.tell() else 0
-            f.seek(start)
-            data = f.read(1 << 20)
-        end = data.rfind(b"\n") + 1
-        return data[:end].decode(errors="replace").splitlines(), start + end

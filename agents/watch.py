@@ -8,7 +8,7 @@ and the status file are read every 50 ms.
 from __future__ import annotations
 
 import asyncio
-import shutil
+import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -137,10 +137,18 @@ class RankWatcher:
                 await self.emit(self._event(RankSignature, signature=sig.name, severity=sig.severity,
                                             role=sig.role, line=line[-500:]))
         if size > self.log_max_bytes:
-            shutil.copyfile(path, path.with_suffix(path.suffix + ".1"))
-            with path.open("r+b") as f:
-                f.truncate(0)
-            self._offset = 0
+            self._rotate(path)
+
+    def _rotate(self, path: Path) -> None:
+        """Copy the log to LOG.1 and empty it (the rank holds it open, appending: a rename would not
+        rotate it). The copy reads until a read finds nothing new and the file is emptied right then, so
+        lines the rank writes during the copy land in it; only the instant between that last read and the
+        truncate is a gap (a whole-file copy, then a truncate, lost everything written during the copy)."""
+        with path.open("rb") as src, path.with_suffix(path.suffix + ".1").open("wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+            os.truncate(path, 0)
+        self._offset = 0
 
     async def _read_status(self) -> None:
         rec = self.rec

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from common import sdnotify
-from common.logfile import log_to
+from common import logfile, sdnotify
 from common.errors import ApiError, error_body, error_type
 from common.tomlcheck import ConfigError
 
@@ -69,6 +68,21 @@ async def read_object(request: web.Request) -> dict:
     return body
 
 
+def log_answer(request: web.Request, path: Path | None, missing: str, **fields) -> web.Response:
+    """A log's tail (`?lines=N`) or the whole lines after byte `?after=B`, as {**fields, lines, offset} (the
+    offset to follow from); 404 saying `missing` when there is no such log."""
+    try:
+        lines = int(request.query.get("lines", "200"))
+        start = int(request.query["after"]) if "after" in request.query else None
+    except ValueError:
+        raise ApiError(400, "'lines' and 'after' must be integers", param="lines")
+    found = None if path is None else \
+        logfile.tail(path, max(1, min(lines, 10_000))) if start is None else logfile.after(path, max(0, start))
+    if found is None:
+        return json_error(404, missing, code="not_found")
+    return web.json_response({**fields, "lines": found[0], "offset": found[1]})
+
+
 def bearer_matches(request: web.Request, token: str) -> bool:
     """`Authorization: Bearer <token>`, compared in constant time."""
     given = request.headers.get("Authorization", "")
@@ -111,12 +125,12 @@ def run_daemon(prog: str, description: str, config_help: str, load, serve, liste
     p.add_argument("--log-file", type=Path, help="write the log here, rotated by size (launchd has no journal)")
     args = p.parse_args()
     if args.log_file:
-        log_to(args.log_file)
+        logfile.log_to(args.log_file)
     try:
         cfg = load(args.config)
     except ConfigError as e:
         sys.exit(f"{prog}: {e}")
     try:
-        asyncio.run(serve(cfg))
+        asyncio.run(serve(cfg, args.log_file))
     except OSError as e:
         sys.exit(f"{prog}: cannot listen ({e.strerror}); {listen_fix}")

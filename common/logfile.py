@@ -48,6 +48,36 @@ class RotatingLog:
         self._open()
 
 
+def tail(path: Path, lines: int) -> tuple[list[str], int] | None:
+    """The last `lines` lines of a log (its rotated file first), and the live file's size: where `after`
+    goes on from. None when there is no such log."""
+    if not path.exists():
+        return None
+    data, size = b"", 0
+    for part in (path.with_name(path.name + ".1"), path):  # the rotated file, then the live one
+        if part.exists():
+            with part.open("rb") as f:
+                f.seek(0, 2)
+                size = f.tell()
+                f.seek(max(0, size - 256 * 1024))
+                data += (b"\n" if data and not data.endswith(b"\n") else b"") + f.read()  # one file's cut line
+    return data.decode(errors="replace").splitlines()[-lines:], size
+
+
+def after(path: Path, offset: int) -> tuple[list[str], int] | None:
+    """The whole lines written to a live log after byte `offset`, and the offset after them; a file rotated
+    since (shorter than `offset`) is read from its start."""
+    if not path.exists():
+        return None
+    with path.open("rb") as f:
+        f.seek(0, 2)
+        start = offset if offset <= f.tell() else 0
+        f.seek(start)
+        data = f.read(1 << 20)
+    end = data.rfind(b"\n") + 1
+    return data[:end].decode(errors="replace").splitlines(), start + end
+
+
 def log_to(path: Path, max_bytes: int = 64 << 20, keep: int = 5) -> RotatingLog:
     """Send structlog's lines (timestamped, no colours) to a rotating file at `path`."""
     out = RotatingLog(path, max_bytes, keep)

@@ -16,14 +16,43 @@ import tomli_w
 
 
 class ConfigError(ValueError):
-    pass
+    """One mistake or several (`problems`), each naming the key, what is wrong and the fix."""
+
+    def __init__(self, *problems: str):
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
+
+
+class Problems:
+    """Every mistake of a file in one pass: each check runs, and what fails is kept for one ConfigError."""
+
+    def __init__(self):
+        self.found: list[str] = []
+
+    def check(self, fn, *args, default=None):
+        """fn(*args), or `default` after noting its mistakes."""
+        try:
+            return fn(*args)
+        except ConfigError as e:
+            self.found += e.problems
+            return default
+
+    def raise_any(self) -> None:
+        if self.found:
+            raise ConfigError(*self.found)
+
+
+def port_in_range(key: str, port: int) -> int:
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{key}: port {port} is out of range; use 1-65535, for example 8100")
+    return port
 
 
 def split_listen(key: str, value: str) -> tuple[str, int]:
     if not isinstance(value, str) or ":" not in value or not value.rsplit(":", 1)[1].isdigit():
         raise ConfigError(f'{key}: expected "host:port", got {value!r}; for example {key} = "127.0.0.1:8000"')
     host, port = value.rsplit(":", 1)
-    return host, int(port)
+    return host, port_in_range(key, int(port))
 
 
 def loopback(host: str | None) -> bool:
@@ -77,14 +106,15 @@ def table(cls, raw: Any, key: str, base: Path, examples: dict[str, str]):
     if not isinstance(raw, dict):
         raise ConfigError(f"[{key}]: expected a table, got {raw!r}")
     known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        where = f"{key}.{unknown[0]}" if key else unknown[0]
-        raise ConfigError(f"{where}: unknown key; {f'[{key}]' if key else 'the file'} takes {', '.join(known)}")
+    problems = Problems()
+    for name in sorted(set(raw) - set(known)):
+        where = f"{key}.{name}" if key else name
+        problems.found.append(f"{where}: unknown key; {f'[{key}]' if key else 'the file'} takes {', '.join(known)}")
     defaults = cls()
-    values = {name: _value(getattr(defaults, name), value, name, f"{key}.{name}" if key else name,
-                           examples.get(name, repr(getattr(defaults, name))), base)
-              for name, value in raw.items()}
+    values = {name: problems.check(_value, getattr(defaults, name), value, name, f"{key}.{name}" if key else name,
+                                   examples.get(name, repr(getattr(defaults, name))), base)
+              for name, value in raw.items() if name in known}
+    problems.raise_any()
     return cls(**values)
 
 

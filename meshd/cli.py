@@ -30,6 +30,7 @@ from agents.config import DEFAULT_ENV_ALLOWLIST, DEFAULT_PROFILES
 from common.tomlcheck import ConfigError
 from meshd import daemons, demo, service
 from meshd.config import MeshConfig, hostfile_for, load
+from meshd.progress import Display
 
 # The commands that reach nodes over SSH or the agents' HTTP API import their
 # modules when they run: paramiko, aiohttp and structlog would cost every
@@ -148,14 +149,21 @@ def resolve_config(arg: str | None, *, for_up: bool = False, opts: demo.DemoOpti
     return load(mesh)
 
 
-def progress_line(status: dict) -> str:
-    parts = []
-    for r in status.get("load", []):
-        state = r["state"]
-        if state == "loading" and r["load_total"]:
-            state = f"loading {r['load_done']}/{r['load_total']}"
-        parts.append(f"{r['node']}: {state}")
-    return f"generation {status['generation']} {status['phase']}: " + ", ".join(parts)
+def follow_until_ready(ctl: "Control", timeout: float, after: int = 0) -> dict:
+    """Show the mesh moving (live on a terminal) until a generation after `after` serves or the mesh ends
+    failed (said, with why); CliError when the time is up."""
+    display = Display()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = ctl.call("GET", "/v1/status")
+        display.show(status)
+        if status["phase"] == "ready" and status["generation"] > after:
+            return status
+        if status["phase"] == "failed":
+            say(f"failed: {status['reason']}")
+            return status
+        time.sleep(0.3)
+    raise CliError(f"not ready after {timeout:.0f}s; `meshctl status` and `meshctl logs NODE` say why")
 
 
 def cmd_up(args) -> int:
@@ -186,27 +194,16 @@ def cmd_up(args) -> int:
                            f"started. `meshctl doctor` shows every check; --skip-preflight starts anyway")
         say(f"preflight: {len(checks)} checks pass")
     ctl.call("POST", "/v1/up")
-    last = ""
-    deadline = time.monotonic() + args.timeout
-    while time.monotonic() < deadline:
-        status = ctl.call("GET", "/v1/status")
-        line = progress_line(status)
-        if line != last:
-            say(line)
-            last = line
-        if status["phase"] == "ready":
-            proxy = status["urls"]["proxy"]
-            say(f"\nready: generation {status['generation']} on {len(status['nodes'])} ranks")
-            say(f"OpenAI URL: {proxy}")
-            say(f"try:  curl -s {proxy}/chat/completions -H 'Content-Type: application/json' "
-                "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}], \"max_tokens\": 32}'")
-            say("stop: meshctl down" + (f" --config {cfg.path}" if args.config else ""))
-            return 0
-        if status["phase"] == "failed":
-            say(f"failed: {status['reason']}")
-            return 1
-        time.sleep(0.3)
-    raise CliError(f"not ready after {args.timeout:.0f}s; `meshctl status` and `meshctl logs NODE` say why")
+    status = follow_until_ready(ctl, args.timeout)
+    if status["phase"] == "failed":
+        return 1
+    proxy = status["urls"]["proxy"]
+    say(f"\nready: generation {status['generation']} on {len(status['nodes'])} ranks")
+    say(f"OpenAI URL: {proxy}")
+    say(f"try:  curl -s {proxy}/chat/completions -H 'Content-Type: application/json' "
+        "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}], \"max_tokens\": 32}'")
+    say("stop: meshctl down" + (f" --config {cfg.path}" if args.config else ""))
+    return 0
 
 
 def cmd_down(args) -> int:
@@ -229,7 +226,16 @@ def cmd_down(args) -> int:
 
 def cmd_status(args) -> int:
     cfg = resolve_config(args.config)
-    status = Control(cfg).call("GET", "/v1/status")
+    ctl = Control(cfg)
+    if args.watch:  # until Ctrl-C
+        display = Display()
+        try:
+            while True:
+                display.show(ctl.call("GET", "/v1/status"))
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            return 0
+    status = ctl.call("GET", "/v1/status")
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
@@ -254,8 +260,14 @@ def cmd_status(args) -> int:
 
 
 def cmd_restart(args) -> int:
-    Control(resolve_config(args.config)).call("POST", "/v1/restart")
+    ctl = Control(resolve_config(args.config))
+    before = ctl.call("POST", "/v1/restart")["generation"]
     say("restarting: the generation drains and the next one starts")
+    if args.wait:
+        status = follow_until_ready(ctl, args.timeout, after=before)
+        if status["phase"] == "failed":
+            return 1
+        say(f"ready: generation {status['generation']}")
     return 0
 
 
@@ -313,16 +325,27 @@ def log_generation(current: int, incidents: list[dict], now: float, generation: 
 
 def cmd_logs(args) -> int:
     ctl = Control(resolve_config(args.config))
-    incidents = ctl.call("GET", "/v1/incidents")["incidents"]
-    generation, why = log_generation(ctl.call("GET", "/v1/status")["generation"], incidents, time.time(),
-                                     args.generation, args.incident)
-    path = f"/v1/logs/{args.node}?lines={args.lines}&generation={generation}"
+    if args.controller:
+        path, title = f"/v1/log?lines={args.lines}", "# the controller's log"
+    elif not args.node:
+        raise CliError("name the node (`meshctl logs node0`), or pass --controller for the controller's own log")
+    elif args.agent:
+        path, title = f"/v1/logs/{args.node}?source=agent&lines={args.lines}", f"# {args.node}'s agent log"
+    else:
+        incidents = ctl.call("GET", "/v1/incidents")["incidents"]
+        generation, why = log_generation(ctl.call("GET", "/v1/status")["generation"], incidents, time.time(),
+                                         args.generation, args.incident)
+        path = f"/v1/logs/{args.node}?lines={args.lines}&generation={generation}"
+        title = f"# {args.node}'s rank, generation {generation} ({why})"
     data = ctl.call("GET", path)
-    print(f"# {args.node} rank {data['rank']}, generation {generation} ({why})", file=sys.stderr)
+    if args.json and not args.follow:
+        print(json.dumps(data, indent=2))
+        return 0
+    print(title, file=sys.stderr)
     try:
         while True:
             for line in data["lines"]:
-                print(line, flush=True)
+                print(json.dumps({"line": line}) if args.json else line, flush=True)
             if not args.follow:
                 return 0
             time.sleep(0.5)
@@ -333,19 +356,63 @@ def cmd_logs(args) -> int:
         raise
 
 
-def cmd_config_check(args) -> int:
+def cmd_model_pull(args) -> int:
+    from meshd import modelpull
+
+    try:
+        modelpull.pull(resolve_config(args.config), args.repo, source=args.source, force=args.force,
+                       trust_new=args.trust_new_host, say=say)
+    except modelpull.PullError as e:
+        raise CliError(str(e))
+    return 0
+
+
+def cmd_completion(args) -> int:
+    from meshd.completion import script
+
+    print(script(build_parser(), args.shell))
+    return 0
+
+
+def cmd_config(args) -> int:
+    if args.config_cmd == "nodes":
+        for n in resolve_config(args.config).nodes:
+            print(n.name)
+        return 0
+    if args.config_cmd == "schema":
+        from meshd.config import json_schema
+
+        print(json.dumps(json_schema(), indent=2))
+        return 0
     path = args.file or find_config(args.config)
     if not path:
         raise CliError(f"no mesh.toml in {', '.join(map(str, config_places()))}; name the file: "
                        f"meshctl config check mesh.toml")
-    cfg = load(path)
+    try:
+        cfg = load(path)
+    except ConfigError as e:
+        if not args.json:
+            raise
+        print(json.dumps({"path": str(path), "ok": False, "problems": e.problems, "warnings": []}, indent=2))
+        return 1
     warnings = [f"nodes.{n.name}.token_file: {n.token_file} does not exist" for n in cfg.nodes
                 if not n.token_file.exists()]
     warnings += default_profile_refusals(cfg)
+    if args.json:
+        print(json.dumps({"path": str(path), "ok": True, "problems": [], "warnings": warnings, "backend": cfg.backend,
+                          "name": cfg.name, "nodes": [n.name for n in cfg.nodes], "model": cfg.runtime.model},
+                         indent=2))
+        return 0
     for m in warnings:
         say(f"warning: {m}")
     say(f"{path}: ok ({cfg.backend} mesh {cfg.name!r}, {len(cfg.nodes)} nodes, model {cfg.runtime.model})")
     return 0
+
+
+def config_mistakes(e: ConfigError) -> str:
+    if len(e.problems) < 2:
+        return f"meshctl: {e}"
+    return f"meshctl: {len(e.problems)} mistakes in the config:\n" + "\n".join(f"  {p}" for p in e.problems)
 
 
 def default_profile_refusals(cfg: MeshConfig) -> list[str]:
@@ -504,7 +571,7 @@ def config_first(argv: list[str]) -> list[str]:
     return front + rest
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshctl", description="Drive a meshd mesh (the demo mesh when no config).")
     p.add_argument("--config", help="mesh.toml, before or after the command (default: $MESHD_CONFIG, ./mesh.toml, "
                                     "$XDG_CONFIG_HOME/meshd/mesh.toml, /etc/meshd/mesh.toml, else the demo mesh)")
@@ -526,21 +593,30 @@ def main(argv: list[str] | None = None) -> int:
     down.add_argument("--timeout", type=float, default=120)
     st = sub.add_parser("status", help="fleet state and a table of nodes and ranks")
     st.add_argument("--json", action="store_true")
-    sub.add_parser("restart", help="drain this generation and start the next")
+    st.add_argument("-w", "--watch", action="store_true", help="follow it live (load bars, recovery steps) "
+                                                               "until Ctrl-C")
+    rs = sub.add_parser("restart", help="drain this generation and start the next")
+    rs.add_argument("--wait", action="store_true", help="follow the next generation's start until it serves")
+    rs.add_argument("--timeout", type=float, default=900)
     ev = sub.add_parser("events", help="control actions (who, what, when) and incident history")
     ev.add_argument("--json", action="store_true")
-    lg = sub.add_parser("logs", help="a node's rank log tail: the generation of an incident of the last ten "
-                                      "minutes, else the one serving")
-    lg.add_argument("node")
+    lg = sub.add_parser("logs", help="a node's rank log tail (the generation of an incident of the last ten "
+                                      "minutes, else the one serving), its agent's, or the controller's")
+    lg.add_argument("node", nargs="?")
     lg.add_argument("--lines", type=int, default=100)
     which = lg.add_mutually_exclusive_group()
     which.add_argument("-g", "--generation", type=int, help="this generation's log")
     which.add_argument("--incident", type=int, metavar="N", help="the log of the Nth newest incident's generation")
     lg.add_argument("-f", "--follow", action="store_true", help="print lines as they are written, until Ctrl-C")
+    which.add_argument("--agent", action="store_true", help="the node's agent's own log, not its rank's")
+    which.add_argument("--controller", action="store_true", help="the controller's own log (no node)")
+    lg.add_argument("--json", action="store_true", help="the answer as JSON (with -f: a JSON object per line)")
     cfg = sub.add_parser("config", help="config tools")
     cfg_sub = cfg.add_subparsers(dest="config_cmd", required=True)
-    check = cfg_sub.add_parser("check", help="validate a mesh.toml")
+    check = cfg_sub.add_parser("check", help="validate a mesh.toml: every mistake, in one pass")
     check.add_argument("file", nargs="?")
+    check.add_argument("--json", action="store_true")
+    cfg_sub.add_parser("schema", help="print a JSON Schema of mesh.toml for editors")
     trust = argparse.ArgumentParser(add_help=False)
     trust.add_argument("--trust-new-host", action="store_true", help="pin host keys not yet in known_hosts")
     prov = sub.add_parser("provision", parents=[trust],
@@ -576,14 +652,34 @@ def main(argv: list[str] | None = None) -> int:
     inst.add_argument("--dest", help="where to write (default: STATE_DIR/service)")
     inst.add_argument("--wired-limit-mb", type=int, help="macOS agent: also render the boot job that sets "
                                                          "iogpu.wired_limit_mb")
+    cfg_sub.add_parser("nodes", help="the mesh's node names, one a line (shell completion reads them)")
+    model = sub.add_parser("model", help="models by Hugging Face id")
+    model_sub = model.add_subparsers(dest="model_cmd", required=True)
+    mp = model_sub.add_parser("pull", parents=[trust], help="download a repo on one node (its network) and copy it "
+                                                            "to the others' Hugging Face caches over SSH")
+    mp.add_argument("repo", help="a Hugging Face repo id, e.g. mlx-community/Qwen3-8B-4bit")
+    mp.add_argument("--from", dest="source", metavar="NODE", help="the node that downloads (default: the first)")
+    mp.add_argument("--force", action="store_true", help="copy every file again, even one already there")
+    comp = sub.add_parser("completion", help="print the shell completion script: "
+                                             "`source <(meshctl completion bash)` (or zsh)")
+    comp.add_argument("shell", choices=["bash", "zsh"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(config_first(sys.argv[1:] if argv is None else argv))
     handlers = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "restart": cmd_restart,
-                "events": cmd_events, "logs": cmd_logs, "config": cmd_config_check,
+                "events": cmd_events, "logs": cmd_logs, "config": cmd_config,
                 "service": cmd_service_install, "provision": cmd_provision, "doctor": cmd_doctor,
-                "reboot": cmd_reboot, "agents": cmd_agents_install}
+                "reboot": cmd_reboot, "agents": cmd_agents_install, "completion": cmd_completion,
+                "model": cmd_model_pull}
     try:
         return handlers[args.cmd](args)
-    except (CliError, ConfigError) as e:
+    except ConfigError as e:
+        print(config_mistakes(e), file=sys.stderr)
+        return 1
+    except CliError as e:
         print(f"meshctl: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

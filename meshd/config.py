@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
 from common.hostfile import BACKENDS, local_index
-from common.tomlcheck import ConfigError, loopback, read_toml, split_listen, table
+from common.tomlcheck import ConfigError, Problems, loopback, port_in_range, read_toml, split_listen, table
 from meshd.fleet import Recovery
 
 
@@ -86,9 +86,11 @@ class Ssh:
 
     user: str = ""
     known_hosts: str = "~/.ssh/known_hosts"
-    key_file: Path | None = None  # none: ssh-agent and the default keys
+    key_file: Path | None = None  # none: ~/.ssh/config's IdentityFile, ssh-agent and the default keys
     connect_timeout: float = 10.0
     command_timeout: float = 120.0
+    config: str = "~/.ssh/config"  # OpenSSH's client config: Host aliases, HostName, User, Port, IdentityFile,
+    #                                ProxyJump, as `ssh` reads them ("": none)
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,15 @@ class Control:
 
 
 @dataclass(frozen=True)
+class Retention:
+    """What the store keeps: the events and generation rows of the newest `generations`, the newest
+    `incidents` (each agent prunes its own generation directories: its keep_generations)."""
+
+    generations: int = 100
+    incidents: int = 1000
+
+
+@dataclass(frozen=True)
 class MeshConfig:
     name: str
     backend: str
@@ -121,6 +132,7 @@ class MeshConfig:
     hostfile: Path | None = None
     path: Path | None = None
     ssh: Ssh = field(default_factory=Ssh)
+    retention: Retention = field(default_factory=Retention)
 
     @property
     def speculative(self) -> bool:
@@ -142,84 +154,206 @@ class MeshConfig:
         raise KeyError(name)
 
 
+TOP_KEYS = ("name", "backend", "nodes", "runtime", "proxy", "recovery", "control", "state_dir", "hostfile", "ssh",
+            "retention")
+NODE_KEYS = ("name", "agent", "token_file", "address", "ssh", "devices")
+
+
 def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
+    """The config, or one ConfigError with every mistake in it (each names its key, the problem and a fix)."""
+    problems = Problems()
+    name = problems.check(_name, raw, default="mesh")
+    backend = problems.check(_backend, raw, default="ring")
+    for key in sorted(set(raw) - set(TOP_KEYS)):
+        problems.found.append(f"{key}: unknown key; mesh.toml takes {', '.join(sorted(TOP_KEYS))}")
+    nodes = problems.check(_nodes, raw.get("nodes"), base, backend, default=())
+    runtime = problems.check(_runtime, raw.get("runtime"), base)
+    proxy = problems.check(_proxy, raw.get("proxy"), base)
+    recovery = problems.check(_recovery, raw.get("recovery"), base)
+    control = problems.check(table, Control, raw.get("control"), "control", base, {"listen": '"127.0.0.1:8001"'})
+    if control is not None:
+        problems.check(split_listen, "control.listen", control.listen)
+    state_dir = problems.check(_path, raw, "state_dir", "state", '"/var/lib/meshd"', default="state")
+    hostfile = problems.check(_path, raw, "hostfile", None, '"hostfile.json"')
+    ssh = problems.check(_ssh, raw.get("ssh"), base)
+    retention = problems.check(table, Retention, raw.get("retention"), "retention", base, {})
+    if retention is not None and min(retention.generations, retention.incidents) < 1:
+        problems.found.append("retention: generations and incidents must be at least 1; for example "
+                              "generations = 100")
+    if proxy is not None and control is not None:
+        problems.check(_listeners_apart, proxy, control, runtime)
+    problems.raise_any()
+    if backend in ("jaccl", "jaccl-ring") and not hostfile:
+        hostfile = str(Path(state_dir) / "hostfile.json")  # where `meshctl provision` writes it
+    return MeshConfig(name, backend, tuple(nodes), runtime, proxy, recovery, control, base / state_dir,
+                      base / hostfile if hostfile else None, path, ssh, retention)
+
+
+def _name(raw: dict) -> str:
     name = raw.get("name", "mesh")
     if not isinstance(name, str) or not name:
         raise ConfigError(f'name: expected a non-empty string, got {name!r}; for example name = "studio-mesh"')
+    return name
+
+
+def _backend(raw: dict) -> str:
     backend = raw.get("backend", "ring")
     if backend not in BACKENDS:
         raise ConfigError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}; for example backend = \"jaccl\"")
-    allowed = {"name", "backend", "nodes", "runtime", "proxy", "recovery", "control", "state_dir", "hostfile", "ssh"}
-    unknown = sorted(set(raw) - allowed)
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown key; mesh.toml takes {', '.join(sorted(allowed))}")
-    nodes_raw = raw.get("nodes")
+    return backend
+
+
+def _path(raw: dict, key: str, default: str | None, example: str) -> str | None:
+    value = raw.get(key, default)
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a path, got {value!r}; for example {key} = {example}")
+    return value
+
+
+def _nodes(nodes_raw, base: Path, backend: str) -> list[Node]:
     if not isinstance(nodes_raw, list) or not nodes_raw:
         raise ConfigError('nodes: at least one [[nodes]] table is needed; for example\n'
                           '  [[nodes]]\n  name = "studio-1"\n  agent = "https://10.0.0.1:7701"\n'
                           '  token_file = "tokens/studio-1"')
-    nodes = []
-    for i, n in enumerate(nodes_raw):
-        where = f"nodes[{i}]"
-        if not isinstance(n, dict):
-            raise ConfigError(f"{where}: expected a table")
-        for key, example in (("name", '"studio-1"'), ("agent", '"https://10.0.0.1:7701"'),
-                             ("token_file", '"tokens/studio-1"')):
-            if not isinstance(n.get(key), str) or not n[key]:
-                raise ConfigError(f"{where}.{key}: missing or not a string; for example {key} = {example}")
-        if not n["agent"].startswith(("http://", "https://")):
-            raise ConfigError(f'{where}.agent: expected a URL, got {n["agent"]!r}; for example agent = '
-                              '"https://10.0.0.1:7701"')
-        url = urlparse(n["agent"])
-        if url.scheme == "http" and not loopback(url.hostname):
-            raise ConfigError(f"{where}.agent: {n['agent']} is plain HTTP off loopback, where the agent's token "
-                              "would cross the network in clear; use https:// (`meshctl agents install` issues "
-                              "the node's certificate from the mesh CA)")
-        extra = sorted(set(n) - {"name", "agent", "token_file", "address", "ssh", "devices"})
-        if extra:
-            raise ConfigError(f"{where}.{extra[0]}: unknown key; a node takes name, agent, token_file, address, ssh, "
-                              "devices")
-        for key in ("address", "ssh", "devices"):
-            if not isinstance(n.get(key, ""), str):
-                raise ConfigError(f'{where}.{key}: expected a string, got {n[key]!r}; for example devices = "1"')
-        nodes.append(Node(n["name"], n["agent"].rstrip("/"), base / n["token_file"], n.get("address", "127.0.0.1"),
-                          n.get("ssh", ""), n.get("devices", "")))
+    problems = Problems()
+    nodes = [n for i, raw in enumerate(nodes_raw) if (n := problems.check(_node, i, raw, base)) is not None]
     names = [n.name for n in nodes]
-    dupes = sorted({x for x in names if names.count(x) > 1})
-    if dupes:
-        raise ConfigError(f"nodes: the name {dupes[0]!r} is used twice; node names must be unique")
-    if backend == "nccl":
-        _check_devices(nodes)
-    runtime = table(Runtime, raw.get("runtime"), "runtime", base,
-                     {"model": '"/Volumes/models/DeepSeek-V4"', "profile": '"meshd-rank"'})
+    for dupe in sorted({x for x in names if names.count(x) > 1}):
+        problems.found.append(f"nodes: the name {dupe!r} is used twice; node names must be unique")
+    if backend == "nccl" and len(nodes) == len(nodes_raw):
+        problems.check(_check_devices, nodes)
+    problems.raise_any()
+    return nodes
+
+
+def _node(i: int, n, base: Path) -> Node:
+    where = f"nodes[{i}]"
+    if not isinstance(n, dict):
+        raise ConfigError(f"{where}: expected a table")
+    problems = Problems()
+    for key in sorted(set(n) - set(NODE_KEYS)):
+        problems.found.append(f"{where}.{key}: unknown key; a node takes {', '.join(NODE_KEYS)}")
+    for key, example in (("name", '"studio-1"'), ("agent", '"https://10.0.0.1:7701"'),
+                         ("token_file", '"tokens/studio-1"')):
+        if not isinstance(n.get(key), str) or not n[key]:
+            problems.found.append(f"{where}.{key}: missing or not a string; for example {key} = {example}")
+    for key in ("address", "ssh", "devices"):
+        if not isinstance(n.get(key, ""), str):
+            problems.found.append(f'{where}.{key}: expected a string, got {n[key]!r}; for example devices = "1"')
+    if isinstance(n.get("agent"), str) and n["agent"]:
+        problems.check(_agent_url, where, n["agent"])
+    problems.raise_any()
+    return Node(n["name"], n["agent"].rstrip("/"), base / n["token_file"], n.get("address", "127.0.0.1"),
+                n.get("ssh", ""), n.get("devices", ""))
+
+
+def _agent_url(where: str, agent: str) -> None:
+    if not agent.startswith(("http://", "https://")):
+        raise ConfigError(f'{where}.agent: expected a URL, got {agent!r}; for example agent = "https://10.0.0.1:7701"')
+    url = urlparse(agent)
+    try:
+        port = url.port
+    except ValueError:
+        raise ConfigError(f"{where}.agent: {agent} has a port out of range; use 1-65535, for example :7701")
+    if port is not None:
+        port_in_range(f"{where}.agent", port)
+    if url.scheme == "http" and not loopback(url.hostname):
+        raise ConfigError(f"{where}.agent: {agent} is plain HTTP off loopback, where the agent's token "
+                          "would cross the network in clear; use https:// (`meshctl agents install` issues "
+                          "the node's certificate from the mesh CA)")
+
+
+def _runtime(raw, base: Path) -> Runtime:
+    runtime = table(Runtime, raw, "runtime", base, {"model": '"/Volumes/models/DeepSeek-V4"',
+                                                   "profile": '"meshd-rank"'})
+    problems = Problems()
     if not runtime.model:
-        raise ConfigError('runtime.model: missing; the model directory on every node, for example '
-                          'model = "/Volumes/models/DeepSeek-V4"')
-    proxy = table(Proxy, raw.get("proxy"), "proxy", base, {"listen": '"127.0.0.1:8000"'})
-    split_listen("proxy.listen", proxy.listen)
+        problems.found.append('runtime.model: missing; the model directory on every node, for example '
+                              'model = "/Volumes/models/DeepSeek-V4"')
+    problems.check(port_in_range, "runtime.port", runtime.port)
+    problems.check(port_in_range, "runtime.ring_port", runtime.ring_port)
+    problems.raise_any()
+    return runtime
+
+
+def _proxy(raw, base: Path) -> Proxy:
+    proxy = table(Proxy, raw, "proxy", base, {"listen": '"127.0.0.1:8000"'})
+    problems = Problems()
+    problems.check(split_listen, "proxy.listen", proxy.listen)
     if proxy.open_off_loopback and not proxy.allow_open:
-        raise ConfigError(f"proxy.listen: {proxy.listen} is off loopback and proxy.api_keys_file is not set, so "
-                          "anyone who reaches it may use the mesh; set api_keys_file = \"api-keys\" (one key per "
-                          "line), or allow_open = true to serve it open on purpose")
+        problems.found.append(f"proxy.listen: {proxy.listen} is off loopback and proxy.api_keys_file is not set, "
+                              "so anyone who reaches it may use the mesh; set api_keys_file = \"api-keys\" (one key "
+                              "per line), or allow_open = true to serve it open on purpose")
     if proxy.concurrency < 1:
-        raise ConfigError("proxy.concurrency: must be at least 1")
-    recovery = table(Recovery, raw.get("recovery"), "recovery", base, {"ladder": '["restart", "reprovision", "reboot"]'})
+        problems.found.append("proxy.concurrency: must be at least 1")
+    problems.raise_any()
+    return proxy
+
+
+def _recovery(raw, base: Path) -> Recovery:
+    recovery = table(Recovery, raw, "recovery", base, {"ladder": '["restart", "reprovision", "reboot"]'})
     bad_steps = [s for s in recovery.ladder if s not in ("restart", "reprovision", "reboot")]
     if bad_steps or not recovery.ladder or recovery.ladder[0] != "restart":
         raise ConfigError('recovery.ladder: must start with "restart" and use only restart, reprovision, reboot; '
                           'for example ladder = ["restart", "reprovision", "reboot"]')
-    control = table(Control, raw.get("control"), "control", base, {"listen": '"127.0.0.1:8001"'})
-    split_listen("control.listen", control.listen)
-    state_dir = raw.get("state_dir", "state")
-    if not isinstance(state_dir, str):
-        raise ConfigError(f'state_dir: expected a path, got {state_dir!r}; for example state_dir = "/var/lib/meshd"')
-    hostfile = raw.get("hostfile")
-    if hostfile is not None and not isinstance(hostfile, str):
-        raise ConfigError(f'hostfile: expected a path, got {hostfile!r}; for example hostfile = "hostfile.json"')
-    if backend in ("jaccl", "jaccl-ring") and not hostfile:
-        hostfile = str(Path(state_dir) / "hostfile.json")  # where `meshctl provision` writes it
-    return MeshConfig(name, backend, tuple(nodes), runtime, proxy, recovery, control, base / state_dir,
-                      base / hostfile if hostfile else None, path, _ssh(raw.get("ssh"), base))
+    return recovery
+
+
+def _listeners_apart(proxy: Proxy, control: Control, runtime: Runtime | None) -> None:
+    """The controller's two listeners (and rank 0's, when it shares their host) on different ports."""
+    ports = {"proxy.listen": proxy.listen.rpartition(":")[2], "control.listen": control.listen.rpartition(":")[2]}
+    if runtime is not None and loopback(runtime.host):
+        ports["runtime.port"] = str(runtime.port)
+    seen: dict[str, str] = {}
+    for key, port in ports.items():
+        if port in seen:
+            raise ConfigError(f"{key}: port {port} is {seen[port]}'s too; give each listener its own port")
+        seen[port] = key
+
+
+def json_schema() -> dict:
+    """A JSON Schema of mesh.toml for editors (`meshctl config schema`; taplo and VS Code's Even Better TOML
+    read it): every table and key with its type and default; unknown keys are mistakes."""
+    def section(cls, required: tuple[str, ...] = ()) -> dict:
+        props = {}
+        for f in fields(cls):
+            default = f.default if f.default is not MISSING else f.default_factory()
+            props[f.name] = _schema_of(f.name, default)
+        return {"type": "object", "properties": props, "additionalProperties": False,
+                **({"required": list(required)} if required else {})}
+
+    node = {"type": "object", "additionalProperties": False, "required": ["name", "agent", "token_file"],
+            "properties": {"name": {"type": "string", "minLength": 1},
+                           "agent": {"type": "string", "pattern": "^https?://", "examples": ["https://10.0.0.1:7701"]},
+                           "token_file": {"type": "string", "minLength": 1}, "address": {"type": "string"},
+                           "ssh": {"type": "string"}, "devices": {"type": "string"}}}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "meshd mesh.toml",
+            "type": "object", "additionalProperties": False, "required": ["nodes", "runtime"],
+            "properties": {"name": {"type": "string", "minLength": 1, "default": "mesh"},
+                           "backend": {"enum": list(BACKENDS), "default": "ring"},
+                           "nodes": {"type": "array", "minItems": 1, "items": node},
+                           "runtime": section(Runtime, ("model",)), "proxy": section(Proxy),
+                           "recovery": section(Recovery), "control": section(Control), "ssh": section(Ssh),
+                           "retention": section(Retention),
+                           "state_dir": {"type": "string", "default": "state"}, "hostfile": {"type": "string"}}}
+
+
+def _schema_of(name: str, default) -> dict:
+    if isinstance(default, bool):
+        return {"type": "boolean", "default": default}
+    if name in ("port", "ring_port"):
+        return {"type": "integer", "minimum": 1, "maximum": 65535, "default": default}
+    if isinstance(default, int):
+        return {"type": "integer", "minimum": 0, "default": default}
+    if isinstance(default, float):
+        return {"type": "number", "minimum": 0, "default": default}
+    if isinstance(default, tuple):
+        return {"type": "array", "items": {"type": "string"}, "default": list(default)}
+    if isinstance(default, dict):
+        return {"type": "object", "default": default}
+    if name == "listen":
+        return {"type": "string", "pattern": r"^.+:[0-9]{1,5}$", "default": default}
+    return {"type": "string", **({"default": default} if isinstance(default, str) else {})}
 
 
 def gpu_of(nodes: tuple[Node, ...] | list[Node], i: int) -> str:
@@ -244,8 +378,9 @@ def _ssh(raw, base: Path) -> Ssh:
         raw = {k: os.path.expanduser(v) if k in ("known_hosts", "key_file") and isinstance(v, str) else v
                for k, v in raw.items()}
     ssh = table(Ssh, raw, "ssh", base, {"user": '"admin"', "known_hosts": '"~/.ssh/known_hosts"',
-                                         "key_file": '"~/.ssh/id_ed25519"'})
-    return replace(ssh, known_hosts=str(base / os.path.expanduser(ssh.known_hosts)))
+                                         "key_file": '"~/.ssh/id_ed25519"', "config": '"~/.ssh/config"'})
+    return replace(ssh, known_hosts=str(base / os.path.expanduser(ssh.known_hosts)),
+                   config=str(base / os.path.expanduser(ssh.config)) if ssh.config else "")
 
 
 def load(path: str | Path) -> MeshConfig:

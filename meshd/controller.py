@@ -19,6 +19,7 @@ import aiohttp
 import structlog
 
 from common.protocol import RankSpec, StopResult, event_from_dict
+from common.modelref import is_repo_id
 from common.secretfile import derive, ensure_secret
 from common.states import Phase
 from common.tomlcheck import ConfigError
@@ -129,6 +130,8 @@ class Controller:
                 self._observe_steps(i)
             case fleet.NoteGeneration(generation=g, what=what, detail=detail):
                 self.store.note_generation(g, what, time.time(), detail)
+                if what == "started":
+                    self.store.prune(self.cfg.retention.generations, self.cfg.retention.incidents)
 
     def _observe_steps(self, incident: fleet.Incident) -> None:
         """Each timeline step's duration (from the step before it) into /metrics, once."""
@@ -166,6 +169,8 @@ class Controller:
         args = dict(rt.args)
         if rt.draft_model:
             args["draft_model"] = rt.draft_model
+        if rt.profile == "meshd-rank" and is_repo_id(rt.model):
+            args.setdefault("model_name", rt.model)  # the repo id, not its cache snapshot's directory
         return asdict(RankSpec(generation=generation, rank=rank, world=len(self.cfg.nodes), profile=rt.profile,
                                model=rt.model, hostfile=hostfile, port=rt.port, host=rt.host,
                                ring_port=rt.ring_port, seed=rt.seed, env=dict(rt.env), args=args,

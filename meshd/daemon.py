@@ -18,6 +18,7 @@ from common.http import (
     bearer_matches,
     json_error,
     json_errors,
+    log_answer,
     read_object,
     run_daemon,
     start_sites,
@@ -68,7 +69,7 @@ def audit(ctl: Controller, request: web.Request, action: str, outcome: str) -> N
     log.info("control action", action=action, outcome=outcome, user=user, remote=request.remote)
 
 
-def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Application:
+def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | None = None) -> web.Application:
     page_cookie = derive(token, "status page cookie")  # opens the page only, never the control API
 
     def page_allowed(request) -> bool:
@@ -132,14 +133,22 @@ def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Applicatio
             after = f"&after={int(request.query['after'])}" if "after" in request.query else ""
         except ValueError:
             raise ApiError(400, "'lines', 'generation' and 'after' must be integers", param="lines")
+        source = request.query.get("source", "rank")
+        if source not in ("rank", "agent"):
+            raise ApiError(400, f"'source' must be rank or agent, got {source!r}", param="source")
         rank = [n.name for n in ctl.cfg.nodes].index(node)
+        path = f"/v1/ranks/{generation}/{rank}/log" if source == "rank" else "/v1/log"
         try:
-            data = await ctl.agents[node].call("GET", f"/v1/ranks/{generation}/{rank}/log?lines={lines}{after}")
+            data = await ctl.agents[node].call("GET", f"{path}?lines={lines}{after}")
         except AgentError as e:
             if e.status == 404:  # that generation never ran there, or its directory is gone
                 return json_error(404, str(e), code="not_found")
             return json_error(502, str(e), code="agent_error")
         return web.json_response(data)
+
+    async def own_log(request):
+        return log_answer(request, log_file, "the controller writes no log file (it runs without --log-file, so it "
+                                             "logs to its service's journal: `journalctl -u meshd`)")
 
     rates = statuspage.Rates(metrics.registry)
 
@@ -172,10 +181,11 @@ def control_app(ctl: Controller, metrics: Metrics, token: str) -> web.Applicatio
     app.router.add_post("/v1/restart", restart)
     app.router.add_get("/v1/incidents", incidents)
     app.router.add_get("/v1/logs/{node}", logs)
+    app.router.add_get("/v1/log", own_log)
     return app
 
 
-async def serve(cfg: MeshConfig) -> None:
+async def serve(cfg: MeshConfig, log_file: Path | None = None) -> None:
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     token = control_token(cfg.state_dir)
     store = Store(cfg.state_dir / "meshd.sqlite")
@@ -187,7 +197,7 @@ async def serve(cfg: MeshConfig) -> None:
                     "reaches it may use the mesh", listen=cfg.proxy.listen)
     await ctl.start()  # adopt first: no command may arrive before the controller knows what runs
     runners = await start_sites([(proxy.app(), *split_listen("proxy.listen", cfg.proxy.listen), None),
-                                 (control_app(ctl, metrics, token), *split_listen("control.listen", cfg.control.listen),
+                                 (control_app(ctl, metrics, token, log_file), *split_listen("control.listen", cfg.control.listen),
                                   control_tls(cfg))])
     log.info("meshd running", mesh=cfg.name, proxy=cfg.proxy.listen, control=cfg.control.listen,
              phase=ctl.state.phase, generation=ctl.state.generation)

@@ -30,11 +30,12 @@ def running(pidfile: Path) -> bool:
 
 
 def start(argv: list[str], pidfile: Path, logfile: Path) -> int:
-    """Start a detached daemon unless its pidfile names a live one."""
+    """Start a detached daemon unless its pidfile names a live one. It writes its log to `logfile` itself
+    (--log-file: rotated, and readable through its API), where its stderr goes too."""
     if (t := _read_pid(pidfile)) is not None:
         return t.pid
     pidfile.parent.mkdir(parents=True, exist_ok=True)
-    t = procs.spawn_detached(argv, logfile)
+    t = procs.spawn_detached([*argv, "--log-file", str(logfile)], logfile)
     pidfile.write_text(f"{t.pid} {t.create_time}\n")
     return t.pid
 

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from common.hostfile import HostfileError
+from common.modelref import is_repo_id
 from common.tomlcheck import ConfigError
 from meshd import provision
 from meshd.agentclient import AgentClient, AgentError, agent_session
@@ -66,14 +67,16 @@ def judge_model(facts: dict[str, dict], path: str) -> list[Check]:
     models = {node: f.get("model") or {"present": False} for node, f in facts.items()}
     prints = Counter(m["fingerprint"] for m in models.values() if m.get("present"))
     common = prints.most_common(1)[0][0] if prints else None
+    repo = is_repo_id(path)
     out = []
     for node, m in models.items():
         if not m.get("present"):
             out.append(Check("model", node, False, f"no model at {path} ({m.get('error') or 'no config.json there'})",
-                             f"copy it there: rsync -a {path}/ {node}:{path}/"))
+                             f"meshctl model pull {path}" if repo else f"copy it there: rsync -a {path}/ {node}:{path}/"))
         elif m["fingerprint"] != common:
             out.append(Check("model", node, False, f"{path} differs from the other nodes' copy "
                              f"(fingerprint {m['fingerprint']} vs {common})",
+                             f"meshctl model pull {path} --force" if repo else
                              f"copy it again from a good node: rsync -a --delete GOOD:{path}/ {node}:{path}/"))
         else:
             out.append(Check("model", node, True, f"{m['bytes'] / 2**30:.2f} GiB in {m['weight_files']} files, "

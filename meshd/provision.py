@@ -54,7 +54,8 @@ def record_path(cfg: MeshConfig) -> Path:
 
 
 def targets(cfg: MeshConfig) -> list[ssh.Target]:
-    return [ssh.parse_target(n.name, n.ssh or n.address, cfg.ssh.user) for n in cfg.nodes]
+    config = ssh.read_config(cfg.ssh.config)
+    return [ssh.parse_target(n.name, n.ssh or n.address, cfg.ssh.user, config) for n in cfg.nodes]
 
 
 def target_of(cfg: MeshConfig, name: str) -> ssh.Target:

@@ -40,6 +40,7 @@ from aiohttp import web
 
 from common.errors import ApiError, error_body
 from common.http import bearer_matches, json_error, json_errors, read_json
+from common.modelref import served_name
 from common.states import Phase
 from meshd.config import MeshConfig, ping_body, rank0_body
 from meshd.config import Proxy as ProxyConfig
@@ -172,7 +173,7 @@ class Proxy:
         self.fleet = fleet
         self.metrics = metrics
         p = cfg.proxy
-        name = cfg.runtime.args.get("model_name") or Path(cfg.runtime.model).name
+        name = served_name(cfg.runtime.model, cfg.runtime.args.get("model_name"))
         self.limits = oa.Limits(name, default_max_tokens=int(cfg.runtime.args.get("max_tokens", 0)),
                                 max_tokens_limit=int(cfg.runtime.args.get("max_tokens_limit", 8192)),
                                 aliases=tuple(a for a in dict.fromkeys((cfg.runtime.model, Path(cfg.runtime.model).name,

@@ -1,5 +1,7 @@
 """SSH to the nodes (paramiko): host keys verified against known_hosts, a
-timeout on connecting and on every command.
+timeout on connecting and on every command, and the user's ~/.ssh/config
+followed as OpenSSH follows it (Host aliases, HostName, User, Port,
+IdentityFile, ProxyJump).
 
 An unknown host key is refused with its fingerprint shown, unless the caller
 asked to trust new hosts (`--trust-new-host`), which pins it in known_hosts.
@@ -32,6 +34,8 @@ class Target:
     host: str
     port: int
     user: str
+    key_files: tuple[str, ...] = ()  # ~/.ssh/config's IdentityFile
+    jump: "Target | None" = None  # ~/.ssh/config's ProxyJump: reach this one through that one
 
     @property
     def known_hosts_name(self) -> str:
@@ -49,10 +53,22 @@ class Result:
         return self.code == 0
 
 
-def parse_target(node: str, spec: str, default_user: str) -> Target:
-    """`[user@]host[:port]` -> Target."""
+def read_config(path: str) -> paramiko.SSHConfig | None:
+    """The user's OpenSSH client config, or None when there is none."""
+    if not path or not Path(path).is_file():
+        return None
+    try:
+        return paramiko.SSHConfig.from_path(path)
+    except (OSError, paramiko.ssh_exception.ConfigParseError) as e:
+        raise SshError(f"cannot read {path} ({e}); fix it, or set [ssh] config = \"\" to ignore it") from None
+
+
+def parse_target(node: str, spec: str, default_user: str, config: paramiko.SSHConfig | None = None,
+                 hops: int = 0) -> Target:
+    """`[user@]host[:port]` -> Target. What the spec leaves out comes from `config`'s Host entry (as
+    OpenSSH does: HostName, User, Port, IdentityFile, ProxyJump), then `default_user`."""
     user, _, hostport = spec.rpartition("@")
-    host, port = hostport, 22
+    host, port = hostport, None
     if hostport.count(":") == 1:
         host, _, raw = hostport.partition(":")
         if not raw.isdigit():
@@ -60,7 +76,16 @@ def parse_target(node: str, spec: str, default_user: str) -> Target:
         port = int(raw)
     if not host:
         raise SshError(f"{node}: ssh = {spec!r} names no host, e.g. ssh = \"admin@studio-2.local\"")
-    return Target(node, host, port, user or default_user or os.environ.get("USER", "root"))
+    opts = config.lookup(host) if config else {}
+    jump = None
+    if opts.get("proxyjump") and opts["proxyjump"] != "none":
+        if hops >= 4:
+            raise SshError(f"{node}: ProxyJump for {host} goes more than 4 hops deep (a loop in ~/.ssh/config?)")
+        first = opts["proxyjump"].split(",")[0].strip()  # each hop's own ProxyJump reaches the next
+        jump = parse_target(f"{node} (through {first})", first, default_user, config, hops + 1)
+    return Target(node, opts.get("hostname", host), port or int(opts.get("port", 22)),
+                  user or opts.get("user") or default_user or os.environ.get("USER", "root"),
+                  tuple(opts.get("identityfile", ())), jump)
 
 
 def fingerprint(key: paramiko.PKey) -> str:
@@ -90,7 +115,7 @@ class Session:
     """One SSH connection to one node; use as a context manager."""
 
     def __init__(self, target: Target, settings: Settings, *, trust_new: bool = False):
-        self.target, self.settings = target, settings
+        self.target, self.settings, self.trust_new = target, settings, trust_new
         self.known_hosts = Path(settings.known_hosts).expanduser()
         self.client = paramiko.SSHClient()
         if self.known_hosts.exists():
@@ -100,11 +125,14 @@ class Session:
     def __enter__(self) -> "Session":
         t, s = self.target, self.settings
         where = f"{t.node} ({t.user}@{t.host}:{t.port})"
+        keys = [str(s.key_file)] if s.key_file else [k for k in t.key_files if Path(k).expanduser().is_file()]
+        self.jump = Session(t.jump, s, trust_new=self.trust_new).__enter__() if t.jump else None
         try:
+            sock = self.jump.client.get_transport().open_channel(
+                "direct-tcpip", (t.host, t.port), ("127.0.0.1", 0), timeout=s.connect_timeout) if self.jump else None
             self.client.connect(t.host, port=t.port, username=t.user, timeout=s.connect_timeout,
                                 banner_timeout=s.connect_timeout, auth_timeout=s.connect_timeout,
-                                key_filename=str(s.key_file) if s.key_file else None,
-                                look_for_keys=not s.key_file, allow_agent=True)
+                                key_filename=keys or None, look_for_keys=not keys, allow_agent=True, sock=sock)
         except paramiko.BadHostKeyException as e:
             raise SshError(
                 f"{t.node}: the host key of {t.known_hosts_name} CHANGED: {self.known_hosts} has "
@@ -125,6 +153,8 @@ class Session:
 
     def __exit__(self, *exc) -> None:
         self.client.close()
+        if self.jump:
+            self.jump.__exit__(*exc)
 
     def run(self, command: str, *, timeout: float | None = None) -> Result:
         """Run `command` (a shell line) and wait for it, at most `timeout` seconds."""
@@ -158,14 +188,22 @@ class Session:
 
 
 def ssh_config(targets: list[Target], settings: Settings) -> str:
-    """The same targets and host-key rules for OpenSSH's client (what mlx.distributed_config runs)."""
-    lines = []
+    """The same targets and host-key rules for OpenSSH's client (what mlx.distributed_config runs); a
+    ProxyJump hop gets an entry of its own, under the same rules."""
+    lines: list[str] = []
+
+    def entry(t: Target, name: str) -> None:
+        lines.extend([f"Host {name}", f"  HostName {t.host}", f"  Port {t.port}", f"  User {t.user}",
+                      f"  UserKnownHostsFile {Path(settings.known_hosts).expanduser()}", "  StrictHostKeyChecking yes",
+                      "  BatchMode yes", f"  ConnectTimeout {int(settings.connect_timeout)}"])
+        keys = [str(settings.key_file)] if settings.key_file else list(t.key_files)
+        lines.extend([f"  IdentityFile {k}" for k in keys] + (["  IdentitiesOnly yes"] if keys else []))
+        if t.jump:
+            lines.append(f"  ProxyJump {name}-jump")
+            entry(t.jump, f"{name}-jump")
+
     for t in targets:
-        lines += [f"Host {t.node}", f"  HostName {t.host}", f"  Port {t.port}", f"  User {t.user}",
-                  f"  UserKnownHostsFile {Path(settings.known_hosts).expanduser()}", "  StrictHostKeyChecking yes",
-                  "  BatchMode yes", f"  ConnectTimeout {int(settings.connect_timeout)}"]
-        if settings.key_file:
-            lines += [f"  IdentityFile {settings.key_file}", "  IdentitiesOnly yes"]
+        entry(t, t.node)
     return "\n".join(lines) + "\n"
 
 

@@ -112,6 +112,16 @@ class Store:
                         "serving_back_at": back, "recovery_seconds": (back - d["opened_at"]) if back else None})
         return out
 
+    def prune(self, generations: int, incidents: int) -> None:
+        """Keep the events and generation rows of the newest `generations`, and the newest `incidents`."""
+        row = self.db.execute("SELECT generation FROM generations ORDER BY generation DESC LIMIT 1 OFFSET ?",
+                              (generations - 1,)).fetchone()
+        if row is not None:
+            self.db.execute("DELETE FROM events WHERE generation < ?", (row[0],))
+            self.db.execute("DELETE FROM generations WHERE generation < ?", (row[0],))
+        self.db.execute("DELETE FROM incidents WHERE id NOT IN (SELECT id FROM incidents ORDER BY id DESC LIMIT ?)",
+                        (incidents,))
+
     def record_audit(self, user: str, remote: str, action: str, outcome: str) -> None:
         cur = self.db.execute("INSERT INTO audit (at, user, remote, action, outcome) VALUES (?,?,?,?,?)",
                               (time.time(), user, remote, action, outcome))

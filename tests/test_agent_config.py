@@ -1,9 +1,14 @@
-"""Agent config mistakes name the key, the problem and the fix; the agent reads its rank logs back by offset."""
+"""Agent config mistakes name the key, the problem and the fix; the agent reads its rank logs back by offset
+and keeps only the newest generation directories."""
+
+import asyncio
 
 import pytest
 
 from agents.config import DEFAULT_PROFILES, ConfigError, load, parse
 from agents.supervisor import Supervisor
+from common import logfile
+from common.protocol import RankSpec
 from kit.configs import write_agent_config
 
 BASE = {"node": "n", "token_file": "t"}
@@ -75,14 +80,34 @@ def test_a_rank_log_is_followed_by_offset_through_its_rotation(tmp_path):
     log = sup.state_dir / "gen-3" / "rank-1" / "rank.log"
     log.parent.mkdir(parents=True)
     log.write_text("loading\nready\n")
-    lines, offset = sup.log_tail(3, 1, 100)
+    assert sup.log_path(3, 1) == log
+    lines, offset = logfile.tail(log, 100)
     assert lines == ["loading", "ready"] and offset == len("loading\nready\n")
     with log.open("a") as f:
         f.write("busy\nhalf a li")
-    lines, offset = sup.log_after(3, 1, offset)
+    lines, offset = logfile.after(log, offset)
     assert lines == ["busy"]
-    assert sup.log_after(3, 1, offset) == ([], offset)  # the unfinished line waits for its end
+    assert logfile.after(log, offset) == ([], offset)  # the unfinished line waits for its end
     log.rename(log.with_suffix(".log.1"))
     log.write_text("after rotation\n")
-    assert sup.log_after(3, 1, offset) == (["after rotation"], len("after rotation\n"))
-    assert sup.log_tail(9, 1, 10) is None and sup.log_after(9, 1, 0) is None
+    assert logfile.after(log, offset) == (["after rotation"], len("after rotation\n"))
+    assert logfile.tail(log, 3) == (["busy", "half a li", "after rotation"], len("after rotation\n"))
+    assert logfile.tail(sup.log_path(9, 1), 10) is None and logfile.after(sup.log_path(9, 1), 0) is None
+
+
+def test_an_agent_keeps_the_newest_generation_directories(tmp_path):
+    """Real ranks (a stand-in that prints a line and exits) of four generations; the agent keeps two."""
+    write_agent_config(tmp_path, "node0", 7701, extra={"keep_generations": 2})
+    sup = Supervisor(load(tmp_path / "agent.toml"))
+
+    async def run_generations():
+        for g in (1, 2, 3, 4):
+            rec, _ = await sup.start(RankSpec(generation=g, rank=0, world=1, profile="prints-line", model=str(tmp_path),
+                                              hostfile={"backend": "ring", "hosts": [{"ssh": "n", "ips": ["127.0.0.1"]}]},
+                                              args={"line": f"generation {g}"}))
+            await rec.proc.wait()
+            await sup.stop(g, "kill", 1.0)
+
+    asyncio.run(run_generations())
+    assert sorted(d.name for d in sup.state_dir.glob("gen-*")) == ["gen-3", "gen-4"]
+    assert "generation 4" in (sup.state_dir / "gen-4" / "rank-0" / "rank.log").read_text()

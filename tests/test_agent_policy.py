@@ -1,11 +1,12 @@
 """Table tests for the agent's pure decisions: log signatures, stall verdicts,
-orphan selection."""
+orphan selection, retention."""
 
 import pytest
 
 from agents.orphans import ProcInfo, select_orphans
 from agents.signatures import classify
 from agents.stall import StallWindows, stall_verdict
+from agents.supervisor import generations_to_prune
 from kit.fatal_lines import LINES
 
 
@@ -94,3 +95,16 @@ def test_orphan_selection_with_no_current_generation_takes_every_marked_process_
 def test_recycled_pid_in_manifest_is_left_alone():
     manifest = [{"generation": 1, "rank": 0, "pid": 17, "create_time": 499.0 - 100}]
     assert select_orphans([PROCS[7]], agent="/state/n0", current=2, keep_pids=set(), manifest=manifest, now=NOW, ibv_limit=30) == []
+
+
+PRUNES = [
+    ("fewer than kept", [1, 2], 3, set(), []),
+    ("the oldest go", [1, 2, 3, 4, 5], 2, set(), [1, 2, 3]),
+    ("a live old one stays", [1, 2, 3, 4], 2, {1}, [2]),
+    ("unordered on disk", [10, 3, 7, 12], 2, set(), [3, 7]),
+]
+
+
+@pytest.mark.parametrize("existing,keep,live,pruned", [p[1:] for p in PRUNES], ids=[p[0] for p in PRUNES])
+def test_retention_prunes_the_oldest_generations_but_never_a_live_one(existing, keep, live, pruned):
+    assert generations_to_prune(existing, keep, live) == pruned

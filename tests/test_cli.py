@@ -1,5 +1,5 @@
 """meshctl's conventions, as a user meets them: options before or after the command, where the mesh.toml
-is found, --version, Ctrl-C, and a control address another mesh's controller holds."""
+is found, --version, Ctrl-C, a control address another mesh's controller holds, and shell completion."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from kit.configs import write_mesh
 from kit.meshctl import another_controller, meshctl, stop_controller
 from kit.waiting import wait_for
 from meshd.cli import CliError, log_generation
+from meshd.progress import frame
 
 MESHCTL = [sys.executable, "-m", "meshd.cli"]
 
@@ -112,3 +114,56 @@ def test_logs_without_incidents_show_the_serving_generation_and_a_missing_incide
     assert log_generation(7, INCIDENTS[:1], 1001.0)[0] == 7  # the incident's generation is the one serving
     with pytest.raises(CliError, match="there are 2 incidents"):
         log_generation(8, INCIDENTS, 0.0, incident=3)
+
+
+def complete(script: Path, line: str, cwd: Path) -> list[str]:
+    """What bash offers for `line` (the cursor at its end), through the real completion function."""
+    words = line.split(" ")
+    shim = cwd / "bin"
+    shim.mkdir(exist_ok=True)
+    (shim / "meshctl").write_text(f"#!/bin/sh\nexec {sys.executable} -m meshd.cli \"$@\"\n")
+    (shim / "meshctl").chmod(0o755)
+    program = (f"source {script}\nCOMP_WORDS=({' '.join(repr(w) for w in words)})\nCOMP_CWORD={len(words) - 1}\n"
+               "_meshctl\nprintf '%s\\n' \"${COMPREPLY[@]}\"\n")
+    r = subprocess.run(["bash", "-c", program], cwd=cwd, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PATH": f"{shim}:{os.environ['PATH']}", "PYTHONPATH": os.pathsep.join(
+                           sys.path)})
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+def test_bash_completes_commands_options_choices_and_node_names(tmp_path):
+    script = tmp_path / "meshctl.bash"
+    r = run("completion", "bash")
+    assert r.returncode == 0
+    script.write_text(r.stdout)
+    (tmp_path / "mesh.toml").write_text('[[nodes]]\nname = "studio-1"\nagent = "https://a:7701"\ntoken_file = "t"\n'
+                                        '[[nodes]]\nname = "studio-2"\nagent = "https://b:7701"\ntoken_file = "t"\n'
+                                        '[runtime]\nmodel = "/m"\n')
+    assert {"up", "down", "status", "logs", "completion"} <= set(complete(script, "meshctl ", tmp_path))
+    assert complete(script, "meshctl st", tmp_path) == ["status"]
+    assert complete(script, "meshctl status --j", tmp_path) == ["--json"]
+    assert complete(script, "meshctl config ", tmp_path) == ["--help", "check", "schema", "nodes"]
+    assert complete(script, "meshctl service install agent a.toml --system ", tmp_path) == ["linux", "macos"]
+    assert complete(script, "meshctl logs studio", tmp_path) == ["studio-1", "studio-2"]  # from ./mesh.toml
+    assert complete(script, "meshctl --config mesh.toml logs --ag", tmp_path) == ["--agent"]
+    assert complete(script, "meshctl --config ", tmp_path) == []  # a file: readline's own completion
+    zsh = run("completion", "zsh").stdout
+    assert zsh.startswith("# meshctl completion for zsh") and "bashcompinit" in zsh and r.stdout in zsh
+
+
+@pytest.mark.parametrize("status,shown", [
+    ({"generation": 3, "phase": "starting", "load": [{"node": "n0", "state": "loading", "load_done": 6, "load_total": 12},
+                                                     {"node": "n1", "state": "armed"}]},
+     ["generation 3 starting", "  n0           loading   [############............] 6/12", "  n1           armed"]),
+    ({"generation": 4, "phase": "recovering", "reason": "exit on n1", "load": [],
+      "last_incident": {"cause": "exit", "node": "n1", "rank": 1, "opened_at": 100.0, "serving_back_at": None,
+                        "timeline": [{"step": "stopped", "after": 0.12}, {"step": "swept", "after": 0.3}]}},
+     ["generation 4 recovering: exit on n1", "  recovering from exit on n1 rank 1 (2.0s): stopped +0.12s  swept +0.30s"]),
+    ({"generation": 4, "phase": "ready", "reason": "", "load": [{"node": "n0", "state": "ready"}],
+      "last_incident": {"cause": "exit", "node": "n1", "rank": 1, "opened_at": 100.0, "serving_back_at": 101.0,
+                        "timeline": []}},
+     ["generation 4 ready", "  n0           ready"]),
+], ids=["loading bars", "a recovery as it happens", "served again"])
+def test_the_live_frame(status, shown):
+    assert frame(status, now=102.0) == shown

@@ -1,5 +1,6 @@
 """The controller on a mesh.toml of its own (two agents on loopback): giving
-up after repeated deaths, API keys, admission, keep-alives, cancellation."""
+up after repeated deaths, API keys, admission, keep-alives, cancellation; and
+what its store keeps."""
 
 import json
 import os
@@ -16,6 +17,8 @@ from kit.demo_answers import endless
 from kit.meshctl import meshctl, stop_controller
 from kit.openai import sse_events, validate
 from kit.waiting import wait_for
+from meshd.fleet import Incident
+from meshd.store import Store
 
 
 @pytest.fixture
@@ -305,3 +308,15 @@ def test_the_proxy_answers_health_cors_every_name_of_its_model_and_tools(two_age
         assert down.status_code == 503 and down.json()["error"]["message"]
     finally:
         stop_controller(mesh)
+
+
+def test_the_store_keeps_the_newest_generations_events_and_incidents(tmp_path):
+    store = Store(tmp_path / "meshd.sqlite")
+    for g in range(1, 7):
+        store.note_generation(g, "started", float(g))
+        store.record_event({"node": "n", "seq": g, "kind": "RankStarted", "generation": g, "rank": 0, "at": float(g)})
+        store.open_incident(Incident(float(g), "exit", "n", 0, g, "exit code 1"))
+    store.prune(generations=2, incidents=3)
+    assert [r["generation"] for r in store.generations()] == [6, 5]
+    assert [r[0] for r in store.db.execute("SELECT generation FROM events ORDER BY generation")] == [5, 6]
+    assert [i["generation"] for i in store.incidents()] == [6, 5, 4]

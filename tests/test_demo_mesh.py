@@ -228,6 +228,21 @@ def test_logs_show_a_nodes_rank_log(demo):
     assert "[meshd-rank" in out and "ready on 127.0.0.1:" in out
     r = demo_meshctl(demo.home, "logs", "nodeX", check=False)
     assert r.returncode == 1 and "no node 'nodeX'" in r.stderr
+    as_json = json.loads(demo_meshctl(demo.home, "logs", "node0", "--lines", "5", "--json").stdout)
+    assert len(as_json["lines"]) == 5 and as_json["rank"] == 0 and as_json["offset"] > 0
+
+
+def test_logs_show_an_agents_and_the_controllers_own_log(demo):
+    demo.wait_ready()
+    agent = demo_meshctl(demo.home, "logs", "node2", "--agent")
+    assert "agent listening" in agent.stdout and "node=node2" in agent.stdout
+    assert "'s agent log" in agent.stderr
+    controller = demo_meshctl(demo.home, "logs", "--controller", "--lines", "500").stdout
+    assert "meshd running" in controller and "mesh=demo" in controller
+    r = demo_meshctl(demo.home, "logs", check=False)
+    assert r.returncode == 1 and "name the node" in r.stderr
+    r = demo_meshctl(demo.home, "logs", "node0", "--agent", "-g", "1", check=False)
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
 
 
 def test_down_drains_and_leaves_no_process(tmp_path_factory, demo_model):
@@ -243,3 +258,40 @@ def test_down_drains_and_leaves_no_process(tmp_path_factory, demo_model):
     assert leftovers == []
     r = demo_meshctl(home, "status", check=False)
     assert r.returncode == 1 and "meshctl up" in r.stderr
+
+
+def test_status_watch_redraws_live_on_a_terminal_while_restart_waits_for_the_next_generation(demo):
+    s = demo.wait_ready()
+    master, slave = os.openpty()
+    watch = subprocess.Popen([sys.executable, "-m", "meshd.cli", "status", "--watch"], stdin=slave, stdout=slave,
+                             stderr=slave, env={**{k: v for k, v in os.environ.items() if k != "MESHD_CONFIG"},
+                                                "MESHD_HOME": str(demo.home)})
+    os.close(slave)
+    seen = bytearray()
+
+    def read():
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                return
+            if not chunk:
+                return
+            seen.extend(chunk)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        wait_for(lambda: b"generation" in seen, 30, "the first frame")
+        restart = demo_meshctl(demo.home, "restart", "--wait")
+        assert f"ready: generation {s['generation'] + 1}" in restart.stdout
+        assert "\x1b[" not in restart.stdout  # not a terminal: plain lines
+        wait_for(lambda: f"generation {s['generation'] + 1} ready".encode() in seen, 30, "the new generation live")
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(30) == 0
+    finally:
+        watch.kill()
+        os.close(master)
+    text = seen.decode(errors="replace")
+    assert "\x1b[2K" in text and "\x1b[" in text.split("generation", 2)[-1]  # redrawn in place, not scrolled
+    assert f"generation {s['generation']} draining" in text or f"generation {s['generation'] + 1} starting" in text
+    assert "Traceback" not in text

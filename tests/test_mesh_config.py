@@ -1,12 +1,20 @@
 """mesh.toml mistakes name the key, what was wrong and an example of right."""
 
+import json
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
+import jsonschema
 import pytest
 
+from common.tomlcheck import write_toml
+from meshd import demo
 from meshd.config import ConfigError, gpu_of, hostfile_for, load, parse
+
+ROOT = Path(__file__).resolve().parents[1]
 
 NODE = {"name": "a", "agent": "http://127.0.0.1:7701", "token_file": "t"}
 BASE = {"nodes": [NODE], "runtime": {"model": "/m"}}
@@ -109,3 +117,60 @@ def test_nccl_ranks_on_one_host_get_their_own_gpus_and_two_on_one_gpu_are_refuse
         parse(nccl_mesh({}, {"devices": "0"}), tmp_path)
     with pytest.raises(ConfigError, match="nodes\\[0\\].devices: expected a string"):
         parse(nccl_mesh({"devices": 1}), tmp_path)
+
+
+def test_every_mistake_is_found_in_one_pass(tmp_path):
+    raw = {"nodez": 1, "nodes": [{**NODE, "port": 1}, {"name": "b", "agent": "http://10.0.0.2:7701"}],
+           "runtime": {"model": "/m", "port": 99999, "seed": "x"},
+           "proxy": {"listen": "127.0.0.1:8001", "concurrency": 0}, "control": {"listen": "127.0.0.1:8001"},
+           "recovery": {"ladder": ["reboot"], "windw": 3}}
+    with pytest.raises(ConfigError) as e:
+        parse(raw, tmp_path)
+    for needle in ("nodez: unknown key", "nodes[0].port: unknown key", "nodes[1].token_file: missing",
+                   "nodes[1].agent: http://10.0.0.2:7701 is plain HTTP off loopback", "runtime.seed: expected an integer",
+                   "proxy.concurrency: must be at least 1", "recovery.windw: unknown key"):
+        assert sum(needle in p for p in e.value.problems) == 1, (needle, e.value.problems)
+    assert len(e.value.problems) == 7  # a table with a bad key is checked no further (its ranges need its values)
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ({**BASE, "runtime": {"model": "/m", "port": 99999}}, "runtime.port: port 99999 is out of range; use 1-65535"),
+    ({**BASE, "runtime": {"model": "/m", "ring_port": 0}}, "runtime.ring_port: port 0 is out of range"),
+    ({**BASE, "proxy": {"listen": "127.0.0.1:70000"}}, "proxy.listen: port 70000 is out of range"),
+    ({**BASE, "nodes": [{**NODE, "agent": "https://h:123456"}]}, "nodes[0].agent: https://h:123456 has a port out of"),
+    ({**BASE, "proxy": {"listen": "127.0.0.1:8001"}}, "control.listen: port 8001 is proxy.listen's too"),
+    ({**BASE, "runtime": {"model": "/m", "port": 8000}}, "runtime.port: port 8000 is proxy.listen's too"),
+], ids=["rank port", "ring port", "listen port", "agent port", "proxy on control", "rank on proxy"])
+def test_ranges_and_listeners_that_collide(raw, needle, tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        parse(raw, tmp_path)
+
+
+def test_config_check_lists_every_mistake_and_says_it_as_json(tmp_path):
+    bad = tmp_path / "mesh.toml"
+    bad.write_text('nodez = 1\n[[nodes]]\nname = "a"\nagent = "https://h:7701"\ntoken_file = "t"\n'
+                   '[runtime]\nmodel = "/m"\nport = 0\n[proxy]\nconcurrency = 0\n')
+    r = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "check", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.startswith("meshctl: 3 mistakes in the config:\n"), r.stderr
+    r = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "check", str(bad), "--json"],
+                       capture_output=True, text=True)
+    report = json.loads(r.stdout)
+    assert r.returncode == 1 and not report["ok"] and len(report["problems"]) == 3
+
+
+def test_the_json_schema_takes_the_configs_meshd_takes_and_refuses_the_mistakes(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "schema"], capture_output=True, text=True)
+    schema = json.loads(r.stdout)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    demo_mesh = tomllib.loads(write_toml(tmp_path / "demo.toml", demo.mesh_config(
+        {"proxy": 8000, "control": 8001, "agents": 7701, "rank": 8100, "ring": 32323}, tmp_path / "model",
+        demo.DemoOptions())).read_text())
+    documented = tomllib.loads(re.search(r"```toml\n(.*?)```", (ROOT / "docs" / "CONFIG.md").read_text(),
+                                         re.S).group(1))
+    for good in (BASE, demo_mesh, documented):
+        parse(good, tmp_path)  # meshd takes it...
+        assert not list(validator.iter_errors(good))  # ...and so does the schema
+    for bad in ({**BASE, "nodez": 1}, {**BASE, "runtime": {"model": "/m", "port": 0}},
+                {**BASE, "proxy": {"concurrency": "8"}}, {"runtime": {"model": "/m"}}):
+        assert list(validator.iter_errors(bad)), bad

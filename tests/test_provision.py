@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 
+import paramiko
 import pytest
 
 from common.hostfile import validate
@@ -15,6 +16,7 @@ from kit.sshd import keygen, start_fleet
 from meshd import provision
 from meshd.config import load
 from meshd.ports import free_ports
+from meshd.ssh import Session, ssh_config
 
 
 def write_mesh(path, fleet, backend="jaccl", known_hosts=None, control=None, **ssh):
@@ -153,3 +155,35 @@ def test_doctor_beside_another_meshs_controller_on_the_control_address(fleet, tm
         r = meshctl(mesh, "doctor")
     assert "no control token" not in r.stderr, r.stderr
     assert "host key verified" in r.stdout, r.stdout + r.stderr
+
+
+def test_ssh_follows_the_users_ssh_config_aliases_identity_and_proxyjump(fleet, tmp_path):
+    """Nodes named by ~/.ssh/config aliases: HostName, Port, User and IdentityFile come from it, and node1 is
+    reached through node0 (ProxyJump), by meshctl's SSH and by OpenSSH with the config meshctl writes."""
+    a, b = fleet.nodes[:2]
+    user = a.ssh.split("@")[0]
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host studio-a\n  HostName 127.0.0.1\n  Port {a.port}\n  User {user}\n"
+                      f"  IdentityFile {fleet.client_key}\n"
+                      f"Host studio-b\n  HostName 127.0.0.1\n  Port {b.port}\n  IdentityFile {fleet.client_key}\n"
+                      f"  ProxyJump studio-a\n")
+    mesh = write_mesh(tmp_path, fleet, "ring", config=str(config))
+    mesh.write_text(mesh.read_text().replace(f'ssh = "{a.ssh}"', 'ssh = "studio-a"')
+                    .replace(f'ssh = "{b.ssh}"', 'ssh = "studio-b"').replace(f'key_file = "{fleet.client_key}"\n', ""))
+    cfg = load(mesh)
+    assert cfg.ssh.key_file is None  # the key comes from the alias's IdentityFile
+    targets = provision.targets(cfg)
+    assert (targets[0].host, targets[0].port, targets[0].user) == ("127.0.0.1", a.port, user)
+    assert targets[1].jump is not None and targets[1].jump.port == a.port
+
+    with Session(targets[1], cfg.ssh) as s:
+        assert isinstance(s.client.get_transport().sock, paramiko.Channel)  # through studio-a's connection
+        assert s.run("echo $MESHD_STANDIN_NODE").stdout.strip() == "node1"
+    openssh = tmp_path / "openssh_config"
+    openssh.write_text(ssh_config(targets[:2], cfg.ssh))
+    assert "ProxyJump node1-jump" in openssh.read_text()
+    r = subprocess.run(["ssh", "-F", str(openssh), "node1", "echo $MESHD_STANDIN_NODE"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "node1", r.stderr
+    doctor = json.loads(meshctl(mesh, "doctor", "--json").stdout)
+    assert {c["node"] for c in doctor if c["name"] == "ssh" and c["ok"]} >= {"node0", "node1"}
