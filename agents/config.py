@@ -27,7 +27,7 @@ DEFAULT_PROFILES = {
                  "draft_model": "--draft-model", "num_draft_tokens": "--num-draft-tokens",
                  "prefill_step_size": "--prefill-step-size", "model_name": "--model-name",
                  "heartbeat_interval": "--heartbeat-interval", "drain_deadline": "--drain-deadline",
-                 "max_context": "--max-context"},
+                 "max_context": "--max-context", "model_package": "--model-package", "drafter": "--drafter"},
         "status_file": True,
     },
     # The transport check `meshctl doctor --canary` runs before a model load.

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib.util
 import platform
 import shutil
 import socket
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import psutil
@@ -95,8 +97,23 @@ def parse_ibv_devices(output: str) -> list[str]:
     return names
 
 
-async def facts(model: str | None = None, node: str = "this node") -> dict:
-    """This machine as doctor wants it; with `model` (a path or a Hugging Face repo id) its fingerprint."""
+def package_facts(name: str) -> dict:
+    """Does model overlay `name` import here, and in which version (its distribution's, else its file's hash)?"""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as e:
+        return {"name": name, "present": False, "error": f"{type(e).__name__}: {e}"}
+    if spec is None or spec.origin is None:
+        return {"name": name, "present": False, "error": "no such module"}
+    dists = metadata.packages_distributions().get(name.split(".")[0], [])
+    version = installed(dists[0]) if dists else None
+    return {"name": name, "present": True,
+            "version": version or "sha256:" + hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()[:12]}
+
+
+async def facts(model: str | None = None, node: str = "this node", package: str | None = None) -> dict:
+    """This machine as doctor wants it; with `model` (a path or a Hugging Face repo id) its fingerprint,
+    with `package` (a model overlay) whether it imports and its version."""
     mem = psutil.virtual_memory()
     out = {
         "hostname": socket.gethostname(),
@@ -112,6 +129,8 @@ async def facts(model: str | None = None, node: str = "this node") -> dict:
         "wired_limit_mb": await wired_limit_mb(),
         "rdma_devices": None,
     }
+    if package:
+        out["model_package"] = package_facts(package)
     model_dir = None
     if model:
         try:

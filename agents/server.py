@@ -87,6 +87,12 @@ class AgentMetrics:
         mlx = GaugeMetricFamily("meshd_agent_rank_mlx_memory_bytes",
                                 "MLX memory of the rank, from its status file: active (in arrays), peak, cache",
                                 labels=["node", "rank", "kind"])
+        armed = GaugeMetricFamily("meshd_agent_rank_drafter_armed", "1 while the model's own MTP head drafts",
+                                  labels=["node", "rank"])
+        drafts = CounterMetricFamily("meshd_agent_rank_draft_tokens", "Draft tokens the drafter proposed and the "
+                                     "target accepted", labels=["node", "rank", "kind"])
+        refusals = CounterMetricFamily("meshd_agent_rank_draft_fallbacks", "Requests the drafter refused (a "
+                                       "shape), decoded plainly instead", labels=["node", "rank"])
         gen = GaugeMetricFamily("meshd_agent_generation", "Generation of the live rank (-1 when none)",
                                 labels=["node"])
         for rec in self.sup.live():
@@ -97,6 +103,11 @@ class AgentMetrics:
             for kind in ("active", "peak", "cache"):
                 if rec.status and f"mlx_{kind}_bytes" in rec.status:
                     mlx.add_metric([node, str(rec.rank), kind], rec.status[f"mlx_{kind}_bytes"])
+            if rec.status and rec.status.get("drafter"):
+                armed.add_metric([node, str(rec.rank)], 1)
+                for kind in ("proposed", "accepted"):
+                    drafts.add_metric([node, str(rec.rank), kind], rec.status.get(f"draft_{kind}", 0))
+                refusals.add_metric([node, str(rec.rank)], rec.status.get("draft_fallbacks", 0))
         current = self.sup.current_generation()
         gen.add_metric([node], -1 if current is None else current)
         exits = CounterMetricFamily("meshd_agent_rank_exits", "Rank exits by kind", labels=["node", "kind"])
@@ -121,7 +132,7 @@ class AgentMetrics:
         memory.add_metric([node, "available"], mem.available)
         events = CounterMetricFamily("meshd_agent_events", "Events emitted", labels=["node"])
         events.add_metric([node], self.sup.events.seq)
-        yield from (up, rss, cpu, mlx, gen, exits, sigs, orphans, survivors, reboot, memory, events)
+        yield from (up, rss, cpu, mlx, armed, drafts, refusals, gen, exits, sigs, orphans, survivors, reboot, memory, events)
 
 
 def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
@@ -140,8 +151,8 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
         return web.Response(body=generate_latest(registry), content_type="text/plain", charset="utf-8")
 
     async def node(request):
-        model = request.query.get("model")
-        return web.json_response({"node": cfg.node, **await node_facts.facts(model, cfg.node),
+        model, package = request.query.get("model"), request.query.get("package")
+        return web.json_response({"node": cfg.node, **await node_facts.facts(model, cfg.node, package),
                                   "wired_limit_applied": sup.wired_limit,
                                   "reboot_required": sup.reboot_required, "allow_reboot": cfg.allow_reboot,
                                   "launch": {"profiles": {p.name: sorted(p.args) for p in cfg.profiles.values()},

@@ -33,6 +33,10 @@ class RankStatus:
     mlx_active_bytes: int = 0  # MLX's allocator: memory in arrays, the most it held, its cache
     mlx_peak_bytes: int = 0
     mlx_cache_bytes: int = 0
+    drafter: str = ""  # "mtp" while the model's own head drafts
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    draft_fallbacks: int = 0  # requests the drafter refused (a shape), decoded plainly instead
     progress_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     started_at: float = field(default_factory=time.time)

@@ -421,7 +421,7 @@ def default_profile_refusals(cfg: MeshConfig) -> list[str]:
     profile = DEFAULT_PROFILES.get(cfg.runtime.profile)
     if profile is None:
         return []
-    args = set(cfg.runtime.args) | ({"draft_model"} if cfg.runtime.draft_model else set())
+    args = set(cfg.runtime.launch_args())
     fix = "an agent with the default profiles refuses it; remove it, or allow it in every agent.toml"
     return ([f"runtime.args.{a}: not a parameter of the {cfg.runtime.profile} profile (it takes "
              f"{', '.join(sorted(profile['args']))}); {fix}" for a in sorted(args - set(profile["args"]))] +

@@ -10,6 +10,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from common.hostfile import BACKENDS, local_index
+from common.modelref import is_repo_id
 from common.tomlcheck import ConfigError, Problems, loopback, port_in_range, read_toml, split_listen, table
 from meshd.fleet import Recovery
 
@@ -35,7 +36,19 @@ class Runtime:
     env: dict = field(default_factory=dict)
     args: dict = field(default_factory=dict)
     draft_model: str = ""
+    model_package: str = ""  # a model overlay: a package each rank imports first, registering its model type
     aliases: tuple[str, ...] = ()  # more names clients may use for the model (a Hugging Face id, say)
+
+    def launch_args(self) -> dict:
+        """The profile parameters every rank is started with: `args`, and what other keys imply."""
+        args = dict(self.args)
+        if self.draft_model:
+            args["draft_model"] = self.draft_model
+        if self.model_package:
+            args["model_package"] = self.model_package
+        if self.profile == "meshd-rank" and is_repo_id(self.model):
+            args.setdefault("model_name", self.model)  # the repo id, not its cache snapshot's directory
+        return args
 
 
 def rank0_body(profile: str, body: dict) -> dict:
@@ -136,7 +149,10 @@ class MeshConfig:
 
     @property
     def speculative(self) -> bool:
-        return bool(self.runtime.draft_model)
+        """A drafter decodes one request at a time: a draft model, or (with a model overlay) the model's own
+        MTP head unless `args.drafter = "off"` asks for continuous batching."""
+        rt = self.runtime
+        return bool(rt.draft_model) or (bool(rt.model_package) and rt.args.get("drafter", "auto") != "off")
 
     @property
     def tls_dir(self) -> Path:

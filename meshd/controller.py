@@ -19,7 +19,6 @@ import aiohttp
 import structlog
 
 from common.protocol import RankSpec, StopResult, event_from_dict
-from common.modelref import is_repo_id
 from common.secretfile import derive, ensure_secret
 from common.states import Phase
 from common.tomlcheck import ConfigError
@@ -166,14 +165,9 @@ class Controller:
 
     def _spec(self, generation: int, rank: int, hostfile: dict) -> dict:
         rt = self.cfg.runtime
-        args = dict(rt.args)
-        if rt.draft_model:
-            args["draft_model"] = rt.draft_model
-        if rt.profile == "meshd-rank" and is_repo_id(rt.model):
-            args.setdefault("model_name", rt.model)  # the repo id, not its cache snapshot's directory
         return asdict(RankSpec(generation=generation, rank=rank, world=len(self.cfg.nodes), profile=rt.profile,
                                model=rt.model, hostfile=hostfile, port=rt.port, host=rt.host,
-                               ring_port=rt.ring_port, seed=rt.seed, env=dict(rt.env), args=args,
+                               ring_port=rt.ring_port, seed=rt.seed, env=dict(rt.env), args=rt.launch_args(),
                                devices=self.cfg.nodes[rank].devices, secret=self.rank_secret(generation)))
 
     async def _preflight(self) -> list[str]:

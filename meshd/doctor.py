@@ -208,12 +208,33 @@ async def agent_checks(cfg: MeshConfig, current: int | None) -> list[Check]:
 def judge_start(cfg: MeshConfig, facts: dict[str, dict]) -> list[Check]:
     """The cheap checks every start passes (the controller's too): mistakes no restart can fix."""
     return ([judge_hostfile(cfg)] + judge_versions(facts) + judge_model(facts, cfg.runtime.model)
-            + judge_launch(facts, cfg.runtime))
+            + judge_package(facts, cfg.runtime.model_package) + judge_launch(facts, cfg.runtime))
+
+
+def judge_package(facts: dict[str, dict], name: str) -> list[Check]:
+    """The model overlay imports on every node, in one version."""
+    if not name:
+        return []
+    found = {node: f.get("model_package") or {} for node, f in facts.items()}
+    versions = Counter(p["version"] for p in found.values() if p.get("present"))
+    common = versions.most_common(1)[0][0] if versions else None
+    out = []
+    for node, p in found.items():
+        if not p.get("present"):
+            out.append(Check("overlay", node, False, f"model_package {name} does not import on {node} "
+                             f"({p.get('error', 'not reported')})", f"on {node}: pip install the package that "
+                             f"provides {name} into meshd's venv (~/.meshd/venv)"))
+        elif p["version"] != common:
+            out.append(Check("overlay", node, False, f"model_package {name} is {p['version']} on {node}; the other "
+                             f"nodes have {common}", f"on {node}: install {name} {common}"))
+        else:
+            out.append(Check("overlay", node, True, f"{name} {p['version']}"))
+    return out
 
 
 def judge_launch(facts: dict[str, dict], runtime: Runtime) -> list[Check]:
     """Each agent allows what the controller will ask it to run: the profile, its parameters, the env names."""
-    args = set(runtime.args) | ({"draft_model"} if runtime.draft_model else set())
+    args = set(runtime.launch_args())
     out = []
     for node, f in facts.items():
         launch = f.get("launch") or {}
@@ -240,7 +261,8 @@ def judge_launch(facts: dict[str, dict], runtime: Runtime) -> list[Check]:
 
 
 async def node_facts(cfg: MeshConfig, client: AgentClient) -> dict:
-    return await client.call("GET", f"/v1/node?model={cfg.runtime.model}", timeout=30)
+    package = f"&package={cfg.runtime.model_package}" if cfg.runtime.model_package else ""
+    return await client.call("GET", f"/v1/node?model={cfg.runtime.model}{package}", timeout=30)
 
 
 async def _agent_node(client: AgentClient, n, cfg: MeshConfig, current: int | None) -> tuple[list[Check], dict | None]:

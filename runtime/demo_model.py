@@ -62,6 +62,8 @@ class DemoModelSpec:
     model_vocab: int = 0  # rows of the embedding and head when larger than the tokenizer's (a real model's shape)
     thinking: bool = False  # <think> and </think> tokens, and a template that opens a think block
     dtype: str = "float32"  # or bfloat16, float16
+    mtp: bool = False  # a DeepSeek-style MTP head (model type demo_mtp, from runtime.overlays.demo_mtp)
+    mtp_train_steps: int = 0  # steps distilling the head on the model's own greedy text (0: random weights)
 
 
 # mlx, mlx-lm and tokenizers are imported when a model is built: meshctl imports
@@ -108,7 +110,7 @@ def build_demo_model(path: str | Path, spec: DemoModelSpec = DemoModelSpec()) ->
         )
     )
     config = {
-        "model_type": "llama",
+        "model_type": "demo_mtp" if spec.mtp else "llama",
         "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_hidden_layers,
         "intermediate_size": spec.intermediate_size,
@@ -126,12 +128,18 @@ def build_demo_model(path: str | Path, spec: DemoModelSpec = DemoModelSpec()) ->
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
     mx.random.seed(spec.seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    model.set_dtype(getattr(mx, spec.dtype))
-    weights = dict(tree_flatten(model.parameters()))
+    if spec.mtp:
+        from runtime.overlays import demo_mtp as family
+    else:
+        family = llama
+    model = family.Model(family.ModelArgs.from_dict(config))
     # Scale the embeddings so random logits are spread out: greedy argmax then
     # has clear winners, and a float reduction order cannot flip it.
-    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] * 4.0
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 4.0
+    if spec.mtp and spec.mtp_train_steps:
+        distill_mtp(model, spec.mtp_train_steps, tok.get_vocab_size(), spec.seed)
+    model.set_dtype(getattr(mx, spec.dtype))
+    weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "model.safetensors.index.json").write_text(
         json.dumps(
@@ -140,6 +148,32 @@ def build_demo_model(path: str | Path, spec: DemoModelSpec = DemoModelSpec()) ->
         )
     )
     return path
+
+
+def distill_mtp(model, steps: int, vocab: int, seed: int, batch: int = 16, length: int = 48) -> None:
+    """Teach the MTP head what the model itself says two tokens on: text the model writes greedily
+    from random starts, the head trained (the backbone frozen) to name the token after next."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+
+    mx.random.seed(seed + 1)
+    tokens = mx.random.randint(0, vocab, (batch, 4))
+    for _ in range(length):  # greedy continuations, recomputed whole: the demo model is tiny
+        tokens = mx.concatenate([tokens, mx.argmax(model(tokens)[:, -1:], axis=-1)], axis=1)
+    hidden = mx.stop_gradient(model.hidden(tokens, None))
+    pairs, nexts, targets = hidden[:, :-2], tokens[:, 1:-1], tokens[:, 2:]
+
+    def loss(mtp):
+        h = mtp(pairs, model.model.embed_tokens(nexts), None)
+        return nn.losses.cross_entropy(model.lm_head(model.model.norm(h)), targets, reduction="mean")
+
+    optimizer = optim.Adam(learning_rate=3e-3)
+    step = nn.value_and_grad(model.mtp, loss)
+    for _ in range(steps):
+        _, grads = step(model.mtp)
+        optimizer.update(model.mtp, grads)
+        mx.eval(model.mtp.parameters(), optimizer.state)
 
 
 def main(argv: list[str] | None = None) -> None:

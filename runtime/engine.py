@@ -8,9 +8,10 @@ then identical on every rank without further talk.
 - `BatchEngine`: continuous batching over mlx-lm's BatchGenerator, with the
   token-tape prefix cache; a request alone runs in `SoloDecode` (the plain
   loop's speed) until a second one arrives and it joins the batch.
+- `MTPEngine`: one request at a time, drafted by the model's own MTP head
+  (sharded with it), verified by the target.
 - `SpeculativeEngine`: one request at a time, a draft model loaded whole on
-  every rank proposing tokens the sharded target verifies. An external drafter
-  (DSpark / MTP overlays) plugs in by providing another Engine.
+  every rank proposing tokens the sharded target verifies.
 """
 
 from __future__ import annotations
@@ -426,3 +427,173 @@ class SpeculativeEngine:
     def close(self) -> None:
         mx.synchronize()
         self._finish()
+
+
+def sample_at(job: Job, i: int, logprobs: mx.array) -> mx.array:
+    """The job's token i from `logprobs` (one row, [1, vocab], as plain decoding holds it), drawn as plain
+    decoding draws it: greedy, or with token_key(seed, i)."""
+    return greedy(logprobs) if job.sampling["temperature"] == 0.0 else \
+        SeededSampler(job.seed, job.sampling, job.offset + i)(logprobs)
+
+
+class MTPEngine:
+    """One request at a time, drafted by the loaded model's own multi-token-prediction head (DeepSeek's
+    layout: the head takes the last hidden state and the next token's embedding). Each verify step feeds
+    the last token and the drafts through the sharded target and keeps the drafts the target itself
+    samples at their places (logit bias and penalties applied at each place as if the drafts before it
+    were already said), so the answer is the target's, token for token; the head's cache learns every
+    confirmed position. A drafter
+    that refuses a shape (a kernel's layout limit past some prompt length) ends drafting for that
+    request: plain decoding from there, said in the log and counted, the rank alive."""
+
+    def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 1, prefill_step_size: int = 512,
+                 log=print):
+        self._model = model
+        self._eos = eos_ids
+        self.num_draft_tokens = num_draft_tokens
+        self._chunk = prefill_step_size
+        self._log = log
+        self._queue: deque[Job] = deque()
+        self._active: Job | None = None
+        self._out: deque[Emission] = deque()
+        self.proposed = self.accepted = self.fallbacks = 0
+
+    # --- the Engine protocol ------------------------------------------------------
+    def insert(self, job: Job) -> int:
+        self._queue.append(job)
+        return 0
+
+    def cancel(self, rid: str) -> None:
+        if self._active is not None and self._active.rid == rid:
+            self._active, self._out = None, deque()
+        else:
+            self._queue = deque(j for j in self._queue if j.rid != rid)
+
+    @property
+    def busy(self) -> bool:
+        return self._active is not None or bool(self._queue) or bool(self._out)
+
+    def prompt_tokens_in_flight(self) -> int:
+        return (len(self._todo) if self._active is not None else 0) + sum(len(j.prompt) for j in self._queue)
+
+    def close(self) -> None:
+        mx.synchronize()
+        self._active = None
+
+    def draft_stats(self) -> dict:
+        return {"drafter": "mtp", "draft_proposed": self.proposed, "draft_accepted": self.accepted,
+                "draft_fallbacks": self.fallbacks}
+
+    def step(self) -> list[Emission]:
+        if self._out:
+            return [self._out.popleft()]
+        if self._active is None:
+            if not self._queue:
+                return []
+            self._begin(self._queue.popleft())
+        if self._todo:
+            self._prefill()
+        else:
+            self._verify()
+        return [self._out.popleft()] if self._out else []
+
+    # --- one request ----------------------------------------------------------------
+    def _begin(self, job: Job) -> None:
+        self._active = job
+        self._cache = make_prompt_cache(self._model)
+        self._mtp_cache = self._model.make_mtp_cache()
+        self._todo = list(job.prompt)
+        self._count = 0  # tokens emitted
+        self._pending: int | None = None  # the last emitted token, not yet through the target
+        self._drafts: list[int] = []  # the head's guesses for the next verify
+        self._guesses: list[int] = []  # what the head drafted after the last confirmed position
+        self._drafting = True
+        self._processors = processors_for(job)
+        self._said = list(job.prompt)  # what the logits processors see: the prompt and every emitted token
+
+    def _prefill(self) -> None:
+        """One chunk of the prompt through the target; the head learns its positions. The last chunk
+        samples the first token and drafts the next ones."""
+        n = min(self._chunk, len(self._todo))
+        chunk, self._todo = self._todo[:n], self._todo[n:]
+        with mx.stream(generation_stream):
+            hidden = self._model.hidden(mx.array(chunk, dtype=mx.uint32)[None], self._cache)
+        if self._todo:
+            mx.eval(hidden)
+            self._teach(hidden, chunk[1:] + self._todo[:1])
+            return
+        logprobs = self._logprobs(self._model.head(hidden[0, -1:, :]), [])
+        first = sample_at(self._active, 0, logprobs).item()
+        self._teach(hidden, chunk[1:] + [first])
+        self._emit([first], logprobs)
+
+    def _verify(self) -> None:
+        """The pending token and the drafts through the target at once; the drafts it agrees with and
+        its own next token come out."""
+        inputs = [self._pending] + self._drafts
+        with mx.stream(generation_stream):
+            hidden = self._model.hidden(mx.array(inputs, dtype=mx.uint32)[None], self._cache)
+        logprobs = self._logprobs(self._model.head(hidden[0]), self._drafts)
+        sampled = [sample_at(self._active, self._count + p, logprobs[p:p + 1]).item() for p in range(len(inputs))]
+        kept = 0
+        while kept < len(self._drafts) and self._drafts[kept] == sampled[kept]:
+            kept += 1
+        self.proposed += len(self._drafts)
+        self.accepted += kept
+        trim_prompt_cache(self._cache, len(self._drafts) - kept)
+        if self._drafting and len(self._drafts) > 1:
+            trim_prompt_cache(self._mtp_cache, len(self._drafts) - 1)  # the head's own guesses past the first
+        self._drafts = []
+        self._teach(hidden[:, :kept + 1], sampled[:kept + 1])
+        self._emit(sampled[:kept + 1], logprobs[:kept + 1])
+
+    def _logprobs(self, logits: mx.array, drafts: list[int]) -> mx.array:
+        """Log probabilities at each place, the request's processors run with what precedes that place:
+        what was said, then the drafts before it."""
+        if self._processors:
+            rows = []
+            for p in range(logits.shape[0]):
+                row = logits[p:p + 1]
+                seen = mx.array(self._said + drafts[:p], dtype=mx.uint32)
+                for processor in self._processors:
+                    row = processor(seen, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def _teach(self, hidden: mx.array, next_tokens: list[int]) -> None:
+        """The head's cache learns (hidden state at p, token at p+1) for these positions; after the
+        last confirmed one it drafts. A refusal ends drafting for the request."""
+        if not self._drafting:
+            return
+        try:
+            with mx.stream(generation_stream):
+                h, logits = self._model.mtp_draft(hidden, mx.array(next_tokens, dtype=mx.uint32)[None],
+                                                  self._mtp_cache)
+                drafts = []
+                for _ in range(self.num_draft_tokens):
+                    guess = mx.argmax(logits[:, -1, :], axis=-1)
+                    drafts.append(guess)
+                    if len(drafts) < self.num_draft_tokens:
+                        h, logits = self._model.mtp_draft(h[:, -1:, :], guess[None], self._mtp_cache)
+                mx.eval(drafts)
+        except Exception as e:  # a kernel's refusal of a shape: the same on every rank, so all go on plainly
+            self._drafting = False
+            self.fallbacks += 1
+            self._log(f"drafter refused ({type(e).__name__}: {str(e)[:200]}); request {self._active.rid} "
+                      "goes on without drafts")
+            return
+        self._guesses = [int(d.item()) for d in drafts]
+
+    def _emit(self, tokens: list[int], logprobs: mx.array) -> None:
+        job = self._active
+        for i, token in enumerate(tokens):
+            self._count += 1
+            self._said.append(token)
+            reason = finish_reason(token, self._count, job.max_tokens, self._eos)
+            self._out.append(emission(job.rid, token, reason, logprobs[i], job.logprobs))
+            if reason is not None:
+                self._active = None
+                return
+        self._pending = tokens[-1]
+        self._drafts, self._guesses = (self._guesses if self._drafting else []), []

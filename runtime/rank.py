@@ -10,6 +10,7 @@ synchronizes, closes its generator and exits 0.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -27,7 +28,7 @@ from common.tomlcheck import loopback
 from common.states import RankState
 from common.statusfile import RankStatus
 from runtime import openai_api as oa
-from runtime.engine import BatchEngine, Job, SpeculativeEngine
+from runtime.engine import BatchEngine, Job, MTPEngine, SpeculativeEngine
 from runtime.lockstep import Divergence, Lockstep, fold
 from runtime.server import WARMUP, Frontend
 from runtime.status import Heartbeat
@@ -52,7 +53,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="context length (default: the model's max_position_embeddings)")
     p.add_argument("--model-name", default=None, help="model id served (default: the directory name)")
     p.add_argument("--draft-model", default=None, help="draft model for speculative decoding")
-    p.add_argument("--num-draft-tokens", type=int, default=3)
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="tokens drafted per step (default: 3 with --draft-model, 1 with a model's MTP head)")
+    p.add_argument("--model-package", default=None,
+                   help="a Python package imported before the model loads, which registers its model type "
+                        "(and MTP head) into mlx-lm: a model overlay")
+    p.add_argument("--drafter", choices=["auto", "off"], default="auto",
+                   help="auto: draft with the model's own MTP head when it has one (one request at a time); "
+                        "off: continuous batching without drafts")
     p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--completion-batch-size", type=int, default=16)
     p.add_argument("--drain-deadline", type=float, default=30.0,
@@ -135,6 +143,7 @@ class LockstepLoop:
         self.idle_interval = idle_interval
         self.burst = burst
         self._active_at = time.monotonic()
+        self.draft_stats = getattr(engine, "draft_stats", dict)  # the drafter's counts, for the status file
 
     def _apply(self, msg: dict) -> None:
         op = msg["op"]
@@ -221,7 +230,7 @@ class LockstepLoop:
                 if e.rid == WARMUP:
                     self.on_warm(time.monotonic() - self.warming_since)
                     self.warming_since = None
-        self.hb.update(progress=True, tokens=self.tokens)
+        self.hb.update(progress=True, tokens=self.tokens, **self.draft_stats())
         if self.fe and emissions:
             self.fe.emit(emissions)
 
@@ -234,6 +243,12 @@ def mlx_memory() -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model_path = Path(args.model)
+    if args.model_package:
+        try:
+            importlib.import_module(args.model_package)
+        except ImportError as e:
+            sys.exit(f"meshd-rank: --model-package {args.model_package} cannot be imported ({e}); install it on "
+                     "this node (`meshctl doctor` checks every node has it, in one version)")
     if not (model_path / "config.json").is_file():
         sys.exit(f"meshd-rank: no model at {model_path} (config.json missing); "
                  "pass --model with an mlx-lm model directory")
@@ -279,8 +294,14 @@ def main(argv: list[str] | None = None) -> None:
     eos = set(tokenizer.eos_token_ids)
     if args.draft_model:
         draft, _ = load_whole(args.draft_model)
-        engine = SpeculativeEngine(model, draft, eos, num_draft_tokens=args.num_draft_tokens,
+        engine = SpeculativeEngine(model, draft, eos, num_draft_tokens=args.num_draft_tokens or 3,
                                    prefill_step_size=args.prefill_step_size)
+    elif args.drafter == "auto" and hasattr(model, "mtp_draft"):
+        engine = MTPEngine(model, eos, num_draft_tokens=args.num_draft_tokens or 1,
+                           prefill_step_size=args.prefill_step_size, log=log)
+        hb.update(**engine.draft_stats())
+        log(f"drafter armed: the model's MTP head, {engine.num_draft_tokens} draft token(s) a step, one request "
+            "at a time")
     else:
         engine = BatchEngine(model, eos, prefill_step_size=args.prefill_step_size,
                              completion_batch_size=args.completion_batch_size)

@@ -49,6 +49,34 @@ def test_the_model_must_be_everywhere_and_the_same(models, bad, needle):
     assert all(needle in c.fix for c in checks if not c.ok)
 
 
+@pytest.mark.parametrize("models,bad,needle", [
+    ({"a": {"present": False, "error": "org/m is not in node a's Hugging Face cache"}, "b": model()}, ["a"],
+     "meshctl model pull org/m"),
+    ({"a": model(), "b": model("zz"), "c": model()}, ["b"], "meshctl model pull org/m --force"),
+])
+def test_a_model_by_repo_id_is_fixed_by_model_pull(models, bad, needle):
+    checks = doctor.judge_model({n: {**MAC, "model": m} for n, m in models.items()}, "org/m")
+    assert sorted(c.node for c in checks if not c.ok) == bad
+    assert all(c.fix == needle for c in checks if not c.ok)
+
+
+PKG = {"name": "dsv4_overlay", "present": True, "version": "1.2.0"}
+
+
+@pytest.mark.parametrize("packages,bad,needle", [
+    ({"a": PKG, "b": PKG}, [], None),
+    ({"a": PKG, "b": {"name": "dsv4_overlay", "present": False, "error": "ModuleNotFoundError"}}, ["b"],
+     "does not import on b"),
+    ({"a": PKG, "b": PKG, "c": {**PKG, "version": "1.1.0"}}, ["c"], "the other nodes have 1.2.0"),
+    ({"a": {}, "b": PKG}, ["a"], "not reported"),
+])
+def test_the_model_overlay_must_import_everywhere_in_one_version(packages, bad, needle):
+    checks = doctor.judge_package({n: {**MAC, "model_package": p} for n, p in packages.items()}, "dsv4_overlay")
+    assert sorted(c.node for c in checks if not c.ok) == bad
+    assert all(needle in c.detail for c in checks if not c.ok)
+    assert doctor.judge_package({"a": MAC}, "") == []  # no overlay configured, nothing to check
+
+
 @pytest.mark.parametrize("size,world,wired,ok,fix", [
     (400 * GiB, 4, 150_000, True, None),  # 100 GiB a rank, 131.8 GiB usable
     (600 * GiB, 4, 150_000, False, "sudo sysctl iogpu.wired_limit_mb=170667"),  # 150 GiB a rank

@@ -5,7 +5,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from runtime.engine import BatchEngine, Job, SeededSampler, TokenTape
+from runtime.demo_model import DemoModelSpec, build_demo_model
+from runtime.engine import BatchEngine, Job, MTPEngine, SeededSampler, TokenTape
 from runtime.lockstep import Divergence, Lockstep, PeerLost, fold
 from runtime.openai_api import SamplingParams
 
@@ -153,3 +154,42 @@ def test_an_exchange_is_judged_only_with_every_ranks_share(peer_share, raises):
     else:
         with pytest.raises(raises):
             lockstep.exchange([], 0.5, 1, digest=fold(0, 7))
+
+
+@pytest.fixture(scope="module")
+def mtp_demo(tmp_path_factory):
+    import runtime.overlays.demo_mtp  # noqa: F401  registers model type demo_mtp
+    from mlx_lm.utils import load_model
+
+    path = build_demo_model(tmp_path_factory.mktemp("models") / "mtp", DemoModelSpec(mtp=True, mtp_train_steps=30))
+    model, config = load_model(path)
+    return model, {config["eos_token_id"]}
+
+
+def drain(engine, job: Job, cancel_after: int | None = None) -> list[int]:
+    engine.insert(job)
+    out = []
+    while engine.busy:
+        out += [e.token for e in engine.step() if e.token is not None]
+        if cancel_after is not None and len(out) >= cancel_after:
+            engine.cancel(job.rid)
+    return out
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 0.0},
+    {"temperature": 1.0},
+    {"temperature": 0.8, "top_k": 20, "repetition_penalty": 1.3, "logit_bias": ((2, -100.0),)},
+], ids=["greedy", "seeded", "seeded with penalties and bias"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_drafting_answers_what_plain_decoding_answers(mtp_demo, sampling, k):
+    model, eos = mtp_demo
+    s = {**SAMPLING, **sampling}
+    job = Job("a", tuple(range(5, 45)), 48, 7, s)
+    plain = drain(BatchEngine(model, eos, prefill_step_size=16), job)
+    engine = MTPEngine(model, eos, num_draft_tokens=k, prefill_step_size=16, log=lambda line: None)
+    assert drain(engine, job) == plain
+    stats = engine.draft_stats()
+    assert stats["draft_proposed"] > 0 and stats["draft_fallbacks"] == 0
+    assert drain(engine, Job("b", job.prompt, 48, 7, s), cancel_after=5)[:5] == plain[:5]  # a cancel ends it
+    assert not engine.busy

@@ -1,0 +1,98 @@
+"""The model's own MTP drafter against plain decoding, TP4 on the ring over
+loopback, in one run: two four-rank meshes of the same demo model (its head
+distilled on the model's own greedy text), one with `--drafter off`, one
+drafting, both up at once and asked in alternating rounds (the one not asked
+idles). Decode tokens/s (after the first token) and the acceptance rate from
+the ranks' status files.
+
+    .venv/bin/python bench/mtp.py [--rounds 7] [--tokens 96] [--write]
+
+--write appends the table to docs/BENCHMARKS.md and the raw numbers to
+docs/mtp-demo-tp4.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+from benchkit import ROOT, report
+
+from kit.demo_answers import endless
+from kit.ranks import start_mesh
+from runtime.demo_model import DemoModelSpec, build_demo_model
+
+OVERLAY = ("--model-package", "runtime.overlays.demo_mtp")
+PROMPT = "When one rank dies the generation ends on every node and a new one starts."
+
+
+def decode(url: str, model: Path, tokens: int, k: int) -> dict:
+    """One greedy streamed answer: decode tokens/s after the first token, and the time to it."""
+    t0 = time.perf_counter()
+    times = []
+    r = requests.post(f"{url}/v1/chat/completions", stream=True, timeout=600,
+                      json={"messages": [{"role": "user", "content": f"{PROMPT} ({k})"}], "max_tokens": tokens,
+                            "stream": True, **endless(model)})
+    for line in r.iter_lines(decode_unicode=True):
+        if line.startswith("data: ") and '"content"' in line:
+            times.append(time.perf_counter())
+    return {"tokens": len(times), "ttft_s": times[0] - t0, "tok_s": (len(times) - 1) / (times[-1] - times[0])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--train-steps", type=int, default=200, help="distillation steps of the demo's head")
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="meshd-mtp-bench-"))
+    model = build_demo_model(work / "model", DemoModelSpec(mtp=True, mtp_train_steps=args.train_steps))
+    rows = []
+    with start_mesh(model, 4, work / "plain", *OVERLAY, "--drafter", "off") as plain, \
+            start_mesh(model, 4, work / "drafted", *OVERLAY) as drafted:
+        plain.wait_ready()
+        drafted.wait_ready()
+        meshes = {"plain": plain, "drafted": drafted}
+        for n in range(args.rounds + 1):  # round 0 warms both up and is not counted
+            order = ("plain", "drafted") if n % 2 else ("drafted", "plain")
+            row = {name: decode(meshes[name].url, model, args.tokens, n) for name in order}
+            print(f"round {n}: " + ", ".join(f"{k} {v['tok_s']:.1f} tok/s" for k, v in row.items()),
+                  file=sys.stderr)
+            if n:
+                rows.append(row)
+        time.sleep(1.5)  # the status files' next heartbeat
+        stats = drafted.status(0)
+    rate = {name: [r[name]["tok_s"] for r in rows] for name in ("plain", "drafted")}
+    med = {name: statistics.median(v) for name, v in rate.items()}
+    spread = {name: (min(v), max(v)) for name, v in rate.items()}
+    acceptance = stats["draft_accepted"] / max(1, stats["draft_proposed"])
+    result = {"rounds": rows, "median_tok_s": med, "spread_tok_s": spread, "ratio": med["drafted"] / med["plain"],
+              "draft_proposed": stats["draft_proposed"], "draft_accepted": stats["draft_accepted"],
+              "acceptance": acceptance, "tokens": args.tokens, "train_steps": args.train_steps}
+    inside = spread["drafted"][0] <= spread["plain"][1] and spread["plain"][0] <= spread["drafted"][1]
+    lines = ["", f"## The model's own MTP drafter, TP4 on the ring (`bench/mtp.py`, {time.strftime('%Y-%m-%d')})",
+             "", f"Demo model (llama, 2 layers, 64 wide) with a DeepSeek-layout MTP head distilled "
+             f"{args.train_steps} steps on its own greedy text; 4 ranks on loopback sharing this machine's "
+             f"{os.cpu_count()} cores (the other mesh idling beside them). {args.rounds} alternating rounds of "
+             f"{args.tokens} greedy tokens.", "",
+             "| | decode tok/s (median) | spread (min-max) |", "|---|---|---|",
+             *(f"| {name} | {med[name]:.1f} | {spread[name][0]:.1f}-{spread[name][1]:.1f} |"
+               for name in ("plain", "drafted")),
+             "", f"Drafted / plain: **{result['ratio']:.2f}x**"
+             + (" (inside the spread: parity)" if inside else "") + f"; acceptance {acceptance:.0%} "
+             f"({stats['draft_accepted']} of {stats['draft_proposed']} drafts, one a step). The answers are the "
+             "same token for token (tests/test_mtp.py)."]
+    report(lines, args.write)
+    if args.write:
+        (ROOT / "docs" / "mtp-demo-tp4.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,2 @@
+"""Model overlays: packages that register model types (with their MTP heads)
+into mlx-lm before a rank loads, named by `[runtime] model_package`."""
