@@ -6,8 +6,9 @@ from runtime.demo_model import DemoModelSpec, build_demo_model
 
 # The slowest files first: on two workers (scripts/test) the run then ends on short files, not with one
 # worker alone on a long one.
-SLOW_FIRST = ["test_chaos.py", "test_doctor.py", "test_agent_mesh.py", "test_demo_mesh.py", "test_controller.py",
-              "test_provision.py", "test_rank_lifecycle.py"]
+SLOW_FIRST = ["test_chaos.py", "test_mtp.py", "test_agents_install.py", "test_doctor.py", "test_agent_mesh.py",
+              "test_demo_mesh.py", "test_controller.py", "test_provision.py", "test_rank_lifecycle.py",
+              "test_security.py", "test_models.py"]
 
 
 def pytest_collection_modifyitems(items):
