@@ -6,9 +6,10 @@ idles). Decode tokens/s (after the first token) and the acceptance rate from
 the ranks' status files.
 
     .venv/bin/python bench/mtp.py [--rounds 7] [--tokens 96] [--write]
+    python3 bench/mtp.py --backend nccl --world 2 --hidden 1024 --layers 8 --json OUT.json   # GPUs
 
 --write appends the table to docs/BENCHMARKS.md and the raw numbers to
-docs/mtp-demo-tp4.json."""
+docs/mtp-demo-tp4.json; --json writes the raw numbers there instead."""
 
 from __future__ import annotations
 
@@ -39,10 +40,13 @@ def decode(url: str, model: Path, tokens: int, k: int) -> dict:
     r = requests.post(f"{url}/v1/chat/completions", stream=True, timeout=600,
                       json={"messages": [{"role": "user", "content": f"{PROMPT} ({k})"}], "max_tokens": tokens,
                             "stream": True, **endless(model)})
+    text = []
     for line in r.iter_lines(decode_unicode=True):
         if line.startswith("data: ") and '"content"' in line:
             times.append(time.perf_counter())
-    return {"tokens": len(times), "ttft_s": times[0] - t0, "tok_s": (len(times) - 1) / (times[-1] - times[0])}
+            text.append(json.loads(line[6:])["choices"][0]["delta"].get("content", ""))
+    return {"tokens": len(times), "ttft_s": times[0] - t0, "tok_s": (len(times) - 1) / (times[-1] - times[0]),
+            "text": "".join(text)}
 
 
 def main() -> None:
@@ -50,19 +54,30 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--train-steps", type=int, default=200, help="distillation steps of the demo's head")
+    ap.add_argument("--backend", choices=["ring", "nccl"], default="ring")
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=64, help="the demo model's width")
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--json", type=Path, help="write the raw numbers here")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="meshd-mtp-bench-"))
-    model = build_demo_model(work / "model", DemoModelSpec(mtp=True, mtp_train_steps=args.train_steps))
-    rows = []
-    with start_mesh(model, 4, work / "plain", *OVERLAY, "--drafter", "off") as plain, \
-            start_mesh(model, 4, work / "drafted", *OVERLAY) as drafted:
+    spec = DemoModelSpec(mtp=True, mtp_train_steps=args.train_steps, hidden_size=args.hidden,
+                         num_hidden_layers=args.layers, intermediate_size=2 * args.hidden,
+                         num_attention_heads=max(8, args.hidden // 64), num_key_value_heads=max(8, args.hidden // 64))
+    model = build_demo_model(work / "model", spec)
+    rows, texts = [], {"plain": {}, "drafted": {}}
+    mesh = {"backend": args.backend}
+    with start_mesh(model, args.world, work / "plain", *OVERLAY, "--drafter", "off", **mesh) as plain, \
+            start_mesh(model, args.world, work / "drafted", *OVERLAY, **mesh) as drafted:
         plain.wait_ready()
         drafted.wait_ready()
         meshes = {"plain": plain, "drafted": drafted}
         for n in range(args.rounds + 1):  # round 0 warms both up and is not counted
             order = ("plain", "drafted") if n % 2 else ("drafted", "plain")
             row = {name: decode(meshes[name].url, model, args.tokens, n) for name in order}
+            for name in order:
+                texts[name][n] = row[name].pop("text")
             print(f"round {n}: " + ", ".join(f"{k} {v['tok_s']:.1f} tok/s" for k, v in row.items()),
                   file=sys.stderr)
             if n:
@@ -75,23 +90,31 @@ def main() -> None:
     acceptance = stats["draft_accepted"] / max(1, stats["draft_proposed"])
     result = {"rounds": rows, "median_tok_s": med, "spread_tok_s": spread, "ratio": med["drafted"] / med["plain"],
               "draft_proposed": stats["draft_proposed"], "draft_accepted": stats["draft_accepted"],
-              "acceptance": acceptance, "tokens": args.tokens, "train_steps": args.train_steps}
+              "acceptance": acceptance, "tokens": args.tokens, "train_steps": args.train_steps,
+              "same_answers": texts["plain"] == texts["drafted"],
+              "differing": {n: {"plain": texts["plain"][n], "drafted": texts["drafted"][n]} for n in texts["plain"]
+                            if texts["plain"][n] != texts["drafted"][n]},
+              "backend": args.backend, "world": args.world,
+              "model": {"hidden": args.hidden, "layers": args.layers}}
     inside = spread["drafted"][0] <= spread["plain"][1] and spread["plain"][0] <= spread["drafted"][1]
-    lines = ["", f"## The model's own MTP drafter, TP4 on the ring (`bench/mtp.py`, {time.strftime('%Y-%m-%d')})",
-             "", f"Demo model (llama, 2 layers, 64 wide) with a DeepSeek-layout MTP head distilled "
-             f"{args.train_steps} steps on its own greedy text; 4 ranks on loopback sharing this machine's "
-             f"{os.cpu_count()} cores (the other mesh idling beside them). {args.rounds} alternating rounds of "
+    where = "the ring" if args.backend == "ring" else f"{args.world} GPUs over NCCL"
+    lines = ["", f"## The model's own MTP drafter, TP{args.world} on {where} (`bench/mtp.py`, "
+             f"{time.strftime('%Y-%m-%d')})",
+             "", f"Demo model (llama, {args.layers} layers, {args.hidden} wide) with a DeepSeek-layout MTP head distilled "
+             f"{args.train_steps} steps on its own greedy text; {args.world} ranks "
+             + (f"on loopback sharing this machine's {os.cpu_count()} cores" if args.backend == "ring" else
+                "a GPU each") + f" (the other mesh idling beside them). {args.rounds} alternating rounds of "
              f"{args.tokens} greedy tokens.", "",
              "| | decode tok/s (median) | spread (min-max) |", "|---|---|---|",
              *(f"| {name} | {med[name]:.1f} | {spread[name][0]:.1f}-{spread[name][1]:.1f} |"
                for name in ("plain", "drafted")),
              "", f"Drafted / plain: **{result['ratio']:.2f}x**"
              + (" (inside the spread: parity)" if inside else "") + f"; acceptance {acceptance:.0%} "
-             f"({stats['draft_accepted']} of {stats['draft_proposed']} drafts, one a step). The answers are the "
-             "same token for token (tests/test_mtp.py)."]
+             f"({stats['draft_accepted']} of {stats['draft_proposed']} drafts, one a step). The answers were "
+             + ("the same token for token in every round." if result["same_answers"] else "NOT the same.")]
     report(lines, args.write)
-    if args.write:
-        (ROOT / "docs" / "mtp-demo-tp4.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.write or args.json:
+        (args.json or ROOT / "docs" / "mtp-demo-tp4.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -72,14 +72,19 @@ class Mesh:
             p.wait(timeout=30)
 
 
-def start_mesh(model: Path, world: int, tmp: Path, *args: str, generation: int = 1, env: dict | None = None) -> Mesh:
+def start_mesh(model: Path, world: int, tmp: Path, *args: str, generation: int = 1, env: dict | None = None,
+               backend: str = "ring") -> Mesh:
     """Spawn `world` ranks with the env mlx.launch would give a ring hostfile
-    (MLX_RANK, MLX_HOSTFILE) on loopback, plus `env`."""
+    (MLX_RANK, MLX_HOSTFILE) on loopback, or with backend "nccl" the NCCL
+    rendezvous and a GPU each (CUDA_VISIBLE_DEVICES), plus `env`."""
     tmp.mkdir(parents=True, exist_ok=True)
     *ring_ports, http_port = free_ports(world + 1)
     hostfile = None
     env_base = dict(os.environ, MESHD_GENERATION=str(generation), PYTHONUNBUFFERED="1", **(env or {}))
-    if world > 1:
+    if backend == "nccl":
+        env_base.update(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(ring_ports[0]), MLX_WORLD_SIZE=str(world))
+        args = (*args, "--backend", "nccl")
+    elif world > 1:
         hostfile = tmp / "ring.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring_ports]))
         env_base["MLX_HOSTFILE"] = str(hostfile)
@@ -87,7 +92,8 @@ def start_mesh(model: Path, world: int, tmp: Path, *args: str, generation: int =
     for rank in range(world):
         status = tmp / f"status-{rank}.json"
         log = tmp / f"rank-{rank}.log"
-        env = dict(env_base, MLX_RANK=str(rank), MESHD_STATUS_FILE=str(status))
+        env = dict(env_base, MLX_RANK=str(rank), MESHD_STATUS_FILE=str(status),
+                   **({"CUDA_VISIBLE_DEVICES": str(rank)} if backend == "nccl" else {}))
         cmd = [sys.executable, "-m", "runtime.rank", "--model", str(model), "--port", str(http_port),
                "--meshd-generation", str(generation), *args]
         with open(log, "wb") as out:
