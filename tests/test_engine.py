@@ -76,6 +76,13 @@ def test_seeded_sampler_replays_and_differs_by_seed():
     assert [resumed(logits).item() for _ in range(8)] == draw(1)[12:]
 
 
+SAMPLINGS = pytest.mark.parametrize("sampling", [
+    {"temperature": 0.0},
+    {"temperature": 1.0},
+    {"temperature": 0.8, "top_k": 20, "repetition_penalty": 1.3, "logit_bias": ((2, -100.0),)},
+], ids=["greedy", "seeded", "seeded with penalties and bias"])
+
+
 @pytest.fixture(scope="module")
 def demo(demo_model):
     from mlx_lm import load
@@ -98,11 +105,7 @@ def answers(model, eos, jobs: list[Job], join_at: int | None = None, prefill_ste
     return out
 
 
-@pytest.mark.parametrize("sampling", [
-    {"temperature": 0.0},
-    {"temperature": 1.0},
-    {"temperature": 0.8, "top_k": 20, "repetition_penalty": 1.3, "logit_bias": ((2, -100.0),)},
-], ids=["greedy", "seeded", "seeded with penalties and bias"])
+@SAMPLINGS
 @pytest.mark.parametrize("join_at", [2, 5, 20], ids=["in prefill", "at the first tokens", "mid-answer"])
 def test_a_request_alone_then_joined_answers_as_it_would_alone(demo, sampling, join_at):
     """A request alone decodes solo; a second one moves it into the batch mid-answer. Neither
@@ -176,11 +179,7 @@ def drain(engine, job: Job, cancel_after: int | None = None) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("sampling", [
-    {"temperature": 0.0},
-    {"temperature": 1.0},
-    {"temperature": 0.8, "top_k": 20, "repetition_penalty": 1.3, "logit_bias": ((2, -100.0),)},
-], ids=["greedy", "seeded", "seeded with penalties and bias"])
+@SAMPLINGS
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_mtp_drafting_answers_what_plain_decoding_answers(mtp_demo, sampling, k):
     model, eos = mtp_demo
