@@ -161,8 +161,8 @@ def parse(raw: dict, base: Path) -> AgentConfig:
     tls = Pair(opts.tls_cert_file, opts.tls_key_file) if opts.tls_cert_file and opts.tls_key_file else None
     if tls is None and not loopback(host):
         raise ConfigError(f"listen: {opts.listen} is off loopback, where the mesh's token would cross the network "
-                          "in clear; set tls_cert_file and tls_key_file (`meshctl agents install` issues them from the mesh "
-                          'CA), or listen = "127.0.0.1:7701"')
+                          "in clear; set tls_cert_file and tls_key_file (`meshctl agents install` issues them from "
+                          'the mesh CA), or listen = "127.0.0.1:7701"')
     if not opts.reboot_command:
         raise ConfigError(f"reboot_command: must not be empty; for example reboot_command = {EXAMPLES['reboot_command']}")
     extra = raw.get("profiles", {})

@@ -132,7 +132,8 @@ class AgentMetrics:
         memory.add_metric([node, "available"], mem.available)
         events = CounterMetricFamily("meshd_agent_events", "Events emitted", labels=["node"])
         events.add_metric([node], self.sup.events.seq)
-        yield from (up, rss, cpu, mlx, armed, drafts, refusals, gen, exits, sigs, orphans, survivors, reboot, memory, events)
+        yield from (up, rss, cpu, mlx, armed, drafts, refusals, gen, exits, sigs, orphans, survivors, reboot, memory,
+                    events)
 
 
 def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,

@@ -17,6 +17,7 @@ from typing import Awaitable, Callable
 from agents.signatures import CONSEQUENCE, classify
 from agents.stall import StallWindows, stall_verdict
 from common import procs
+from common.logfile import rotated
 from common.protocol import Event, RankExited, RankSignature, RankStalled, RankStateChanged
 from common.states import RankState
 from common.statusfile import read_status
@@ -144,7 +145,7 @@ class RankWatcher:
         rotate it). The copy reads until a read finds nothing new and the file is emptied right then, so
         lines the rank writes during the copy land in it; only the instant between that last read and the
         truncate is a gap (a whole-file copy, then a truncate, lost everything written during the copy)."""
-        with path.open("rb") as src, path.with_suffix(path.suffix + ".1").open("wb") as dst:
+        with path.open("rb") as src, rotated(path).open("wb") as dst:
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
             os.truncate(path, 0)

@@ -4,11 +4,17 @@ writing to the renamed one). `--log-file` on the daemons sends their log here.""
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
 import structlog
+
+from common.secretfile import open_appending
+
+
+def rotated(path: Path, i: int = 1) -> Path:
+    """The ith older file of a log: LOG.1 is the one before the live LOG."""
+    return path.with_name(f"{path.name}.{i}")
 
 
 class RotatingLog:
@@ -22,8 +28,7 @@ class RotatingLog:
         self._open()
 
     def _open(self) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self._file = os.fdopen(fd, "a", buffering=1)
+        self._file = open_appending(self.path, "a", buffering=1)
         self._size = self._file.tell()
 
     def write(self, text: str) -> int:
@@ -41,10 +46,9 @@ class RotatingLog:
     def _rotate(self) -> None:
         self._file.close()
         for i in range(self.keep - 1, 0, -1):
-            older = self.path.with_name(f"{self.path.name}.{i}")
-            if older.exists():
-                older.replace(self.path.with_name(f"{self.path.name}.{i + 1}"))
-        self.path.replace(self.path.with_name(f"{self.path.name}.1"))
+            if rotated(self.path, i).exists():
+                rotated(self.path, i).replace(rotated(self.path, i + 1))
+        self.path.replace(rotated(self.path))
         self._open()
 
 
@@ -54,7 +58,7 @@ def tail(path: Path, lines: int) -> tuple[list[str], int] | None:
     if not path.exists():
         return None
     data, size = b"", 0
-    for part in (path.with_name(path.name + ".1"), path):  # the rotated file, then the live one
+    for part in (rotated(path), path):  # the rotated file, then the live one
         if part.exists():
             with part.open("rb") as f:
                 f.seek(0, 2)

@@ -23,6 +23,8 @@ from typing import Awaitable, Callable
 
 import psutil
 
+from common.secretfile import open_appending
+
 
 @dataclass(frozen=True)
 class Target:
@@ -85,8 +87,8 @@ def send(t: Target, sig: int) -> None:
 def _detached(log_path: Path) -> dict:
     """Popen options of a child that outlives its parent: its own session
     (its group can be signalled as one), stdin closed, output appended to a file only its user reads."""
-    out = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
-    return {"stdin": subprocess.DEVNULL, "stdout": out, "stderr": subprocess.STDOUT, "start_new_session": True}
+    return {"stdin": subprocess.DEVNULL, "stdout": open_appending(log_path), "stderr": subprocess.STDOUT,
+            "start_new_session": True}
 
 
 async def spawn(argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,

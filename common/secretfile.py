@@ -1,5 +1,6 @@
-"""Token files: created with their final mode (0600) in one step, never
-world-readable for an instant, and refused when others can read them."""
+"""Private files (tokens, keys, logs): created with their final mode (0600)
+in one step, never world-readable for an instant; a token others can read is
+refused."""
 
 from __future__ import annotations
 
@@ -23,6 +24,19 @@ def ensure_secret(path: Path) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """`data` in a file created 0600 in one step (an older file is replaced, not reused with its mode)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+        f.write(data)
+
+
+def open_appending(path: Path, mode: str = "ab", **options):
+    """A file opened for appending, created 0600 when it is new: a log only its user reads."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), mode, **options)
 
 
 def derive(key: str, purpose: str) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 import socket
 import ssl
 from dataclasses import dataclass
@@ -18,6 +17,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from common.secretfile import write_private
+from common.tomlcheck import wildcard
+
 CA_DAYS = 3650
 LEAF_DAYS = 825
 
@@ -26,14 +28,6 @@ LEAF_DAYS = 825
 class Pair:
     cert: Path
     key: Path
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
 
 
 def _key_pem(key) -> bytes:
@@ -48,6 +42,18 @@ def _san(name: str) -> x509.GeneralName:
         return x509.DNSName(name)
 
 
+def _certificate(subject: x509.Name, issuer: x509.Name, public_key, signing_key, days: int,
+                 extensions: list[tuple[x509.ExtensionType, bool]]) -> bytes:
+    """A certificate (PEM) valid from five minutes ago (clocks differ) for `days`."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(public_key)
+               .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+               .not_valid_after(now + datetime.timedelta(days=days)))
+    for extension, critical in extensions:
+        builder = builder.add_extension(extension, critical=critical)
+    return builder.sign(signing_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
 def ensure_ca(directory: Path, mesh: str) -> Pair:
     """The mesh CA in `directory` (ca.pem, ca.key), made on first use."""
     pair = Pair(directory / "ca.pem", directory / "ca.key")
@@ -55,17 +61,13 @@ def ensure_ca(directory: Path, mesh: str) -> Pair:
         return pair
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"meshd CA of mesh {mesh}")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=CA_DAYS))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-            .sign(key, hashes.SHA256()))
-    _write_private(pair.key, _key_pem(key))
-    pair.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    usage = x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                          data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
+                          encipher_only=False, decipher_only=False)
+    cert = _certificate(name, name, key.public_key(), key, CA_DAYS,
+                        [(x509.BasicConstraints(ca=True, path_length=0), True), (usage, True)])
+    write_private(pair.key, _key_pem(key))
+    pair.cert.write_bytes(cert)
     return pair
 
 
@@ -74,17 +76,12 @@ def issue(ca: Pair, common_name: str, names: list[str]) -> tuple[bytes, bytes]:
     ca_cert = x509.load_pem_x509_certificate(ca.cert.read_bytes())
     ca_key = serialization.load_pem_private_key(ca.key.read_bytes(), password=None)
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=LEAF_DAYS))
-            .add_extension(x509.SubjectAlternativeName([_san(n) for n in dict.fromkeys(names)]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    cert = _certificate(name, ca_cert.subject, key.public_key(), ca_key, LEAF_DAYS,
+                        [(x509.SubjectAlternativeName([_san(n) for n in dict.fromkeys(names)]), False),
+                         (x509.BasicConstraints(ca=False, path_length=None), True),
+                         (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)])
+    return cert, _key_pem(key)
 
 
 def ensure_issued(ca: Pair, pair: Pair, common_name: str, names: list[str]) -> Pair:
@@ -94,7 +91,7 @@ def ensure_issued(ca: Pair, pair: Pair, common_name: str, names: list[str]) -> P
         if x509.load_pem_x509_certificate(pair.cert.read_bytes()).issuer == ca_cert.subject:
             return pair
     cert, key = issue(ca, common_name, names)
-    _write_private(pair.key, key)
+    write_private(pair.key, key)
     pair.cert.write_bytes(cert)
     return pair
 
@@ -103,7 +100,7 @@ def local_names(host: str) -> list[str]:
     """What a client on this machine or the LAN may call a server listening on `host` (every address of
     this machine's when it listens on all of them)."""
     names = ["127.0.0.1", "::1", "localhost", socket.gethostname(), socket.getfqdn()]
-    if host not in ("0.0.0.0", "::", ""):
+    if not wildcard(host):
         return [host] + names
     addresses = [a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
                  if a.family in (socket.AF_INET, socket.AF_INET6)]

@@ -55,6 +55,16 @@ def split_listen(key: str, value: str) -> tuple[str, int]:
     return host, port_in_range(key, int(port))
 
 
+def listen_host(listen: str) -> str:
+    """The host of a "host:port" listen address, without an IPv6 address's brackets."""
+    return listen.rpartition(":")[0].strip("[]")
+
+
+def wildcard(host: str) -> bool:
+    """Does a server listening on `host` listen on every address of the machine?"""
+    return host.strip("[]") in ("0.0.0.0", "::", "")
+
+
 def loopback(host: str | None) -> bool:
     """Is `host` (an address, bracketed or not, or "localhost") this machine's loopback?"""
     host = (host or "").strip("[]")

@@ -5,29 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import ssl
 from typing import Awaitable, Callable
 
 import aiohttp
 
-from common.tls import client_context
-from common.tomlcheck import ConfigError
 from meshd.config import MeshConfig, Node
 
 
 def agent_session(cfg: MeshConfig) -> aiohttp.ClientSession:
     """A session for the agents' APIs; TLS pinned to the mesh CA where a node speaks https."""
-    if any(n.agent.startswith("https://") for n in cfg.nodes):
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=mesh_client_context(cfg)))
+    if cfg.agents_over_tls:
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=cfg.client_tls()))
     return aiohttp.ClientSession()
-
-
-def mesh_client_context(cfg: MeshConfig) -> ssl.SSLContext:
-    """Trusts the mesh CA only; ConfigError when there is none yet."""
-    if not cfg.ca_file.exists():
-        raise ConfigError(f"no mesh CA at {cfg.ca_file}: https agents and an off-loopback control API need it; "
-                          "`meshctl agents install` creates it (and the controller does on its first start)")
-    return client_context(cfg.ca_file)
 
 
 class AgentError(Exception):

@@ -11,7 +11,8 @@ from urllib.parse import urlparse
 
 from common.hostfile import BACKENDS, local_index
 from common.modelref import is_repo_id
-from common.tomlcheck import ConfigError, Problems, loopback, port_in_range, read_toml, split_listen, table
+from common.tomlcheck import (ConfigError, Problems, listen_host, loopback, port_in_range, read_toml, split_listen,
+                              table, wildcard)
 from meshd.fleet import Recovery
 
 
@@ -90,7 +91,7 @@ class Proxy:
 
     @property
     def open_off_loopback(self) -> bool:
-        return self.api_keys_file is None and not loopback(self.listen.rpartition(":")[0])
+        return self.api_keys_file is None and not loopback(listen_host(self.listen))
 
 
 @dataclass(frozen=True)
@@ -113,12 +114,12 @@ class Control:
     @property
     def tls(self) -> bool:
         """Off loopback the control API speaks TLS only, with a certificate from the mesh CA."""
-        return not loopback(self.listen.rpartition(":")[0])
+        return not loopback(listen_host(self.listen))
 
     @property
     def url(self) -> str:
         host, _, port = self.listen.rpartition(":")
-        if host in ("0.0.0.0", "::", "[::]", ""):
+        if wildcard(host):
             host = "127.0.0.1"  # where a client on this machine reaches a wildcard listener
         return f"{'https' if self.tls else 'http'}://{host}:{port}"
 
@@ -162,6 +163,21 @@ class MeshConfig:
     @property
     def ca_file(self) -> Path:
         return self.tls_dir / "ca.pem"
+
+    @property
+    def agents_over_tls(self) -> bool:
+        return any(n.agent.startswith("https://") for n in self.nodes)
+
+    def client_tls(self):
+        """An ssl context that trusts the mesh CA and nothing else (for https agents and a control API off
+        loopback); ConfigError when there is no mesh CA yet."""
+        if not self.ca_file.exists():
+            raise ConfigError(f"no mesh CA at {self.ca_file}: https agents and an off-loopback control API need "
+                              "it; `meshctl agents install` creates it, the controller does at its first start, or "
+                              "copy the mesh's ca.pem there")
+        from common.tls import client_context  # cryptography: only when TLS is in play (meshctl starts fast)
+
+        return client_context(self.ca_file)
 
     def node(self, name: str) -> Node:
         for n in self.nodes:

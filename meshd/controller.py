@@ -21,7 +21,7 @@ import structlog
 from common.protocol import RankSpec, StopResult, event_from_dict
 from common.secretfile import derive, ensure_secret
 from common.states import Phase
-from common.tomlcheck import ConfigError
+from common.tomlcheck import ConfigError, wildcard
 from meshd import doctor, fleet, provision
 from meshd.evidence import launch_refused, meaning_of, observed
 from meshd.agentclient import AgentClient, AgentError, agent_session
@@ -156,7 +156,7 @@ class Controller:
     # --- actions ----------------------------------------------------------------
     def rank0_url(self) -> str:
         host = self.cfg.runtime.host
-        if host in ("0.0.0.0", "::", ""):
+        if wildcard(host):
             host = self.cfg.nodes[0].address
         return f"http://{host}:{self.cfg.runtime.port}"
 
@@ -210,7 +210,7 @@ class Controller:
         through every rank. A runtime without that proves it here: its port answering, then a real
         one-token completion; an error from a server that is up is evidence (a 4xx: deterministic)."""
         url = self.rank0_url()
-        auth = {"Authorization": f"Bearer {self.rank_secret(self.state.generation)}"}
+        auth = self.serving().rank0_auth
         try:
             if self.cfg.runtime.profile == "meshd-rank":
                 async with self.session.get(url + "/internal/ready", headers=auth,

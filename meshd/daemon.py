@@ -26,9 +26,9 @@ from common.http import (
 )
 from common.secretfile import derive, ensure_secret
 from common.tls import Pair, ensure_ca, ensure_issued, local_names, server_context
-from common.tomlcheck import ConfigError, loopback, split_listen
+from common.tomlcheck import ConfigError, listen_host, loopback, split_listen
 from meshd import statuspage
-from meshd.agentclient import AgentError, mesh_client_context
+from meshd.agentclient import AgentError
 from meshd.config import MeshConfig, load
 from meshd.controller import Controller
 from meshd.metrics import Metrics
@@ -48,9 +48,9 @@ def control_tls(cfg: MeshConfig) -> ssl.SSLContext | None:
     if not cfg.control.tls:
         return None
     ca = ensure_ca(cfg.tls_dir, cfg.name)
-    host = cfg.control.listen.rpartition(":")[0].strip("[]")
-    return server_context(ensure_issued(ca, Pair(cfg.tls_dir / "control.pem", cfg.tls_dir / "control.key"),
-                                        f"meshd control of mesh {cfg.name}", local_names(host)))
+    pair = Pair(cfg.tls_dir / "control.pem", cfg.tls_dir / "control.key")
+    return server_context(ensure_issued(ca, pair, f"meshd control of mesh {cfg.name}",
+                                        local_names(listen_host(cfg.control.listen))))
 
 
 def urls(cfg: MeshConfig) -> dict:
@@ -197,8 +197,8 @@ async def serve(cfg: MeshConfig, log_file: Path | None = None) -> None:
                     "reaches it may use the mesh", listen=cfg.proxy.listen)
     await ctl.start()  # adopt first: no command may arrive before the controller knows what runs
     runners = await start_sites([(proxy.app(), *split_listen("proxy.listen", cfg.proxy.listen), None),
-                                 (control_app(ctl, metrics, token, log_file), *split_listen("control.listen", cfg.control.listen),
-                                  control_tls(cfg))])
+                                 (control_app(ctl, metrics, token, log_file),
+                                  *split_listen("control.listen", cfg.control.listen), control_tls(cfg))])
     log.info("meshd running", mesh=cfg.name, proxy=cfg.proxy.listen, control=cfg.control.listen,
              phase=ctl.state.phase, generation=ctl.state.generation)
     await until_stopped(f"mesh {cfg.name}: proxy on {cfg.proxy.listen}")
@@ -215,8 +215,8 @@ def load_checked(path: str) -> MeshConfig:
         if not n.token_file.exists():
             raise ConfigError(f"nodes.{n.name}.token_file: {n.token_file} does not exist; copy the token "
                               "from that node's agent (its token_file)")
-    if any(n.agent.startswith("https://") for n in cfg.nodes):
-        mesh_client_context(cfg)  # ConfigError now when there is no mesh CA to check the agents against
+    if cfg.agents_over_tls:
+        cfg.client_tls()  # ConfigError now when there is no mesh CA to check the agents against
     return cfg
 
 

@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 import paramiko
 
 from common.secretfile import ensure_secret
-from common.tls import client_context, ensure_ca, issue
+from common.tls import ensure_ca, issue
 from meshd import provision, service
 from meshd.config import MeshConfig, Node
 from meshd.share import CHECKOUT, in_checkout
@@ -162,7 +162,7 @@ def install_agent(cfg: MeshConfig, node: Node, wheel: Path, *, trust_new: bool =
                 unit = name.removesuffix(".service")
                 run(f"sudo -n systemctl daemon-reload && sudo -n systemctl enable --now {unit}", f"starting {unit}")
         say(f"{node.name}: agent service started; waiting for {node.agent}/healthz")
-    confirm(node, token, client_context(cfg.ca_file) if tls_files else None)
+    confirm(node, token, cfg.client_tls() if tls_files else None)
     say(f"{node.name}: the agent answers at {node.agent} and accepts the mesh's token")
 
 

@@ -20,7 +20,8 @@ def bar(done: int, total: int, width: int = BAR) -> str:
 def rank_line(r: dict) -> str:
     state = r["state"]
     if state == "loading" and r.get("load_total"):
-        return f"  {r['node']:<12} {state:<9} {bar(r['load_done'], r['load_total'])} {r['load_done']}/{r['load_total']}"
+        done, total = r["load_done"], r["load_total"]
+        return f"  {r['node']:<12} {state:<9} {bar(done, total)} {done}/{total}"
     return f"  {r['node']:<12} {state}"
 
 

@@ -1,5 +1,6 @@
 """SQLite in the state directory: generations, events, incidents, the audit
-trail of control actions (who, what, when), and the few values a restarted controller needs (what the operator asked for, the last
+trail of control actions (who, what, when), and the few values a restarted
+controller needs (what the operator asked for, the last
 generation, each agent's last event sequence number)."""
 
 from __future__ import annotations
