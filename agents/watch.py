@@ -66,6 +66,7 @@ class RankRecord:
         res = procs.resources(self.target) if not self.done else {"rss_bytes": 0, "cpu_seconds": 0.0}
         return {**self.manifest_entry(), "state": self.state, "status": self.status,
                 "exit_code": self.exit_code, "exit_signal": self.exit_signal, "stalled": self.stalled,
+                "expected": self.stopping, "peer_lost": self.peer_lost,
                 "signatures": self.signatures, **res}
 
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import tempfile
 import time
 from pathlib import Path
 
 import requests
 from benchkit import meshctl_for as meshctl
-from benchkit import parser, report
+from benchkit import parser, report, stop_mesh
 
 from kit.agents import make_agents
 from kit.configs import write_mesh
@@ -46,7 +45,7 @@ def timed(what: str, fn) -> tuple[str, float]:
 
 
 def probes(mesh: Path) -> dict[str, float]:
-    text = requests.get(json.loads(meshctl(mesh, "status", "--json"))["urls"]["metrics"], timeout=5).text
+    text = requests.get(json.loads(meshctl(mesh, "status", "--json"))["urls"]["proxy_metrics"], timeout=5).text
     return {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
             if line.startswith("meshd_proxy_probes_total{")}
 
@@ -96,10 +95,7 @@ def main() -> None:
         sent = probes(stock)
     finally:
         for m, group in ((mesh, agents), (stock, stock_agents)):
-            meshctl(m, "down", "--force", check=False)
-            pidfile = m.parent / "state" / "run" / "controller.pid"
-            if pidfile.exists():
-                os.kill(int(pidfile.read_text().split()[0]), signal.SIGTERM)
+            stop_mesh(m)
             for a in group:
                 a.kill()
 

@@ -32,7 +32,8 @@ def main() -> None:
         requests.post(f"{status['urls']['proxy']}/chat/completions", timeout=120,
                       json={"messages": [{"role": "user", "content": "warm up"}], "max_tokens": 8})
         run = home / "demo" / "run"
-        procs = {"controller": psutil.Process(int((run / "controller.pid").read_text().split()[0]))}
+        procs = {name: psutil.Process(int((run / f"{name}.pid").read_text().split()[0]))
+                 for name in ("controller", "proxy")}
         for i in range(4):
             procs[f"agent node{i}"] = psutil.Process(int((run / f"agent-node{i}.pid").read_text().split()[0]))
         for n in status["nodes"]:
@@ -49,7 +50,7 @@ def main() -> None:
              f"{os.cpu_count()} CPUs)", "",
              "| process | resident MB | idle CPU % | target |", "|---|---|---|---|"]
     for k, rss, cpu in rows:
-        target = "<= 80 MB, <= 1%" if k.startswith("agent") else ("<= 150 MB" if k == "controller" else "-")
+        target = "<= 80 MB, <= 1%" if k.startswith("agent") else ("<= 150 MB" if k in ("controller", "proxy") else "-")
         lines.append(f"| {k} | {rss:.0f} | {cpu:.2f} | {target} |")
     lines += ["", f"Command: `python bench/footprint.py --idle {args.idle:g} --write`", ""]
     report(lines, args.write)

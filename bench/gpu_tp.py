@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import requests
-from benchkit import ROOT, meshctl_for
+from benchkit import ROOT, meshctl_for, stop_mesh
 
 from common.hostfile import MLX_BACKEND, launch_env
 from common.tomlcheck import write_toml
@@ -280,13 +280,7 @@ def main() -> None:
     finally:
         for loop in plain.values():
             loop.kill()
-        meshctl_for(mesh, "down", "--force", check=False)
-        pidfile = work / "state" / "run" / "controller.pid"
-        if pidfile.exists():
-            try:
-                os.kill(int(pidfile.read_text().split()[0]), signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        stop_mesh(mesh)
         for a in agents:
             a.kill()
         save()

@@ -1,9 +1,20 @@
-"""Latency the proxy adds, per request and per streamed chunk: the same fast
-stand-in rank 0 (bench/standin_rank.py, started by a real agent under a real
-controller) reached directly, through meshd's proxy, and through nginx as a
-plain reverse proxy, in one run, at 1 and 32 concurrent clients.
+"""Latency meshd-proxy adds: the same fast stand-in rank 0 (bench/standin_rank.py,
+started by a real agent under a real controller) reached directly, through
+meshd-proxy, and through nginx as a plain reverse proxy, in one run, in
+alternating rounds (the paths' order rotates each round), at 1 and 32 clients.
 
-    python bench/proxy_overhead.py --requests 400 --write
+Back to back (default): per request (whole answers) and per chunk (streams of
+--chunks chunks sent at once). A round's added latency is that round's median
+through a path minus its median direct; the table gives the median over rounds
+and their spread.
+
+Paced (--pace-ms 20: 50 tokens/s a stream): every token's delivery latency, from
+the moment the stand-in sent it (the time is in its text; one clock) to its
+arrival at the client; a round's p50 and p99 over all its tokens, minus
+direct's.
+
+    python bench/proxy_overhead.py --rounds 5 --requests 200 --write
+    python bench/proxy_overhead.py --rounds 5 --requests 64 --pace-ms 20 --write
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -21,7 +33,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from benchkit import ROOT, meshctl_for, report, standin_model
+from benchkit import ROOT, meshctl_for, report, standin_model, stop_mesh
 
 from kit.agents import make_agents
 from kit.configs import write_mesh
@@ -30,31 +42,40 @@ from meshd import config as mesh_config
 from meshd.ports import free_ports
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+SENT_AT = re.compile(rb'"content": "t\d+ ([0-9.]+) ')
+PATHS = ("direct", "meshd-proxy", "nginx")
 
 
-async def one(session: aiohttp.ClientSession, url: str, stream: bool) -> float:
+async def one(session: aiohttp.ClientSession, url: str, stream: bool, latencies: list[float] | None) -> float:
     t0 = time.perf_counter()
     async with session.post(url, json={**BODY, "stream": stream}) as r:
         assert r.status == 200, await r.text()
-        async for _ in r.content.iter_any():
-            pass
+        if latencies is None:
+            async for _ in r.content.iter_any():
+                pass
+        else:
+            async for line in r.content:
+                if m := SENT_AT.search(line):
+                    latencies.append(time.time() - float(m.group(1)))
     return time.perf_counter() - t0
 
 
-async def load(url: str, n: int, concurrency: int, stream: bool) -> list[float]:
+async def load(url: str, n: int, concurrency: int, stream: bool, paced: bool) -> tuple[list[float], list[float]]:
+    """Request times and (paced) token latencies of `n` requests from `concurrency` clients."""
     times: list[float] = []
+    latencies: list[float] = []
     queue = list(range(n))
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
-        for _ in range(min(20, n)):  # warm-up, not counted
-            await one(session, url, stream)
+        for _ in range(min(4 if paced else 20, n)):  # warm-up, not counted
+            await one(session, url, stream, None)
 
         async def worker():
             while queue:
                 queue.pop()
-                times.append(await one(session, url, stream))
+                times.append(await one(session, url, stream, latencies if paced else None))
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return times
+    return times, latencies
 
 
 def nginx_conf(d: Path, listen: int, upstream: int) -> Path:
@@ -83,19 +104,38 @@ http {{
     return conf
 
 
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def cell(rounds: list[dict[str, float]], path: str) -> tuple[float, float, float]:
+    """Median over rounds of `path` minus direct in the same round, and the spread (min, max), in ms."""
+    added = [(r[path] - r["direct"]) * 1000 for r in rounds]
+    return statistics.median(added), min(added), max(added)
+
+
+def ratio(meshd: float, nginx: float) -> str:
+    return f"{meshd / nginx:.1f}x" if nginx > 0 else "n/a (nginx <= 0)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--pace-ms", type=float, default=0.0)
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     if not Path(nginx).exists():
         raise SystemExit("nginx is not installed: apt-get install nginx")
+    paced = args.pace_ms > 0
     tmp = Path(tempfile.mkdtemp(prefix="meshd-proxy-bench-"))
     (agent,) = make_agents(tmp, 1, extra={"profiles": {"standin": {
         "command": ["{python}", str(ROOT / "bench" / "standin_rank.py"), "--host", "{host}", "--port", "{port}",
-                    "--meshd-generation", "{generation}", "--chunks", str(args.chunks)], "status_file": False}}})
+                    "--meshd-generation", "{generation}", "--chunks", str(args.chunks),
+                    "--pace-ms", str(args.pace_ms)], "status_file": False}}})
     agent.start()
     mesh = write_mesh(tmp, [agent], standin_model(tmp / "model"), runtime={"profile": "standin"},
                       proxy={"concurrency": 64, "queue_limit": 256})
@@ -104,50 +144,80 @@ def main() -> None:
         (tmp / sub).mkdir()
     rank_port = mesh_config.load(mesh).runtime.port
     ng = None
+    cells = [(c, s) for c in (1, 32) for s in ((True,) if paced else (False, True))]
+    results: dict[tuple, list[dict[str, float]]] = {k: [] for k in cells}
     try:
         meshctl_for(mesh, "up", "--skip-preflight")  # the stand-in rank loads no model: no memory to check
         status = json.loads(meshctl_for(mesh, "status", "--json"))
         ng = subprocess.Popen([nginx, "-c", str(nginx_conf(tmp, nginx_port, rank_port)), "-g", "daemon off;"])
-        paths = {"direct": f"http://127.0.0.1:{rank_port}/v1/chat/completions",
-                 "meshd proxy": f"{status['urls']['proxy']}/chat/completions",
-                 "nginx": f"http://127.0.0.1:{nginx_port}/v1/chat/completions"}
+        urls = {"direct": f"http://127.0.0.1:{rank_port}/v1/chat/completions",
+                "meshd-proxy": f"{status['urls']['proxy']}/chat/completions",
+                "nginx": f"http://127.0.0.1:{nginx_port}/v1/chat/completions"}
         wait_for(lambda: subprocess.run(["curl", "-sf", f"http://127.0.0.1:{nginx_port}/internal/ready"],
                                         capture_output=True).returncode == 0, 30, "nginx")
-        results = {}
-        for concurrency in (1, 32):
-            for stream in (False, True):
-                for name, url in paths.items():
-                    t = asyncio.run(load(url, args.requests, concurrency, stream))
-                    results[(concurrency, stream, name)] = statistics.median(t)
-                    print(f"c={concurrency} stream={stream} {name}: p50 {statistics.median(t) * 1000:.2f} ms",
-                          file=sys.stderr)
+        for concurrency, stream in cells:
+            n = args.requests if concurrency > 1 or not paced else max(4, args.requests // 8)
+            for rnd in range(args.rounds):
+                order = PATHS[rnd % 3:] + PATHS[:rnd % 3]
+                got = {}
+                for path in order:
+                    times, latencies = asyncio.run(load(urls[path], n, concurrency, stream, paced))
+                    if paced:
+                        got[path + " p50"], got[path + " p99"] = percentile(latencies, 0.5), percentile(latencies, 0.99)
+                    else:
+                        got[path] = statistics.median(times) / (args.chunks + 2 if stream else 1)
+                results[(concurrency, stream)].append(got)
+                print(f"c={concurrency} stream={stream} round {rnd + 1}: "
+                      + ", ".join(f"{k} {v * 1000:.3f} ms" for k, v in got.items()), file=sys.stderr)
     finally:
         if ng is not None:
             ng.terminate()
             ng.wait(10)
-        meshctl_for(mesh, "down", "--force", check=False)
-        pidfile = tmp / "state" / "run" / "controller.pid"
-        if pidfile.exists():
-            os.kill(int(pidfile.read_text().split()[0]), 15)
+        stop_mesh(mesh)
         agent.kill()
 
-    lines = [f"### Proxy overhead ({time.strftime('%Y-%m-%d')}, stand-in rank 0, {os.cpu_count()} CPUs, "
-             f"{args.requests} requests per cell, streams of {args.chunks} chunks, medians)", "",
-             "| clients | kind | direct ms | meshd added ms | nginx added ms | meshd / nginx | target (1 client) |",
-             "|---|---|---|---|---|---|---|"]
-    for concurrency in (1, 32):
-        for stream in (False, True):
-            d = results[(concurrency, stream, "direct")]
-            m = results[(concurrency, stream, "meshd proxy")] - d
-            n = results[(concurrency, stream, "nginx")] - d
-            per = args.chunks + 2 if stream else 1
-            unit = "per chunk" if stream else "per request"
-            target = ("<= 0.1 ms per chunk" if stream else "<= 1 ms per request") if concurrency == 1 else "-"
-            lines.append(f"| {concurrency} | {unit} | {d * 1000 / per:.3f} | {m * 1000 / per:.3f} | "
-                         f"{n * 1000 / per:.3f} | {f'{m / n:.1f}x' if n > 0 else 'n/a'} | {target} |")
-    lines += ["", "Added latency is the median of a path minus the direct median, divided by the chunks of a "
-              "stream for the per-chunk rows.", "",
-              f"Command: `python bench/proxy_overhead.py --requests {args.requests} --chunks {args.chunks} --write`", ""]
+    today = time.strftime("%Y-%m-%d")
+    if paced:
+        lines = [f"### Proxy latency per token, paced streams ({today}, stand-in rank 0 at {1000 / args.pace_ms:.0f} "
+                 f"tokens/s a stream, {os.cpu_count()} CPUs, {args.rounds} alternating rounds, {args.chunks}-token "
+                 "streams)", "",
+                 "| streams | tokens a round | direct p50 / p99 ms | meshd-proxy added p50 ms | added p99 ms "
+                 "(spread) | nginx added p50 / p99 ms | meshd / nginx (p99) | target |", "|---|---|---|---|---|---|---|---|"]
+        for concurrency, stream in cells:
+            rounds = [{"direct": r["direct p50"], "meshd-proxy": r["meshd-proxy p50"], "nginx": r["nginx p50"]}
+                      for r in results[(concurrency, stream)]]
+            tails = [{"direct": r["direct p99"], "meshd-proxy": r["meshd-proxy p99"], "nginx": r["nginx p99"]}
+                     for r in results[(concurrency, stream)]]
+            m50, _, _ = cell(rounds, "meshd-proxy")
+            m99, lo, hi = cell(tails, "meshd-proxy")
+            n50, _, _ = cell(rounds, "nginx")
+            n99, _, _ = cell(tails, "nginx")
+            d50 = statistics.median(r["direct"] for r in rounds) * 1000
+            d99 = statistics.median(r["direct"] for r in tails) * 1000
+            n = args.requests if concurrency > 1 else max(4, args.requests // 8)
+            lines.append(f"| {concurrency} | {n * args.chunks} | {d50:.3f} / {d99:.3f} | {m50:.3f} | {m99:.3f} "
+                         f"({lo:.3f} to {hi:.3f}) | {n50:.3f} / {n99:.3f} | {ratio(m99, n99)} | "
+                         f"{'<= 1 ms p99' if concurrency == 32 else '-'} |")
+        lines += ["", "p99 is the 99th percentile of every token a round delivered; the added figures are the "
+                  "median over rounds of (path - direct) in the same round, with the spread of those rounds."]
+    else:
+        lines = [f"### Proxy overhead ({today}, stand-in rank 0, {os.cpu_count()} CPUs, {args.rounds} alternating "
+                 f"rounds of {args.requests} requests a cell, streams of {args.chunks} chunks)", "",
+                 "| clients | kind | direct ms | meshd-proxy added ms (spread) | nginx added ms | meshd / nginx | "
+                 "target |", "|---|---|---|---|---|---|---|"]
+        targets = {(1, False): "<= 0.3 ms", (1, True): "<= 0.02 ms", (32, True): "<= 0.15 ms", (32, False): "-"}
+        for concurrency, stream in cells:
+            rounds = results[(concurrency, stream)]
+            m, lo, hi = cell(rounds, "meshd-proxy")
+            n, _, _ = cell(rounds, "nginx")
+            d = statistics.median(r["direct"] for r in rounds) * 1000
+            lines.append(f"| {concurrency} | {'per chunk' if stream else 'per request'} | {d:.3f} | {m:.3f} "
+                         f"({lo:.3f} to {hi:.3f}) | {n:.3f} | {ratio(m, n)} | {targets[(concurrency, stream)]} |")
+        lines += ["", "A round's added latency is its median through the path minus its median direct, divided by "
+                  "the chunks of a stream (plus its end and [DONE]) for the per-chunk rows; the table gives the "
+                  "median over rounds and their spread."]
+    lines += ["", f"Command: `python bench/proxy_overhead.py --rounds {args.rounds} --requests {args.requests} "
+              f"--chunks {args.chunks}{f' --pace-ms {args.pace_ms:g}' if paced else ''} --write`", ""]
     report(lines, args.write)
 
 

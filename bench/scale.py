@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchkit import ROOT, parser, report, standin_model
+from benchkit import ROOT, parser, report, standin_model, stop_mesh
 from benchkit import meshctl_for as meshctl
 from detection_recovery import first_death_received, pct, wait
 
@@ -64,10 +64,7 @@ def measure(n: int, trials: int, rng: random.Random) -> dict:
             detect.append(got - killed)
         return {"up": up, "status": status_cmd + status_api, "detect": detect}
     finally:
-        meshctl(mesh, "down", "--force", check=False)
-        pidfile = tmp / "state" / "run" / "controller.pid"
-        if pidfile.exists():
-            os.kill(int(pidfile.read_text().split()[0]), signal.SIGTERM)
+        stop_mesh(mesh)
         for a in agents:
             a.kill()
 

@@ -22,6 +22,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--meshd-generation", type=int, default=0)
     ap.add_argument("--chunks", type=int, default=64)
+    ap.add_argument("--pace-ms", type=float, default=0.0, help="milliseconds between streamed chunks (0: back to "
+                                                               "back); each chunk's text says when it was sent")
     ap.add_argument("--rank", type=int, default=0)
     args = ap.parse_args()
     if args.rank:
@@ -30,8 +32,9 @@ def main() -> None:
     created = int(time.time())
 
     def chunk(i: int, finish: str | None) -> bytes:
+        text = f"t{i} {time.time():.6f} " if args.pace_ms else f"t{i} "
         body = {"id": "chatcmpl-standin", "object": "chat.completion.chunk", "created": created, "model": "standin",
-                "choices": [{"index": 0, "delta": {} if finish else {"content": f"t{i} "}, "logprobs": None,
+                "choices": [{"index": 0, "delta": {} if finish else {"content": text}, "logprobs": None,
                              "finish_reason": finish}]}
         return b"data: " + json.dumps(body).encode() + b"\n\n"
 
@@ -49,6 +52,8 @@ def main() -> None:
         resp.enable_chunked_encoding()
         await resp.prepare(request)
         for i in range(args.chunks):
+            if args.pace_ms and i:
+                await asyncio.sleep(args.pace_ms / 1000)
             await resp.write(chunk(i, None))
         await resp.write(chunk(args.chunks, "stop"))
         await resp.write(b"data: [DONE]\n\n")

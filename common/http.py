@@ -117,12 +117,15 @@ async def until_stopped(status: str) -> None:
         pings.cancel()
 
 
-def run_daemon(prog: str, description: str, config_help: str, load, serve, listen_fix: str) -> None:
-    """The daemons' entry point: `--config FILE`; a config mistake or a port
-    that cannot be bound ends the process with a message saying what to fix."""
+def run_daemon(prog: str, description: str, config_help: str, load, serve, listen_fix: str, *,
+               pidfile: bool = False, loop_factory=None) -> None:
+    """The daemons' entry point: `--config FILE` (and `--pidfile FILE`, handed to `serve`, when asked for);
+    a config mistake or a port that cannot be bound ends the process with a message saying what to fix."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", required=True, help=config_help)
     p.add_argument("--log-file", type=Path, help="write the log here, rotated by size (launchd has no journal)")
+    if pidfile:
+        p.add_argument("--pidfile", type=Path, help="where to write this process's pid once it serves")
     args = p.parse_args()
     if args.log_file:
         logfile.log_to(args.log_file)
@@ -131,6 +134,7 @@ def run_daemon(prog: str, description: str, config_help: str, load, serve, liste
     except ConfigError as e:
         sys.exit(f"{prog}: {e}")
     try:
-        asyncio.run(serve(cfg, args.log_file))
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve(cfg, args.log_file, *([args.pidfile] if pidfile else [])))
     except OSError as e:
         sys.exit(f"{prog}: cannot listen ({e.strerror}); {listen_fix}")

@@ -1,10 +1,10 @@
 """`meshctl`: up, down, status, restart, events, logs, config check,
-provision, doctor, reboot, agents install, service install.
+provision, doctor, reboot, agents install, service install, proxy restart.
 
 The mesh is the first of: --config (before or after the command),
 $MESHD_CONFIG, ./mesh.toml, $XDG_CONFIG_HOME/meshd/mesh.toml (~/.config),
 /etc/meshd/mesh.toml; with none of them, the embedded demo mesh: `meshctl up`
-starts it (controller and four agents as background daemons on 127.0.0.1)
+starts it (controller, proxy and four agents as background daemons on 127.0.0.1)
 and says so, `meshctl down` stops all of it.
 
 Exit codes: 0 done, 1 failed (the message says why and what to do), 2 a
@@ -18,6 +18,7 @@ import asyncio
 import json
 import getpass
 import os
+import signal
 import socket
 import sys
 import time
@@ -161,24 +162,38 @@ def follow_until_ready(ctl: "Control", timeout: float, after: int = 0) -> dict:
     raise CliError(f"not ready after {timeout:.0f}s; `meshctl status` and `meshctl logs NODE` say why")
 
 
+def run_dir(cfg: MeshConfig) -> Path:
+    """Where meshctl keeps the pidfiles and logs of the daemons it starts for this mesh."""
+    return demo.run_dir(demo.home()) if cfg.path and demo.is_demo(cfg.path) else cfg.state_dir / "run"
+
+
+def start_proxy(cfg: MeshConfig) -> None:
+    """meshd-proxy beside the controller, unless something (a service's, say) already answers there."""
+    if daemons.http_status(f"{cfg.proxy.url}/health") is not None:
+        return
+    run = run_dir(cfg)
+    say(f"starting meshd-proxy on {cfg.proxy.listen} (log in {run / 'proxy.log'})")
+    daemons.start(daemons.python_module("meshd.proxyd", "--config", str(cfg.path), "--pidfile",
+                                        str(run / "proxy.pid")), run / "proxy.pid", run / "proxy.log")
+
+
 def cmd_up(args) -> int:
     opts = demo.DemoOptions(stall_window=args.stall_window, start_deadline=args.start_deadline,
                             max_failures=args.max_failures, backoff_max=args.backoff_max,
                             poison_after=args.poison_after, migration_limit=args.migration_limit)
     cfg = resolve_config(args.config, for_up=True, opts=opts)
     ctl = Control(cfg)
+    run = run_dir(cfg)
     if not ctl.alive():
         if cfg.path and demo.is_demo(cfg.path):
-            say(f"demo: starting {demo.WORLD} agents and the controller on 127.0.0.1 (logs in {demo.run_dir(demo.home())})")
+            say(f"demo: starting {demo.WORLD} agents and the controller on 127.0.0.1 (logs in {run})")
             demo.start_daemons(demo.home(), cfg.path)
         else:
-            run = cfg.state_dir / "run"
             say(f"starting the controller for {cfg.name} (log in {run / 'controller.log'})")
             daemons.start(daemons.python_module("meshd.daemon", "--config", str(cfg.path)), run / "controller.pid",
                           run / "controller.log")
         if not daemons.wait_until(ctl.alive, 60):
-            raise CliError(f"the controller did not come up; see {cfg.state_dir / 'run' / 'controller.log'} "
-                           f"or {demo.run_dir(demo.home()) / 'controller.log'}")
+            raise CliError(f"the controller did not come up; see {run / 'controller.log'}")
     if not args.skip_preflight and ctl.call("GET", "/v1/status")["phase"] in ("stopped", "failed"):
         checks = preflight(cfg)
         failed = [c for c in checks if not c.ok]
@@ -189,9 +204,13 @@ def cmd_up(args) -> int:
                            f"started. `meshctl doctor` shows every check; --skip-preflight starts anyway")
         say(f"preflight: {len(checks)} checks pass")
     ctl.call("POST", "/v1/up")
+    start_proxy(cfg)  # once the controller answers as this mesh's
     status = follow_until_ready(ctl, args.timeout)
     if status["phase"] == "failed":
         return 1
+    if not daemons.wait_until(lambda: daemons.answers(f"{cfg.proxy.url}/health"), 60, 0.2):
+        raise CliError(f"the mesh serves but meshd-proxy does not answer on {cfg.proxy.listen}; see "
+                       f"{run / 'proxy.log'}")
     proxy = status["urls"]["proxy"]
     say(f"\nready: generation {status['generation']} on {len(status['nodes'])} ranks")
     say(f"OpenAI URL: {proxy}")
@@ -216,6 +235,25 @@ def cmd_down(args) -> int:
         if left:
             raise CliError(f"processes of the demo are still running: {left}")
         say("the demo's controller and agents are stopped; no process of the mesh remains")
+    return 0
+
+
+def cmd_proxy_restart(args) -> int:
+    """Hand meshd-proxy's socket to a new process: no connection refused, the streams in flight finish on
+    the old one."""
+    cfg = resolve_config(args.config)
+    pidfile = run_dir(cfg) / "proxy.pid"
+    old = daemons.pid_of(pidfile)
+    if old is None:
+        raise CliError(f"no meshd-proxy that meshctl started runs for {cfg.name} ({pidfile}); a service's is "
+                       "restarted by its manager without refusing a connection: `sudo systemctl reload "
+                       "meshd-proxy`, or `sudo launchctl kickstart -k system/com.meshd.proxy`")
+    os.kill(old, signal.SIGHUP)
+    if not daemons.wait_until(lambda: daemons.pid_of(pidfile) not in (None, old), args.timeout, 0.2):
+        raise CliError(f"the new meshd-proxy did not take over within {args.timeout:.0f}s; the old one (pid {old}) "
+                       f"goes on serving; see {run_dir(cfg) / 'proxy.log'}")
+    say(f"meshd-proxy handed over: pid {old} -> {daemons.pid_of(pidfile)}; the old one finishes the requests in "
+        "flight and exits")
     return 0
 
 
@@ -250,7 +288,10 @@ def cmd_status(args) -> int:
         back = f"serving again after {inc['recovery_seconds']:.1f}s" if inc["recovery_seconds"] else "not recovered"
         say(f"last incident: {inc['cause']} on {inc['node']} rank {inc['rank']} (generation {inc['generation']}): "
             f"{inc['detail']}; {back}")
-    say(f"proxy: {status['urls']['proxy']}")
+    following = status.get("proxies_following", 0)
+    say(f"proxy: {status['urls']['proxy']} ("
+        + (f"{following} meshd-proxy following the controller" if following else
+           "no meshd-proxy follows the controller: `meshctl up` starts one") + ")")
     return 0
 
 
@@ -640,14 +681,19 @@ def build_parser() -> argparse.ArgumentParser:
     svc = sub.add_parser("service", help="service definitions")
     svc_sub = svc.add_subparsers(dest="service_cmd", required=True)
     inst = svc_sub.add_parser("install", help="render the systemd unit / launchd plist for this machine")
-    inst.add_argument("kind", choices=["controller", "agent"])
-    inst.add_argument("service_config", metavar="CONFIG", help="mesh.toml (controller) or agent.toml (agent)")
+    inst.add_argument("kind", choices=["controller", "proxy", "agent"])
+    inst.add_argument("service_config", metavar="CONFIG", help="mesh.toml (controller, proxy) or agent.toml (agent)")
     inst.add_argument("--user", help="user the service runs as (default: you)")
     inst.add_argument("--system", choices=["linux", "macos"], help="default: this machine's")
     inst.add_argument("--dest", help="where to write (default: STATE_DIR/service)")
     inst.add_argument("--wired-limit-mb", type=int, help="macOS agent: also render the boot job that sets "
                                                          "iogpu.wired_limit_mb")
     cfg_sub.add_parser("nodes", help="the mesh's node names, one a line (shell completion reads them)")
+    px = sub.add_parser("proxy", help="meshd-proxy, the OpenAI endpoint")
+    px_sub = px.add_subparsers(dest="proxy_cmd", required=True)
+    pr = px_sub.add_parser("restart", help="a new meshd-proxy takes the listening socket over: no connection "
+                                           "refused, the streams in flight finish on the old one")
+    pr.add_argument("--timeout", type=float, default=90, help="seconds to wait for the new one")
     model = sub.add_parser("model", help="models by Hugging Face id")
     model_sub = model.add_subparsers(dest="model_cmd", required=True)
     mp = model_sub.add_parser("pull", parents=[trust], help="download a repo on one node (its network) and copy it "
@@ -668,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
                 "events": cmd_events, "logs": cmd_logs, "config": cmd_config,
                 "service": cmd_service_install, "provision": cmd_provision, "doctor": cmd_doctor,
                 "reboot": cmd_reboot, "agents": cmd_agents_install, "completion": cmd_completion,
-                "model": cmd_model_pull}
+                "model": cmd_model_pull, "proxy": cmd_proxy_restart}
     try:
         return handlers[args.cmd](args)
     except ConfigError as e:

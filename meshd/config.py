@@ -63,6 +63,12 @@ def ping_body(profile: str) -> dict:
     return rank0_body(profile, {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1})
 
 
+def reach(listen: str) -> str:
+    """host:port where a client on this machine reaches a listener (a wildcard one at 127.0.0.1)."""
+    host, _, port = listen.rpartition(":")
+    return f"{'127.0.0.1' if wildcard(host) else host}:{port}"
+
+
 @dataclass(frozen=True)
 class Proxy:
     listen: str = "127.0.0.1:8000"
@@ -88,6 +94,14 @@ class Proxy:
     poison_after: int = 2
     quarantine_seconds: float = 600.0
     allow_open: bool = False  # serve off loopback without api_keys_file, on purpose (warned at every start)
+    # meshd-proxy, stopping or handing its socket to its successor, stops accepting and gives the requests
+    # it holds this long to finish (the streams in flight end on the old process).
+    drain_timeout: float = 300.0
+    access_log: bool = False  # log every request; without it only those that did not end 200 (metrics count all)
+
+    @property
+    def url(self) -> str:
+        return f"http://{reach(self.listen)}"
 
     @property
     def open_off_loopback(self) -> bool:
@@ -118,10 +132,7 @@ class Control:
 
     @property
     def url(self) -> str:
-        host, _, port = self.listen.rpartition(":")
-        if wildcard(host):
-            host = "127.0.0.1"  # where a client on this machine reaches a wildcard listener
-        return f"{'https' if self.tls else 'http'}://{host}:{port}"
+        return f"{'https' if self.tls else 'http'}://{reach(self.listen)}"
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from meshd.evidence import launch_refused, meaning_of, observed
 from meshd.agentclient import AgentClient, AgentError, agent_session
 from meshd.config import MeshConfig, hostfile_for, ping_body
 from meshd.metrics import Metrics
-from meshd.seam import Observation, Serving
+from meshd.seam import Observation, Serving, wait_until
 from meshd.store import Store
 
 log = structlog.get_logger("meshd.controller")
@@ -384,12 +384,7 @@ class Controller:
         return Serving(s.phase, s.generation, s.reason, self.rank0_url(), self.rank_secret(s.generation))
 
     async def wait_serving(self, predicate: Callable[[Serving], bool], timeout: float) -> Serving:
-        async with self.changed:
-            try:
-                await asyncio.wait_for(self.changed.wait_for(lambda: predicate(self.serving())), timeout)
-            except asyncio.TimeoutError:
-                pass
-        return self.serving()
+        return await wait_until(self.changed, self.serving, predicate, timeout)
 
     async def report(self, obs: Observation) -> None:
         await self.feed(observed(obs, self.cfg.nodes[0].name))

@@ -1,11 +1,14 @@
-"""`meshd`: the controller daemon. Runs the reconciler, the OpenAI proxy (its
-own listen address) and the control API (loopback by default; bearer token
-from a 0600 file in the state directory). Stopping the controller leaves the
-mesh serving: a restarted controller adopts the running generation."""
+"""`meshd`: the controller daemon. Runs the reconciler and the control API
+(loopback by default; bearer token from a 0600 file in the state directory).
+The OpenAI endpoint is meshd-proxy's (meshd/proxyd.py), which follows the fleet
+through this API. Stopping the controller leaves the mesh serving, and the
+proxy with it: a restarted controller adopts the running generation."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import json
 import ssl
 from pathlib import Path
 
@@ -32,7 +35,7 @@ from meshd.agentclient import AgentError
 from meshd.config import MeshConfig, load
 from meshd.controller import Controller
 from meshd.metrics import Metrics
-from meshd.proxy import Proxy
+from meshd.seam import Observation
 from meshd.store import Store
 
 log = structlog.get_logger("meshd")
@@ -53,9 +56,12 @@ def control_tls(cfg: MeshConfig) -> ssl.SSLContext | None:
                                         local_names(listen_host(cfg.control.listen))))
 
 
+HEARTBEAT = 2.0  # seconds between lines of the serving stream when nothing changes
+
+
 def urls(cfg: MeshConfig) -> dict:
     return {"proxy": f"http://{cfg.proxy.listen}/v1", "control": cfg.control.url,
-            "metrics": f"{cfg.control.url}/metrics",
+            "metrics": f"{cfg.control.url}/metrics", "proxy_metrics": f"{cfg.proxy.url}/metrics",
             "agents": {n.name: {"api": n.agent, "metrics": f"{n.agent}/metrics"} for n in cfg.nodes}}
 
 
@@ -98,7 +104,33 @@ def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | 
 
     async def status(request):
         return web.json_response({**await ctl.status(), "urls": urls(ctl.cfg),
-                                  "agent_errors": ctl.agent_errors})
+                                  "agent_errors": ctl.agent_errors, "proxies_following": len(followers)})
+
+    followers: set[web.StreamResponse] = set()
+
+    async def serving(request):
+        """The fleet as the data plane needs it: now, then every change, one JSON object a line, and an
+        empty line every HEARTBEAT seconds without a change, so a follower knows the controller is there.
+        `?stream=0`: now only."""
+        if request.query.get("stream") == "0":
+            return web.json_response(ctl.serving().wire())
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        followers.add(resp)
+        try:
+            last = None
+            while True:
+                now = ctl.serving() if last is None else await ctl.wait_serving(lambda s: s != last, HEARTBEAT)
+                await resp.write((json.dumps(now.wire()) if now != last else "").encode() + b"\n")
+                last = now
+        except (ConnectionError, asyncio.CancelledError):
+            return resp
+        finally:
+            followers.discard(resp)
+
+    async def observation(request):
+        await ctl.report(Observation.from_wire(await read_object(request)))
+        return web.json_response({"accepted": True}, status=202)
 
     async def up(request):
         await ctl.up()
@@ -150,10 +182,10 @@ def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | 
         return log_answer(request, log_file, "the controller writes no log file (it runs without --log-file, so it "
                                              "logs to its service's journal: `journalctl -u meshd`)")
 
-    rates = statuspage.Rates(metrics.registry)
+    rates = statuspage.Rates()
 
     async def page(request):
-        rates.update()
+        rates.update(await statuspage.proxy_samples(ctl.session, ctl.cfg.proxy.url))
         body = statuspage.render({**await ctl.status(), "urls": urls(ctl.cfg)}, ctl.store.incidents(12), rates)
         return web.Response(text=body, content_type="text/html")
 
@@ -180,6 +212,8 @@ def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | 
     app.router.add_post("/v1/down", down)
     app.router.add_post("/v1/restart", restart)
     app.router.add_get("/v1/incidents", incidents)
+    app.router.add_get("/v1/serving", serving)
+    app.router.add_post("/v1/observations", observation)
     app.router.add_get("/v1/logs/{node}", logs)
     app.router.add_get("/v1/log", own_log)
     return app
@@ -191,17 +225,12 @@ async def serve(cfg: MeshConfig, log_file: Path | None = None) -> None:
     store = Store(cfg.state_dir / "meshd.sqlite")
     metrics = Metrics(cfg.name)
     ctl = Controller(cfg, store, metrics)
-    proxy = Proxy(cfg, ctl, metrics)
-    if cfg.proxy.open_off_loopback:
-        log.warning("the proxy serves off loopback without API keys (proxy.allow_open = true): anyone who "
-                    "reaches it may use the mesh", listen=cfg.proxy.listen)
     await ctl.start()  # adopt first: no command may arrive before the controller knows what runs
-    runners = await start_sites([(proxy.app(), *split_listen("proxy.listen", cfg.proxy.listen), None),
-                                 (control_app(ctl, metrics, token, log_file),
+    runners = await start_sites([(control_app(ctl, metrics, token, log_file),
                                   *split_listen("control.listen", cfg.control.listen), control_tls(cfg))])
-    log.info("meshd running", mesh=cfg.name, proxy=cfg.proxy.listen, control=cfg.control.listen,
+    log.info("meshd running", mesh=cfg.name, control=cfg.control.listen,
              phase=ctl.state.phase, generation=ctl.state.generation)
-    await until_stopped(f"mesh {cfg.name}: proxy on {cfg.proxy.listen}")
+    await until_stopped(f"mesh {cfg.name}: control API on {cfg.control.listen}")
     log.info("meshd stopping; the mesh keeps serving and will be adopted", generation=ctl.state.generation)
     await ctl.close()
     for r in runners:
@@ -221,8 +250,7 @@ def load_checked(path: str) -> MeshConfig:
 
 
 def main() -> None:
-    run_daemon("meshd", "meshd controller", "mesh.toml", load_checked, serve,
-               "change proxy.listen or control.listen")
+    run_daemon("meshd", "meshd controller", "mesh.toml", load_checked, serve, "change control.listen")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -27,6 +28,11 @@ def _read_pid(pidfile: Path) -> procs.Target | None:
 
 def running(pidfile: Path) -> bool:
     return _read_pid(pidfile) is not None
+
+
+def pid_of(pidfile: Path) -> int | None:
+    t = _read_pid(pidfile)
+    return t.pid if t else None
 
 
 def start(argv: list[str], pidfile: Path, logfile: Path) -> int:
@@ -61,12 +67,19 @@ def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
     return False
 
 
-def answers(url: str) -> bool:
+def http_status(url: str) -> int | None:
+    """The status `url` answers with, or None when nothing answers."""
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
     except OSError:
-        return False
+        return None
+
+
+def answers(url: str) -> bool:
+    return http_status(url) == 200
 
 
 def pids_below(root: Path) -> list[int]:

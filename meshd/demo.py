@@ -118,9 +118,9 @@ def start_daemons(root: Path, mesh: Path) -> None:
 
 
 def stop_daemons(root: Path) -> list[int]:
-    """Stop the controller and the agents; returns any process still there."""
+    """Stop the proxy, the controller and the agents; returns any process still there."""
     run = run_dir(root)
-    daemons.stop([run / "controller.pid", *(run / f"agent-node{i}.pid" for i in range(WORLD))])
+    daemons.stop([run / "proxy.pid", run / "controller.pid", *(run / f"agent-node{i}.pid" for i in range(WORLD))])
     return daemons.pids_below(root)
 
 

@@ -213,6 +213,13 @@ class Adopted:
 
 
 @dataclass(frozen=True)
+class DiedUnwatched:
+    """A restarted controller found that generation `died.generation` lost a rank while no controller
+    watched (the agents kept its exit): an incident like any death, then the next generation."""
+    died: "RankDied"
+
+
+@dataclass(frozen=True)
 class LeftoversFound:
     """A restarted controller found ranks that make no whole generation (the
     newest of them is `generation`): they must stop before anything starts, and
@@ -394,13 +401,32 @@ def decide_adoption(views: dict[str, list[dict] | None], nodes: tuple[str, ...],
     own = len(gens) == 1 and all(len(live[n]) == 1 and live[n][0]["rank"] == i
                                  for i, n in enumerate(nodes) if n in live)
     partial = len(live) < len(nodes)
+    died = unwatched_death(views, nodes) if desired_up else None
     if not gens:
-        return UpRequested() if desired_up else None
-    if own and not partial:
+        return DiedUnwatched(died) if died else (UpRequested() if desired_up else None)
+    if own and not partial and not died:
         return Adopted(gens.pop(), ready=rank0_ready)
-    if own and rank0_ready:
+    if own and rank0_ready and not died:
         return Adopted(gens.pop(), ready=True)
-    return None if partial else LeftoversFound(max(gens), desired_up)
+    if partial:
+        return None
+    return DiedUnwatched(died) if died else LeftoversFound(max(gens), desired_up)
+
+
+def unwatched_death(views: dict[str, list[dict] | None], nodes: tuple[str, ...]) -> RankDied | None:
+    """A rank of the newest generation the agents know that exited without being asked to: the one that
+    failed by itself before one that only lost a peer, then the lowest rank."""
+    records = [(i, n, r) for i, n in enumerate(nodes) for r in (views.get(n) or [])]
+    if not records:
+        return None
+    last = max(r["generation"] for _, _, r in records)
+    dead = [(r.get("peer_lost", False), i, n, r) for i, n, r in records
+            if r["generation"] == last and r["state"] == "exited" and not r.get("expected", True)]
+    if not dead:
+        return None
+    lost, _, node, r = min(dead, key=lambda d: d[:2])
+    how = f"signal {r['exit_signal']}" if r.get("exit_signal") else f"exit code {r.get('exit_code')}"
+    return RankDied(node, r["rank"], last, "exit", f"{how}, while no controller watched", consequence=lost)
 
 
 # --- one function per event ----------------------------------------------------
@@ -441,6 +467,13 @@ def _on_adopted(state: FleetState, ev: Adopted, now: float, policy: Policy) -> R
         incident = state.incident.at("ready", now)
         return replace(new, incident=None, closing=incident), [CloseIncident(incident, now, incident.steps)]
     return new, []
+
+
+def _on_died_unwatched(state: FleetState, ev: DiedUnwatched, now: float, policy: Policy) -> Result:
+    if state.phase != Phase.STOPPED:
+        return state, []
+    g = max(state.generation, ev.died.generation)
+    return _fail(replace(state, phase=Phase.READY, generation=g), now, policy, replace(ev.died, generation=g))
 
 
 def _on_leftovers(state: FleetState, ev: LeftoversFound, now: float, policy: Policy) -> Result:
@@ -587,8 +620,8 @@ def _on_tick(state: FleetState, ev: Tick, now: float, policy: Policy) -> Result:
 
 
 HANDLERS = {UpRequested: _on_up, DownRequested: _on_down, RestartRequested: _on_restart, Adopted: _on_adopted,
-            LeftoversFound: _on_leftovers, MeshReady: _on_mesh_ready, RankReported: _on_rank_reported,
-            RankDied: _on_rank_died, StartRefused: _on_start_refused, GenerationStopped: _on_generation_stopped,
+            LeftoversFound: _on_leftovers, DiedUnwatched: _on_died_unwatched, MeshReady: _on_mesh_ready,
+            RankReported: _on_rank_reported, RankDied: _on_rank_died, StartRefused: _on_start_refused, GenerationStopped: _on_generation_stopped,
             StepDone: _on_step_done, RequestServed: _on_request_served, RequestMigrated: _on_request_migrated,
             Tick: _on_tick}
 

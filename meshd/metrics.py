@@ -1,5 +1,5 @@
-"""The controller's Prometheus metrics: `meshd_` prefix, base units, `_total`
-counters, `_seconds` histograms, low-cardinality labels."""
+"""The controller's and the proxy's Prometheus metrics (each process its own registry):
+`meshd_` prefix, base units, `_total` counters, `_seconds` histograms, low-cardinality labels."""
 
 from __future__ import annotations
 
@@ -12,11 +12,16 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 DETECTION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 
 
+def _registry(mesh: str, component: str) -> CollectorRegistry:
+    r = CollectorRegistry()
+    Info("meshd_mesh", f"The mesh this {component} serves", registry=r).info({"mesh": mesh})
+    register_process_metrics(r, component)
+    return r
+
+
 class Metrics:
     def __init__(self, mesh: str):
-        r = self.registry = CollectorRegistry()
-        Info("meshd_mesh", "The mesh this controller runs", registry=r).info({"mesh": mesh})
-        register_process_metrics(r, "controller")
+        r = self.registry = _registry(mesh, "controller")
         self.desired_up = Gauge("meshd_desired_up", "1 when the operator asked for the mesh to serve (meshctl up), "
                                 "0 after a deliberate meshctl down", registry=r)
         self.agent_up = Gauge("meshd_agent_up", "1 while the controller holds the agent's event stream",
@@ -34,6 +39,18 @@ class Metrics:
                                         "Each step of a recovery (stopped, swept, backoff, started, loaded, ready, "
                                         "served), from the step before it", ["step"], buckets=LATENCY_BUCKETS,
                                         registry=r)
+        self.set_phase(Phase.STOPPED)
+
+    def set_phase(self, phase: str) -> None:
+        for p in Phase:
+            self.fleet_state.labels(phase=p).set(1 if p == phase else 0)
+
+
+class ProxyMetrics:
+    """meshd-proxy's: what clients met (requests, queueing, tokens, latency) and what it did for them."""
+
+    def __init__(self, mesh: str):
+        r = self.registry = _registry(mesh, "proxy")
         self.requests = Counter("meshd_proxy_requests_total", "Proxied requests by route and status",
                                 ["route", "status"], registry=r)
         self.queue_depth = Gauge("meshd_proxy_queue_depth", "Requests waiting for admission", registry=r)
@@ -51,8 +68,3 @@ class Metrics:
         self.migrations = Counter("meshd_proxy_migrations_total",
                                   "Streams cut by a generation's death and resumed on the next one", registry=r)
         self.retries = Counter("meshd_proxy_retries_total", "Requests retried on the next generation", registry=r)
-        self.set_phase(Phase.STOPPED)
-
-    def set_phase(self, phase: str) -> None:
-        for p in Phase:
-            self.fleet_state.labels(phase=p).set(1 if p == phase else 0)

@@ -30,21 +30,22 @@ import hashlib
 import json
 import re
 import time
-import uuid
 from collections import deque
 from pathlib import Path
 
 import aiohttp
 import structlog
 from aiohttp import web
+from prometheus_client import generate_latest
 
 from common.errors import ApiError, error_body
 from common.http import bearer_matches, json_error, json_errors, read_json
 from common.modelref import served_name
 from common.states import Phase
+from common.tomlcheck import loopback
 from meshd.config import MeshConfig, ping_body, rank0_body
 from meshd.config import Proxy as ProxyConfig
-from meshd.metrics import Metrics
+from meshd.metrics import ProxyMetrics
 from meshd.seam import FleetView, Observation, Serving
 from runtime import openai_api as oa
 
@@ -53,6 +54,7 @@ RETRY_AFTER = "5"
 # non-empty string. Matching bytes spares decoding every chunk of every stream.
 TEXT_FIELD = re.compile(rb'"(?:content|text)":\s?"(?!")')
 FINISHED = re.compile(rb'"finish_reason":\s?"')
+COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s?(\d+)')
 log = structlog.get_logger("meshd.proxy")
 
 
@@ -168,7 +170,7 @@ def upstream_failure(e: Exception) -> UpstreamFailed:
 
 
 class Proxy:
-    def __init__(self, cfg: MeshConfig, fleet: FleetView, metrics: Metrics):
+    def __init__(self, cfg: MeshConfig, fleet: FleetView, metrics: ProxyMetrics):
         self.cfg = cfg
         self.fleet = fleet
         self.metrics = metrics
@@ -184,6 +186,7 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.last_request_at = time.monotonic()  # when the last request ended (or the last probe ran)
         self.quarantine: dict[str, float] = {}  # request digest -> refused until
+        self.counters: dict[tuple[str, int], object] = {}
         self.served_generation = -1
         self.probed_generation = -1
         self.admitted = 0  # requests admitted since start (a probe that overlapped one is not judged)
@@ -198,6 +201,7 @@ class Proxy:
         app = web.Application(middlewares=[cors(self.cfg.proxy.cors_origins), json_errors],
                               client_max_size=self.cfg.proxy.max_body_bytes)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._text)
@@ -230,6 +234,13 @@ class Proxy:
             return self._unauthorized()
         return web.json_response(oa.models_body(self.limits.model_name, aliases=self.limits.aliases))
 
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """Prometheus': open on loopback (the controller's status page reads it there); elsewhere it
+        wants an API key like every other route, when there are keys."""
+        if not loopback(request.remote) and not self._authorized(request):
+            return self._unauthorized()
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
+
     async def _health(self, request: web.Request) -> web.Response:
         """200 only while a generation serves: what a load balancer in front of the mesh asks."""
         s = self.fleet.serving()
@@ -255,12 +266,12 @@ class Proxy:
             return f"The mesh has failed and waits for an operator: {s.reason}"
         if s.phase in (Phase.STOPPED, Phase.DRAINING):
             return "The mesh is not running; start it with `meshctl up`"
-        return f"The mesh is {s.phase} (generation {s.generation}) and did not come back in time; retry shortly"
+        why = f": {s.reason}" if s.reason else ""
+        return f"The mesh is {s.phase} (generation {s.generation}){why} and did not come back in time; retry shortly"
 
     async def _complete(self, request: web.Request, kind: str) -> web.StreamResponse:
         route = request.path
         status = 500
-        request_id = uuid.uuid4().hex[:16]
         t0 = time.monotonic()
         try:
             resp = await self._serve(request, kind)
@@ -273,17 +284,17 @@ class Proxy:
             status = 499  # the client went away
             raise
         finally:
-            self.metrics.requests.labels(route=route, status=str(status)).inc()
-            log.info("request", request_id=request_id, route=route, status=status,
-                     generation=self.fleet.serving().generation, seconds=round(time.monotonic() - t0, 4))
+            self._counted(route, status).inc()
+            if status != 200 or self.cfg.proxy.access_log:  # metrics count them all; the log has what failed
+                log.info("request", route=route, status=status, generation=self.fleet.serving().generation,
+                         seconds=round(time.monotonic() - t0, 4))
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         if not self._authorized(request):
             return self._unauthorized()
         body = await read_json(request)
         req = oa.parse_request(kind, body, self.limits)
-        digest = request_digest(request.path, body)
-        if self.quarantine.get(digest, 0) > time.monotonic():
+        if self.quarantine and self.quarantine.get(request_digest(request.path, body), 0) > time.monotonic():
             return self._quarantined()
         p = self.cfg.proxy
         t0 = time.monotonic()
@@ -302,11 +313,17 @@ class Proxy:
         self.metrics.in_flight.inc()
         self.admitted += 1
         try:
-            return await _Exchange(self, request, req, body, deadline, digest).run()
+            return await _Exchange(self, request, req, body, deadline).run()
         finally:
             self.metrics.in_flight.dec()
             self.admission.release()
             self.last_request_at = time.monotonic()
+
+    def _counted(self, route: str, status: int):
+        """The requests counter of (route, status), looked up once."""
+        if (child := self.counters.get((route, status))) is None:
+            child = self.counters[(route, status)] = self.metrics.requests.labels(route=route, status=str(status))
+        return child
 
     def _quarantined(self) -> web.Response:
         p = self.cfg.proxy
@@ -362,31 +379,43 @@ class Proxy:
         await self.fleet.report(Observation(s.generation, "probe", detail, status))
 
 
-async def sse_lines(content: aiohttp.StreamReader, idle: float, on_idle):
-    """The lines of an SSE stream as bytes, whatever their length, calling `on_idle()` each `idle`
-    seconds nothing arrives. The pending read is never cancelled, so no line is cut in two."""
+async def sse_blocks(content: aiohttp.StreamReader, idle: float, on_idle):
+    """An SSE stream's complete lines (bytes, without their newline, whatever their length), a list per
+    read; `on_idle()` every `idle` seconds nothing arrives, from a watchdog beside the read, so a read is
+    never cancelled (no line is cut in two) and costs no timer of its own. An exception `on_idle` raises
+    ends the stream with it."""
+    last = time.monotonic()
+
+    async def watchdog() -> None:
+        due = last + idle
+        while True:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            if time.monotonic() - last < idle:  # something arrived meanwhile
+                due = last + idle
+                continue
+            try:
+                await on_idle()
+            except Exception as e:  # handed to the reader, which raises it
+                content.set_exception(e)
+                return
+            due = time.monotonic() + idle
+
+    watcher = asyncio.ensure_future(watchdog())
     buf = b""
-    read = None
     try:
         while True:
-            if read is None:
-                read = asyncio.ensure_future(content.readany())
-            done, _ = await asyncio.wait({read}, timeout=idle)
-            if not done:
-                await on_idle()
-                continue
-            data, read = read.result(), None
+            data = await content.readany()
             if not data:
                 if buf:
-                    yield buf
+                    yield [buf]
                 return
+            last = time.monotonic()
             buf += data
-            while (i := buf.find(b"\n")) >= 0:
-                line, buf = buf[:i + 1], buf[i + 1:]
-                yield line
+            if b"\n" in data:
+                *lines, buf = buf.split(b"\n")
+                yield lines
     finally:
-        if read is not None:
-            read.cancel()
+        watcher.cancel()
 
 
 class _Exchange:
@@ -399,11 +428,10 @@ class _Exchange:
     from; the client sees one stream, kept open by keep-alive comments while
     the mesh recovers."""
 
-    def __init__(self, proxy: Proxy, request: web.Request, req: oa.CompletionRequest, body: dict, deadline: float,
-                 digest: str):
+    def __init__(self, proxy: Proxy, request: web.Request, req: oa.CompletionRequest, body: dict, deadline: float):
         self.p, self.request, self.req, self.deadline = proxy, request, req, deadline
         self.body = rank0_body(proxy.cfg.runtime.profile, {**body, "model": proxy.limits.model_name})
-        self.digest = digest
+        self.client_body = body  # as the client sent it: what a quarantine recognises
         self.killed: list[int] = []  # generations that died with this request in flight
         p = proxy.cfg.proxy
         self.window = stall_window(p, proxy.cfg.runtime.profile, prompt_chars(req), req.params.max_tokens, req.stream)
@@ -434,6 +462,8 @@ class _Exchange:
             try:
                 resp = await (self._stream(g) if self.req.stream else self._whole(g))
             except UpstreamFailed as e:
+                log.warning("upstream failed", generation=g, reason=str(e), evidence=e.evidence,
+                            client_has_data=self.sent_data)
                 if e.evidence:
                     await self._report(g, str(e))
                 if e.evidence and e.in_flight:
@@ -465,14 +495,15 @@ class _Exchange:
                 if self.resp is not None else self.deadline
             serving = await self.p._wait_serving(after, step)
             phase = self.p.fleet.serving().phase
-            if serving is not None or time.monotonic() >= self.deadline \
+            if serving is not None or self.resp is None or time.monotonic() >= self.deadline \
                     or phase in (Phase.FAILED, Phase.STOPPED, Phase.DRAINING):
                 return serving
             await self.resp.write(b": keep-alive\n\n")
 
     async def _quarantine(self) -> web.StreamResponse:
-        self.p.quarantine[self.digest] = time.monotonic() + self.p.cfg.proxy.quarantine_seconds
-        log.warning("request quarantined", generations=self.killed, digest=self.digest[:16])
+        digest = request_digest(self.request.path, self.client_body)
+        self.p.quarantine[digest] = time.monotonic() + self.p.cfg.proxy.quarantine_seconds
+        log.warning("request quarantined", generations=self.killed, digest=digest[:16])
         if self.resp is None:
             return self.p._quarantined()
         return await self._end_stream_with_error(
@@ -497,11 +528,8 @@ class _Exchange:
             raise upstream_failure(e)
         if r.status >= 500:
             raise answered_failure(r.status, data)
-        if r.status == 200:
-            try:
-                self.p.metrics.tokens.inc(json.loads(data)["usage"]["completion_tokens"])
-            except (ValueError, KeyError, TypeError):
-                pass
+        if r.status == 200 and (m := COMPLETION_TOKENS.search(data)):
+            self.p.metrics.tokens.inc(int(m.group(1)))
         return web.Response(body=data, status=r.status, content_type="application/json")
 
     async def _prepare(self) -> web.StreamResponse:
@@ -537,50 +565,71 @@ class _Exchange:
                     if self.resp is None:
                         return web.Response(body=await r.read(), status=r.status, content_type="application/json")
                     return await self._end_stream_with_error(f"rank 0 refused to resume the answer ({r.status})")
-                async for line in sse_lines(r.content, self.p.cfg.proxy.keepalive_interval, idle):
-                    if line.startswith(b": "):
-                        self._note(line)
-                        continue
-                    if not line.startswith(b"data: "):
-                        continue
-                    silent_since = time.monotonic()
-                    if line.startswith(b'data: {"error"'):
-                        raise answered_failure(503, line[6:])
-                    await self._forward(line)
-                    if line.startswith(b"data: [DONE]"):
+                async for lines in sse_blocks(r.content, self.p.cfg.proxy.keepalive_interval, idle):
+                    out, confirmed, end = self._relay(lines)
+                    if out:
+                        silent_since = time.monotonic()
+                        await (await self._prepare()).write(out)
+                        if confirmed is not None:  # the chunks those ids belong to are with the client now
+                            self.chars, ids = confirmed
+                            self.delivered += ids
+                    if end == b"[DONE]":
                         await self.resp.write_eof()
                         return self.resp
+                    if end:
+                        raise answered_failure(503, end)
                 raise UpstreamFailed("rank 0 closed the stream before [DONE]")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise upstream_failure(e)
 
-    def _note(self, line: bytes) -> None:
-        """Rank 0's comments: the answer's identity, and the ids behind the next chunk."""
-        if line.startswith(b": meshd ") and self.answer is None:
-            self.answer = json.loads(line[8:])
-        elif line.startswith(b": ids "):
-            chars, _, ids = line[6:].strip().partition(b" ")
-            self.unconfirmed = (int(chars), [int(t) for t in ids.split(b",") if t])
-
-    async def _forward(self, line: bytes) -> None:
-        resp = await self._prepare()
-        payload = line[6:]
-        if not payload.startswith(b"[DONE]"):
-            self.sent_data = True
-            if TEXT_FIELD.search(payload):
-                now = time.monotonic()
-                if self.last_chunk is None:
-                    self.p.metrics.ttft.observe(now - self.t0)
-                else:
-                    self.p.metrics.inter_token.observe(now - self.last_chunk)
-                self.last_chunk = now
-                self.p.metrics.tokens.inc()
-            self.ended |= FINISHED.search(payload) is not None
-        await resp.write(line if line.endswith(b"\n\n") else line.rstrip(b"\n") + b"\n\n")
-        if self.unconfirmed is not None:  # the chunk those ids belong to is with the client now
-            self.chars, ids = self.unconfirmed
-            self.delivered += ids
-            self.unconfirmed = None
+    def _relay(self, lines: list[bytes]) -> tuple[bytes, tuple[int, list[int]] | None, bytes]:
+        """What one read of rank 0's stream sends the client: its data lines, as bytes for one write;
+        the last (chars, ids) behind them, to count as delivered once written; and how it ended, if it
+        did: b"[DONE]", or rank 0's own error event (what came before it goes out first)."""
+        out: list[bytes] = []
+        confirmed: tuple[int, list[int]] | None = None
+        ids: list[int] = []
+        texts = 0
+        end = b""
+        for line in lines:
+            if line.startswith(b": "):
+                if line.startswith(b": ids "):
+                    chars, _, given = line[6:].strip().partition(b" ")
+                    self.unconfirmed = (int(chars), [int(t) for t in given.split(b",") if t])
+                elif line.startswith(b": meshd ") and self.answer is None:
+                    self.answer = json.loads(line[8:])
+                continue
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:]
+            if payload.startswith(b'{"error"'):
+                end = payload
+                break
+            if payload.startswith(b"[DONE]"):
+                end = b"[DONE]"
+            else:
+                self.sent_data = True
+                texts += TEXT_FIELD.search(payload) is not None
+                self.ended |= FINISHED.search(payload) is not None
+            out.append(line.rstrip(b"\r") + b"\n\n")
+            if self.unconfirmed is not None:
+                chars, more = self.unconfirmed
+                ids += more
+                confirmed = (chars, ids)
+                self.unconfirmed = None
+            if end:
+                break
+        if texts:  # the chunks of one read arrived together: the first after its gap, the rest at once
+            now = time.monotonic()
+            if self.last_chunk is None:
+                self.p.metrics.ttft.observe(now - self.t0)
+            else:
+                self.p.metrics.inter_token.observe(now - self.last_chunk)
+            for _ in range(texts - 1):
+                self.p.metrics.inter_token.observe(0.0)
+            self.last_chunk = now
+            self.p.metrics.tokens.inc(texts)
+        return b"".join(out), confirmed, end
 
     async def _finish(self) -> web.StreamResponse:
         resp = await self._prepare()

@@ -1,15 +1,21 @@
-"""The seam between the data plane (the proxy) and the control plane (the
+"""The seam between the data plane (meshd-proxy) and the control plane (the
 controller): a read-only view of the fleet plus one call back. The proxy knows
-the fleet only through this; the controller implements it in-process today,
-and the same three calls can cross a process boundary.
+the fleet only through this. The controller implements it; the control API
+carries it across the process boundary (GET /v1/serving streams `Serving` as
+`wire()` dicts, POST /v1/observations takes an `Observation`'s), and
+meshd/fleetlink.py implements it again on the proxy's side.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import asyncio
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
+from common.errors import ApiError
 from common.states import Phase
+
+SOURCES = ("proxy", "probe", "served", "migrated")
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,14 @@ class Serving:
     def rank0_auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.rank0_secret}"} if self.rank0_secret else {}
 
+    def wire(self) -> dict:
+        return {**asdict(self), "phase": str(self.phase)}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Serving":
+        return cls(Phase(d["phase"]), int(d["generation"]), str(d["reason"]), str(d["rank0_url"]),
+                   str(d.get("rank0_secret", "")))
+
 
 @dataclass(frozen=True)
 class Observation:
@@ -42,6 +56,37 @@ class Observation:
     source: str  # proxy | probe | served | migrated
     detail: str = ""
     status: int | None = None
+
+    def wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Observation":
+        """An observation as the control API takes it, or ApiError(400) naming the field that is wrong."""
+        g, source, detail, status = d.get("generation"), d.get("source"), d.get("detail", ""), d.get("status")
+        if type(g) is not int or g < 0:
+            raise ApiError(400, "'generation' must be a non-negative integer", param="generation")
+        if source not in SOURCES:
+            raise ApiError(400, f"'source' must be one of {', '.join(SOURCES)}", param="source")
+        if not isinstance(detail, str) or len(detail) > 4096:
+            raise ApiError(400, "'detail' must be a string of at most 4096 characters", param="detail")
+        if status is not None and (type(status) is not int or not 100 <= status <= 599):
+            raise ApiError(400, "'status' must be an HTTP status (100-599) or null", param="status")
+        return cls(g, source, detail, status)
+
+
+async def wait_until(changed: asyncio.Condition, serving: Callable[[], Serving],
+                     predicate: Callable[[Serving], bool], timeout: float) -> Serving:
+    """`serving()` once `predicate` holds for it (at once when it already does), or after `timeout`
+    seconds; `changed` is notified whenever what `serving()` answers may have changed."""
+    if predicate(now := serving()):
+        return now
+    async with changed:
+        try:
+            await asyncio.wait_for(changed.wait_for(lambda: predicate(serving())), timeout)
+        except asyncio.TimeoutError:
+            pass
+    return serving()
 
 
 class FleetView(Protocol):

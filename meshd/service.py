@@ -12,27 +12,41 @@ from string import Template
 
 from agents import config as agent_config
 from meshd import config as mesh_config
+from common.tomlcheck import split_listen
 from meshd.share import shared
 
-UNITS = {("controller", "linux"): ("systemd", "meshd.service"), ("agent", "linux"): ("systemd", "meshd-agent.service"),
-         ("controller", "macos"): ("launchd", "com.meshd.controller.plist"),
-         ("agent", "macos"): ("launchd", "com.meshd.agent.plist")}
-WIRED_LIMIT = ("launchd", "com.meshd.wired-limit.plist")
+UNITS = {("controller", "linux"): ("systemd", ("meshd.service",)),
+         ("proxy", "linux"): ("systemd", ("meshd-proxy.socket", "meshd-proxy.service")),
+         ("agent", "linux"): ("systemd", ("meshd-agent.service",)),
+         ("controller", "macos"): ("launchd", ("com.meshd.controller.plist",)),
+         ("proxy", "macos"): ("launchd", ("com.meshd.proxy.plist",)),
+         ("agent", "macos"): ("launchd", ("com.meshd.agent.plist",))}
+WIRED_LIMIT = ("launchd", ("com.meshd.wired-limit.plist",))
+
+
+def _values_of(kind: str, config: Path) -> dict[str, str]:
+    """What the kind's templates take from its config: the state directory, and the proxy's address."""
+    if kind == "agent":
+        return {"state_dir": str(agent_config.load(config).state_dir)}
+    cfg = mesh_config.load(config)
+    host, port = split_listen("proxy.listen", cfg.proxy.listen)
+    return {"state_dir": str(cfg.state_dir), "listen": cfg.proxy.listen, "listen_host": host.strip("[]"),
+            "listen_port": str(port)}
 
 
 def state_dir_of(kind: str, config: Path) -> Path:
-    return (mesh_config if kind == "controller" else agent_config).load(config).state_dir
+    return Path(_values_of(kind, config)["state_dir"])
 
 
 def render(kind: str, config: Path, *, user: str | None = None, system: str | None = None,
            wired_limit_mb: int | None = None) -> dict[str, str]:
-    """{file name: text} for `kind` (controller | agent) on `system` (linux | macos), for this machine."""
+    """{file name: text} for `kind` (controller | proxy | agent) on `system` (linux | macos), for this machine."""
     system = system or ("macos" if platform.system() == "Darwin" else "linux")
     config = config.resolve()
-    state = state_dir_of(kind, config)
-    return render_with(kind, system, {"python": sys.executable, "config": str(config),
+    values = _values_of(kind, config)
+    return render_with(kind, system, {**values, "python": sys.executable, "config": str(config),
                                       "user": user or getpass.getuser(), "workdir": str(config.parent),
-                                      "state_dir": str(state), "log_dir": str(state / "log")}, wired_limit_mb)
+                                      "log_dir": str(Path(values["state_dir"]) / "log")}, wired_limit_mb)
 
 
 def render_with(kind: str, system: str, values: dict[str, str], wired_limit_mb: int | None = None) -> dict[str, str]:
@@ -40,19 +54,21 @@ def render_with(kind: str, system: str, values: dict[str, str], wired_limit_mb: 
     values = {**values, "docs": str(shared("docs")), "wired_limit_mb": str(wired_limit_mb or "")}
     wanted = [UNITS[(kind, system)]] + ([WIRED_LIMIT] if system == "macos" and kind == "agent" and wired_limit_mb
                                         else [])
-    return {name: Template((shared(where) / name).read_text()).substitute(values) for where, name in wanted}
+    return {name: Template((shared(where) / name).read_text()).substitute(values)
+            for where, names in wanted for name in names}
 
 
 def enable_commands(files: dict[str, str], dest: Path, system: str) -> list[str]:
-    cmds = []
-    for name in files:
-        if name.endswith(".service"):
-            cmds += [f"sudo cp {dest / name} /etc/systemd/system/{name}", "sudo systemctl daemon-reload",
-                     f"sudo systemctl enable --now {name.removesuffix('.service')}"]
-        else:  # LaunchDaemons, bootstrapped into the system domain: they run with no one logged in
-            label = name.removesuffix(".plist")
-            cmds += [f"sudo cp {dest / name} /Library/LaunchDaemons/{name}",
-                     f"sudo chown root:wheel /Library/LaunchDaemons/{name}",
-                     f"sudo launchctl bootout system/{label} 2>/dev/null; "
-                     f"sudo launchctl bootstrap system /Library/LaunchDaemons/{name}"]
+    units = [name for name in files if name.endswith((".service", ".socket"))]
+    cmds = [f"sudo cp {dest / name} /etc/systemd/system/{name}" for name in units]
+    if units:  # the socket first: its service takes the listener from it
+        cmds += ["sudo systemctl daemon-reload",
+                 f"sudo systemctl enable --now {' '.join(u.removesuffix('.service') for u in units)}"]
+    for name in (n for n in files if n not in units):
+        # LaunchDaemons, bootstrapped into the system domain: they run with no one logged in
+        label = name.removesuffix(".plist")
+        cmds += [f"sudo cp {dest / name} /Library/LaunchDaemons/{name}",
+                 f"sudo chown root:wheel /Library/LaunchDaemons/{name}",
+                 f"sudo launchctl bootout system/{label} 2>/dev/null; "
+                 f"sudo launchctl bootstrap system /Library/LaunchDaemons/{name}"]
     return cmds

@@ -5,30 +5,46 @@ itself every two seconds; no script, no external asset."""
 
 from __future__ import annotations
 
+import asyncio
 import html
 import time
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 PHASE_COLOURS = {"ready": "#1f9d55", "starting": "#d69e2e", "recovering": "#dd6b20", "draining": "#718096",
                  "failed": "#e53e3e", "stopped": "#718096"}
 
 
-class Rates:
-    """tokens/s and mean TTFT between two renders, from the metric counters."""
+async def proxy_samples(session: aiohttp.ClientSession, proxy_url: str) -> dict[str, float]:
+    """meshd-proxy's counters ({sample name: value}), read from its /metrics; {} when it does not answer."""
+    try:
+        async with session.get(f"{proxy_url}/metrics", timeout=aiohttp.ClientTimeout(total=1)) as r:
+            text = await r.text() if r.status == 200 else ""
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return {}
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if not s.labels}
 
-    def __init__(self, registry):
-        self.registry = registry
-        self.last = self._sample()
+
+class Rates:
+    """tokens/s and mean TTFT between two renders, from the proxy's counters."""
+
+    def __init__(self):
+        self.last: tuple[float, float, float, float] | None = None
         self.tokens_per_s = 0.0
         self.ttft = None
 
-    def _sample(self) -> tuple[float, float, float, float]:
-        get = self.registry.get_sample_value
-        return (time.monotonic(), get("meshd_proxy_tokens_total") or 0.0,
-                get("meshd_proxy_time_to_first_token_seconds_sum") or 0.0,
-                get("meshd_proxy_time_to_first_token_seconds_count") or 0.0)
-
-    def update(self) -> None:
-        now = self._sample()
+    def update(self, samples: dict[str, float]) -> None:
+        if not samples:  # the proxy did not answer: no rate rather than a wrong one
+            self.last, self.tokens_per_s, self.ttft = None, 0.0, None
+            return
+        now = (time.monotonic(), samples.get("meshd_proxy_tokens_total", 0.0),
+               samples.get("meshd_proxy_time_to_first_token_seconds_sum", 0.0),
+               samples.get("meshd_proxy_time_to_first_token_seconds_count", 0.0))
+        if self.last is None:
+            self.last = now
+            return
         dt = now[0] - self.last[0]
         if dt >= 0.5:
             self.tokens_per_s = (now[1] - self.last[1]) / dt

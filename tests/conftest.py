@@ -8,7 +8,7 @@ from runtime.demo_model import DemoModelSpec, build_demo_model
 # worker alone on a long one.
 SLOW_FIRST = ["test_chaos.py", "test_mtp.py", "test_agents_install.py", "test_doctor.py", "test_agent_mesh.py",
               "test_demo_mesh.py", "test_controller.py", "test_provision.py", "test_rank_lifecycle.py",
-              "test_security.py", "test_models.py"]
+              "test_security.py", "test_models.py", "test_proxyd.py"]
 
 
 def pytest_collection_modifyitems(items):

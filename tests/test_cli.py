@@ -17,6 +17,7 @@ from kit.agents import make_agents
 from kit.configs import write_mesh
 from kit.meshctl import another_controller, meshctl, stop_controller
 from kit.waiting import wait_for
+from meshd import daemons
 from meshd.cli import CliError, log_generation
 from meshd.progress import frame
 
@@ -93,6 +94,7 @@ def test_up_on_a_control_address_another_meshs_controller_holds_says_so(tmp_path
         r = meshctl(mesh, "up")
     assert r.returncode == 1 and "another mesh's controller holds that address" in r.stderr, r.stderr
     assert "[control] listen" in r.stderr
+    assert daemons.pids_below(tmp_path) == []  # nothing started for a controller that is not this mesh's
 
 
 INCIDENTS = [{"generation": 7, "opened_at": 1000.0, "cause": "exit", "node": "node2", "rank": 2},

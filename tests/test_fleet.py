@@ -214,6 +214,11 @@ def ranks(*gen_rank_state):
     return [{"generation": g, "rank": r, "state": st} for g, r, st in gen_rank_state]
 
 
+def exited(g: int, r: int, expected=False, peer_lost=False, exit_code=None, exit_signal=None) -> dict:
+    return {"generation": g, "rank": r, "state": "exited", "expected": expected, "peer_lost": peer_lost,
+            "exit_code": exit_code, "exit_signal": exit_signal}
+
+
 @pytest.mark.parametrize("views,desired_up,ready,expected", [
     ({"n0": ranks((7, 0, "ready")), "n1": ranks((7, 1, "ready"))}, True, True, f.Adopted(7, True)),
     ({"n0": ranks((7, 0, "loading")), "n1": ranks((6, 1, "exited"), (7, 1, "loading"))}, False, False,
@@ -227,8 +232,20 @@ def ranks(*gen_rank_state):
     ({"n0": ranks((7, 0, "ready")), "n1": None}, True, False, None),
     ({"n0": ranks((7, 1, "ready")), "n1": None}, True, True, None),
     ({"n0": None, "n1": []}, True, False, f.UpRequested()),
+    ({"n0": [exited(7, 0, peer_lost=True, exit_code=1)], "n1": [exited(7, 1, exit_signal=9)]}, True, False,
+     f.DiedUnwatched(f.RankDied("n1", 1, 7, "exit", "signal 9, while no controller watched"))),
+    ({"n0": ranks((7, 0, "ready")), "n1": [exited(7, 1, exit_code=1)]}, True, True,
+     f.DiedUnwatched(f.RankDied("n1", 1, 7, "exit", "exit code 1, while no controller watched"))),
+    ({"n0": [exited(7, 0, peer_lost=True, exit_code=1)], "n1": [exited(7, 1, peer_lost=True, exit_code=1)]}, True,
+     False, f.DiedUnwatched(f.RankDied("n0", 0, 7, "exit", "exit code 1, while no controller watched",
+                                       consequence=True))),
+    ({"n0": [exited(6, 0, exit_code=1)], "n1": [exited(7, 1, expected=True, exit_code=0)]}, True, False,
+     f.UpRequested()),
+    ({"n0": [exited(7, 0, exit_code=1)], "n1": []}, False, False, None),
 ], ids=["whole-ready", "whole-loading", "nothing-up", "nothing-down", "partial", "mixed", "swapped",
-        "unanswered-serving", "unanswered-not-serving", "unanswered-wrong-rank", "unanswered-nothing-running"])
+        "unanswered-serving", "unanswered-not-serving", "unanswered-wrong-rank", "unanswered-nothing-running",
+        "died-unwatched", "died-unwatched-rank0-alive", "only-peers-lost", "stopped-on-purpose",
+        "died-but-operator-down"])
 def test_adoption_decision_table(views, desired_up, ready, expected):
     assert f.decide_adoption(views, NODES, desired_up=desired_up, rank0_ready=ready) == expected
 
@@ -238,6 +255,15 @@ def test_leftovers_are_stopped_then_the_next_generation_starts_above_them():
     assert (s.phase, s.generation) == ("recovering", 9) and a == [f.StopGeneration(9, "kill", 5.0)]
     s, a = run([(1, f.GenerationStopped(9))], state=s)
     assert (s.phase, s.generation, s.failures) == ("starting", 10, ()) and f.StartGeneration(10) in a
+
+
+def test_a_death_no_controller_watched_is_an_incident_and_the_next_generation_starts():
+    died = f.RankDied("n1", 1, 7, "exit", "signal 9, while no controller watched")
+    s, a = run([(0, f.DiedUnwatched(died))], state=f.FleetState(generation=7))
+    assert (s.phase, s.generation) == ("recovering", 7) and f.StopGeneration(7, "kill", 5.0) in a
+    assert (s.incident.cause, s.incident.node, s.incident.generation) == ("exit", "n1", 7)
+    s, a = run([(1, f.GenerationStopped(7)), (1, f.Tick())], state=s)
+    assert (s.phase, s.generation) == ("starting", 8) and f.StartGeneration(8) in a
 
 
 def test_leftovers_with_the_operator_down_are_stopped_and_stay_stopped():

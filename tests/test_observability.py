@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def demo(tmp_path_factory):
 
 def metrics_urls(demo) -> list[str]:
     urls = demo.status()["urls"]
-    return [urls["metrics"]] + [a["metrics"] for a in urls["agents"].values()]
+    return [urls["metrics"], urls["proxy_metrics"]] + [a["metrics"] for a in urls["agents"].values()]
 
 
 def test_every_metrics_endpoint_passes_promtool(demo):
@@ -50,7 +51,7 @@ def test_every_metrics_endpoint_passes_promtool(demo):
 def test_alert_rules_check_and_pass_their_unit_tests():
     rules = ROOT / "prometheus"
     r = subprocess.run(["promtool", "check", "rules", str(rules / "meshd.rules.yml")], capture_output=True, text=True)
-    assert r.returncode == 0 and "SUCCESS: 9 rules found" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "SUCCESS: 10 rules found" in r.stdout, r.stdout + r.stderr
     r = subprocess.run(["promtool", "test", "rules", "meshd.rules.test.yml"], cwd=rules, capture_output=True,
                        text=True)
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
@@ -63,8 +64,9 @@ def prometheus(demo, tmp_path_factory):
     (d / "prometheus.yml").write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n"
         f"  - job_name: meshd-controller\n    static_configs:\n      - targets: ['{targets[0]}']\n"
+        f"  - job_name: meshd-proxy\n    static_configs:\n      - targets: ['{targets[1]}']\n"
         "  - job_name: meshd-agent\n    static_configs:\n      - targets: "
-        + json.dumps(targets[1:]) + "\n")
+        + json.dumps(targets[2:]) + "\n")
     (port,) = free_ports(1)
     proc = subprocess.Popen(["prometheus", f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
@@ -90,7 +92,7 @@ def query(prom: str, expr: str) -> list[dict]:
 
 
 def test_a_real_prometheus_scrapes_the_demo_mesh(demo, prometheus):
-    wait_for(lambda: len(query(prometheus, "up == 1")) == 5, 30, "all five targets up")
+    wait_for(lambda: len(query(prometheus, "up == 1")) == 6, 30, "all six targets up")
     ready = query(prometheus, 'meshd_fleet_state{phase="ready"}')
     assert [float(r["value"][1]) for r in ready] == [1.0]
     ranks = query(prometheus, "meshd_agent_rank_up")
@@ -111,9 +113,9 @@ def test_processes_report_their_build_and_ranks_their_mlx_memory(demo, prometheu
              "every rank's MLX memory (the loaded weights) in Prometheus")
     assert len(query(prometheus, 'meshd_agent_rank_mlx_memory_bytes{kind="peak"} > 0')) == 4
     builds = query(prometheus, "meshd_build_info")
-    assert sorted(b["metric"]["component"] for b in builds) == ["agent"] * 4 + ["controller"]
+    assert sorted(b["metric"]["component"] for b in builds) == ["agent"] * 4 + ["controller", "proxy"]
     assert all(b["metric"]["mlx"] != "not installed" for b in builds)
-    assert len(query(prometheus, 'process_cpu_seconds_total{job=~"meshd-.*"}')) == 5
+    assert len(query(prometheus, 'process_cpu_seconds_total{job=~"meshd-.*"}')) == 6
     assert [float(r["value"][1]) for r in query(prometheus, "meshd_desired_up")] == [1.0]
     assert sorted(r["metric"]["node"] for r in query(prometheus, "meshd_agent_up == 1")) == \
         ["node0", "node1", "node2", "node3"]
@@ -151,6 +153,18 @@ def test_status_page_renders_in_headless_chromium(demo, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     if os.environ.get("MESHD_WRITE_SCREENSHOT"):
         shutil.copy(shot, ROOT / "docs" / "status-page.png")
+
+
+def test_the_status_page_reads_its_rates_from_the_proxys_metrics(demo):
+    page = demo.status()["urls"]["control"] + "/"
+    requests.get(page, timeout=10)  # the page's first sample of the proxy's counters
+    time.sleep(0.6)
+    with requests.post(f"{demo.proxy}/chat/completions", stream=True, timeout=120,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}) as r:
+        assert r.status_code == 200 and b"[DONE]" in b"".join(r.iter_content(None))
+    html = requests.get(page, timeout=10).text
+    assert float(re.search(r"tokens/s<b>([0-9.]+)</b>", html).group(1)) > 0, html
+    assert re.search(r"[0-9.]+ s</b>", html), "the mean time to first token of the streams since the last look"
 
 
 def test_status_page_needs_the_token_off_loopback(demo):

@@ -121,7 +121,7 @@ def test_the_status_page_off_loopback_wants_the_token_once_for_a_page_only_cooki
 
 
 def test_an_open_proxy_off_loopback_is_said_at_start(tls_mesh):
-    log = (tls_mesh["tmp"] / "state" / "run" / "controller.log").read_text()
+    log = (tls_mesh["tmp"] / "state" / "run" / "proxy.log").read_text()
     assert "the proxy serves off loopback without API keys" in log
     assert tls_mesh["token"] not in log
 

@@ -41,6 +41,7 @@ def exposure(path) -> float:
 
 
 @pytest.mark.parametrize("kind,config,name,most", [("controller", "mesh.toml", "meshd.service", 3.0),
+                                                   ("proxy", "mesh.toml", "meshd-proxy.service", 3.0),
                                                    ("agent", "agent.toml", "meshd-agent.service", 5.0)])
 def test_rendered_units_pass_systemd_analyze_verify_and_security(configs, kind, config, name, most):
     out = subprocess.run([sys.executable, "-m", "meshd.cli", "service", "install", kind, str(configs / config),
@@ -61,6 +62,23 @@ def test_rendered_units_pass_systemd_analyze_verify_and_security(configs, kind, 
     open_door.write_text("\n".join(line for line in unit.splitlines()
                                    if not line.startswith(("SystemCall", "Protect", "Restrict", "Private"))))
     assert exposure(open_door) > most  # the rating reads the sandbox
+
+
+def test_the_proxy_takes_its_listener_from_a_socket_unit_and_reloads_by_handing_it_over(configs):
+    out = subprocess.run([sys.executable, "-m", "meshd.cli", "service", "install", "proxy", str(configs / "mesh.toml"),
+                          "--system", "linux", "--dest", str(configs / "out")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "sudo systemctl enable --now meshd-proxy.socket meshd-proxy" in out.stdout
+    sock = (configs / "out" / "meshd-proxy.socket").read_text()
+    assert "ListenStream=127.0.0.1:8000" in sock and verify(configs / "out" / "meshd-proxy.socket") == ""
+    unit = (configs / "out" / "meshd-proxy.service").read_text()
+    assert "Requires=meshd-proxy.socket" in unit and "ExecReload=/bin/kill -HUP $MAINPID" in unit
+    assert "NotifyAccess=all" in unit  # a successor names itself the main process
+    plist = plistlib.loads(service.render("proxy", configs / "mesh.toml", system="macos")["com.meshd.proxy.plist"]
+                           .encode())
+    assert plist["Sockets"]["Listeners"] == {"SockNodeName": "127.0.0.1", "SockServiceName": "8000",
+                                             "SockType": "stream"}
+    assert plist["ProgramArguments"][1:3] == ["-m", "meshd.proxyd"] and plist["KeepAlive"] is True
 
 
 def test_plists_load_and_carry_the_launchd_keys(configs):

@@ -67,6 +67,7 @@ def test_an_installed_wheel_renders_its_units_and_packs_itself_for_the_nodes(tmp
     repacked = Path(packed.stdout.strip())
     inside = set(zipfile.ZipFile(repacked).namelist())
     assert {"meshd/daemon.py", "agents/server.py", "meshd/share/systemd/meshd-agent.service",
+            "meshd/proxyd.py", "meshd/share/systemd/meshd-proxy.socket", "meshd/share/launchd/com.meshd.proxy.plist",
             "meshd-0.1.0.dist-info/RECORD", "meshd-0.1.0.dist-info/entry_points.txt"} <= inside
     assert not any("__pycache__" in n or n.startswith("..") for n in inside)
 
@@ -74,4 +75,4 @@ def test_an_installed_wheel_renders_its_units_and_packs_itself_for_the_nodes(tmp
     pip_install(node, repacked)
     version = run_in(node, work, "-m", "meshd.cli", "--version")
     assert version.returncode == 0 and version.stdout.startswith("meshctl 0.1.0"), version.stdout + version.stderr
-    assert (node.parent / "meshctl").exists() and (node.parent / "meshd-agent").exists()  # the entry points
+    assert all((node.parent / name).exists() for name in ("meshctl", "meshd-agent", "meshd-proxy"))  # entry points

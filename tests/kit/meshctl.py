@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import requests
 
+from kit.agents import make_agents
+from kit.configs import write_mesh
 from kit.waiting import wait_for
 from meshd import config as mesh_config
 from meshd.controller import rank_secret
@@ -31,14 +33,33 @@ def meshctl(config, *args, timeout=300):
 
 
 def stop_controller(mesh):
-    """`meshctl down --force`, then the controller itself (it outlives a down)."""
+    """`meshctl down --force`, then the controller and the proxy themselves (they outlive a down)."""
     meshctl(mesh, "down", "--force")
-    pidfile = mesh.parent / "state" / "run" / "controller.pid"
-    if pidfile.exists():
-        try:
-            os.kill(int(pidfile.read_text().split()[0]), 15)
-        except ProcessLookupError:
-            pass
+    for name in ("controller", "proxy"):
+        pidfile = mesh.parent / "state" / "run" / f"{name}.pid"
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text().split()[0]), 15)
+            except ProcessLookupError:
+                pass
+
+
+@contextmanager
+def mesh_up(tmp, model, n: int = 2, **mesh):
+    """`n` agents on loopback and `meshctl up` on a mesh.toml of them (`mesh`: write_mesh's tables); yields
+    (mesh.toml, agents) and leaves no process behind."""
+    agents = make_agents(tmp, n, stall={"base": 10})
+    for a in agents:
+        a.start()
+    path = write_mesh(tmp, agents, model, **mesh)
+    try:
+        up = meshctl(path, "up")
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield path, agents
+    finally:
+        stop_controller(path)
+        for a in agents:
+            a.kill()
 
 
 @contextmanager
