@@ -26,6 +26,7 @@ that to change, and `report()` for what it saw.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import re
@@ -33,7 +34,6 @@ import time
 from collections import deque
 from pathlib import Path
 
-import aiohttp
 import structlog
 from aiohttp import web
 from prometheus_client import generate_latest
@@ -47,6 +47,7 @@ from meshd.config import MeshConfig, ping_body, rank0_body
 from meshd.config import Proxy as ProxyConfig
 from meshd.metrics import ProxyMetrics
 from meshd.seam import FleetView, Observation, Serving
+from meshd.upstream import Answer, Upstream, UpstreamError
 from runtime import openai_api as oa
 
 RETRY_AFTER = "5"
@@ -163,10 +164,10 @@ def answered_failure(status: int, body: bytes) -> UpstreamFailed:
     return UpstreamFailed(f"rank 0 answered {status}" + (f" ({code})" if code else ""), evidence=died, in_flight=died)
 
 
-def upstream_failure(e: Exception) -> UpstreamFailed:
-    """A client error talking to rank 0, as the proxy judges it: a refused connection never
-    reached it; anything later cut a request it had taken."""
-    return UpstreamFailed(f"{type(e).__name__}: {e}", in_flight=not isinstance(e, aiohttp.ClientConnectorError))
+def upstream_failure(e: UpstreamError) -> UpstreamFailed:
+    """No answer from rank 0, as the proxy judges it: a refused connection never reached it; anything
+    later cut a request it had taken."""
+    return UpstreamFailed(str(e), in_flight=e.sent)
 
 
 class Proxy:
@@ -183,7 +184,7 @@ class Proxy:
         self.admission = Admission(1 if cfg.speculative else p.concurrency, p.queue_limit)
         metrics.queue_limit.set(p.queue_limit)
         self.api_keys = self._load_keys(p.api_keys_file)
-        self.session: aiohttp.ClientSession | None = None
+        self.rank0 = Upstream()  # connections to rank 0
         self.last_request_at = time.monotonic()  # when the last request ended (or the last probe ran)
         self.quarantine: dict[str, float] = {}  # request digest -> refused until
         self.counters: dict[tuple[str, int], object] = {}
@@ -209,12 +210,11 @@ class Proxy:
         return app
 
     async def _lifetime(self, app: web.Application):
-        self.session = aiohttp.ClientSession()
         probe = asyncio.create_task(self._probe_loop())
         yield
         probe.cancel()
         await asyncio.gather(probe, return_exceptions=True)
-        await self.session.close()
+        self.rank0.close()
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, "chat")
@@ -362,24 +362,25 @@ class Proxy:
         body = ping_body(self.cfg.runtime.profile)
         status = None
         try:
-            async with self.session.post(s.rank0_url + "/v1/chat/completions", json=body, headers=s.rank0_auth,
-                                         timeout=aiohttp.ClientTimeout(total=p.probe_timeout)) as r:
-                if r.status == 200:
-                    self.metrics.probes.labels(result="ok").inc()
-                    return
-                status = r.status
-                detail = f"probe answered {r.status}: {(await r.text())[:200]}"
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(p.probe_timeout):
+                async with self.rank0.post(s.rank0_url + "/v1/chat/completions", body, s.rank0_auth) as r:
+                    answer = await r.read()
+            if r.status == 200:
+                self.metrics.probes.labels(result="ok").inc()
+                return
+            status = r.status
+            detail = f"probe answered {r.status}: {answer[:200].decode(errors='replace')}"
+        except TimeoutError:
             if self.admitted != admitted:
                 return  # a request came in meanwhile and shares the steps: a slow probe then proves nothing
             detail = f"probe failed: no answer within {p.probe_timeout:g}s"
-        except aiohttp.ClientError as e:
-            detail = f"probe failed: {type(e).__name__}"
+        except UpstreamError as e:
+            detail = f"probe failed: {e}"
         self.metrics.probes.labels(result="failed").inc()
         await self.fleet.report(Observation(s.generation, "probe", detail, status))
 
 
-async def sse_blocks(content: aiohttp.StreamReader, idle: float, on_idle):
+async def sse_blocks(content: Answer, idle: float, on_idle):
     """An SSE stream's complete lines (bytes, without their newline, whatever their length), a list per
     read; `on_idle()` every `idle` seconds nothing arrives, from a watchdog beside the read, so a read is
     never cancelled (no line is cut in two) and costs no timer of its own. An exception `on_idle` raises
@@ -519,12 +520,12 @@ class _Exchange:
 
     async def _whole(self, g: int) -> web.Response:
         try:
-            async with self.p.session.post(self.upstream, json=self.body, headers=self.auth,
-                                           timeout=aiohttp.ClientTimeout(total=None, sock_read=self.window)) as r:
-                data = await r.read()
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.window) if self.window else contextlib.nullcontext():
+                async with self.p.rank0.post(self.upstream, self.body, self.auth) as r:
+                    data = await r.read()
+        except TimeoutError:
             raise UpstreamFailed(f"no answer within {self.window:.0f}s")
-        except aiohttp.ClientError as e:
+        except UpstreamError as e:
             raise upstream_failure(e)
         if r.status >= 500:
             raise answered_failure(r.status, data)
@@ -557,15 +558,14 @@ class _Exchange:
 
         body = self._stream_body() if self.p.cfg.runtime.profile == "meshd-rank" else self.body
         try:
-            async with self.p.session.post(self.upstream, json=body, headers=self.auth,
-                                           timeout=aiohttp.ClientTimeout(total=None, sock_read=None)) as r:
+            async with self.p.rank0.post(self.upstream, body, self.auth) as r:
                 if r.status >= 500:
                     raise answered_failure(r.status, await r.read())
                 if r.status != 200:
                     if self.resp is None:
                         return web.Response(body=await r.read(), status=r.status, content_type="application/json")
                     return await self._end_stream_with_error(f"rank 0 refused to resume the answer ({r.status})")
-                async for lines in sse_blocks(r.content, self.p.cfg.proxy.keepalive_interval, idle):
+                async for lines in sse_blocks(r, self.p.cfg.proxy.keepalive_interval, idle):
                     out, confirmed, end = self._relay(lines)
                     if out:
                         silent_since = time.monotonic()
@@ -579,7 +579,7 @@ class _Exchange:
                     if end:
                         raise answered_failure(503, end)
                 raise UpstreamFailed("rank 0 closed the stream before [DONE]")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except UpstreamError as e:
             raise upstream_failure(e)
 
     def _relay(self, lines: list[bytes]) -> tuple[bytes, tuple[int, list[int]] | None, bytes]:

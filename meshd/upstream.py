@@ -1,0 +1,189 @@
+"""meshd-proxy's HTTP/1.1 client for rank 0: keep-alive connections per
+address, a request written in one piece, the answer parsed by httptools (C).
+aiohttp's client cost the proxy more per request than everything else it does
+(bench/proxy_overhead.py); this one does what the relay needs and no more.
+
+An answer's body ends by its length, its last chunk, or (an HTTP/1.0 server
+such as mlx_lm.server's streams) the connection's close. A connection goes
+back to the pool only after a whole answer that allows it; an exchange given
+up half way (the client left) closes it, so rank 0 sees the disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
+
+import httptools
+
+HIGH_WATER = 1 << 20  # bytes of body waiting for the relay before reading from rank 0 pauses
+# A connection idle longer than this is not reused: rank 0 (aiohttp) closes idle ones after 75 s, and a
+# request written into one it is closing would look like a rank 0 that died with it.
+IDLE_REUSE = 30.0
+
+
+class UpstreamError(Exception):
+    """No answer from rank 0. `sent`: the request may have reached it (the exchange broke after it
+    was written), rather than never leaving (no connection)."""
+
+    def __init__(self, message: str, sent: bool):
+        super().__init__(message)
+        self.sent = sent
+
+
+class Answer(asyncio.Protocol):
+    """One connection to rank 0, and the answer it is reading."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._new_answer()
+
+    def _new_answer(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status: int | None = None
+        self.headed = self.loop.create_future()
+        self.body = bytearray()
+        self.complete = False
+        self.framed = False  # a length or chunks say where the body ends (else the close does)
+        self.keep_alive = False
+        self.error: Exception | None = None
+        self._waiter: asyncio.Future | None = None
+
+    # --- httptools' callbacks ----------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()  # the parser forgets it once the answer is complete
+        if not self.headed.done():
+            self.headed.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+        if len(self.body) > HIGH_WATER:
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    # --- asyncio's -------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self.set_exception(UpstreamError(f"rank 0 answered malformed HTTP ({e})", sent=True))
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.status is not None and not self.framed and self.error is None:
+            self.complete = True  # an HTTP/1.0 body ends with its connection
+            self._wake()
+        elif not self.complete:
+            self.set_exception(UpstreamError("rank 0 closed the connection before the end of its answer"
+                                             + (f" ({exc})" if exc else ""), sent=True))
+
+    # --- the relay's ------------------------------------------------------------------
+    def set_exception(self, e: Exception) -> None:
+        """End the answer with `e`: the next read raises it."""
+        self.error = self.error or e
+        if not self.headed.done():
+            self.headed.set_exception(e)
+        self._wake()
+
+    async def readany(self) -> bytes:
+        """The body bytes that arrived since the last read, at once when there are some; b"" at the end."""
+        while not self.body and not self.complete and self.error is None:
+            self._waiter = self.loop.create_future()
+            await self._waiter
+        if self.body:
+            data = bytes(self.body)
+            self.body.clear()
+            self.transport.resume_reading()
+            return data
+        if self.error is not None:
+            raise self.error
+        return b""
+
+    async def read(self) -> bytes:
+        chunks = []
+        while data := await self.readany():
+            chunks.append(data)
+        return b"".join(chunks)
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def reusable(self) -> bool:
+        return self.complete and self.error is None and not self.closed and self.keep_alive
+
+
+class Upstream:
+    """Keep-alive connections to rank 0 (to each address it had)."""
+
+    def __init__(self):
+        self.idle: dict[tuple[str, int], list[Answer]] = {}
+        self._where: dict[str, tuple[str, int, bytes]] = {}
+
+    def _split(self, url: str) -> tuple[str, int, bytes]:
+        if (where := self._where.get(url)) is None:
+            u = urlsplit(url)
+            where = self._where[url] = (u.hostname, u.port or 80, (u.path or "/").encode())
+        return where
+
+    async def _connect(self, host: str, port: int) -> Answer:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await loop.create_connection(lambda: Answer(loop), host, port)
+        except OSError as e:
+            raise UpstreamError(f"cannot connect to rank 0 at {host}:{port} ({e.strerror or e})", sent=False)
+        return conn
+
+    @asynccontextmanager
+    async def post(self, url: str, body: dict, headers: dict[str, str]):
+        """POST `body` as JSON; yields the answer once its status line and headers are in."""
+        host, port, path = self._split(url)
+        data = json.dumps(body).encode()
+        head = b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items())
+        request = (b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                   % (path, (f"[{host}]" if ":" in host else host).encode(), port, len(data)) + head + b"\r\n" + data)
+        pool = self.idle.setdefault((host, port), [])
+        conn = None
+        while pool and conn is None:
+            conn = pool.pop()
+            if conn.closed or time.monotonic() - conn.idle_since > IDLE_REUSE:
+                conn.transport.close()
+                conn = None
+        if conn is None:
+            conn = await self._connect(host, port)
+        conn._new_answer()
+        conn.transport.write(request)
+        try:
+            await conn.headed
+            yield conn
+        finally:
+            if conn.reusable():
+                conn.idle_since = time.monotonic()
+                pool.append(conn)
+            else:
+                conn.transport.close()
+
+    def close(self) -> None:
+        for pool in self.idle.values():
+            for conn in pool:
+                conn.transport.close()
+        self.idle.clear()
