@@ -1,6 +1,7 @@
 """Service definitions for this machine, and the sd_notify protocol on a real
 NOTIFY_SOCKET."""
 
+import os
 import plistlib
 import re
 import signal
@@ -10,11 +11,13 @@ import subprocess
 import sys
 
 import pytest
+import requests
 
 from common.logfile import RotatingLog
 from kit.agents import make_agents
 from kit.waiting import wait_for
 from meshd import service
+from meshd.ports import free_ports
 
 MESH = '[[nodes]]\nname = "a"\nagent = "http://127.0.0.1:7701"\ntoken_file = "t"\n[runtime]\nmodel = "/m"\n'
 
@@ -144,4 +147,34 @@ def test_sd_notify_ready_watchdog_and_stopping_on_a_real_socket(tmp_path):
         assert agent.proc.wait(10) == 0
     finally:
         agent.kill()
+        sock.close()
+
+
+def test_a_reloaded_proxy_hands_over_and_its_successor_tells_systemd_it_is_the_main_process(tmp_path):
+    """What `systemctl reload meshd-proxy` does (ExecReload: SIGHUP), with no controller to follow: the
+    successor takes the socket, says MAINPID=<its pid> and READY=1, and the old process leaves."""
+    proxy_port, control_port = free_ports(2)
+    (tmp_path / "mesh.toml").write_text(MESH + f'[proxy]\nlisten = "127.0.0.1:{proxy_port}"\n'
+                                               f'[control]\nlisten = "127.0.0.1:{control_port}"\n')
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify.sock"))
+    sock.settimeout(30)
+    env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify.sock")}
+    old = subprocess.Popen([sys.executable, "-m", "meshd.proxyd", "--config", str(tmp_path / "mesh.toml")], env=env)
+    successor = None
+    try:
+        assert sock.recv(4096).decode().startswith(f"MAINPID={old.pid}\nREADY=1\n")
+        old.send_signal(signal.SIGHUP)
+        said = sock.recv(4096).decode()
+        successor = int(said.split("\n")[0].removeprefix("MAINPID="))
+        assert successor != old.pid and "READY=1" in said
+        assert old.wait(30) == 0
+        r = requests.get(f"http://127.0.0.1:{proxy_port}/health", timeout=10)  # the socket lives on
+        assert r.status_code == 503 and "has not reached the controller" in r.json()["error"]["message"]
+    finally:
+        for pid in filter(None, (old.pid, successor)):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         sock.close()
