@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from meshd.ports import free_ports
+from meshd.proxy import sse_blocks
 from meshd.upstream import Upstream, UpstreamError
 
 LENGTH = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\": 1}\r\n"
@@ -83,3 +84,46 @@ def test_an_answer_given_up_half_way_closes_its_connection():
         return len(seen), up.idle
     connections, idle = asyncio.run(main())
     assert connections == 2 and not any(idle.values())
+
+
+def test_a_long_line_arriving_slowly_comes_whole_and_silences_get_keepalives():
+    """An SSE line of 300 KB written in three parts with pauses longer than the keep-alive interval: the
+    relay gets it whole, once, and keep-alives flow meanwhile; a keep-alive that raises ends the stream."""
+    big = b"data: " + b"x" * 300_000
+    parts = [big[:100_000], big[100_000:200_000], big[200_000:] + b"\n\ndata: [DONE]\n\n"]
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for part in parts:
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+            await asyncio.sleep(0.3)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def main():
+        (port,) = free_ports(1)
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        idles, lines = [], []
+
+        async def on_idle():
+            idles.append(1)
+
+        async with Upstream().post(url, {}, {}) as r:
+            async for block in sse_blocks(r, 0.1, on_idle):
+                lines += [line for line in block if line]
+
+        async def stalled():
+            raise TimeoutError("no token for 0s")
+
+        with pytest.raises(TimeoutError, match="no token"):
+            async with Upstream().post(url, {}, {}) as r:
+                async for _ in sse_blocks(r, 0.1, stalled):
+                    pass
+        server.close()
+        return lines, len(idles)
+
+    lines, idles = asyncio.run(main())
+    assert lines == [big, b"data: [DONE]"] and idles >= 2
