@@ -234,7 +234,7 @@ def cmd_down(args) -> int:
         left = demo.stop_daemons(demo.home())
         if left:
             raise CliError(f"processes of the demo are still running: {left}")
-        say("the demo's controller and agents are stopped; no process of the mesh remains")
+        say("the demo's controller, proxy and agents are stopped; no process of the mesh remains")
     return 0
 
 
