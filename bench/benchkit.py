@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,18 +28,6 @@ def meshctl(home: Path, *args: str, check: bool = True) -> str:
 def meshctl_for(mesh: Path, *args: str, check: bool = True) -> str:
     """Run meshctl against the mesh described by `mesh` (a mesh.toml)."""
     return meshctl(mesh.parent, "--config", str(mesh), *args, check=check)
-
-
-def stop_mesh(mesh: Path) -> None:
-    """`meshctl down --force`, then the controller and meshd-proxy that `meshctl up` started for `mesh` (they
-    outlive a down)."""
-    meshctl_for(mesh, "down", "--force", check=False)
-    for name in ("controller", "proxy"):
-        pidfile = mesh.parent / "state" / "run" / f"{name}.pid"
-        try:
-            os.kill(int(pidfile.read_text().split()[0]), signal.SIGTERM)
-        except (OSError, ValueError):  # never started, or gone already
-            pass
 
 
 def report(lines: list[str], write: bool) -> None:

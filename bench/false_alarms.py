@@ -24,10 +24,11 @@ from pathlib import Path
 
 import requests
 from benchkit import meshctl_for as meshctl
-from benchkit import parser, report, stop_mesh
+from benchkit import parser, report
 
 from kit.agents import make_agents
 from kit.configs import write_mesh
+from kit.meshctl import stop_controller
 from runtime.demo_model import DemoModelSpec, build_demo_model
 
 BASE = 2.0  # the agents' base stall window, seconds
@@ -95,7 +96,7 @@ def main() -> None:
         sent = probes(stock)
     finally:
         for m, group in ((mesh, agents), (stock, stock_agents)):
-            stop_mesh(m)
+            stop_controller(m)
             for a in group:
                 a.kill()
 

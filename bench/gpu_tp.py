@@ -29,12 +29,13 @@ import time
 from pathlib import Path
 
 import requests
-from benchkit import ROOT, meshctl_for, stop_mesh
+from benchkit import ROOT, meshctl_for
 
 from common.hostfile import MLX_BACKEND, launch_env
 from common.tomlcheck import write_toml
 from kit.agents import make_agents
 from kit.demo_answers import endless
+from kit.meshctl import stop_controller
 from kit.waiting import wait_for
 from meshd.controller import rank_secret
 from meshd.ports import free_ports
@@ -280,7 +281,7 @@ def main() -> None:
     finally:
         for loop in plain.values():
             loop.kill()
-        stop_mesh(mesh)
+        stop_controller(mesh)
         for a in agents:
             a.kill()
         save()

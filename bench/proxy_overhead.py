@@ -33,10 +33,11 @@ import time
 from pathlib import Path
 
 import aiohttp
-from benchkit import ROOT, meshctl_for, report, standin_model, stop_mesh
+from benchkit import ROOT, meshctl_for, report, standin_model
 
 from kit.agents import make_agents
 from kit.configs import write_mesh
+from kit.meshctl import stop_controller
 from kit.waiting import wait_for
 from meshd import config as mesh_config
 from meshd.ports import free_ports
@@ -145,7 +146,12 @@ def main() -> None:
     rank_port = mesh_config.load(mesh).runtime.port
     ng = None
     cells = [(c, s) for c in (1, 32) for s in ((True,) if paced else (False, True))]
-    results: dict[tuple, list[dict[str, float]]] = {k: [] for k in cells}
+    # (clients, stream) -> statistic ("p50"/"p99" of the tokens paced, else "median") -> a {path: s} per round
+    results: dict[tuple, dict[str, list[dict[str, float]]]] = {k: {} for k in cells}
+
+    def requests_for(concurrency: int) -> int:
+        return args.requests if concurrency > 1 or not paced else max(4, args.requests // 8)
+
     try:
         meshctl_for(mesh, "up", "--skip-preflight")  # the stand-in rank loads no model: no memory to check
         status = json.loads(meshctl_for(mesh, "status", "--json"))
@@ -156,24 +162,28 @@ def main() -> None:
         wait_for(lambda: subprocess.run(["curl", "-sf", f"http://127.0.0.1:{nginx_port}/internal/ready"],
                                         capture_output=True).returncode == 0, 30, "nginx")
         for concurrency, stream in cells:
-            n = args.requests if concurrency > 1 or not paced else max(4, args.requests // 8)
             for rnd in range(args.rounds):
                 order = PATHS[rnd % 3:] + PATHS[:rnd % 3]
-                got = {}
+                got: dict[str, dict[str, float]] = {}
                 for path in order:
-                    times, latencies = asyncio.run(load(urls[path], n, concurrency, stream, paced))
+                    times, latencies = asyncio.run(load(urls[path], requests_for(concurrency), concurrency, stream,
+                                                        paced))
                     if paced:
-                        got[path + " p50"], got[path + " p99"] = percentile(latencies, 0.5), percentile(latencies, 0.99)
+                        got.setdefault("p50", {})[path] = percentile(latencies, 0.5)
+                        got.setdefault("p99", {})[path] = percentile(latencies, 0.99)
                     else:
-                        got[path] = statistics.median(times) / (args.chunks + 2 if stream else 1)
-                results[(concurrency, stream)].append(got)
-                print(f"c={concurrency} stream={stream} round {rnd + 1}: "
-                      + ", ".join(f"{k} {v * 1000:.3f} ms" for k, v in got.items()), file=sys.stderr)
+                        per = args.chunks + 2 if stream else 1  # a stream's chunks, its end and [DONE]
+                        got.setdefault("median", {})[path] = statistics.median(times) / per
+                for stat, by_path in got.items():
+                    results[(concurrency, stream)].setdefault(stat, []).append(by_path)
+                print(f"c={concurrency} stream={stream} round {rnd + 1}: " + ", ".join(
+                    f"{path} {stat} {v * 1000:.3f} ms" for stat, by_path in got.items() for path, v in by_path.items()),
+                    file=sys.stderr)
     finally:
         if ng is not None:
             ng.terminate()
             ng.wait(10)
-        stop_mesh(mesh)
+        stop_controller(mesh)
         agent.kill()
 
     today = time.strftime("%Y-%m-%d")
@@ -182,21 +192,18 @@ def main() -> None:
                  f"tokens/s a stream, {os.cpu_count()} CPUs, {args.rounds} alternating rounds, {args.chunks}-token "
                  "streams)", "",
                  "| streams | tokens a round | direct p50 / p99 ms | meshd-proxy added p50 ms | added p99 ms "
-                 "(spread) | nginx added p50 / p99 ms | meshd / nginx (p99) | target |", "|---|---|---|---|---|---|---|---|"]
+                 "(spread) | nginx added p50 / p99 ms | meshd / nginx (p99) | target |",
+                 "|---|---|---|---|---|---|---|---|"]
         for concurrency, stream in cells:
-            rounds = [{"direct": r["direct p50"], "meshd-proxy": r["meshd-proxy p50"], "nginx": r["nginx p50"]}
-                      for r in results[(concurrency, stream)]]
-            tails = [{"direct": r["direct p99"], "meshd-proxy": r["meshd-proxy p99"], "nginx": r["nginx p99"]}
-                     for r in results[(concurrency, stream)]]
+            rounds, tails = results[(concurrency, stream)]["p50"], results[(concurrency, stream)]["p99"]
             m50, _, _ = cell(rounds, "meshd-proxy")
             m99, lo, hi = cell(tails, "meshd-proxy")
             n50, _, _ = cell(rounds, "nginx")
             n99, _, _ = cell(tails, "nginx")
             d50 = statistics.median(r["direct"] for r in rounds) * 1000
             d99 = statistics.median(r["direct"] for r in tails) * 1000
-            n = args.requests if concurrency > 1 else max(4, args.requests // 8)
-            lines.append(f"| {concurrency} | {n * args.chunks} | {d50:.3f} / {d99:.3f} | {m50:.3f} | {m99:.3f} "
-                         f"({lo:.3f} to {hi:.3f}) | {n50:.3f} / {n99:.3f} | {ratio(m99, n99)} | "
+            lines.append(f"| {concurrency} | {requests_for(concurrency) * args.chunks} | {d50:.3f} / {d99:.3f} | "
+                         f"{m50:.3f} | {m99:.3f} ({lo:.3f} to {hi:.3f}) | {n50:.3f} / {n99:.3f} | {ratio(m99, n99)} | "
                          f"{'<= 1 ms p99' if concurrency == 32 else '-'} |")
         lines += ["", "p99 is the 99th percentile of every token a round delivered; the added figures are the "
                   "median over rounds of (path - direct) in the same round, with the spread of those rounds."]
@@ -207,7 +214,7 @@ def main() -> None:
                  "target |", "|---|---|---|---|---|---|---|"]
         targets = {(1, False): "<= 0.3 ms", (1, True): "<= 0.02 ms", (32, True): "<= 0.15 ms", (32, False): "-"}
         for concurrency, stream in cells:
-            rounds = results[(concurrency, stream)]
+            rounds = results[(concurrency, stream)]["median"]
             m, lo, hi = cell(rounds, "meshd-proxy")
             n, _, _ = cell(rounds, "nginx")
             d = statistics.median(r["direct"] for r in rounds) * 1000

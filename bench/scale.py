@@ -19,12 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchkit import ROOT, parser, report, standin_model, stop_mesh
+from benchkit import ROOT, parser, report, standin_model
 from benchkit import meshctl_for as meshctl
 from detection_recovery import first_death_received, pct, wait
 
 from kit.agents import make_agents
 from kit.configs import write_mesh
+from kit.meshctl import stop_controller
 
 PROFILE = {"standin": {"command": ["{python}", str(ROOT / "bench" / "standin_rank.py"), "--host", "{host}",
                                    "--port", "{port}", "--rank", "{rank}", "--meshd-generation", "{generation}"],
@@ -64,7 +65,7 @@ def measure(n: int, trials: int, rng: random.Random) -> dict:
             detect.append(got - killed)
         return {"up": up, "status": status_cmd + status_api, "detect": detect}
     finally:
-        stop_mesh(mesh)
+        stop_controller(mesh)
         for a in agents:
             a.kill()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import hmac
 import json
 import signal
@@ -101,14 +102,16 @@ async def start_sites(apps: list[tuple[web.Application, str, int, ssl.SSLContext
     return runners
 
 
-async def until_stopped(status: str) -> None:
+async def until_stopped(status: str, stop: asyncio.Event | None = None, main_pid: bool = False) -> None:
     """Tell systemd we are ready (and ping its watchdog while the loop runs);
-    return on SIGTERM or SIGINT (the handlers only set an event)."""
-    stop = asyncio.Event()
+    return on SIGTERM or SIGINT (the handlers only set `stop`), or when the
+    caller sets `stop`. `main_pid`: also say this process is the service's main
+    one (a successor that took over from it)."""
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    sdnotify.notify(f"READY=1\nSTATUS={status}")
+    sdnotify.notify((f"MAINPID={os.getpid()}\n" if main_pid else "") + f"READY=1\nSTATUS={status}")
     interval = sdnotify.watchdog_interval()
     pings = asyncio.create_task(sdnotify.watchdog_pings(interval)) if interval else None
     await stop.wait()

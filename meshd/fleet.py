@@ -621,8 +621,8 @@ def _on_tick(state: FleetState, ev: Tick, now: float, policy: Policy) -> Result:
 
 HANDLERS = {UpRequested: _on_up, DownRequested: _on_down, RestartRequested: _on_restart, Adopted: _on_adopted,
             LeftoversFound: _on_leftovers, DiedUnwatched: _on_died_unwatched, MeshReady: _on_mesh_ready,
-            RankReported: _on_rank_reported, RankDied: _on_rank_died, StartRefused: _on_start_refused, GenerationStopped: _on_generation_stopped,
-            StepDone: _on_step_done, RequestServed: _on_request_served, RequestMigrated: _on_request_migrated,
+            RankReported: _on_rank_reported, RankDied: _on_rank_died, StartRefused: _on_start_refused,
+            GenerationStopped: _on_generation_stopped, StepDone: _on_step_done, RequestServed: _on_request_served, RequestMigrated: _on_request_migrated,
             Tick: _on_tick}
 
 

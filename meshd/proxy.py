@@ -187,7 +187,6 @@ class Proxy:
         self.rank0 = Upstream()  # connections to rank 0
         self.last_request_at = time.monotonic()  # when the last request ended (or the last probe ran)
         self.quarantine: dict[str, float] = {}  # request digest -> refused until
-        self.counters: dict[tuple[str, int], object] = {}
         self.served_generation = -1
         self.probed_generation = -1
         self.admitted = 0  # requests admitted since start (a probe that overlapped one is not judged)
@@ -284,7 +283,7 @@ class Proxy:
             status = 499  # the client went away
             raise
         finally:
-            self._counted(route, status).inc()
+            self.metrics.requests.labels(route=route, status=str(status)).inc()
             if status != 200 or self.cfg.proxy.access_log:  # metrics count them all; the log has what failed
                 log.info("request", route=route, status=status, generation=self.fleet.serving().generation,
                          seconds=round(time.monotonic() - t0, 4))
@@ -318,12 +317,6 @@ class Proxy:
             self.metrics.in_flight.dec()
             self.admission.release()
             self.last_request_at = time.monotonic()
-
-    def _counted(self, route: str, status: int):
-        """The requests counter of (route, status), looked up once."""
-        if (child := self.counters.get((route, status))) is None:
-            child = self.counters[(route, status)] = self.metrics.requests.labels(route=route, status=str(status))
-        return child
 
     def _quarantined(self) -> web.Response:
         p = self.cfg.proxy

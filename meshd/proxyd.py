@@ -29,8 +29,8 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from common import procs, sdnotify
-from common.http import run_daemon
+from common import procs
+from common.http import run_daemon, until_stopped
 from common.tomlcheck import split_listen
 from meshd.config import MeshConfig, load
 from meshd.fleetlink import RemoteFleet
@@ -111,45 +111,41 @@ class ProxyDaemon:
         runner = web.AppRunner(self.proxy.app(), access_log=None, handler_cancellation=True,
                                shutdown_timeout=self.cfg.proxy.drain_timeout)
         await runner.setup()
-        site = web.SockSite(runner, self.sock)
-        await site.start()
+        await web.SockSite(runner, self.sock).start()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.hand_over()))
         if self.cfg.proxy.open_off_loopback:
             log.warning("the proxy serves off loopback without API keys (proxy.allow_open = true): anyone who "
                         "reaches it may use the mesh", listen=self.cfg.proxy.listen)
-        await self._announce()
+        if self.pidfile is not None:
+            me = procs.identify(os.getpid())
+            self.pidfile.write_text(f"{me.pid} {me.create_time}\n")
         log.info("meshd-proxy serving", mesh=self.cfg.name, listen=self.cfg.proxy.listen, socket=self.source,
                  controller=self.cfg.control.url)
-        pings = asyncio.create_task(sdnotify.watchdog_pings(i)) if (i := sdnotify.watchdog_interval()) else None
-        await self.stop.wait()
-        sdnotify.notify("STOPPING=1")
+        # Runs once until_stopped has told systemd (MAINPID too: after a reload the successor is the
+        # service's main process), so the predecessor stops only after that.
+        told = asyncio.create_task(self._tell_predecessor())
+        await until_stopped(f"mesh {self.cfg.name}: OpenAI endpoint on {self.cfg.proxy.listen}", self.stop,
+                            main_pid=True)
         log.info("meshd-proxy draining: no new connections; the requests in flight finish",
                  in_flight=self.proxy.admission.running, waiting=self.proxy.admission.depth,
                  drain_timeout=self.cfg.proxy.drain_timeout)
         await runner.cleanup()  # stops accepting, then waits for the handlers (drain_timeout at most)
-        for task in (follow, pings):
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(follow, *([pings] if pings else []), return_exceptions=True)
+        for task in (follow, told):
+            task.cancel()
+        await asyncio.gather(follow, told, return_exceptions=True)
         log.info("meshd-proxy stopped")
 
-    async def _announce(self) -> None:
-        """Say we serve: to the proxy we replace (once the controller has named a generation, or after
-        FIRST_VIEW), to systemd (we are its main process now), and in the pidfile."""
+    async def _tell_predecessor(self) -> None:
+        """A successor says it serves to the proxy it replaces, once the controller (or the predecessor's
+        view) has named a generation, or after FIRST_VIEW."""
         ready_fd = os.environ.pop(READY_FD, None)
-        if ready_fd is not None:
-            await self.fleet.wait_serving(lambda s: self.fleet.told is not None, FIRST_VIEW)
-            with contextlib.suppress(OSError):
-                os.write(int(ready_fd), b"ready\n")
-            os.close(int(ready_fd))
-        sdnotify.notify(f"MAINPID={os.getpid()}\nREADY=1\nSTATUS=mesh {self.cfg.name}: OpenAI endpoint on "
-                        f"{self.cfg.proxy.listen}")
-        if self.pidfile is not None:
-            me = procs.identify(os.getpid())
-            self.pidfile.write_text(f"{me.pid} {me.create_time}\n")
+        if ready_fd is None:
+            return
+        await self.fleet.wait_serving(lambda s: self.fleet.told is not None, FIRST_VIEW)
+        with contextlib.suppress(OSError):
+            os.write(int(ready_fd), b"ready\n")
+        os.close(int(ready_fd))
 
     async def hand_over(self) -> None:
         """Start a successor with our listening socket; once it serves, drain and exit."""
@@ -180,6 +176,7 @@ class ProxyDaemon:
                       exit_code=child.poll())
             return
         log.info("the successor serves; draining this proxy", successor=child.pid)
+        os.environ.pop("NOTIFY_SOCKET", None)  # systemd hears the successor now: a STOPPING=1 would stop it
         self.stop.set()
 
 
