@@ -124,7 +124,9 @@ def test_status_file_shows_load_and_long_prefill_progress(deep_model, tmp_path):
         with StatusTrace(mesh.status_files[1], interval=0.001) as load:
             mesh.wait_ready()
         loading = [s for s in load.snapshots if s["state"] == "loading"]
-        assert loading and loading[-1]["load_done"] == loading[-1]["load_total"] == 25
+        # The status keeps its load count once armed: the last step can be read there when the rank arms
+        # within the trace's millisecond
+        assert loading and max(s["load_done"] for s in load.snapshots) == loading[-1]["load_total"] == 25
         assert len({s["load_done"] for s in loading}) >= 3, "load progress was not reported step by step"
         assert [s["state"] for s in load.snapshots if s["state"] != "loading"][:1] in (["armed"], ["ready"])
 
