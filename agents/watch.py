@@ -121,6 +121,8 @@ class RankWatcher:
         if size < self._offset:
             self._offset = 0
         if size == self._offset:
+            if size > self.log_max_bytes:
+                self._rotate(path)  # quiet since the last poll: the rank is unlikely to write in the gap
             return
         with path.open("rb") as f:
             f.seek(self._offset)
@@ -138,14 +140,15 @@ class RankWatcher:
                 self.rec.peer_lost |= sig.role == CONSEQUENCE
                 await self.emit(self._event(RankSignature, signature=sig.name, severity=sig.severity,
                                             role=sig.role, line=line[-500:]))
-        if size > self.log_max_bytes:
-            self._rotate(path)
+        if size > 2 * self.log_max_bytes:
+            self._rotate(path)  # writing without a pause: bound the disk all the same
 
     def _rotate(self, path: Path) -> None:
         """Copy the log to LOG.1 and empty it (the rank holds it open, appending: a rename would not
         rotate it). The copy reads until a read finds nothing new and the file is emptied right then, so
         lines the rank writes during the copy land in it; only the instant between that last read and the
-        truncate is a gap (a whole-file copy, then a truncate, lost everything written during the copy)."""
+        truncate is a gap, which is why a log is rotated once it has been quiet for a poll (the last
+        lines before a rank dies are the ones that say why) and only past twice the cap while busy."""
         with path.open("rb") as src, rotated(path).open("wb") as dst:
             while chunk := src.read(1 << 20):
                 dst.write(chunk)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -349,20 +350,33 @@ printf '    rdma_en3        \t0000000000000000\n'
 
 
 def test_rank_logs_are_capped(tmp_path):
-
-    (agent,) = make_agents(tmp_path, 1, extra={"log_max_bytes": 20000, "profiles": {"chatty": {
-        "command": ["{python}", "-c", "import time\nfor i in range(4000): print('line', i, flush=True)\n"
-                    "time.sleep(3600)", "--meshd-generation", "{generation}"], "status_file": False}}})
+    """A burst then quiet: rotated without losing a line. A rank that never pauses is capped all the same."""
+    (agent,) = make_agents(tmp_path, 1, extra={"log_max_bytes": 20000, "profiles": {
+        "chatty": {"command": ["{python}", "-c", "import time\nfor i in range(4000): print('line', i, flush=True)\n"
+                               "time.sleep(3600)", "--meshd-generation", "{generation}"], "status_file": False},
+        "steady": {"command": ["{python}", "-c", "import time\nwhile True: print('x' * 99, flush=True); "
+                               "time.sleep(0.004)", "--meshd-generation", "{generation}"], "status_file": False}}})
     agent.start()
-    try:
-        r = agent.post("/v1/ranks", {"generation": 1, "rank": 0, "world": 1, "profile": "chatty",
+
+    def run(generation: int, profile: str) -> Path:
+        r = agent.post("/v1/ranks", {"generation": generation, "rank": 0, "world": 1, "profile": profile,
                                      "model": str(tmp_path), "hostfile": ring_hostfile(1)})
         assert r.status_code == 201, r.text
-        log = agent.dir / "state" / "gen-1" / "rank-0" / "rank.log"
-        wait_for(lambda: log.with_suffix(".log.1").exists() and log.stat().st_size < 20000, 20, "a rotation")
-        assert log.with_suffix(".log.1").stat().st_size >= 20000
+        return agent.dir / "state" / f"gen-{generation}" / "rank-0" / "rank.log"
+
+    try:
+        log = run(1, "chatty")
         wait_for(lambda: "line 3999" in agent.get("/v1/ranks/1/0/log?lines=3").text, 20, "the last line")
+        wait_for(lambda: log.with_suffix(".log.1").exists(), 20, "a rotation")
+        kept = (log.with_suffix(".log.1").read_text() + log.read_text()).splitlines()
+        assert kept == [f"line {i}" for i in range(4000)]
         agent.post("/v1/generations/1/stop", {"mode": "kill", "grace": 1})
+        steady = run(2, "steady")
+        wait_for(lambda: steady.with_suffix(".log.1").exists(), 20, "a busy log's rotation")
+        for _ in range(20):
+            assert steady.stat().st_size <= 2 * 20000 + 20000  # what one poll can add past the cap
+            time.sleep(0.05)
+        agent.post("/v1/generations/2/stop", {"mode": "kill", "grace": 1})
     finally:
         agent.kill()
 
