@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=64, help="the demo model's width")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--draft-tokens", type=int, default=1, help="the drafted mesh's --num-draft-tokens")
     ap.add_argument("--write", action="store_true")
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
     args = ap.parse_args()
@@ -69,7 +70,8 @@ def main() -> None:
     rows, texts = [], {"plain": {}, "drafted": {}}
     mesh = {"backend": args.backend}
     with start_mesh(model, args.world, work / "plain", *OVERLAY, "--drafter", "off", **mesh) as plain, \
-            start_mesh(model, args.world, work / "drafted", *OVERLAY, **mesh) as drafted:
+            start_mesh(model, args.world, work / "drafted", *OVERLAY, "--num-draft-tokens", str(args.draft_tokens),
+                       **mesh) as drafted:
         plain.wait_ready()
         drafted.wait_ready()
         meshes = {"plain": plain, "drafted": drafted}
@@ -94,7 +96,7 @@ def main() -> None:
               "same_answers": texts["plain"] == texts["drafted"],
               "differing": {n: {"plain": texts["plain"][n], "drafted": texts["drafted"][n]} for n in texts["plain"]
                             if texts["plain"][n] != texts["drafted"][n]},
-              "backend": args.backend, "world": args.world,
+              "draft_tokens": args.draft_tokens, "backend": args.backend, "world": args.world,
               "model": {"hidden": args.hidden, "layers": args.layers}}
     inside = spread["drafted"][0] <= spread["plain"][1] and spread["plain"][0] <= spread["drafted"][1]
     where = "the ring" if args.backend == "ring" else f"{args.world} GPUs over NCCL"
@@ -110,7 +112,7 @@ def main() -> None:
                for name in ("plain", "drafted")),
              "", f"Drafted / plain: **{result['ratio']:.2f}x**"
              + (" (inside the spread: parity)" if inside else "") + f"; acceptance {acceptance:.0%} "
-             f"({stats['draft_accepted']} of {stats['draft_proposed']} drafts, one a step). The answers were "
+             f"({stats['draft_accepted']} of {stats['draft_proposed']} drafts, {args.draft_tokens} a step). The answers were "
              + ("the same token for token in every round." if result["same_answers"] else "NOT the same.")]
     report(lines, args.write)
     if args.write or args.json:

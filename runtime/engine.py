@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -436,15 +437,25 @@ def sample_at(job: Job, i: int, logprobs: mx.array) -> mx.array:
         SeededSampler(job.seed, job.sampling, job.offset + i)(logprobs)
 
 
+def trim_to(cache: list, length: int) -> None:
+    trim_prompt_cache(cache, cache[0].offset - length)
+
+
 class MTPEngine:
     """One request at a time, drafted by the loaded model's own multi-token-prediction head (DeepSeek's
     layout: the head takes the last hidden state and the next token's embedding). Each verify step feeds
     the last token and the drafts through the sharded target and keeps the drafts the target itself
     samples at their places (logit bias and penalties applied at each place as if the drafts before it
-    were already said), so the answer is the target's, token for token; the head's cache learns every
-    confirmed position. A drafter
-    that refuses a shape (a kernel's layout limit past some prompt length) ends drafting for that
-    request: plain decoding from there, said in the log and counted, the rank alive."""
+    were already said), so the answer is the target's, token for token.
+
+    One graph and one read back a step: the head learns every place of the verify in the same graph,
+    paired with the token the target sampled there (right up to the first rejected draft, which is all
+    that is kept), so its draft after whichever place turns out last is already computed; the caches are
+    cut back to that place when the samples are read. Every step runs the same collectives whatever it
+    keeps, so ranks that disagree meet at the next lockstep exchange, which names the divergence.
+
+    A drafter that refuses a shape (a kernel's layout limit past some prompt length) ends drafting for
+    that request: plain decoding from there, said in the log and counted, the rank alive."""
 
     def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 1, prefill_step_size: int = 512,
                  log=print):
@@ -455,7 +466,6 @@ class MTPEngine:
         self._log = log
         self._queue: deque[Job] = deque()
         self._active: Job | None = None
-        self._out: deque[Emission] = deque()
         self.proposed = self.accepted = self.fallbacks = 0
 
     # --- the Engine protocol ------------------------------------------------------
@@ -465,13 +475,13 @@ class MTPEngine:
 
     def cancel(self, rid: str) -> None:
         if self._active is not None and self._active.rid == rid:
-            self._active, self._out = None, deque()
+            self._active = None
         else:
             self._queue = deque(j for j in self._queue if j.rid != rid)
 
     @property
     def busy(self) -> bool:
-        return self._active is not None or bool(self._queue) or bool(self._out)
+        return self._active is not None or bool(self._queue)
 
     def prompt_tokens_in_flight(self) -> int:
         return (len(self._todo) if self._active is not None else 0) + sum(len(j.prompt) for j in self._queue)
@@ -485,115 +495,128 @@ class MTPEngine:
                 "draft_fallbacks": self.fallbacks}
 
     def step(self) -> list[Emission]:
-        if self._out:
-            return [self._out.popleft()]
         if self._active is None:
             if not self._queue:
                 return []
             self._begin(self._queue.popleft())
-        if self._todo:
+        if len(self._todo) > self._chunk:
             self._prefill()
-        else:
-            self._verify()
-        return [self._out.popleft()] if self._out else []
+            return []
+        return self._verify()
 
     # --- one request ----------------------------------------------------------------
     def _begin(self, job: Job) -> None:
         self._active = job
         self._cache = make_prompt_cache(self._model)
         self._mtp_cache = self._model.make_mtp_cache()
-        self._todo = list(job.prompt)
+        self._todo = list(job.prompt)  # the prompt not yet through the target
+        self._base = 0  # positions both caches hold for good
         self._count = 0  # tokens emitted
         self._pending: int | None = None  # the last emitted token, not yet through the target
-        self._drafts: list[int] = []  # the head's guesses for the next verify
-        self._guesses: list[int] = []  # what the head drafted after the last confirmed position
+        self._drafts: mx.array | None = None  # the head's drafts after it (on the device)
         self._drafting = True
         self._processors = processors_for(job)
-        self._said = list(job.prompt)  # what the logits processors see: the prompt and every emitted token
+        self._said = mx.array(job.prompt, dtype=mx.uint32) if self._processors else None  # what they see
 
     def _prefill(self) -> None:
-        """One chunk of the prompt through the target; the head learns its positions. The last chunk
-        samples the first token and drafts the next ones."""
-        n = min(self._chunk, len(self._todo))
-        chunk, self._todo = self._todo[:n], self._todo[n:]
+        """A chunk of the prompt that is not its last through the target; the head learns its positions."""
+        chunk, self._todo = self._todo[:self._chunk], self._todo[self._chunk:]
         with mx.stream(generation_stream):
             hidden = self._model.hidden(mx.array(chunk, dtype=mx.uint32)[None], self._cache)
+        self._learn(hidden, mx.array(chunk[1:] + self._todo[:1], dtype=mx.uint32))
+        mx.eval([c.state for c in self._cache] + ([c.state for c in self._mtp_cache] if self._drafting else []))
+        self._base += len(chunk)
+
+    def _verify(self) -> list[Emission]:
+        """The places (the prompt's last chunk, or the pending token and the drafts) through the target,
+        sampled from `first` on: the drafts it agrees with and its own next token come out."""
+        job = self._active
         if self._todo:
-            mx.eval(hidden)
-            self._teach(hidden, chunk[1:] + self._todo[:1])
-            return
-        logprobs = self._logprobs(self._model.head(hidden[0, -1:, :]), [])
-        first = sample_at(self._active, 0, logprobs).item()
-        self._teach(hidden, chunk[1:] + [first])
-        self._emit([first], logprobs)
-
-    def _verify(self) -> None:
-        """The pending token and the drafts through the target at once; the drafts it agrees with and
-        its own next token come out."""
-        inputs = [self._pending] + self._drafts
+            inputs, first, self._todo = mx.array(self._todo, dtype=mx.uint32), len(self._todo) - 1, []
+        else:
+            inputs, first = mx.array([self._pending], dtype=mx.uint32), 0
+            if self._drafts is not None:
+                inputs = mx.concatenate([inputs, self._drafts])
         with mx.stream(generation_stream):
-            hidden = self._model.hidden(mx.array(inputs, dtype=mx.uint32)[None], self._cache)
-        logprobs = self._logprobs(self._model.head(hidden[0]), self._drafts)
-        sampled = [sample_at(self._active, self._count + p, logprobs[p:p + 1]).item() for p in range(len(inputs))]
+            hidden = self._model.hidden(inputs[None], self._cache)
+            logprobs = self._logprobs(self._model.head(hidden[0, first:]), inputs[first + 1:])
+            sampled = mx.concatenate([sample_at(job, self._count + p, logprobs[p:p + 1])
+                                      for p in range(logprobs.shape[0])]).astype(mx.uint32)
+        learned = self._learn(hidden, mx.concatenate([inputs[1:first + 1], sampled]))
+        mx.eval([sampled, logprobs, *(learned or ())])
+        tokens, guessed = sampled.tolist(), inputs[first + 1:].tolist()
         kept = 0
-        while kept < len(self._drafts) and self._drafts[kept] == sampled[kept]:
+        while kept < len(guessed) and guessed[kept] == tokens[kept]:
             kept += 1
-        self.proposed += len(self._drafts)
+        self.proposed += len(guessed)
         self.accepted += kept
-        trim_prompt_cache(self._cache, len(self._drafts) - kept)
-        if self._drafting and len(self._drafts) > 1:
-            trim_prompt_cache(self._mtp_cache, len(self._drafts) - 1)  # the head's own guesses past the first
-        self._drafts = []
-        self._teach(hidden[:, :kept + 1], sampled[:kept + 1])
-        self._emit(sampled[:kept + 1], logprobs[:kept + 1])
+        out = self._emit(tokens[:kept + 1], logprobs)
+        if self._active is not None:
+            at = first + kept  # the place of the last token kept
+            self._base += at + 1
+            trim_to(self._cache, self._base)
+            if self._said is not None:
+                self._said = mx.concatenate([self._said, sampled[:kept + 1]])
+            self._pending = tokens[kept]
+            self._drafts = self._chain(*learned, at) if learned and self._drafting else None
+        return out
 
-    def _logprobs(self, logits: mx.array, drafts: list[int]) -> mx.array:
+    def _logprobs(self, logits: mx.array, drafts: mx.array) -> mx.array:
         """Log probabilities at each place, the request's processors run with what precedes that place:
         what was said, then the drafts before it."""
         if self._processors:
             rows = []
             for p in range(logits.shape[0]):
                 row = logits[p:p + 1]
-                seen = mx.array(self._said + drafts[:p], dtype=mx.uint32)
+                seen = mx.concatenate([self._said, drafts[:p]])
                 for processor in self._processors:
                     row = processor(seen, row)
                 rows.append(row)
             logits = mx.concatenate(rows, axis=0)
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
-    def _teach(self, hidden: mx.array, next_tokens: list[int]) -> None:
-        """The head's cache learns (hidden state at p, token at p+1) for these positions; after the
-        last confirmed one it drafts. A refusal ends drafting for the request."""
+    def _learn(self, hidden: mx.array, next_tokens: mx.array) -> tuple[mx.array, mx.array] | None:
+        """The head's cache, cut back to the kept positions, learns (hidden state at p, token at p+1) for
+        these places: its states and logits at each. None once drafting has ended for the request."""
         if not self._drafting:
-            return
+            return None
+        with self._refusals():
+            trim_to(self._mtp_cache, self._base)
+            return self._model.mtp_draft(hidden, next_tokens[None], self._mtp_cache)
+        return None
+
+    def _chain(self, h: mx.array, logits: mx.array, at: int) -> mx.array | None:
+        """num_draft_tokens drafts after place `at` of the head's last learning: its guess there, then
+        each from the one before (on the device: they go into the next verify's graph)."""
+        with self._refusals():
+            trim_to(self._mtp_cache, self._base)
+            guesses = [mx.argmax(logits[:, at], axis=-1)]
+            h = h[:, at:at + 1]
+            while len(guesses) < self.num_draft_tokens:
+                h, logits = self._model.mtp_draft(h, guesses[-1][None], self._mtp_cache)
+                guesses.append(mx.argmax(logits[:, -1], axis=-1))
+            return mx.concatenate(guesses).astype(mx.uint32)
+        return None
+
+    @contextmanager
+    def _refusals(self):
+        """A kernel's refusal of a shape: the same on every rank, so all go on plainly."""
         try:
             with mx.stream(generation_stream):
-                h, logits = self._model.mtp_draft(hidden, mx.array(next_tokens, dtype=mx.uint32)[None],
-                                                  self._mtp_cache)
-                drafts = []
-                for _ in range(self.num_draft_tokens):
-                    guess = mx.argmax(logits[:, -1, :], axis=-1)
-                    drafts.append(guess)
-                    if len(drafts) < self.num_draft_tokens:
-                        h, logits = self._model.mtp_draft(h[:, -1:, :], guess[None], self._mtp_cache)
-                mx.eval(drafts)
-        except Exception as e:  # a kernel's refusal of a shape: the same on every rank, so all go on plainly
+                yield
+        except Exception as e:
             self._drafting = False
             self.fallbacks += 1
             self._log(f"drafter refused ({type(e).__name__}: {str(e)[:200]}); request {self._active.rid} "
                       "goes on without drafts")
-            return
-        self._guesses = [int(d.item()) for d in drafts]
 
-    def _emit(self, tokens: list[int], logprobs: mx.array) -> None:
-        job = self._active
+    def _emit(self, tokens: list[int], logprobs: mx.array) -> list[Emission]:
+        job, out = self._active, []
         for i, token in enumerate(tokens):
             self._count += 1
-            self._said.append(token)
             reason = finish_reason(token, self._count, job.max_tokens, self._eos)
-            self._out.append(emission(job.rid, token, reason, logprobs[i], job.logprobs))
+            out.append(emission(job.rid, token, reason, logprobs[i], job.logprobs))
             if reason is not None:
                 self._active = None
-                return
-        self._pending = tokens[-1]
-        self._drafts, self._guesses = (self._guesses if self._drafting else []), []
+                break
+        return out

@@ -179,6 +179,19 @@ def drain(engine, job: Job, cancel_after: int | None = None) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_the_heads_drafts_do_not_depend_on_how_the_prompt_was_chunked(mtp_demo, k):
+    """The head learns a prompt chunk by chunk as it would in one pass: the guesses it drafts after a
+    chunk do not stay in its cache, so it proposes and hits the same drafts."""
+    model, _ = mtp_demo
+    job = Job("a", tuple(range(5, 45)), 48, 7, {**SAMPLING, "temperature": 0.0})
+    runs = []
+    for chunk in (16, 512):
+        engine = MTPEngine(model, set(), num_draft_tokens=k, prefill_step_size=chunk, log=lambda line: None)
+        runs.append((drain(engine, job), engine.draft_stats()))
+    assert runs[0] == runs[1] and runs[0][1]["draft_accepted"] > 0
+
+
 @SAMPLINGS
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_mtp_drafting_answers_what_plain_decoding_answers(mtp_demo, sampling, k):
