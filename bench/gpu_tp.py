@@ -6,7 +6,10 @@ machine (nvidia-h200-x2): one rank per GPU, two agents on one host.
   its process start -> first token.
 - Decode (greedy, batch 1, --tokens tokens) in alternating rounds: the plain
   loop on stream_generate and on BatchGenerator, meshd through the proxy,
-  meshd direct to rank 0.
+  meshd direct to rank 0, each round in the other order.
+- The proxy's own cost with the GPU's noise taken out: the same answer asked
+  through the proxy and direct at once (rank 0 decodes both in one batch),
+  their tok/s over the same steps and what the proxy adds to each token.
 - Recovery: SIGKILL of rank 1, SIGSTOP of rank 0 -> first answer again.
 - `meshctl down` leaves no rank process holding GPU memory.
 - The stock mlx_lm.server profile on the same mesh: served, or the reason.
@@ -25,6 +28,7 @@ import sqlite3
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,8 +54,8 @@ def status(mesh: Path) -> dict:
     return json.loads(meshctl_for(mesh, "status", "--json"))
 
 
-def decode(url: str, model: Path, tokens: int, headers: dict | None = None) -> dict:
-    """One greedy streamed answer of `tokens` tokens: decode tok/s after the first token, and TTFT."""
+def arrivals(url: str, model: Path, tokens: int, headers: dict | None = None) -> tuple[float, list[float]]:
+    """One greedy streamed answer of `tokens` tokens: when it was asked and when each token came."""
     t0 = time.perf_counter()
     times = []
     r = requests.post(f"{url}/chat/completions", stream=True, timeout=600, headers=headers,
@@ -60,7 +64,40 @@ def decode(url: str, model: Path, tokens: int, headers: dict | None = None) -> d
     for line in r.iter_lines(decode_unicode=True):
         if line.startswith("data: ") and '"content"' in line:
             times.append(time.perf_counter())
+    return t0, times
+
+
+def decode(url: str, model: Path, tokens: int, headers: dict | None = None) -> dict:
+    """Decode tok/s after the first token, and TTFT."""
+    t0, times = arrivals(url, model, tokens, headers)
     return {"tokens": len(times), "ttft_s": times[0] - t0, "tok_s": (len(times) - 1) / (times[-1] - times[0])}
+
+
+def paired(proxy: str, rank0: str, model: Path, tokens: int, headers: dict) -> dict:
+    """The same answer asked through the proxy and direct at once: rank 0 decodes both in one batch, a
+    token of each per step, so the GPU's noise is common to both. Over the steps both streams span, the
+    proxied stream's tok/s against the direct one's, and what the proxy adds to each token's arrival
+    (from the direct token of the same step: the last direct arrival before it)."""
+    out: dict = {}
+    start = threading.Barrier(2)
+
+    def ask(name, url, hdrs):
+        start.wait()
+        out[name] = arrivals(url, model, tokens, hdrs)[1]
+    threads = [threading.Thread(target=ask, args=a) for a in (("proxy", proxy, None), ("direct", rank0, headers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lo, hi = max(out["proxy"][0], out["direct"][0]), min(out["proxy"][-1], out["direct"][-1])
+    window = {k: [t for t in v if lo <= t <= hi] for k, v in out.items()}
+    if min(len(v) for v in window.values()) < 2:
+        return {"steps": 0}  # not decoded side by side (one was admitted after the other ended)
+    rate = {k: (len(v) - 1) / (v[-1] - v[0]) for k, v in window.items()}
+    added = [p - max(d for d in window["direct"] if d <= p) for p in window["proxy"][1:]
+             if any(d <= p for d in window["direct"])]
+    return {"steps": len(window["direct"]), "ratio": rate["proxy"] / rate["direct"], "tok_s": rate["direct"],
+            "added_ms_median": 1000 * statistics.median(added), "added_ms_max": 1000 * max(added)}
 
 
 def first_answer(mesh: Path, after: float, timeout: float = 600) -> float:
@@ -162,6 +199,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--backend", default="nccl", help="ring: the same run on CPUs, to try the script out")
+    ap.add_argument("--loops", nargs="+", choices=PlainLoop.ENGINES, default=list(PlainLoop.ENGINES),
+                    help="the plain loops to run beside meshd (batch: on BatchGenerator)")
     ap.add_argument("--decode-only", action="store_true",
                     help="cold start and decode rounds only: no recovery, no stock profile (a shorter device run)")
     args = ap.parse_args()
@@ -215,20 +254,25 @@ def main() -> None:
         secret = rank_secret((work / "state" / "rank.key").read_text().strip(), s["generation"])
         rank0_auth = {"Authorization": f"Bearer {secret}"}  # what the proxy sends
 
-        plain = {engine: PlainLoop(work, engine, model, args) for engine in PlainLoop.ENGINES}
+        plain = {engine: PlainLoop(work, engine, model, args) for engine in args.loops}
         for engine, loop in plain.items():
             result[f"plain_{engine}"] = loop.started
             say(f"plain TP2 ({engine}): load {loop.started['loaded_s']:.1f} s, "
                 f"process start -> first token {loop.started['cold_start_s']:.1f} s")
 
-        rounds = []
-        for n in range(1, args.rounds + 1):
-            row = {f"plain_{engine}": loop.decode(n) for engine, loop in plain.items()}
-            row |= {"proxy": decode(s["urls"]["proxy"], model, args.tokens),
-                    "direct": decode(rank0, model, args.tokens, rank0_auth)}
+        rounds, pairs = [], []
+        asks = {**{f"plain_{engine}": loop.decode for engine, loop in plain.items()},
+                "proxy": lambda n: decode(s["urls"]["proxy"], model, args.tokens),
+                "direct": lambda n: decode(rank0, model, args.tokens, rank0_auth)}
+        for n in range(1, args.rounds + 1):  # each round in the other order: a drift favours no one
+            row = {name: asks[name](n) for name in (list(asks) if n % 2 else list(asks)[::-1])}
             rounds.append(row)
-            say(f"round {n}: " + ", ".join(f"{k} {v['tok_s']:.1f}" for k, v in row.items()) + " tok/s")
-        result["rounds"] = rounds
+            pairs.append(paired(s["urls"]["proxy"], rank0, model, args.tokens, rank0_auth))
+            say(f"round {n}: " + ", ".join(f"{k} {v['tok_s']:.1f}" for k, v in row.items()) + " tok/s; paired: "
+                + (f"proxy/direct {pairs[-1]['ratio']:.4f}, adds {pairs[-1]['added_ms_median']:.2f} ms a token"
+                   if pairs[-1]["steps"] else "not side by side"))
+            result["rounds"], result["paired"] = rounds, pairs
+            save()
         save()
 
         for fault, rank in () if args.decode_only else (("SIGKILL", 1), ("SIGSTOP", 0)):
@@ -299,12 +343,23 @@ def main() -> None:
         return [round(min(rounds[key]), 1), round(max(rounds[key]), 1)]
 
     keys = list(rounds)
+    per_round = [r["direct"]["tok_s"] / r["plain_stream"]["tok_s"] for r in result["rounds"]]
+    side_by_side = [p for p in result["paired"] if p["steps"]]
+    paired_ratios = [p["ratio"] for p in side_by_side]
     result["summary"] = {
         "decode_median_tok_s": {k: round(median(k), 1) for k in keys},
         "decode_spread_tok_s": {k: spread(k) for k in keys},
         "decode_ratio_direct_vs_plain_stream": median("direct") / median("plain_stream"),
-        "decode_ratio_direct_vs_plain_batch": median("direct") / median("plain_batch"),
+        "decode_ratio_direct_vs_plain_stream_per_round": {"median": statistics.median(per_round),
+                                                          "spread": [min(per_round), max(per_round)]},
+        **({"decode_ratio_direct_vs_plain_batch": median("direct") / median("plain_batch")}
+           if "plain_batch" in rounds else {}),
         "proxy_cost": 1 - median("proxy") / median("direct"),
+        "proxy_cost_paired": {"median": 1 - statistics.median(paired_ratios),
+                              "spread": [1 - max(paired_ratios), 1 - min(paired_ratios)],
+                              "added_ms_median": statistics.median(p["added_ms_median"] for p in side_by_side),
+                              "added_ms_max": max(p["added_ms_max"] for p in side_by_side),
+                              "rounds": f"{len(side_by_side)} of {len(result['paired'])}"},
         "cold_start_vs_plain_load": result["cold_start_s"] / result["plain_stream"]["loaded_s"],
         "cold_start_vs_plain_cold_start": result["cold_start_s"] / result["plain_stream"]["cold_start_s"]}
     if "recovery_sigkill_rank1_s" in result:
