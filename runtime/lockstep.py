@@ -81,6 +81,8 @@ class Lockstep:
             data = mx.zeros((n,), dtype=mx.uint8)
         return json.loads(bytes(np.array(self._all_sum(data), copy=False))), doze_ms / 1000, steps
 
-    def barrier(self) -> None:
-        if self.size > 1:
-            self._all_sum(mx.array([1], dtype=mx.int32))
+    def share(self, value: int) -> int:
+        """Rank 0's `value` on every rank (the others' are ignored); a barrier too."""
+        if self.size == 1:
+            return value
+        return int(self._all_sum(mx.array([value if self.rank == 0 else 0], dtype=mx.int32)).item())

@@ -30,6 +30,7 @@ from common.statusfile import RankStatus
 from runtime import openai_api as oa
 from runtime.engine import BatchEngine, Job, MTPEngine, SpeculativeEngine
 from runtime.lockstep import Divergence, Lockstep, fold
+from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend
 from runtime.status import Heartbeat
 
@@ -119,7 +120,7 @@ class LockstepLoop:
     `on_term` is what SIGTERM means to this rank, run by the loop."""
 
     def __init__(self, engine, lockstep, heartbeat: Heartbeat, frontend=None, idle_interval: float = 0.5,
-                 burst: int = 4, on_term=None, on_warm=None):
+                 burst: int = 4, on_term=None, on_warm=None, wake=None, doze=time.sleep):
         self.signals = Signals(signal.SIGTERM)
         # Armed until the warm-up generation finished on this rank: its first steps compile kernels, which
         # the agent gives the warm-up window, not a serving rank's.
@@ -142,6 +143,8 @@ class LockstepLoop:
         self.tokens = 0
         self.idle_interval = idle_interval
         self.burst = burst
+        self.wake = wake  # rank 0: rouse the dozing ranks (runtime.wake)
+        self.doze = doze  # the others: sleep until the next exchange or until roused
         self._active_at = time.monotonic()
         self.draft_stats = getattr(engine, "draft_stats", dict)  # the drafter's counts, for the status file
 
@@ -182,6 +185,8 @@ class LockstepLoop:
             outbox, idle_next, burst = None, 0.0, 1
             if self.fe:
                 outbox = self.fe.collect(block=not self.engine.busy, timeout=doze)
+                if outbox and doze and self.wake:
+                    self.wake()  # the others doze until the exchange this work waits for
                 if outbox or self.engine.busy or self.draining:
                     self._active_at = time.monotonic()
                     burst = self.burst if (self.engine.busy and not outbox) else 1
@@ -202,7 +207,7 @@ class LockstepLoop:
                 self.hb.update(progress=True, state=RankState.DRAINING if self.draining else RankState.READY,
                                requests_in_flight=0, prompt_tokens_in_flight=0)
                 if not self.fe and doze:
-                    time.sleep(doze)
+                    self.doze(doze)
                 continue
             for _ in range(steps):
                 if not self.engine.busy:
@@ -307,12 +312,13 @@ def main(argv: list[str] | None = None) -> None:
                              completion_batch_size=args.completion_batch_size)
 
     lockstep = Lockstep(group)
-    lockstep.barrier()  # the arm barrier: every rank is loaded past this line
+    wake, doze = rouse(lockstep, secret, args.generation, log)  # the arm barrier too: all are loaded past it
     hb.update(state=RankState.ARMED)
     log("armed")
     ready = f"ready on {args.host}:{args.port}" if rank == 0 else "ready"
     loop = LockstepLoop(engine, lockstep, hb, frontend, idle_interval=args.idle_interval,
                         burst=args.burst, on_term=_on_term(frontend, args.drain_wait, log),
+                        wake=wake, doze=doze,
                         on_warm=lambda seconds: log(f"warmed up (one token through every rank) in {seconds:.1f}s; "
                                                     f"{ready}"))
     if frontend:

@@ -1,0 +1,51 @@
+"""A request that reaches an idle mesh is taken at once, not after the other
+ranks' doze: real ranks on the ring with a long --idle-interval, and the wake
+channel's sockets (a connection without the generation's token is never woken)."""
+
+import socket
+import threading
+import time
+
+import requests
+
+from kit.ranks import start_mesh
+from runtime.wake import WakeHub, WakeLine, wake_token
+
+IDLE = 2.0  # seconds the other ranks doze between exchanges once the mesh has idled 4x as long
+
+
+def first_token_after(url: str) -> float:
+    t0 = time.perf_counter()
+    r = requests.post(f"{url}/v1/chat/completions", stream=True, timeout=60,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
+    assert r.status_code == 200, r.text
+    for line in r.iter_lines(decode_unicode=True):
+        if line.startswith("data: "):
+            return time.perf_counter() - t0
+    raise AssertionError("no token")
+
+
+def test_a_request_to_an_idle_mesh_does_not_wait_out_the_other_ranks_doze(demo_model, tmp_path):
+    with start_mesh(demo_model, 2, tmp_path, "--idle-interval", str(IDLE)) as mesh:
+        mesh.wait_ready()
+        assert "dozing ranks are woken by requests through 127.0.0.1:" in mesh.log(0)
+        waits = []
+        for _ in range(3):
+            time.sleep(4 * IDLE + 0.5)  # the doze has grown to IDLE
+            waits.append(first_token_after(mesh.url))
+        # Unwoken, each would wait a uniform share of IDLE: all three under a fifth of it by luck is 1 in 125.
+        assert max(waits) < IDLE / 5, waits
+
+
+def test_only_a_line_with_the_generations_token_is_woken():
+    token = wake_token("s3cret", 7)
+    hub = WakeHub("127.0.0.1", token, loopback_only=False)
+    stranger = socket.create_connection(("127.0.0.1", hub.port), timeout=5)
+    stranger.sendall(wake_token("s3cret", 8))
+    assert stranger.recv(1) == b""  # closed: another generation's token
+    line = WakeLine("127.0.0.1", hub.port, token)
+    time.sleep(0.2)  # the hub admits it
+    threading.Timer(0.3, hub.wake).start()
+    t0 = time.monotonic()
+    line.doze(30)
+    assert time.monotonic() - t0 < 10
