@@ -41,7 +41,7 @@ from kit.agents import make_agents
 from kit.demo_answers import endless
 from kit.meshctl import stop_controller
 from kit.waiting import wait_for
-from meshd.controller import rank_secret
+from meshd.seam import rank_secret
 from meshd.ports import free_ports
 from runtime.demo_model import DemoModelSpec, build_demo_model
 

@@ -167,6 +167,16 @@ class MeshConfig:
         return bool(rt.draft_model) or (bool(rt.model_package) and rt.args.get("drafter", "auto") != "off")
 
     @property
+    def rank0_url(self) -> str:
+        """Where the data plane reaches rank 0 (node 0's address when the rank listens on all)."""
+        host = self.runtime.host
+        return f"http://{self.nodes[0].address if wildcard(host) else host}:{self.runtime.port}"
+
+    @property
+    def store_path(self) -> Path:
+        return self.state_dir / "meshd.sqlite"
+
+    @property
     def tls_dir(self) -> Path:
         """The mesh CA (ca.pem, ca.key) and the control API's certificate."""
         return self.state_dir / "tls"

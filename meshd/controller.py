@@ -19,15 +19,15 @@ import aiohttp
 import structlog
 
 from common.protocol import RankSpec, StopResult, event_from_dict
-from common.secretfile import derive, ensure_secret
+from common.secretfile import ensure_secret
 from common.states import Phase
-from common.tomlcheck import ConfigError, wildcard
+from common.tomlcheck import ConfigError
 from meshd import doctor, fleet, provision
 from meshd.evidence import launch_refused, meaning_of, observed
 from meshd.agentclient import AgentClient, AgentError, agent_session
 from meshd.config import MeshConfig, hostfile_for, ping_body
 from meshd.metrics import Metrics
-from meshd.seam import Observation, Serving, wait_until
+from meshd.seam import Observation, Serving, rank_secret, wait_until
 from meshd.store import Store
 
 log = structlog.get_logger("meshd.controller")
@@ -35,12 +35,6 @@ log = structlog.get_logger("meshd.controller")
 
 def policy_for(cfg: MeshConfig) -> fleet.Policy:
     return fleet.Policy(nodes=tuple(n.name for n in cfg.nodes), **asdict(cfg.recovery))
-
-
-def rank_secret(key: str, generation: int) -> str:
-    """Generation `generation`'s rank secret: rank 0 answers only to it, and a restarted controller
-    computes it again for the generation it adopts. Another generation's is refused (no replay)."""
-    return derive(key, f"rank secret of generation {generation}")
 
 
 class Controller:
@@ -154,12 +148,6 @@ class Controller:
         await self.feed(fleet.RestartRequested())
 
     # --- actions ----------------------------------------------------------------
-    def rank0_url(self) -> str:
-        host = self.cfg.runtime.host
-        if wildcard(host):
-            host = self.cfg.nodes[0].address
-        return f"http://{host}:{self.cfg.runtime.port}"
-
     def rank_secret(self, generation: int) -> str:
         return rank_secret(self.rank_key, generation)
 
@@ -209,7 +197,7 @@ class Controller:
         """Does rank 0 serve? meshd-rank answers /internal/ready once its own one-token generation went
         through every rank. A runtime without that proves it here: its port answering, then a real
         one-token completion; an error from a server that is up is evidence (a 4xx: deterministic)."""
-        url = self.rank0_url()
+        url = self.cfg.rank0_url
         auth = self.serving().rank0_auth
         try:
             if self.cfg.runtime.profile == "meshd-rank":
@@ -381,7 +369,7 @@ class Controller:
     # --- the proxy's view (seam.FleetView) ------------------------------------------
     def serving(self) -> Serving:
         s = self.state
-        return Serving(s.phase, s.generation, s.reason, self.rank0_url(), self.rank_secret(s.generation))
+        return Serving(s.phase, s.generation, s.reason, self.cfg.rank0_url, self.rank_secret(s.generation))
 
     async def wait_serving(self, predicate: Callable[[Serving], bool], timeout: float) -> Serving:
         return await wait_until(self.changed, self.serving, predicate, timeout)

@@ -222,7 +222,7 @@ def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | 
 async def serve(cfg: MeshConfig, log_file: Path | None = None) -> None:
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
     token = control_token(cfg.state_dir)
-    store = Store(cfg.state_dir / "meshd.sqlite")
+    store = Store(cfg.store_path)
     metrics = Metrics(cfg.name)
     ctl = Controller(cfg, store, metrics)
     await ctl.start()  # adopt first: no command may arrive before the controller knows what runs

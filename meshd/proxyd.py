@@ -33,7 +33,7 @@ from common import procs
 from common.http import run_daemon, until_stopped
 from common.tomlcheck import split_listen
 from meshd.config import MeshConfig, load
-from meshd.fleetlink import RemoteFleet
+from meshd.fleetlink import RemoteFleet, remembered
 from meshd.metrics import ProxyMetrics
 from meshd.proxy import Proxy
 from meshd.seam import Serving
@@ -100,7 +100,9 @@ def listening_socket(cfg: MeshConfig) -> tuple[socket.socket, str]:
 class ProxyDaemon:
     def __init__(self, cfg: MeshConfig, argv: list[str], pidfile: Path | None):
         self.cfg, self.argv, self.pidfile = cfg, argv, pidfile
-        self.fleet = RemoteFleet(cfg, handed_view())
+        handed = handed_view()
+        self.view = "the proxy it replaces" if handed else "the controller's store"
+        self.fleet = RemoteFleet(cfg, handed or remembered(cfg))
         self.proxy = Proxy(cfg, self.fleet, ProxyMetrics(cfg.name))
         self.sock, self.source = listening_socket(cfg)
         self.stop = asyncio.Event()
@@ -121,7 +123,7 @@ class ProxyDaemon:
             me = procs.identify(os.getpid())
             self.pidfile.write_text(f"{me.pid} {me.create_time}\n")
         log.info("meshd-proxy serving", mesh=self.cfg.name, listen=self.cfg.proxy.listen, socket=self.source,
-                 controller=self.cfg.control.url)
+                 controller=self.cfg.control.url, first_view=self.view if self.fleet.told else "none yet")
         # Runs once until_stopped has told systemd (MAINPID too: after a reload the successor is the
         # service's main process), so the predecessor stops only after that.
         told = asyncio.create_task(self._tell_predecessor())

@@ -13,9 +13,16 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
 from common.errors import ApiError
+from common.secretfile import derive
 from common.states import Phase
 
 SOURCES = ("proxy", "probe", "served", "migrated")
+
+
+def rank_secret(key: str, generation: int) -> str:
+    """Generation `generation`'s rank secret: rank 0 answers only to it, and a restarted controller
+    computes it again for the generation it adopts. Another generation's is refused (no replay)."""
+    return derive(key, f"rank secret of generation {generation}")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ generation, each agent's last event sequence number)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
@@ -28,6 +29,17 @@ AUDIT_KEEP = 10_000  # newest rows kept: refused attempts must not grow the stor
 ADDED_COLUMNS = {"incidents": (("consequences", "TEXT"), ("timeline", "TEXT"), ("migrated", "INTEGER"))}
 INCIDENT_COLUMNS = ("opened_at", "cause", "node", "rank", "generation", "detail", "steps", "consequences", "timeline",
                     "migrated")
+
+
+def read_value(path: Path, key: str):
+    """A value of the store at `path`, read without writing to it (another process owns it); None when
+    there is no store or no such value."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            row = db.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+    except sqlite3.Error:
+        return None
+    return json.loads(row[0]) if row else None
 
 
 class Store:

@@ -218,18 +218,44 @@ def test_a_proxy_restart_refuses_no_connection_and_finishes_the_streams_in_fligh
     assert "socket='the proxy it replaces'" in log and "the successor serves; draining this proxy" in log
 
 
-def test_under_systemd_socket_activation_the_first_connection_starts_the_proxy_and_is_served(mesh, tmp_path):
-    path, _ = mesh
+def beside(path) -> tuple[str, int]:
+    """The mesh's config with its proxy on a port of its own, for a second proxy beside the mesh's."""
     (port,) = free_ports(1)
     text = path.read_text().replace(f'listen = "{status(path)["urls"]["proxy"].split("//")[1].removesuffix("/v1")}"',
                                     f'listen = "127.0.0.1:{port}"')
     assert f"127.0.0.1:{port}" in text
-    other = path.with_name("mesh-socket.toml")
+    other = path.with_name(f"mesh-{port}.toml")
     other.write_text(text)
+    return str(other), port
+
+
+def test_a_proxy_started_while_the_controller_is_away_serves_the_generation_it_recorded(mesh, tmp_path):
+    """A proxy its service manager restarts while the controller is also down: no view to hand over, so it
+    starts from the controller's store, and serves."""
+    path, _ = mesh
+    other, port = beside(path)
+    kill(pid(path, "controller"))
+    log = tmp_path / "cold.log"
+    proxy = subprocess.Popen([sys.executable, "-m", "meshd.proxyd", "--config", other, "--log-file", str(log)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: log.exists() and "meshd-proxy serving" in log.read_text(), 60, "the proxy to serve")
+        r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        assert "the controller's store" in log.read_text()
+    finally:
+        proxy.terminate()
+        proxy.wait(30)
+
+
+def test_under_systemd_socket_activation_the_first_connection_starts_the_proxy_and_is_served(mesh, tmp_path):
+    path, _ = mesh
+    other, port = beside(path)
     log = tmp_path / "activated.log"
     # systemd-socket-activate listens, and runs the proxy with the listener (LISTEN_FDS) at the first connection.
     activator = subprocess.Popen(["systemd-socket-activate", "-l", f"127.0.0.1:{port}", sys.executable, "-m",
-                                  "meshd.proxyd", "--config", str(other), "--log-file", str(log)],
+                                  "meshd.proxyd", "--config", other, "--log-file", str(log)],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: any(c.laddr.port == port for c in psutil.net_connections(kind="tcp") if c.status == "LISTEN"),

@@ -17,7 +17,7 @@ from kit.agents import make_agents
 from kit.configs import write_mesh
 from kit.waiting import wait_for
 from meshd import config as mesh_config
-from meshd.controller import rank_secret
+from meshd.seam import rank_secret
 from meshd.demo import PREFERRED, WORLD
 from meshd.ports import free_run
 
