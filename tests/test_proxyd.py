@@ -3,6 +3,7 @@ controller is killed and comes back, holds requests for a generation that dies
 while the controller is away, hands its socket to a successor without refusing
 a connection, and takes its listener from systemd's socket activation."""
 
+import contextlib
 import json
 import os
 import signal
@@ -229,6 +230,22 @@ def beside(path) -> tuple[str, int]:
     return str(other), port
 
 
+@contextlib.contextmanager
+def running(argv: list[str]):
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def say_hi(port: int) -> None:
+    r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.status_code == 200, r.text
+
+
 def test_a_proxy_started_while_the_controller_is_away_serves_the_generation_it_recorded(mesh, tmp_path):
     """A proxy its service manager restarts while the controller is also down: no view to hand over, so it
     starts from the controller's store, and serves."""
@@ -236,17 +253,10 @@ def test_a_proxy_started_while_the_controller_is_away_serves_the_generation_it_r
     other, port = beside(path)
     kill(pid(path, "controller"))
     log = tmp_path / "cold.log"
-    proxy = subprocess.Popen([sys.executable, "-m", "meshd.proxyd", "--config", other, "--log-file", str(log)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
+    with running([sys.executable, "-m", "meshd.proxyd", "--config", other, "--log-file", str(log)]):
         wait_for(lambda: log.exists() and "meshd-proxy serving" in log.read_text(), 60, "the proxy to serve")
-        r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
-                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
-        assert r.status_code == 200, r.text
+        say_hi(port)
         assert "the controller's store" in log.read_text()
-    finally:
-        proxy.terminate()
-        proxy.wait(30)
 
 
 def test_under_systemd_socket_activation_the_first_connection_starts_the_proxy_and_is_served(mesh, tmp_path):
@@ -254,16 +264,9 @@ def test_under_systemd_socket_activation_the_first_connection_starts_the_proxy_a
     other, port = beside(path)
     log = tmp_path / "activated.log"
     # systemd-socket-activate listens, and runs the proxy with the listener (LISTEN_FDS) at the first connection.
-    activator = subprocess.Popen(["systemd-socket-activate", "-l", f"127.0.0.1:{port}", sys.executable, "-m",
-                                  "meshd.proxyd", "--config", other, "--log-file", str(log)],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
+    with running(["systemd-socket-activate", "-l", f"127.0.0.1:{port}", sys.executable, "-m", "meshd.proxyd",
+                  "--config", other, "--log-file", str(log)]):
         wait_for(lambda: any(c.laddr.port == port for c in psutil.net_connections(kind="tcp") if c.status == "LISTEN"),
                  30, "the activator to listen")
-        r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
-                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
-        assert r.status_code == 200, r.text
+        say_hi(port)
         assert "socket='systemd (socket activation)'" in log.read_text()
-    finally:
-        activator.terminate()
-        activator.wait(30)
