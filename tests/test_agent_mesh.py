@@ -374,7 +374,7 @@ def test_rank_logs_are_capped(tmp_path):
         steady = run(2, "steady")
         wait_for(lambda: steady.with_suffix(".log.1").exists(), 20, "a busy log's rotation")
         for _ in range(20):
-            assert steady.stat().st_size <= 2 * 20000 + 20000  # what one poll can add past the cap
+            assert steady.stat().st_size <= 4 * 20000  # twice the cap, and what a slow poll lets it add
             time.sleep(0.05)
         agent.post("/v1/generations/2/stop", {"mode": "kill", "grace": 1})
     finally:
