@@ -15,21 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import requests
 from benchkit import report
 
 from kit.ranks import start_mesh
 from runtime.demo_model import build_demo_model
-
-
-def first_token(url: str) -> float:
-    t0 = time.perf_counter()
-    r = requests.post(f"{url}/v1/chat/completions", stream=True, timeout=60,
-                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
-    for line in r.iter_lines(decode_unicode=True):
-        if line.startswith("data: "):
-            return time.perf_counter() - t0
-    raise SystemExit(f"no token: {r.status_code} {r.text}")
 
 
 def main() -> None:
@@ -42,14 +31,14 @@ def main() -> None:
     ttft: dict[str, list[float]] = {"after another": [], "idle": []}
     with start_mesh(model, 2, work / "mesh", "--idle-interval", str(args.idle_interval)) as mesh:
         mesh.wait_ready()
-        first_token(mesh.url)
+        mesh.first_token()
         for n in range(args.rounds):
             for kind in (("after another", "idle") if n % 2 else ("idle", "after another")):
                 if kind == "idle":
                     time.sleep(4 * args.idle_interval + 0.5)  # the doze has grown to --idle-interval
                 else:
-                    first_token(mesh.url)
-                ttft[kind].append(first_token(mesh.url))
+                    mesh.first_token()
+                ttft[kind].append(mesh.first_token())
                 print(f"round {n + 1}: {kind} {ttft[kind][-1] * 1000:.0f} ms", file=sys.stderr)
     med = {k: statistics.median(v) for k, v in ttft.items()}
     report(["", f"### Time to first token on an idle mesh (`bench/idle_ttft.py`, {time.strftime('%Y-%m-%d')})", "",

@@ -33,6 +33,13 @@ OVERLAY = ("--model-package", "runtime.overlays.demo_mtp")
 PROMPT = "When one rank dies the generation ends on every node and a new one starts."
 
 
+def mtp_spec(hidden: int, layers: int, train_steps: int) -> DemoModelSpec:
+    """The demo model at this width and depth, with an MTP head distilled `train_steps` steps."""
+    heads = max(8, hidden // 64)
+    return DemoModelSpec(mtp=True, mtp_train_steps=train_steps, hidden_size=hidden, num_hidden_layers=layers,
+                         intermediate_size=2 * hidden, num_attention_heads=heads, num_key_value_heads=heads)
+
+
 def decode(url: str, model: Path, tokens: int, k: int) -> dict:
     """One greedy streamed answer: decode tokens/s after the first token, and the time to it."""
     t0 = time.perf_counter()
@@ -63,10 +70,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="meshd-mtp-bench-"))
-    spec = DemoModelSpec(mtp=True, mtp_train_steps=args.train_steps, hidden_size=args.hidden,
-                         num_hidden_layers=args.layers, intermediate_size=2 * args.hidden,
-                         num_attention_heads=max(8, args.hidden // 64), num_key_value_heads=max(8, args.hidden // 64))
-    model = build_demo_model(work / "model", spec)
+    model = build_demo_model(work / "model", mtp_spec(args.hidden, args.layers, args.train_steps))
     rows, texts = [], {"plain": {}, "drafted": {}}
     mesh = {"backend": args.backend}
     with start_mesh(model, args.world, work / "plain", *OVERLAY, "--drafter", "off", **mesh) as plain, \

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import mlx.core as mx
 from benchkit import report
+from mtp import mtp_spec
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load_model
 
 import runtime.overlays.demo_mtp  # noqa: F401  registers model type demo_mtp
-from runtime.demo_model import DemoModelSpec, build_demo_model
+from runtime.demo_model import build_demo_model
 from runtime.engine import BatchEngine, Job, MTPEngine
 from runtime.openai_api import SamplingParams
 
@@ -82,9 +83,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=100)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    spec = DemoModelSpec(mtp=True, mtp_train_steps=args.train_steps, hidden_size=args.hidden,
-                         num_hidden_layers=args.layers, intermediate_size=2 * args.hidden,
-                         num_attention_heads=max(8, args.hidden // 64), num_key_value_heads=max(8, args.hidden // 64))
+    spec = mtp_spec(args.hidden, args.layers, args.train_steps)
     model, _ = load_model(build_demo_model(Path(tempfile.mkdtemp(prefix="meshd-mtp-engine-")) / "model", spec))
     kinds = {"plain": lambda: BatchEngine(model, set()),
              **{f"drafted k={k}": (lambda k=k: MTPEngine(model, set(), num_draft_tokens=k, log=lambda line: None))

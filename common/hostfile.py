@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 BACKENDS = ("ring", "jaccl", "jaccl-ring", "nccl")
 # Any of these in a process's environment means it was launched into a mesh
@@ -131,3 +132,19 @@ def launch_env(hostfile: dict, rank: int, backend: str | None = None, *,
         env["CUDA_VISIBLE_DEVICES"] = str(local_index(hosts, rank))
     env["MLX_RANK"] = str(rank)
     return LaunchEnv(env, files)
+
+
+def rank0_host(env: dict[str, str] = os.environ) -> str | None:
+    """Rank 0's address on the mesh, as launch_env gives it to every rank (the ring's hostfile, JACCL's
+    coordinator, NCCL's host); None when it gives none (a single rank)."""
+    if env.get("NCCL_HOST_IP"):
+        return env["NCCL_HOST_IP"]
+    if env.get("MLX_JACCL_COORDINATOR"):
+        return env["MLX_JACCL_COORDINATOR"].rpartition(":")[0]
+    if env.get("MLX_HOSTFILE"):
+        try:
+            ring = json.loads(Path(env["MLX_HOSTFILE"]).read_text() or "[]")
+        except (OSError, ValueError):
+            return None
+        return ring[0][0].rpartition(":")[0] if ring and ring[0] else None
+    return None

@@ -17,15 +17,13 @@ computes; a lost connection leaves its rank dozing as before.
 from __future__ import annotations
 
 import hmac
-import json
-import os
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
+from common.hostfile import rank0_host
 from common.secretfile import derive
 from common.tomlcheck import loopback
 
@@ -34,22 +32,6 @@ TOKEN_BYTES = 64  # a hex sha256
 
 def wake_token(secret: str, generation: int) -> bytes:
     return derive(secret, f"wake of generation {generation}").encode() if secret else b"0" * TOKEN_BYTES
-
-
-def rank0_host(env: dict[str, str] = os.environ) -> str | None:
-    """Rank 0's address on the mesh, as the launch environment gives it to every rank (the ring's
-    hostfile, JACCL's coordinator, NCCL's host); None when it gives none (a single rank)."""
-    if env.get("NCCL_HOST_IP"):
-        return env["NCCL_HOST_IP"]
-    if env.get("MLX_JACCL_COORDINATOR"):
-        return env["MLX_JACCL_COORDINATOR"].rpartition(":")[0]
-    if env.get("MLX_HOSTFILE"):
-        try:
-            ring = json.loads(Path(env["MLX_HOSTFILE"]).read_text() or "[]")
-        except (OSError, ValueError):
-            return None
-        return ring[0][0].rpartition(":")[0] if ring and ring[0] else None
-    return None
 
 
 class WakeHub:

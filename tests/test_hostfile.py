@@ -8,7 +8,7 @@ import sys
 import pytest
 from mlx._distributed_utils import launch as mlx_launch
 
-from common.hostfile import HostfileError, launch_env, validate
+from common.hostfile import HostfileError, launch_env, rank0_host, validate
 
 RING = {"backend": "ring", "envs": ["MLX_METAL_FAST_SYNCH=0"],
         "hosts": [{"ssh": f"h{i}", "ips": [f"10.0.0.{i + 1}"], "rdma": []} for i in range(4)]}
@@ -48,6 +48,17 @@ def test_launch_env_equals_mlx_launch(hostfile, tmp_path, monkeypatch):
         env["MLX_RANK"] = str(want["rank"])
         assert {k: v for k, v in got.env.items()} == env
         assert got.files == want["files"]
+
+
+@pytest.mark.parametrize("hostfile", [RING, JACCL, JACCL_RING, NCCL], ids=["ring", "jaccl", "jaccl-ring", "nccl"])
+def test_every_rank_finds_rank_0s_address_in_its_launch_env(hostfile, tmp_path):
+    for rank in range(len(hostfile["hosts"])):
+        got = launch_env(hostfile, rank)
+        env = dict(got.env)
+        for var, content in got.files.items():
+            (tmp_path / var).write_text(content)
+            env[var] = str(tmp_path / var)
+        assert rank0_host(env) == hostfile["hosts"][0]["ips"][0]
 
 
 def test_nccl_ranks_sharing_a_host_get_their_own_gpus_as_mlx_launch_repeat_hosts_gives_them(tmp_path, monkeypatch):

@@ -6,23 +6,10 @@ import socket
 import threading
 import time
 
-import requests
-
 from kit.ranks import start_mesh
 from runtime.wake import WakeHub, WakeLine, wake_token
 
 IDLE = 2.0  # seconds the other ranks doze between exchanges once the mesh has idled 4x as long
-
-
-def first_token_after(url: str) -> float:
-    t0 = time.perf_counter()
-    r = requests.post(f"{url}/v1/chat/completions", stream=True, timeout=60,
-                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
-    assert r.status_code == 200, r.text
-    for line in r.iter_lines(decode_unicode=True):
-        if line.startswith("data: "):
-            return time.perf_counter() - t0
-    raise AssertionError("no token")
 
 
 def test_a_request_to_an_idle_mesh_does_not_wait_out_the_other_ranks_doze(demo_model, tmp_path):
@@ -32,7 +19,7 @@ def test_a_request_to_an_idle_mesh_does_not_wait_out_the_other_ranks_doze(demo_m
         waits = []
         for _ in range(3):
             time.sleep(4 * IDLE + 0.5)  # the doze has grown to IDLE
-            waits.append(first_token_after(mesh.url))
+            waits.append(mesh.first_token())
         # Unwoken, each would wait a uniform share of IDLE: all three under a fifth of it by luck is 1 in 125.
         assert max(waits) < IDLE / 5, waits
 

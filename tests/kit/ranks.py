@@ -52,6 +52,17 @@ class Mesh:
             return self.ready()
         wait_for(check, timeout, "the mesh to be ready", interval=0.1)
 
+    def first_token(self) -> float:
+        """Seconds from asking rank 0 a short streamed question to its first token."""
+        t0 = time.perf_counter()
+        r = requests.post(f"{self.url}/v1/chat/completions", stream=True, timeout=60,
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True})
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("data: "):
+                return time.perf_counter() - t0
+        raise AssertionError("no token")
+
     def log(self, rank: int) -> str:
         return self.logs[rank].read_text(errors="replace")
 
