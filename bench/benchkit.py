@@ -1,17 +1,56 @@
-"""What the benchmarks share: driving the demo mesh through meshctl, and
-appending a result table to docs/BENCHMARKS.md."""
+"""What the benchmarks share: driving the demo mesh through meshctl, the
+Llama-shaped random model of the GPU runs, a decode's pace, and appending a
+result table to docs/BENCHMARKS.md."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+
+
+def say(msg: str) -> None:
+    """A progress line, stamped with the benchmark's name and the time."""
+    print(f"[{Path(sys.argv[0]).stem} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def add_gpu_run_args(ap: argparse.ArgumentParser) -> None:
+    """What a GPU benchmark run takes: where to write, the backend, answer length and a Llama shape of
+    random bf16 weights (the defaults are 8B's, 16 GB)."""
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--backend", default="nccl", help="ring: the same run on CPUs, to try the script out")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=128256)
+
+
+def build_llama_shape(args: argparse.Namespace, path: Path) -> Path:
+    from runtime.demo_model import DemoModelSpec, build_demo_model
+
+    return build_demo_model(path, DemoModelSpec(
+        hidden_size=args.hidden, num_hidden_layers=args.layers, intermediate_size=args.intermediate,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, model_vocab=args.vocab,
+        max_position_embeddings=8192, dtype="bfloat16", seed=1))
+
+
+def pace(times: list[float]) -> dict:
+    """A decode's pace from its tokens' arrival times: tok/s over the whole answer, and the median gap
+    between tokens, which a few stalls in a round do not move."""
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return {"tokens": len(times), "tok_s": len(gaps) / (times[-1] - times[0]),
+            "step_ms_median": 1000 * statistics.median(gaps)}
 
 
 def meshctl(home: Path, *args: str, check: bool = True) -> str:

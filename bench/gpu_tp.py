@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import requests
-from benchkit import ROOT, meshctl_for
+from benchkit import ROOT, add_gpu_run_args, build_llama_shape, meshctl_for, pace, say
 
 from common.hostfile import MLX_BACKEND, launch_env
 from common.tomlcheck import write_toml
@@ -43,11 +43,6 @@ from kit.meshctl import stop_controller
 from kit.waiting import wait_for
 from meshd.seam import rank_secret
 from meshd.ports import free_ports
-from runtime.demo_model import DemoModelSpec, build_demo_model
-
-
-def say(msg: str) -> None:
-    print(f"[gpu_tp {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def status(mesh: Path) -> dict:
@@ -68,9 +63,9 @@ def arrivals(url: str, model: Path, tokens: int, headers: dict | None = None) ->
 
 
 def decode(url: str, model: Path, tokens: int, headers: dict | None = None) -> dict:
-    """Decode tok/s after the first token, and TTFT."""
+    """Decode pace after the first token, and TTFT."""
     t0, times = arrivals(url, model, tokens, headers)
-    return {"tokens": len(times), "ttft_s": times[0] - t0, "tok_s": (len(times) - 1) / (times[-1] - times[0])}
+    return {"ttft_s": times[0] - t0, **pace(times)}
 
 
 def paired(proxy: str, rank0: str, model: Path, tokens: int, headers: dict) -> dict:
@@ -189,16 +184,8 @@ class PlainLoop:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--tokens", type=int, default=256)
+    add_gpu_run_args(ap)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--backend", default="nccl", help="ring: the same run on CPUs, to try the script out")
     ap.add_argument("--loops", nargs="+", choices=PlainLoop.ENGINES, default=list(PlainLoop.ENGINES),
                     help="the plain loops to run beside meshd (batch: on BatchGenerator)")
     ap.add_argument("--decode-only", action="store_true",
@@ -212,10 +199,7 @@ def main() -> None:
         (args.out / "gpu_tp.json").write_text(json.dumps(result, indent=2, default=str))
 
     t0 = time.time()
-    model = build_demo_model(work / "model", DemoModelSpec(
-        hidden_size=args.hidden, num_hidden_layers=args.layers, intermediate_size=args.intermediate,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, model_vocab=args.vocab,
-        max_position_embeddings=8192, dtype="bfloat16", seed=1))
+    model = build_llama_shape(args, work / "model")
     result["model_bytes"] = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     say(f"built the model: {result['model_bytes'] / 1e9:.1f} GB in {time.time() - t0:.0f} s")
 
@@ -344,6 +328,7 @@ def main() -> None:
 
     keys = list(rounds)
     per_round = [r["direct"]["tok_s"] / r["plain_stream"]["tok_s"] for r in result["rounds"]]
+    by_step = [r["plain_stream"]["step_ms_median"] / r["direct"]["step_ms_median"] for r in result["rounds"]]
     side_by_side = [p for p in result["paired"] if p["steps"]]
     paired_ratios = [p["ratio"] for p in side_by_side]
     result["summary"] = {
@@ -352,6 +337,8 @@ def main() -> None:
         "decode_ratio_direct_vs_plain_stream": median("direct") / median("plain_stream"),
         "decode_ratio_direct_vs_plain_stream_per_round": {"median": statistics.median(per_round),
                                                           "spread": [min(per_round), max(per_round)]},
+        "decode_ratio_direct_vs_plain_stream_by_median_step_per_round": {
+            "median": statistics.median(by_step), "spread": [min(by_step), max(by_step)]},
         **({"decode_ratio_direct_vs_plain_batch": median("direct") / median("plain_batch")}
            if "plain_batch" in rounds else {}),
         "proxy_cost": 1 - median("proxy") / median("direct"),

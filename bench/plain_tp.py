@@ -26,6 +26,7 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 
+from benchkit import pace
 from common.hostfile import distributed_backend
 
 
@@ -73,7 +74,7 @@ def main() -> None:
         """(wall-clock time of the first token, decode tok/s after it)."""
         times = [time.perf_counter() for _ in ENGINES[args.engine](model, tokenizer, prompt, args.tokens, no_end)]
         first_at = time.time() - (times[-1] - times[0])
-        return first_at, {"tokens": len(times), "tok_s": (len(times) - 1) / (times[-1] - times[0])}
+        return first_at, pace(times)
 
     first_token_at, _ = decode()  # warm, as meshd-rank is once ready
     if rank == 0:
