@@ -167,6 +167,20 @@ def run_dir(cfg: MeshConfig) -> Path:
     return demo.run_dir(demo.home()) if cfg.path and demo.is_demo(cfg.path) else cfg.state_dir / "run"
 
 
+def start_controller(cfg: MeshConfig, ctl: Control) -> None:
+    """The mesh's controller as a daemon (the demo's with its agents), once it answers."""
+    run = run_dir(cfg)
+    if cfg.path and demo.is_demo(cfg.path):
+        say(f"demo: starting {demo.WORLD} agents and the controller on 127.0.0.1 (logs in {run})")
+        demo.start_daemons(demo.home(), cfg.path)
+    else:
+        say(f"starting the controller for {cfg.name} (log in {run / 'controller.log'})")
+        daemons.start(daemons.python_module("meshd.daemon", "--config", str(cfg.path)), run / "controller.pid",
+                      run / "controller.log")
+    if not daemons.wait_until(ctl.alive, 60):
+        raise CliError(f"the controller did not come up; see {run / 'controller.log'}")
+
+
 def start_proxy(cfg: MeshConfig) -> None:
     """meshd-proxy beside the controller, unless something (a service's, say) already answers there."""
     if daemons.http_status(f"{cfg.proxy.url}/health") is not None:
@@ -183,17 +197,8 @@ def cmd_up(args) -> int:
                             poison_after=args.poison_after, migration_limit=args.migration_limit)
     cfg = resolve_config(args.config, for_up=True, opts=opts)
     ctl = Control(cfg)
-    run = run_dir(cfg)
     if not ctl.alive():
-        if cfg.path and demo.is_demo(cfg.path):
-            say(f"demo: starting {demo.WORLD} agents and the controller on 127.0.0.1 (logs in {run})")
-            demo.start_daemons(demo.home(), cfg.path)
-        else:
-            say(f"starting the controller for {cfg.name} (log in {run / 'controller.log'})")
-            daemons.start(daemons.python_module("meshd.daemon", "--config", str(cfg.path)), run / "controller.pid",
-                          run / "controller.log")
-        if not daemons.wait_until(ctl.alive, 60):
-            raise CliError(f"the controller did not come up; see {run / 'controller.log'}")
+        start_controller(cfg, ctl)
     if not args.skip_preflight and ctl.call("GET", "/v1/status")["phase"] in ("stopped", "failed"):
         checks = preflight(cfg)
         failed = [c for c in checks if not c.ok]
@@ -210,7 +215,7 @@ def cmd_up(args) -> int:
         return 1
     if not daemons.wait_until(lambda: daemons.answers(f"{cfg.proxy.url}/health"), 60, 0.2):
         raise CliError(f"the mesh serves but meshd-proxy does not answer on {cfg.proxy.listen}; see "
-                       f"{run / 'proxy.log'}")
+                       f"{run_dir(cfg) / 'proxy.log'}")
     proxy = status["urls"]["proxy"]
     say(f"\nready: generation {status['generation']} on {len(status['nodes'])} ranks")
     say(f"OpenAI URL: {proxy}")
@@ -224,6 +229,10 @@ def cmd_down(args) -> int:
     cfg = resolve_config(args.config)
     ctl = Control(cfg)
     demo_mesh = cfg.path is not None and demo.is_demo(cfg.path)
+    if not ctl.alive() and not demo_mesh:
+        # Its ranks may still run (the controller died, or was stopped, under a generation): the controller
+        # adopts them as it starts, and stops them below.
+        start_controller(cfg, ctl)
     if ctl.alive():
         say("draining" if not args.force else "stopping (force)")
         ctl.call("POST", "/v1/down", {"force": args.force})

@@ -259,6 +259,19 @@ def test_a_proxy_started_while_the_controller_is_away_serves_the_generation_it_r
         assert "the controller's store" in log.read_text()
 
 
+def test_down_while_the_controller_is_away_starts_it_and_stops_the_ranks(mesh):
+    """A controller that died under a generation leaves its ranks serving; `meshctl down` stops them all the
+    same: it starts the controller, which adopts them, and takes the mesh down."""
+    path, _ = mesh
+    ranks = [psutil.Process(n["rank"]["pid"]) for n in status(path)["nodes"]]
+    kill(pid(path, "controller"))
+    down = meshctl(path, "down")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "starting the controller" in down.stdout and "the mesh is stopped" in down.stdout, down.stdout
+    gone, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive, f"ranks left running after down: {alive}"
+
+
 def test_under_systemd_socket_activation_the_first_connection_starts_the_proxy_and_is_served(mesh, tmp_path):
     path, _ = mesh
     other, port = beside(path)
