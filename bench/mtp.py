@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import requests
-from benchkit import ROOT, report
+from benchkit import ROOT, pace, report
 
 from kit.demo_answers import endless
 from kit.ranks import start_mesh
@@ -41,7 +41,7 @@ def mtp_spec(hidden: int, layers: int, train_steps: int) -> DemoModelSpec:
 
 
 def decode(url: str, model: Path, tokens: int, k: int) -> dict:
-    """One greedy streamed answer: decode tokens/s after the first token, and the time to it."""
+    """One greedy streamed answer: its decode pace after the first token, and the time to it."""
     t0 = time.perf_counter()
     times = []
     r = requests.post(f"{url}/v1/chat/completions", stream=True, timeout=600,
@@ -52,8 +52,7 @@ def decode(url: str, model: Path, tokens: int, k: int) -> dict:
         if line.startswith("data: ") and '"content"' in line:
             times.append(time.perf_counter())
             text.append(json.loads(line[6:])["choices"][0]["delta"].get("content", ""))
-    return {"tokens": len(times), "ttft_s": times[0] - t0, "tok_s": (len(times) - 1) / (times[-1] - times[0]),
-            "text": "".join(text)}
+    return {"ttft_s": times[0] - t0, **pace(times), "text": "".join(text)}
 
 
 def main() -> None:
