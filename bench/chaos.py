@@ -214,11 +214,12 @@ class Chaos:
         return seen, replaced
 
     def schedule(self, duration: float) -> list[tuple[float, str]]:
-        """Seeded fault times; every kind at least once, then at random."""
+        """Seeded fault times; every kind once (past `duration` when it is too short for them all), then
+        at random."""
         kinds = list(FAULTS)
         self.rng.shuffle(kinds)
         times, t = [], 0.0
-        while t < duration:
+        while t < duration or len(times) < len(kinds):
             t += self.rng.uniform(*self.gap)
             times.append(t)
         extra = [self.rng.choice(FAULTS) for _ in range(max(0, len(times) - len(kinds)))]
