@@ -28,10 +28,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from agents.config import DEFAULT_ENV_ALLOWLIST, DEFAULT_PROFILES
+from common.states import Phase
 from common.tomlcheck import ConfigError
 from meshd import daemons, demo, service
 from meshd.config import MeshConfig, hostfile_for, load
 from meshd.progress import Display
+from meshd.store import read_value
 
 # The commands that reach nodes over SSH or the agents' HTTP API import their
 # modules when they run: paramiko, aiohttp and structlog would cost every
@@ -225,11 +227,24 @@ def cmd_up(args) -> int:
     return 0
 
 
+def may_have_ranks(cfg: MeshConfig) -> bool:
+    """Whether ranks of this mesh may run while no controller does: the store's last record of the fleet is
+    not `stopped`, or the store is there but cannot be read here (another user's)."""
+    fleet = read_value(cfg.store_path, "fleet")
+    if fleet is None:
+        return cfg.store_path.exists() and not os.access(cfg.store_path, os.R_OK)
+    return fleet.get("phase") != Phase.STOPPED
+
+
 def cmd_down(args) -> int:
     cfg = resolve_config(args.config)
     ctl = Control(cfg)
     demo_mesh = cfg.path is not None and demo.is_demo(cfg.path)
     if not ctl.alive() and not demo_mesh:
+        if not may_have_ranks(cfg):
+            say(f"no controller runs for {cfg.name} and its store ({cfg.store_path}) records no generation "
+                "left running: nothing to stop")
+            return 0
         # Its ranks may still run (the controller died, or was stopped, under a generation): the controller
         # adopts them as it starts, and stops them below.
         start_controller(cfg, ctl)

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from kit.agents import make_agents
@@ -18,8 +19,10 @@ from kit.configs import write_mesh
 from kit.meshctl import another_controller, meshctl, stop_controller
 from kit.waiting import wait_for
 from meshd import daemons
-from meshd.cli import CliError, log_generation
+from meshd.cli import CliError, log_generation, may_have_ranks
+from meshd.config import load
 from meshd.progress import frame
+from meshd.store import Store
 
 MESHCTL = [sys.executable, "-m", "meshd.cli"]
 
@@ -169,3 +172,23 @@ def test_bash_completes_commands_options_choices_and_node_names(tmp_path):
 ], ids=["loading bars", "a recovery as it happens", "served again"])
 def test_the_live_frame(status, shown):
     assert frame(status, now=102.0) == shown
+
+
+@pytest.mark.parametrize("fleet, may", [(None, False), ({"phase": "stopped", "generation": 3}, False),
+                                        ({"phase": "ready", "generation": 3}, True),
+                                        ({"phase": "starting", "generation": 1}, True)])
+def test_ranks_may_run_without_a_controller_unless_the_store_says_the_fleet_stopped(tmp_path, demo_model, fleet,
+                                                                                     may):
+    cfg = load(write_mesh(tmp_path, make_agents(tmp_path, 1), demo_model))
+    store = Store(cfg.store_path)  # a controller that started and recorded nothing yet, or this fleet record
+    if fleet is not None:
+        store.put("fleet", fleet)
+    assert may_have_ranks(cfg) is may
+
+
+def test_down_on_a_mesh_that_never_ran_starts_no_controller(tmp_path, demo_model):
+    mesh = write_mesh(tmp_path, make_agents(tmp_path, 2), demo_model)
+    down = run("down", "--config", str(mesh))
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert "nothing to stop" in down.stdout and "starting the controller" not in down.stdout, down.stdout
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(mesh) in " ".join(p.info["cmdline"] or [])]
