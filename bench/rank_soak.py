@@ -10,8 +10,10 @@ cause can be found and the fix shown.
 
 Each round asks every mesh, in alternating order, one answer alone (the solo
 path) and two at once (the batch), and reads rank 0's memory from its status
-file. The summary compares each mesh's median step in the first and the last
-quarter of its rounds.
+file and the CPU time each of its threads spent in the round (a thread that
+spins, or more threads every round, is the first suspect: rank 0 was seen busy
+on its CPU while it waited for the next step). The summary compares each mesh's
+median step in the first and the last quarter of its rounds.
 
     python bench/rank_soak.py --out DIR [--backend nccl] [--rounds 20]
         [--mesh NAME[:VAR=VALUE,...] ...]   (default: one mesh, "default", as shipped)
@@ -23,7 +25,9 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
+import psutil
 from benchkit import add_gpu_run_args, build_llama_shape, say
 from gpu_tp import decode, paired
 from kit.ranks import start_mesh
@@ -48,6 +52,24 @@ def drift(steps: list[float]) -> dict:
     return {"first_quarter_step_ms": first, "last_quarter_step_ms": last, "last_vs_first": last / first}
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far of each thread of `pid`, by "name/tid" (the name the OS knows it by)."""
+    out = {}
+    for t in psutil.Process(pid).threads():
+        try:
+            name = Path(f"/proc/{pid}/task/{t.id}/comm").read_text().strip()
+        except OSError:
+            name = "?"
+        out[f"{name}/{t.id}"] = t.user_time + t.system_time
+    return out
+
+
+def busiest(before: dict[str, float], after: dict[str, float], n: int = 4) -> dict[str, float]:
+    """The `n` threads that spent the most CPU between two readings of thread_cpu, in seconds."""
+    spent = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return {k: round(v, 3) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])[:n]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_gpu_run_args(ap)
@@ -68,6 +90,7 @@ def main() -> None:
         for name, mesh in meshes.items():
             mesh.wait_ready(900)
         say("ready: " + ", ".join(meshes))
+        cpu = {name: thread_cpu(mesh.procs[0].pid) for name, mesh in meshes.items()}
         for n in range(1, args.rounds + 1):
             row = {}
             for name in list(meshes) if n % 2 else list(meshes)[::-1]:
@@ -75,10 +98,12 @@ def main() -> None:
                 solo = decode(url, model, args.tokens)
                 pair = paired(url, url, model, args.tokens, {})
                 status = meshes[name].status(0) or {}
+                before, cpu[name] = cpu[name], thread_cpu(meshes[name].procs[0].pid)
                 row[name] = {"solo_step_ms": solo["step_ms_median"], "solo_tok_s": solo["tok_s"],
                              "ttft_s": solo["ttft_s"], "paired_tok_s": pair.get("tok_s"),
                              "active_gb": status.get("mlx_active_bytes", 0) / 1e9,
-                             "cache_gb": status.get("mlx_cache_bytes", 0) / 1e9}
+                             "cache_gb": status.get("mlx_cache_bytes", 0) / 1e9,
+                             "rank0_threads": len(cpu[name]), "rank0_busiest_threads_s": busiest(before, cpu[name])}
             result["rounds"].append(row)
             say(f"round {n}: " + "; ".join(f"{k} step {v['solo_step_ms']:.1f} ms, {v['solo_tok_s']:.1f} tok/s alone, "
                                            f"{v['paired_tok_s'] or 0:.1f} paired" for k, v in row.items()))
