@@ -110,24 +110,28 @@ def test_a_full_queue_is_429_and_the_fifo_serves_the_rest(guarded_mesh, demo_mod
     proxy, _ = guarded_mesh
     results = {}
 
-    def send(name, tokens):
-        r = requests.post(f"{proxy}/chat/completions", headers=KEY, timeout=120,
-                          json={"messages": [{"role": "user", "content": name}], "max_tokens": tokens,
-                                "temperature": 1.0, "seed": 1, **endless(demo_model)})
-        results[name] = r
+    def send(name, tokens, **kw):
+        results[name] = requests.post(
+            f"{proxy}/chat/completions", headers=KEY, timeout=120, **kw,
+            json={"messages": [{"role": "user", "content": name}], "max_tokens": tokens, "temperature": 1.0,
+                  "seed": 1, **endless(demo_model), "stream": "stream" in kw})
+        return results[name]
 
-    first = threading.Thread(target=send, args=("first", 1500))
-    first.start()
-    time.sleep(0.3)
+    # The first holds the one slot until its client goes away: a long answer, not read past its first event.
+    first = send("first", 6000, stream=True)
+    assert first.status_code == 200
+    lines = first.iter_lines()  # kept: a dropped iterator closes the connection
+    while not next(lines).startswith(b"data: "):
+        pass
     second = threading.Thread(target=send, args=("second", 2))
     second.start()
     time.sleep(0.3)
     send("third", 2)
-    first.join()
+    first.close()
     second.join()
     assert results["third"].status_code == 429 and results["third"].headers["Retry-After"]
     validate(results["third"].json(), "ErrorResponse")
-    assert results["first"].status_code == 200 and results["second"].status_code == 200
+    assert results["second"].status_code == 200, results["second"].text
 
 
 def test_keepalive_comments_flow_while_a_long_prefill_runs(guarded_mesh):
