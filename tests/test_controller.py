@@ -137,7 +137,7 @@ def test_a_full_queue_is_429_and_the_fifo_serves_the_rest(guarded_mesh, demo_mod
 def test_keepalive_comments_flow_while_a_long_prefill_runs(guarded_mesh):
     proxy, _ = guarded_mesh
     r = requests.post(f"{proxy}/completions", headers=KEY, stream=True, timeout=120,
-                      json={"prompt": "The ranks step in lockstep. " * 1000, "max_tokens": 2, "stream": True})
+                      json={"prompt": "The ranks step in lockstep. " * 600, "max_tokens": 2, "stream": True})
     lines = list(r.iter_lines(decode_unicode=True))
     data_at = next(i for i, line in enumerate(lines) if line.startswith("data: "))
     assert any(line.startswith(": keep-alive") for line in lines[:data_at]), lines[:5]
