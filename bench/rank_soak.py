@@ -12,7 +12,9 @@ Each round asks every mesh, in alternating order, one answer alone (the solo
 path) and two at once (the batch), and reads rank 0's memory from its status
 file and the CPU time each of its threads spent in the round (a thread that
 spins, or more threads every round, is the first suspect: rank 0 was seen busy
-on its CPU while it waited for the next step). The summary compares each mesh's
+on its CPU while it waited for the next step). At the end, with py-spy
+installed, each rank's stacks go to OUT/work/MESH/stacks-rankN.txt, which name the
+thread ids. The summary compares each mesh's
 median step in the first and the last quarter of its rounds.
 
     python bench/rank_soak.py --out DIR [--backend nccl] [--rounds 20]
@@ -23,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -46,10 +50,12 @@ def mesh_spec(text: str) -> tuple[str, dict]:
 
 
 def drift(steps: list[float]) -> dict:
-    """The median step of the first and the last quarter of the rounds, and last / first."""
+    """The median step of the first and the last quarter of the rounds, and last / first (None when the
+    first is 0: tokens that reached the client in bursts have no step to compare)."""
     q = max(1, len(steps) // 4)
     first, last = statistics.median(steps[:q]), statistics.median(steps[-q:])
-    return {"first_quarter_step_ms": first, "last_quarter_step_ms": last, "last_vs_first": last / first}
+    return {"first_quarter_step_ms": first, "last_quarter_step_ms": last,
+            "last_vs_first": last / first if first else None}
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -62,6 +68,17 @@ def thread_cpu(pid: int) -> dict[str, float]:
             name = "?"
         out[f"{name}/{t.id}"] = t.user_time + t.system_time
     return out
+
+
+def dump_stacks(mesh, out: Path) -> None:
+    """Every rank's threads as py-spy sees them (Python names, native ids and native frames), when
+    py-spy is installed: what maps the busiest thread ids of the rounds to code."""
+    if shutil.which("py-spy") is None:
+        return
+    for rank, proc in enumerate(mesh.procs):
+        dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(proc.pid)], capture_output=True,
+                              text=True, timeout=120)
+        (out / f"stacks-rank{rank}.txt").write_text(dump.stdout + dump.stderr)
 
 
 def busiest(before: dict[str, float], after: dict[str, float], n: int = 4) -> dict[str, float]:
@@ -108,6 +125,8 @@ def main() -> None:
             say(f"round {n}: " + "; ".join(f"{k} step {v['solo_step_ms']:.1f} ms, {v['solo_tok_s']:.1f} tok/s alone, "
                                            f"{v['paired_tok_s'] or 0:.1f} paired" for k, v in row.items()))
             (args.out / "rank_soak.json").write_text(json.dumps(result, indent=2))
+        for name, mesh in meshes.items():
+            dump_stacks(mesh, work / name)
     finally:
         for mesh in meshes.values():
             mesh.kill()
