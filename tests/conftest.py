@@ -14,6 +14,12 @@ SLOW_FIRST = ["test_chaos.py", "test_mtp.py", "test_agents_install.py", "test_do
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
+    # Under pytest 9.2 schemathesis gives every API operation's item its test's node id, and xdist keeps one
+    # item per node id: without the operation in the id the suite fuzzed one operation of each API only.
+    for item in items:
+        label = getattr(item, "operation_label", None)
+        if label and not item.nodeid.endswith("]"):
+            item._id = item._id.with_params(label)
 
 
 @pytest.fixture(scope="session")

@@ -93,18 +93,6 @@ def test_the_proxy_answers_bad_input_with_4xx_json(case, fuzz_mesh):
     check(case, case.call(base_url=fuzz_mesh["proxy"], **CALL))
 
 
-@control_schema.parametrize()
-@settings(deadline=None, suppress_health_check=list(HealthCheck))
-def test_the_control_api_answers_bad_input_with_4xx_json(case, fuzz_mesh):
-    headers = {"Authorization": f"Bearer {fuzz_mesh['token']}"}
-    if case.operation.path == "/v1/serving":
-        case.query = {**(case.query or {}), "stream": "0"}  # the streaming form never ends by design
-    if case.operation.path == "/v1/observations" and isinstance(case.body, dict) and type(
-            case.body.get("generation")) is int:
-        case.body = {**case.body, "generation": 0}  # evidence against the serving generation would end it
-    check(case, case.call(base_url=fuzz_mesh["control"], headers=headers, **CALL))
-
-
 @rank_schema.parametrize()
 @settings(deadline=None, suppress_health_check=list(HealthCheck))
 def test_rank0_answers_bad_input_with_4xx_json(case, fuzz_mesh):
@@ -140,6 +128,19 @@ def test_a_generations_secret_opens_no_other_generation(fuzz_mesh):
     for a in fuzz_mesh["agents"]:
         (rank,) = [r for r in a.ranks() if r["generation"] == g]
         assert rank_secret(key, g) not in " ".join(psutil.Process(rank["pid"]).cmdline())  # environment only
+
+
+@control_schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck))
+def test_the_control_api_answers_bad_input_with_4xx_json(case, fuzz_mesh):
+    """After the tests that need rank 0: a well-formed down or restart here ends the generation."""
+    headers = {"Authorization": f"Bearer {fuzz_mesh['token']}"}
+    if case.operation.path == "/v1/serving":
+        case.query = {**(case.query or {}), "stream": "0"}  # the streaming form never ends by design
+    if case.operation.path == "/v1/observations" and isinstance(case.body, dict) and type(
+            case.body.get("generation")) is int:
+        case.body = {**case.body, "generation": 0}  # evidence against the serving generation would end it
+    check(case, case.call(base_url=fuzz_mesh["control"], headers=headers, **CALL))
 
 
 def test_the_mesh_serves_after_the_fuzzing(fuzz_mesh):
