@@ -13,9 +13,9 @@ path) and two at once (the batch), and reads rank 0's memory from its status
 file and the CPU time each of its threads spent in the round (a thread that
 spins, or more threads every round, is the first suspect: rank 0 was seen busy
 on its CPU while it waited for the next step). At the end, with py-spy
-installed, each rank's stacks go to OUT/work/MESH/stacks-rankN.txt, which name the
-thread ids. The summary compares each mesh's
-median step in the first and the last quarter of its rounds.
+installed, each rank's stacks go to OUT/work/MESH/stacks-rankN.txt, which name
+the thread ids. The summary compares each mesh's median step in the first and
+the last quarter of its rounds.
 
     python bench/rank_soak.py --out DIR [--backend nccl] [--rounds 20]
         [--mesh NAME[:VAR=VALUE,...] ...]   (default: one mesh, "default", as shipped)

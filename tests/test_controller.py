@@ -110,11 +110,11 @@ def test_a_full_queue_is_429_and_the_fifo_serves_the_rest(guarded_mesh, demo_mod
     proxy, _ = guarded_mesh
     results = {}
 
-    def send(name, tokens, **kw):
+    def send(name, tokens, stream=False):
         results[name] = requests.post(
-            f"{proxy}/chat/completions", headers=KEY, timeout=120, **kw,
+            f"{proxy}/chat/completions", headers=KEY, timeout=120, stream=stream,
             json={"messages": [{"role": "user", "content": name}], "max_tokens": tokens, "temperature": 1.0,
-                  "seed": 1, **endless(demo_model), "stream": "stream" in kw})
+                  "seed": 1, **endless(demo_model), "stream": stream})
         return results[name]
 
     # The first holds the one slot until its client goes away: a long answer, not read past its first event.
