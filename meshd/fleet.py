@@ -31,7 +31,8 @@ Judgement:
 - Root cause: the incident names the first rank that failed by itself. Evidence
   that a rank merely lost a peer (a closed socket, a blocked collective) and
   happened within `death_window` of the incident (by the agent's clock, so an
-  agent that reconnects late still counts) is listed under it as a
+  agent that reconnects late still counts, even once the next generation has
+  started or served) is listed under it as a
   consequence; a rank that failed by itself within that window takes the
   incident over from a consequence that happened to arrive first.
 - Each incident keeps a timeline: detected, stopped, swept, backoff, started,
@@ -334,10 +335,13 @@ def _fail(state: FleetState, now: float, policy: Policy, ev: RankDied) -> Result
 
 
 def _attribute(state: FleetState, now: float, policy: Policy, ev: RankDied) -> Result:
-    """More evidence about the generation that just died. Within the death window, a rank that
-    failed by itself takes the incident over from one that only lost it; the rest are consequences."""
-    incident = state.incident
-    # Evidence belongs to the incident by when it happened: an agent that reconnects late still blames right.
+    """More evidence about a generation that died. Within the death window, a rank that failed by
+    itself takes the incident over from one that only lost it; the rest are consequences. The
+    incident takes it while its recovery runs and after it closed: an agent that reconnects late
+    delivers its evidence after the next generation has started, or even served."""
+    field = "incident" if state.incident is not None and state.incident.generation == ev.generation else "closing"
+    incident = getattr(state, field)
+    # Evidence belongs to the incident by when it happened, not by when it arrived.
     happened = now if ev.at is None else min(ev.at, now)
     if incident is None or incident.generation != ev.generation or happened - incident.opened_at > policy.death_window:
         return state, []
@@ -345,12 +349,13 @@ def _attribute(state: FleetState, now: float, policy: Policy, ev: RankDied) -> R
         former = f"{incident.node} rank {incident.rank}: {incident.cause}: {incident.detail}"
         incident = replace(incident, cause=ev.cause, node=ev.node, rank=ev.rank, detail=ev.detail, primary=True,
                            consequences=incident.consequences + (former,))
-        state = replace(state, reason=f"{ev.cause} on {ev.node} rank {ev.rank}: {ev.detail}".strip(": "))
+        if field == "incident" and state.phase in (Phase.RECOVERING, Phase.STARTING, Phase.FAILED):
+            state = replace(state, reason=f"{ev.cause} on {ev.node} rank {ev.rank}: {ev.detail}".strip(": "))
     elif ev.describe() not in incident.consequences:
         incident = replace(incident, consequences=incident.consequences + (ev.describe(),))
     else:
         return state, []
-    return replace(state, incident=incident), [IncidentUpdated(incident)]
+    return replace(state, **{field: incident}), [IncidentUpdated(incident)]
 
 
 def _with_step(state: FleetState, name: str) -> Result:
@@ -542,9 +547,7 @@ def _last_start(incident: Incident) -> int:
 def _on_rank_died(state: FleetState, ev: RankDied, now: float, policy: Policy) -> Result:
     if ev.generation == state.generation and state.phase in (Phase.STARTING, Phase.READY):
         return _fail(state, now, policy, ev)
-    if ev.generation != state.generation or state.phase not in (Phase.RECOVERING, Phase.FAILED):
-        return state, []
-    if ev.reboot and state.phase == Phase.RECOVERING:
+    if ev.reboot and ev.generation == state.generation and state.phase == Phase.RECOVERING:
         state = _mark_reboot(state, (ev.node,), policy)
     return _attribute(state, now, policy, ev)
 

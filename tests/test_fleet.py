@@ -335,6 +335,28 @@ def test_a_cause_is_judged_by_when_it_happened_not_when_it_arrived(arrives, happ
     assert (s.incident.node == "n1") is takes_over
 
 
+@pytest.mark.parametrize("meanwhile,open_as", [
+    ([], "incident"),                                                              # still stopping
+    ([(20.5, f.GenerationStopped(1)), (20.5, f.Tick())], "incident"),              # generation 2 starting
+    ([(20.5, f.GenerationStopped(1)), (20.5, f.Tick()), (21, f.MeshReady(2))], "closing"),  # ready again
+])
+def test_a_cause_that_arrives_after_the_restart_began_still_takes_the_incident_over(meanwhile, open_as):
+    lost = f.RankDied("n0", 0, 1, "signature", "ring_peer_lost", consequence=True, at=20)
+    killed = f.RankDied("n1", 1, 1, "exit", "gone (not the agent's child)", at=20.01)
+    s, a = run(ready_at() + [(20, lost)] + meanwhile + [(21.5, killed)])
+    i = getattr(s, open_as)
+    assert (i.node, i.cause, i.generation, i.primary) == ("n1", "exit", 1, True)
+    assert i.consequences == ("n0 rank 0: signature: ring_peer_lost",) and a[-1] == f.IncidentUpdated(i)
+    assert kinds(a).count("StopGeneration") == 1 and s.generation == (1 if not meanwhile else 2)
+
+
+def test_evidence_about_an_older_generation_than_the_incidents_is_dropped():
+    s, _ = run(ready_at() + [death(1, 20), (20.5, f.GenerationStopped(1)), (20.5, f.Tick()),
+                             (21, f.MeshReady(2)), (30, f.RankDied("n0", 0, 2, "signature", "x", consequence=True)),
+                             (30.5, f.RankDied("n0", 0, 1, "exit", "signal 9", at=20.1))])
+    assert (s.incident.generation, s.incident.node, s.incident.consequences) == (2, "n0", ())
+
+
 def test_a_cause_that_arrived_first_is_not_taken_over():
     s, _ = run(ready_at() + [death(1, 20), (20.1, f.RankDied("n0", 0, 1, "exit", "signal 9"))])
     assert (s.incident.node, s.incident.consequences) == ("n1", ("n0 rank 0: exit: signal 9",))
