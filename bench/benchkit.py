@@ -57,7 +57,7 @@ def meshctl(home: Path, *args: str, check: bool = True) -> str:
     """Run meshctl against the demo mesh living in `home` ($MESHD_HOME)."""
     env = {**os.environ, "MESHD_HOME": str(home)}
     env.pop("MESHD_CONFIG", None)
-    r = subprocess.run([sys.executable, "-m", "meshd.cli", *args], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", *args], env=env, capture_output=True, text=True,
                        timeout=600)
     if check and r.returncode != 0:
         raise SystemExit(f"meshctl {' '.join(args)} failed: {r.stdout}{r.stderr}")

@@ -44,7 +44,7 @@ from pathlib import Path
 import openai
 from benchkit import ROOT, meshctl, parser
 
-from meshd import daemons, demo
+from meshd.meshctl import background, demo
 
 FAULTS = ("rank-sigkill", "rank-sigstop", "rank-exit0", "rank-jaccl", "agent-sigkill", "controller-sigkill",
           "proxy-restart")
@@ -253,7 +253,7 @@ class Chaos:
         meshctl(self.home, "down")
         time.sleep(1)
 
-        left = daemons.pids_below(self.home)
+        left = background.pids_below(self.home)
         return {"duration": time.time() - start, "faults": dict(self.tally.faults),
                 "detected": dict(self.tally.detected), "replaced": dict(self.tally.replaced),
                 "outcomes": dict(self.tally.outcomes), "examples": self.tally.examples,

@@ -42,7 +42,7 @@ from kit.demo_answers import endless
 from kit.meshctl import stop_controller
 from kit.waiting import wait_for
 from meshd.seam import rank_secret
-from meshd.ports import free_ports
+from meshd.meshctl.ports import free_ports
 
 
 def status(mesh: Path) -> dict:
@@ -290,7 +290,7 @@ def main() -> None:
             runtime = {k: v for k, v in conf["runtime"].items() if k != "args"} | {"profile": "mlx-lm-server"}
             write_toml(stock, conf | {"runtime": runtime, "recovery": conf["recovery"] | {"max_failures": 1}})
             t0 = time.time()
-            up = subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(stock), "up", "--timeout", "240"],
+            up = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "--config", str(stock), "up", "--timeout", "240"],
                                 capture_output=True, text=True, timeout=300, check=False)
             result["stock"] = {"up_exit": up.returncode, "seconds": time.time() - t0, "said": up.stdout[-1500:],
                                "incidents": json.loads(meshctl_for(stock, "events", "--json"))["incidents"][:2]}

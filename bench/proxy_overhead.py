@@ -40,7 +40,7 @@ from kit.configs import write_mesh
 from kit.meshctl import stop_controller
 from kit.waiting import wait_for
 from meshd import config as mesh_config
-from meshd.ports import free_ports
+from meshd.meshctl.ports import free_ports
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 SENT_AT = re.compile(rb'"content": "t\d+ ([0-9.]+) ')

@@ -23,7 +23,7 @@ import requests
 from benchkit import ROOT, report
 
 from kit.waiting import wait_for
-from meshd.ports import free_ports
+from meshd.meshctl.ports import free_ports
 from runtime.demo_model import DemoModelSpec, build_demo_model  # noqa: E402
 
 

@@ -3,7 +3,7 @@ controller): a read-only view of the fleet plus one call back. The proxy knows
 the fleet only through this. The controller implements it; the control API
 carries it across the process boundary (GET /v1/serving streams `Serving` as
 `wire()` dicts, POST /v1/observations takes an `Observation`'s), and
-meshd/fleetlink.py implements it again on the proxy's side.
+meshd/dataplane/fleetlink.py implements it again on the proxy's side.
 """
 
 from __future__ import annotations

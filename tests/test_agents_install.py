@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from kit.sshd import start_fleet
-from meshd.ports import free_ports
+from meshd.meshctl.ports import free_ports
 
 
 def test_agents_install_leaves_a_running_agent_that_answers(tmp_path):
@@ -38,7 +38,7 @@ def test_agents_install_leaves_a_running_agent_that_answers(tmp_path):
     services.mkdir()
     pidfile = node.state / "launchd-com.meshd.agent.pid"
     try:
-        r = subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), "agents", "install", "node0",
+        r = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "--config", str(mesh), "agents", "install", "node0",
                             "--system-site-packages", "--service-dir", str(services)],
                            capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -68,7 +68,7 @@ def test_agents_install_leaves_a_running_agent_that_answers(tmp_path):
         with pytest.raises(requests.ConnectionError):  # plain HTTP: the TLS listener drops it
             requests.get(f"http://127.0.0.1:{port}/v1/node", headers=headers, timeout=10)
 
-        again = subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), "agents", "install",
+        again = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "--config", str(mesh), "agents", "install",
                                 "node0", "--system-site-packages", "--service-dir", str(services)],
                                capture_output=True, text=True, timeout=900)
         assert again.returncode == 0, again.stdout + again.stderr  # re-install replaces the running service

@@ -18,13 +18,13 @@ from kit.agents import make_agents
 from kit.configs import write_mesh
 from kit.meshctl import another_controller, meshctl, stop_controller
 from kit.waiting import wait_for
-from meshd import daemons
-from meshd.cli import CliError, log_generation, may_have_ranks
+from meshd.meshctl import background
+from meshd.meshctl.cli import CliError, log_generation, may_have_ranks
 from meshd.config import load
-from meshd.progress import frame
+from meshd.meshctl.progress import frame
 from meshd.store import Store
 
-MESHCTL = [sys.executable, "-m", "meshd.cli"]
+MESHCTL = [sys.executable, "-m", "meshd.meshctl.cli"]
 
 
 def run(*args, cwd=None, env=None):
@@ -97,7 +97,7 @@ def test_up_on_a_control_address_another_meshs_controller_holds_says_so(tmp_path
         r = meshctl(mesh, "up")
     assert r.returncode == 1 and "another mesh's controller holds that address" in r.stderr, r.stderr
     assert "[control] listen" in r.stderr
-    assert daemons.pids_below(tmp_path) == []  # nothing started for a controller that is not this mesh's
+    assert background.pids_below(tmp_path) == []  # nothing started for a controller that is not this mesh's
 
 
 INCIDENTS = [{"generation": 7, "opened_at": 1000.0, "cause": "exit", "node": "node2", "rank": 2},
@@ -126,7 +126,7 @@ def complete(script: Path, line: str, cwd: Path) -> list[str]:
     words = line.split(" ")
     shim = cwd / "bin"
     shim.mkdir(exist_ok=True)
-    (shim / "meshctl").write_text(f"#!/bin/sh\nexec {sys.executable} -m meshd.cli \"$@\"\n")
+    (shim / "meshctl").write_text(f"#!/bin/sh\nexec {sys.executable} -m meshd.meshctl.cli \"$@\"\n")
     (shim / "meshctl").chmod(0o755)
     program = (f"source {script}\nCOMP_WORDS=({' '.join(repr(w) for w in words)})\nCOMP_CWORD={len(words) - 1}\n"
                "_meshctl\nprintf '%s\\n' \"${COMPREPLY[@]}\"\n")

@@ -17,7 +17,7 @@ from kit.demo_answers import endless
 from kit.meshctl import meshctl, stop_controller
 from kit.openai import sse_events, validate
 from kit.waiting import wait_for
-from meshd.fleet import Incident
+from meshd.control.fleet import Incident
 from meshd.store import Store
 
 

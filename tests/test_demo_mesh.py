@@ -19,7 +19,7 @@ from kit.demo_answers import endless
 from kit.meshctl import Demo, demo_home, demo_meshctl
 from kit.openai import sse_events, validate
 from kit.waiting import wait_for
-from meshd import daemons
+from meshd.meshctl import background
 
 STALL = 6.0
 
@@ -176,12 +176,12 @@ def test_adoption_waits_for_an_agent_that_is_late_and_a_reset_agent_log_is_read_
         psutil.Process(pid).wait(10) if psutil.pid_exists(pid) else None
 
     def start(name, module, config):
-        daemons.start(daemons.python_module(module, "--config", str(config)), run / f"{name}.pid", run / f"{name}.log")
+        background.start(background.python_module(module, "--config", str(config)), run / f"{name}.pid", run / f"{name}.log")
 
     # The controller comes back while node1's agent is still down: it waits, and adopts once the agent answers.
     kill("controller")
     kill("agent-node1")
-    start("controller", "meshd.daemon", demo.home / "demo" / "mesh.toml")
+    start("controller", "meshd.control.controllerd", demo.home / "demo" / "mesh.toml")
     time.sleep(2)  # the agent is late on purpose: longer than a first look, shorter than adopt_wait
     start("agent-node1", "agents.server", agent1 / "agent.toml")
     wait_for(lambda: demo_meshctl(demo.home, "status", "--json", check=False).returncode == 0, 60, "the controller")
@@ -204,7 +204,7 @@ def test_adoption_waits_for_an_agent_that_is_late_and_a_reset_agent_log_is_read_
 def test_restart_drains_into_the_next_generation_without_an_incident_and_logs_f_follows_it(demo):
     s = demo.wait_ready()
     incidents = len(demo.incidents())
-    follow = subprocess.Popen([sys.executable, "-m", "meshd.cli", "logs", "node1", "-g", str(s["generation"]), "-f"],
+    follow = subprocess.Popen([sys.executable, "-m", "meshd.meshctl.cli", "logs", "node1", "-g", str(s["generation"]), "-f"],
                               env={**{k: v for k, v in os.environ.items() if k != "MESHD_CONFIG"},
                                    "MESHD_HOME": str(demo.home)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
@@ -263,7 +263,7 @@ def test_down_drains_and_leaves_no_process(tmp_path_factory, demo_model):
 def test_status_watch_redraws_live_on_a_terminal_while_restart_waits_for_the_next_generation(demo):
     s = demo.wait_ready()
     master, slave = os.openpty()
-    watch = subprocess.Popen([sys.executable, "-m", "meshd.cli", "status", "--watch"], stdin=slave, stdout=slave,
+    watch = subprocess.Popen([sys.executable, "-m", "meshd.meshctl.cli", "status", "--watch"], stdin=slave, stdout=slave,
                              stderr=slave, env={**{k: v for k, v in os.environ.items() if k != "MESHD_CONFIG"},
                                                 "MESHD_HOME": str(demo.home)})
     os.close(slave)

@@ -15,7 +15,7 @@ from kit.agents import make_agents
 from kit.configs import write_mesh
 from kit.meshctl import meshctl, stop_controller
 from kit.sshd import STANDINS, start_fleet
-from meshd import doctor
+from meshd.nodes import doctor
 from meshd.config import Runtime, parse
 
 GiB = 2**30

@@ -7,10 +7,10 @@ import pytest
 from agents.stall import blocked_on_peer
 from common.protocol import RankExited, RankSignature, RankStalled, RankStateChanged, RebootRequired
 from common.states import RankState
-from meshd import fleet
+from meshd.control import fleet
 from meshd.config import Proxy as ProxyConfig
-from meshd.evidence import launch_refused, meaning_of, observed
-from meshd.proxy import stall_window
+from meshd.control.evidence import launch_refused, meaning_of, observed
+from meshd.dataplane.proxy import stall_window
 from meshd.seam import Observation
 
 AT = dict(node="n1", generation=3, rank=1, at=100.0)

@@ -3,7 +3,7 @@
 import pytest
 
 from common.states import RankState
-from meshd import fleet as f
+from meshd.control import fleet as f
 
 NODES = ("n0", "n1")
 P = f.Policy(nodes=NODES, ladder=("restart",), backoff_base=1.0, backoff_max=8.0, max_failures=3, window=100.0,

@@ -28,10 +28,10 @@ from kit.agents import make_agents
 from kit.configs import write_mesh
 from kit.meshctl import meshctl, stop_controller
 from meshd import config as mesh_config
-from meshd.controller import Controller
-from meshd.daemon import control_app
+from meshd.control.controller import Controller
+from meshd.control.controllerd import control_app
 from meshd.metrics import Metrics, ProxyMetrics
-from meshd.proxy import Proxy
+from meshd.dataplane.proxy import Proxy
 from meshd.seam import rank_secret
 from meshd.store import Store
 from runtime.openai_api import Limits

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from common.tomlcheck import write_toml
-from meshd import demo
+from meshd.meshctl import demo
 from meshd.config import ConfigError, gpu_of, hostfile_for, load, parse
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,18 +83,18 @@ def test_a_proxy_is_open_off_loopback_only_when_the_config_says_so(proxy, tmp_pa
 def test_meshctl_config_check(tmp_path):
     good = tmp_path / "mesh.toml"
     good.write_text('[[nodes]]\nname = "a"\nagent = "https://h:7701"\ntoken_file = "t"\n[runtime]\nmodel = "/m"\n')
-    r = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "check", str(good)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "config", "check", str(good)], capture_output=True,
                        text=True)
     assert r.returncode == 0 and "ok (ring mesh 'mesh', 1 nodes" in r.stdout and "warning: nodes.a.token_file" in r.stdout
     bad = tmp_path / "bad.toml"
     bad.write_text("[runtime]\nmodel = 3\n")
-    r = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "check", str(bad)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "config", "check", str(bad)], capture_output=True,
                        text=True)
     assert r.returncode == 1 and "nodes: at least one" in r.stderr
     refused = tmp_path / "refused.toml"
     refused.write_text(good.read_text().replace('model = "/m"', 'model = "/m"\nargs = {max_tokns = 9}\n'
                                                                  'env = {LD_PRELOAD = "x"}'))
-    r = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "check", str(refused)], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "config", "check", str(refused)], capture_output=True,
                        text=True)
     assert "warning: runtime.args.max_tokns: not a parameter of the meshd-rank profile" in r.stdout
     assert "warning: runtime.env.LD_PRELOAD: not in the default env_allowlist" in r.stdout
@@ -150,16 +150,16 @@ def test_config_check_lists_every_mistake_and_says_it_as_json(tmp_path):
     bad = tmp_path / "mesh.toml"
     bad.write_text('nodez = 1\n[[nodes]]\nname = "a"\nagent = "https://h:7701"\ntoken_file = "t"\n'
                    '[runtime]\nmodel = "/m"\nport = 0\n[proxy]\nconcurrency = 0\n')
-    r = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "check", str(bad)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "config", "check", str(bad)], capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.startswith("meshctl: 3 mistakes in the config:\n"), r.stderr
-    r = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "check", str(bad), "--json"],
+    r = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "config", "check", str(bad), "--json"],
                        capture_output=True, text=True)
     report = json.loads(r.stdout)
     assert r.returncode == 1 and not report["ok"] and len(report["problems"]) == 3
 
 
 def test_the_json_schema_takes_the_configs_meshd_takes_and_refuses_the_mistakes(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "meshd.cli", "config", "schema"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "config", "schema"], capture_output=True, text=True)
     schema = json.loads(r.stdout)
     jsonschema.Draft202012Validator.check_schema(schema)
     validator = jsonschema.Draft202012Validator(schema)

@@ -18,7 +18,7 @@ from kit.configs import write_mesh
 from kit.hfcache import plant
 from kit.meshctl import meshctl, stop_controller
 from kit.sshd import start_fleet
-from meshd.modelpull import Entry, wanted
+from meshd.meshctl.modelpull import Entry, wanted
 
 REPO = "test-org/tiny-demo"
 

@@ -16,7 +16,7 @@ import requests
 
 from kit.meshctl import Demo, demo_home, demo_meshctl
 from kit.waiting import wait_for
-from meshd.ports import free_ports
+from meshd.meshctl.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -13,10 +13,10 @@ import pytest
 from common.hostfile import validate
 from kit.meshctl import another_controller, meshctl
 from kit.sshd import keygen, start_fleet
-from meshd import provision
+from meshd.nodes import provision
 from meshd.config import load
-from meshd.ports import free_ports
-from meshd.ssh import Session, ssh_config
+from meshd.meshctl.ports import free_ports
+from meshd.nodes.ssh import Session, ssh_config
 
 
 def write_mesh(path, fleet, backend="jaccl", known_hosts=None, control=None, **ssh):

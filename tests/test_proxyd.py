@@ -21,8 +21,8 @@ from common.states import Phase
 from kit.demo_answers import endless
 from kit.meshctl import mesh_up, meshctl
 from kit.waiting import wait_for
-from meshd.fleetlink import NOT_YET, local_view
-from meshd.ports import free_ports
+from meshd.dataplane.fleetlink import NOT_YET, local_view
+from meshd.meshctl.ports import free_ports
 from meshd.seam import Observation, Serving
 
 READY = Serving(Phase.READY, 4, "", "http://127.0.0.1:9", "s")
@@ -253,7 +253,7 @@ def test_a_proxy_started_while_the_controller_is_away_serves_the_generation_it_r
     other, port = beside(path)
     kill(pid(path, "controller"))
     log = tmp_path / "cold.log"
-    with running([sys.executable, "-m", "meshd.proxyd", "--config", other, "--log-file", str(log)]):
+    with running([sys.executable, "-m", "meshd.dataplane.proxyd", "--config", other, "--log-file", str(log)]):
         wait_for(lambda: log.exists() and "meshd-proxy serving" in log.read_text(), 60, "the proxy to serve")
         say_hi(port)
         assert "the controller's store" in log.read_text()
@@ -277,7 +277,7 @@ def test_under_systemd_socket_activation_the_first_connection_starts_the_proxy_a
     other, port = beside(path)
     log = tmp_path / "activated.log"
     # systemd-socket-activate listens, and runs the proxy with the listener (LISTEN_FDS) at the first connection.
-    with running(["systemd-socket-activate", "-l", f"127.0.0.1:{port}", sys.executable, "-m", "meshd.proxyd",
+    with running(["systemd-socket-activate", "-l", f"127.0.0.1:{port}", sys.executable, "-m", "meshd.dataplane.proxyd",
                   "--config", other, "--log-file", str(log)]):
         wait_for(lambda: any(c.laddr.port == port for c in psutil.net_connections(kind="tcp") if c.status == "LISTEN"),
                  30, "the activator to listen")

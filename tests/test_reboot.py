@@ -78,7 +78,7 @@ def test_meshctl_reboot_goes_over_ssh_when_the_agent_is_gone(macs, tmp_path, dem
     mesh = write_mesh(tmp_path, agents, demo_model, ssh_of=fleet.ssh_of(agents), ssh=fleet.ssh_settings(tmp_path))
     before = [a.get("/v1/node").json()["boot_id"] for a in agents]
     agents[0].kill()
-    r = subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), "reboot", "node0", "--wait", "60"],
+    r = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "--config", str(mesh), "reboot", "node0", "--wait", "60"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "node0: the agent cannot reboot it" in r.stdout and "rebooting over SSH" in r.stdout
@@ -86,7 +86,7 @@ def test_meshctl_reboot_goes_over_ssh_when_the_agent_is_gone(macs, tmp_path, dem
     assert boot_id(fleet.nodes[0]) != before[0] and boot_id(fleet.nodes[1]) == before[1]
 
     agents[1].get("/v1/node")  # node1's agent answers, and its config allows reboot
-    r = subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), "reboot", "node1", "--wait", "60"],
+    r = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "--config", str(mesh), "reboot", "node1", "--wait", "60"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "node1: reboot requested through the agent" in r.stdout, r.stdout + r.stderr
     assert boot_id(fleet.nodes[1]) != before[1]
@@ -97,7 +97,7 @@ def test_reboot_refused_by_the_agent_and_unreachable_over_ssh_names_both(tmp_pat
     agents[0].start()
     try:
         mesh = write_mesh(tmp_path, agents, demo_model)
-        r = subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(mesh), "reboot", "node0", "--wait",
+        r = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "--config", str(mesh), "reboot", "node0", "--wait",
                             "5"], capture_output=True, text=True, timeout=120)
     finally:
         agents[0].kill()

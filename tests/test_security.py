@@ -22,8 +22,8 @@ from kit.agents import make_agents
 from kit.configs import write_mesh
 from kit.meshctl import meshctl, stop_controller
 from meshd import config as mesh_config
-from meshd.agentclient import AgentClient, AgentError, agent_session
-from meshd.ports import free_ports
+from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
+from meshd.meshctl.ports import free_ports
 
 
 def lan_address() -> str:

@@ -16,8 +16,8 @@ import requests
 from common.logfile import RotatingLog
 from kit.agents import make_agents
 from kit.waiting import wait_for
-from meshd import service
-from meshd.ports import free_ports
+from meshd.meshctl import service
+from meshd.meshctl.ports import free_ports
 
 MESH = '[[nodes]]\nname = "a"\nagent = "http://127.0.0.1:7701"\ntoken_file = "t"\n[runtime]\nmodel = "/m"\n'
 
@@ -47,7 +47,7 @@ def exposure(path) -> float:
                                                    ("proxy", "mesh.toml", "meshd-proxy.service", 3.0),
                                                    ("agent", "agent.toml", "meshd-agent.service", 5.0)])
 def test_rendered_units_pass_systemd_analyze_verify_and_security(configs, kind, config, name, most):
-    out = subprocess.run([sys.executable, "-m", "meshd.cli", "service", "install", kind, str(configs / config),
+    out = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "service", "install", kind, str(configs / config),
                           "--system", "linux", "--dest", str(configs / "out")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert f"sudo systemctl enable --now {name.removesuffix('.service')}" in out.stdout
@@ -68,7 +68,7 @@ def test_rendered_units_pass_systemd_analyze_verify_and_security(configs, kind, 
 
 
 def test_the_proxy_takes_its_listener_from_a_socket_unit_and_reloads_by_handing_it_over(configs):
-    out = subprocess.run([sys.executable, "-m", "meshd.cli", "service", "install", "proxy", str(configs / "mesh.toml"),
+    out = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "service", "install", "proxy", str(configs / "mesh.toml"),
                           "--system", "linux", "--dest", str(configs / "out")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "sudo systemctl enable --now meshd-proxy.socket meshd-proxy" in out.stdout
@@ -81,7 +81,7 @@ def test_the_proxy_takes_its_listener_from_a_socket_unit_and_reloads_by_handing_
                            .encode())
     assert plist["Sockets"]["Listeners"] == {"SockNodeName": "127.0.0.1", "SockServiceName": "8000",
                                              "SockType": "stream"}
-    assert plist["ProgramArguments"][1:3] == ["-m", "meshd.proxyd"] and plist["KeepAlive"] is True
+    assert plist["ProgramArguments"][1:3] == ["-m", "meshd.dataplane.proxyd"] and plist["KeepAlive"] is True
 
 
 def test_plists_load_and_carry_the_launchd_keys(configs):
@@ -100,7 +100,7 @@ def test_plists_load_and_carry_the_launchd_keys(configs):
     assert agent["AbandonProcessGroup"] is True and "AbandonProcessGroup" not in ctl
     assert agent["ProcessType"] == "Interactive"  # launchd throttles the CPU and I/O of jobs without one
     assert agent["ProgramArguments"][4] == str((configs / "agent.toml").resolve())
-    out = subprocess.run([sys.executable, "-m", "meshd.cli", "service", "install", "agent", str(configs / "agent.toml"),
+    out = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "service", "install", "agent", str(configs / "agent.toml"),
                           "--system", "macos", "--dest", str(configs / "out")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "sudo launchctl bootstrap system /Library/LaunchDaemons/com.meshd.agent.plist" in out.stdout
@@ -160,7 +160,7 @@ def test_a_reloaded_proxy_hands_over_and_its_successor_tells_systemd_it_is_the_m
     sock.bind(str(tmp_path / "notify.sock"))
     sock.settimeout(30)
     env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify.sock")}
-    old = subprocess.Popen([sys.executable, "-m", "meshd.proxyd", "--config", str(tmp_path / "mesh.toml")], env=env)
+    old = subprocess.Popen([sys.executable, "-m", "meshd.dataplane.proxyd", "--config", str(tmp_path / "mesh.toml")], env=env)
     successor = None
     try:
         assert sock.recv(4096).decode().startswith(f"MAINPID={old.pid}\nREADY=1\n")

@@ -50,29 +50,29 @@ def test_an_installed_wheel_renders_its_units_and_packs_itself_for_the_nodes(tmp
     work = tmp_path / "work"  # nowhere near the checkout
     work.mkdir()
     (work / "agent.toml").write_text('node = "n"\ntoken_file = "t"\n')
-    out = run_in(python, work, "-m", "meshd.cli", "service", "install", "agent", "agent.toml", "--system", "linux",
+    out = run_in(python, work, "-m", "meshd.meshctl.cli", "service", "install", "agent", "agent.toml", "--system", "linux",
                  "--dest", "out")
     assert out.returncode == 0, out.stdout + out.stderr
     unit = (work / "out" / "meshd-agent.service").read_text()
     docs = next(line for line in unit.splitlines() if line.startswith("Documentation=file://"))
     assert "site-packages/meshd/share/docs" in docs and Path(docs.removeprefix("Documentation=file://")).exists()
     assert f"ExecStart={python} -m agents.server" in unit
-    mac = run_in(python, work, "-m", "meshd.cli", "service", "install", "agent", "agent.toml", "--system", "macos",
+    mac = run_in(python, work, "-m", "meshd.meshctl.cli", "service", "install", "agent", "agent.toml", "--system", "macos",
                  "--dest", "out")
     assert mac.returncode == 0 and (work / "out" / "com.meshd.agent.plist").exists(), mac.stderr
 
-    packed = run_in(python, work, "-c", "import sys; from pathlib import Path; from meshd.install import build_wheel; "
+    packed = run_in(python, work, "-c", "import sys; from pathlib import Path; from meshd.meshctl.install import build_wheel; "
                                         "print(build_wheel(Path(sys.argv[1])))", str(tmp_path / "packed"))
     assert packed.returncode == 0, packed.stderr
     repacked = Path(packed.stdout.strip())
     inside = set(zipfile.ZipFile(repacked).namelist())
-    assert {"meshd/daemon.py", "agents/server.py", "meshd/share/systemd/meshd-agent.service",
-            "meshd/proxyd.py", "meshd/share/systemd/meshd-proxy.socket", "meshd/share/launchd/com.meshd.proxy.plist",
+    assert {"meshd/control/controllerd.py", "agents/server.py", "meshd/share/systemd/meshd-agent.service",
+            "meshd/dataplane/proxyd.py", "meshd/share/systemd/meshd-proxy.socket", "meshd/share/launchd/com.meshd.proxy.plist",
             "meshd-0.1.0.dist-info/RECORD", "meshd-0.1.0.dist-info/entry_points.txt"} <= inside
     assert not any("__pycache__" in n or n.startswith("..") for n in inside)
 
     node = fresh_venv(tmp_path / "node-venv")  # what the node's venv gets
     pip_install(node, repacked)
-    version = run_in(node, work, "-m", "meshd.cli", "--version")
+    version = run_in(node, work, "-m", "meshd.meshctl.cli", "--version")
     assert version.returncode == 0 and version.stdout.startswith("meshctl 0.1.0"), version.stdout + version.stderr
     assert all((node.parent / name).exists() for name in ("meshctl", "meshd-agent", "meshd-proxy"))  # entry points

@@ -1,2 +1,2 @@
 """Test kits, one subject each: waiting, ranks, agents, configs, openai, sshd.
-Ports come from meshd.ports, the demo's own picker."""
+Ports come from meshd.meshctl.ports, the demo's own picker."""

@@ -14,7 +14,7 @@ import requests
 
 from kit.configs import write_agent_config
 from kit.waiting import wait_for
-from meshd.ports import free_ports, free_run
+from meshd.meshctl.ports import free_ports, free_run
 
 
 @dataclass

@@ -7,7 +7,7 @@ import secrets
 from pathlib import Path
 
 from common.tomlcheck import write_toml
-from meshd.ports import free_ports, free_run
+from meshd.meshctl.ports import free_ports, free_run
 
 STANDIN_PROFILES = {
     # Prints what a JACCL rank prints when ibv_post_recv returns ENOMEM, then blocks.

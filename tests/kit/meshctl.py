@@ -18,8 +18,8 @@ from kit.configs import write_mesh
 from kit.waiting import wait_for
 from meshd import config as mesh_config
 from meshd.seam import rank_secret
-from meshd.demo import PREFERRED, WORLD
-from meshd.ports import free_run
+from meshd.meshctl.demo import PREFERRED, WORLD
+from meshd.meshctl.ports import free_run
 
 
 def _env(**extra) -> dict:
@@ -28,7 +28,7 @@ def _env(**extra) -> dict:
 
 
 def meshctl(config, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "meshd.cli", "--config", str(config), *args], env=_env(),
+    return subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "--config", str(config), *args], env=_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -93,7 +93,7 @@ def demo_home(tmp_path_factory, name: str):
 
 
 def demo_meshctl(home, *args, timeout=300, check=True):
-    r = subprocess.run([sys.executable, "-m", "meshd.cli", *args], env=_env(MESHD_HOME=str(home)),
+    r = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", *args], env=_env(MESHD_HOME=str(home)),
                        capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:
         raise AssertionError(f"meshctl {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")

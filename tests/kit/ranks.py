@@ -16,7 +16,7 @@ from pathlib import Path
 import requests
 
 from kit.waiting import wait_for
-from meshd.ports import free_ports
+from meshd.meshctl.ports import free_ports
 
 
 @dataclass

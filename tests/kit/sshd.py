@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from kit.waiting import wait_for
-from meshd.ports import free_ports
+from meshd.meshctl.ports import free_ports
 
 STANDINS = Path(__file__).resolve().parents[1] / "standins"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"

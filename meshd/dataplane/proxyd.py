@@ -1,6 +1,6 @@
 """`meshd-proxy`: the OpenAI endpoint as its own process, beside the controller.
 
-It follows the fleet through the control API (meshd/fleetlink.py), so it keeps
+It follows the fleet through the control API (meshd/dataplane/fleetlink.py), so it keeps
 serving while the controller restarts or is away.
 
 Its listening socket, in order of preference: one handed over by the proxy it
@@ -33,12 +33,12 @@ from common import procs
 from common.http import run_daemon, until_stopped
 from common.tomlcheck import split_listen
 from meshd.config import MeshConfig, load
-from meshd.fleetlink import RemoteFleet, remembered
+from meshd.dataplane.fleetlink import RemoteFleet, remembered
 from meshd.metrics import ProxyMetrics
-from meshd.proxy import Proxy
+from meshd.dataplane.proxy import Proxy
 from meshd.seam import Serving
 
-log = structlog.get_logger("meshd.proxyd")
+log = structlog.get_logger("meshd.dataplane.proxyd")
 
 HANDED_FD = "MESHD_PROXY_FD"  # the listening socket's descriptor, in a successor
 READY_FD = "MESHD_PROXY_READY_FD"  # where a successor writes "ready" once it serves
@@ -192,7 +192,7 @@ def event_loop_factory():
 
 
 async def serve(cfg: MeshConfig, log_file: Path | None, pidfile: Path | None) -> None:
-    await ProxyDaemon(cfg, [sys.executable, "-m", "meshd.proxyd", *sys.argv[1:]], pidfile).run()
+    await ProxyDaemon(cfg, [sys.executable, "-m", "meshd.dataplane.proxyd", *sys.argv[1:]], pidfile).run()
 
 
 def load_checked(path: str) -> MeshConfig:

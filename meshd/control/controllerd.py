@@ -1,6 +1,6 @@
 """`meshd`: the controller daemon. Runs the reconciler and the control API
 (loopback by default; bearer token from a 0600 file in the state directory).
-The OpenAI endpoint is meshd-proxy's (meshd/proxyd.py), which follows the fleet
+The OpenAI endpoint is meshd-proxy's (meshd/dataplane/proxyd.py), which follows the fleet
 through this API. Stopping the controller leaves the mesh serving, and the
 proxy with it: a restarted controller adopts the running generation."""
 
@@ -30,10 +30,10 @@ from common.http import (
 from common.secretfile import derive, ensure_secret
 from common.tls import Pair, ensure_ca, ensure_issued, local_names, server_context
 from common.tomlcheck import ConfigError, listen_host, loopback, split_listen
-from meshd import statuspage
-from meshd.agentclient import AgentError
+from meshd.control import statuspage
+from meshd.nodes.agentclient import AgentError
 from meshd.config import MeshConfig, load
-from meshd.controller import Controller
+from meshd.control.controller import Controller
 from meshd.metrics import Metrics
 from meshd.seam import Observation
 from meshd.store import Store

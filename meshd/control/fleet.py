@@ -44,23 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from common.states import Phase, RankState
-
-
-@dataclass(frozen=True)
-class Recovery:
-    """The recovery knobs ([recovery] in mesh.toml)."""
-
-    ladder: tuple[str, ...] = ("restart",)
-    backoff_base: float = 1.0
-    backoff_max: float = 60.0
-    max_failures: int = 5
-    window: float = 600.0
-    healthy_reset: float = 300.0
-    stop_grace: float = 10.0
-    drain_grace: float = 30.0
-    start_deadline: float = 900.0
-    death_window: float = 2.0  # evidence this soon after an incident belongs to it
-    adopt_wait: float = 10.0  # a restarted controller waits this long for every agent to answer
+from meshd.config import Recovery
 
 
 @dataclass(frozen=True)

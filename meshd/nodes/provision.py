@@ -27,8 +27,8 @@ import structlog
 from common import procs
 from common.hostfile import HostfileError, validate
 from common.tomlcheck import ConfigError
-from meshd import ssh
-from meshd.agentclient import AgentClient, AgentError
+from meshd.nodes import ssh
+from meshd.nodes.agentclient import AgentClient, AgentError
 from meshd.config import MeshConfig, address_hostfile, hostfile_for
 
 REBOOT_WAIT = 900.0

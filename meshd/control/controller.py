@@ -22,9 +22,10 @@ from common.protocol import RankSpec, StopResult, event_from_dict
 from common.secretfile import ensure_secret
 from common.states import Phase
 from common.tomlcheck import ConfigError
-from meshd import doctor, fleet, provision
-from meshd.evidence import launch_refused, meaning_of, observed
-from meshd.agentclient import AgentClient, AgentError, agent_session
+from meshd.nodes import doctor, provision
+from meshd.control import fleet
+from meshd.control.evidence import launch_refused, meaning_of, observed
+from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
 from meshd.config import MeshConfig, hostfile_for, ping_body
 from meshd.metrics import Metrics
 from meshd.seam import Observation, Serving, rank_secret, wait_until

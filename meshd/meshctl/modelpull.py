@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from common.modelref import is_repo_id
-from meshd import provision
+from meshd.nodes import provision
 from meshd.config import MeshConfig
-from meshd.progress import Block, bar
-from meshd.ssh import Session, SshError
+from meshd.meshctl.progress import Block, bar
+from meshd.nodes.ssh import Session, SshError
 
 CHUNK = 1 << 20
 # The node's meshd interpreter (agents install puts it in ~/.meshd/venv), else its python3.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from common.protocol import Event, RankExited, RankSignature, RankStalled, RankStateChanged, RebootRequired
 from common.states import RankState
-from meshd import fleet
+from meshd.control import fleet
 from meshd.seam import Observation
 
 BEFORE_SERVING = (RankState.SPAWNED, RankState.LOADING, RankState.ARMED)

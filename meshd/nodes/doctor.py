@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from common.hostfile import HostfileError
 from common.modelref import is_repo_id
 from common.tomlcheck import ConfigError
-from meshd import provision
-from meshd.agentclient import AgentClient, AgentError, agent_session
+from meshd.nodes import provision
+from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
 from meshd.config import MeshConfig, Runtime, hostfile_for
-from meshd.ssh import Session, SshError
+from meshd.nodes.ssh import Session, SshError
 
 USABLE_FRACTION = 0.9  # of iogpu.wired_limit_mb: what a model may take (oMLX caps prefill there too)
 JACCL = ("jaccl", "jaccl-ring")

@@ -1,7 +1,7 @@
 """The embedded demo mesh: a controller and four agents on 127.0.0.1, each
 agent's rank on the ring backend over loopback, serving the tiny demo model
 built locally on first use. Everything lives under `$MESHD_HOME/demo`
-(default `~/.meshd/demo`)."""
+(default `~/.meshd/meshctl/demo`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from common.secretfile import ensure_secret
 from common.tomlcheck import write_toml
-from meshd import daemons
-from meshd.ports import free_run, run_free
+from meshd.meshctl import background
+from meshd.meshctl.ports import free_run, run_free
 from runtime.demo_model import build_demo_model
 
 WORLD = 4
@@ -107,26 +107,26 @@ def start_daemons(root: Path, mesh: Path) -> None:
     ports = json.loads((root / "ports.json").read_text())
     for i in range(WORLD):
         cfg = root / "agents" / f"node{i}" / "agent.toml"
-        daemons.start(daemons.python_module("agents.server", "--config", str(cfg)), run / f"agent-node{i}.pid",
+        background.start(background.python_module("agents.server", "--config", str(cfg)), run / f"agent-node{i}.pid",
                       run / f"agent-node{i}.log")
     for i in range(WORLD):
         url = f"http://127.0.0.1:{ports['agents'] + i}/healthz"
-        if not daemons.wait_until(lambda: daemons.answers(url), 60):
+        if not background.wait_until(lambda: background.answers(url), 60):
             raise RuntimeError(f"agent node{i} did not come up; see {run / f'agent-node{i}.log'}")
-    daemons.start(daemons.python_module("meshd.daemon", "--config", str(mesh)), run / "controller.pid",
+    background.start(background.python_module("meshd.control.controllerd", "--config", str(mesh)), run / "controller.pid",
                   run / "controller.log")
 
 
 def stop_daemons(root: Path) -> list[int]:
     """Stop the proxy, the controller and the agents; returns any process still there."""
     run = run_dir(root)
-    daemons.stop([run / "proxy.pid", run / "controller.pid", *(run / f"agent-node{i}.pid" for i in range(WORLD))])
-    return daemons.pids_below(root)
+    background.stop([run / "proxy.pid", run / "controller.pid", *(run / f"agent-node{i}.pid" for i in range(WORLD))])
+    return background.pids_below(root)
 
 
 def any_running(root: Path) -> bool:
     run = run_dir(root)
-    return any(daemons.running(pid) for pid in run.glob("*.pid")) if run.exists() else False
+    return any(background.running(pid) for pid in run.glob("*.pid")) if run.exists() else False
 
 
 def is_demo(mesh: Path) -> bool:

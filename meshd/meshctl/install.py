@@ -24,10 +24,11 @@ import paramiko
 
 from common.secretfile import ensure_secret
 from common.tls import ensure_ca, issue
-from meshd import provision, service
+from meshd.nodes import provision
+from meshd.meshctl import service
 from meshd.config import MeshConfig, Node
 from meshd.share import CHECKOUT, in_checkout
-from meshd.ssh import Session, SshError
+from meshd.nodes.ssh import Session, SshError
 
 DAEMONS = "/Library/LaunchDaemons"
 UNITS = "/etc/systemd/system"

@@ -30,9 +30,9 @@ from pathlib import Path
 from agents.config import DEFAULT_ENV_ALLOWLIST, DEFAULT_PROFILES
 from common.states import Phase
 from common.tomlcheck import ConfigError
-from meshd import daemons, demo, service
+from meshd.meshctl import background, demo, service
 from meshd.config import MeshConfig, hostfile_for, load
-from meshd.progress import Display
+from meshd.meshctl.progress import Display
 from meshd.store import read_value
 
 # The commands that reach nodes over SSH or the agents' HTTP API import their
@@ -177,19 +177,19 @@ def start_controller(cfg: MeshConfig, ctl: Control) -> None:
         demo.start_daemons(demo.home(), cfg.path)
     else:
         say(f"starting the controller for {cfg.name} (log in {run / 'controller.log'})")
-        daemons.start(daemons.python_module("meshd.daemon", "--config", str(cfg.path)), run / "controller.pid",
+        background.start(background.python_module("meshd.control.controllerd", "--config", str(cfg.path)), run / "controller.pid",
                       run / "controller.log")
-    if not daemons.wait_until(ctl.alive, 60):
+    if not background.wait_until(ctl.alive, 60):
         raise CliError(f"the controller did not come up; see {run / 'controller.log'}")
 
 
 def start_proxy(cfg: MeshConfig) -> None:
     """meshd-proxy beside the controller, unless something (a service's, say) already answers there."""
-    if daemons.http_status(f"{cfg.proxy.url}/health") is not None:
+    if background.http_status(f"{cfg.proxy.url}/health") is not None:
         return
     run = run_dir(cfg)
     say(f"starting meshd-proxy on {cfg.proxy.listen} (log in {run / 'proxy.log'})")
-    daemons.start(daemons.python_module("meshd.proxyd", "--config", str(cfg.path), "--pidfile",
+    background.start(background.python_module("meshd.dataplane.proxyd", "--config", str(cfg.path), "--pidfile",
                                         str(run / "proxy.pid")), run / "proxy.pid", run / "proxy.log")
 
 
@@ -215,7 +215,7 @@ def cmd_up(args) -> int:
     status = follow_until_ready(ctl, args.timeout)
     if status["phase"] == "failed":
         return 1
-    if not daemons.wait_until(lambda: daemons.answers(f"{cfg.proxy.url}/health"), 60, 0.2):
+    if not background.wait_until(lambda: background.answers(f"{cfg.proxy.url}/health"), 60, 0.2):
         raise CliError(f"the mesh serves but meshd-proxy does not answer on {cfg.proxy.listen}; see "
                        f"{run_dir(cfg) / 'proxy.log'}")
     proxy = status["urls"]["proxy"]
@@ -251,7 +251,7 @@ def cmd_down(args) -> int:
     if ctl.alive():
         say("draining" if not args.force else "stopping (force)")
         ctl.call("POST", "/v1/down", {"force": args.force})
-        if not daemons.wait_until(lambda: ctl.call("GET", "/v1/status")["phase"] == "stopped", args.timeout, 0.3):
+        if not background.wait_until(lambda: ctl.call("GET", "/v1/status")["phase"] == "stopped", args.timeout, 0.3):
             raise CliError(f"the mesh did not stop within {args.timeout:.0f}s; try `meshctl down --force`")
         say("the mesh is stopped")
     if demo_mesh:
@@ -267,16 +267,16 @@ def cmd_proxy_restart(args) -> int:
     the old one."""
     cfg = resolve_config(args.config)
     pidfile = run_dir(cfg) / "proxy.pid"
-    old = daemons.pid_of(pidfile)
+    old = background.pid_of(pidfile)
     if old is None:
         raise CliError(f"no meshd-proxy that meshctl started runs for {cfg.name} ({pidfile}); a service's is "
                        "restarted by its manager without refusing a connection: `sudo systemctl reload "
                        "meshd-proxy`, or `sudo launchctl kickstart -k system/com.meshd.proxy`")
     os.kill(old, signal.SIGHUP)
-    if not daemons.wait_until(lambda: daemons.pid_of(pidfile) not in (None, old), args.timeout, 0.2):
+    if not background.wait_until(lambda: background.pid_of(pidfile) not in (None, old), args.timeout, 0.2):
         raise CliError(f"the new meshd-proxy did not take over within {args.timeout:.0f}s; the old one (pid {old}) "
                        f"goes on serving; see {run_dir(cfg) / 'proxy.log'}")
-    say(f"meshd-proxy handed over: pid {old} -> {daemons.pid_of(pidfile)}; the old one finishes the requests in "
+    say(f"meshd-proxy handed over: pid {old} -> {background.pid_of(pidfile)}; the old one finishes the requests in "
         "flight and exits")
     return 0
 
@@ -417,7 +417,7 @@ def cmd_logs(args) -> int:
 
 
 def cmd_model_pull(args) -> int:
-    from meshd import modelpull
+    from meshd.meshctl import modelpull
 
     try:
         modelpull.pull(resolve_config(args.config), args.repo, source=args.source, force=args.force,
@@ -428,7 +428,7 @@ def cmd_model_pull(args) -> int:
 
 
 def cmd_completion(args) -> int:
-    from meshd.completion import script
+    from meshd.meshctl.completion import script
 
     print(script(build_parser(), args.shell))
     return 0
@@ -501,8 +501,8 @@ def pick_nodes(cfg: MeshConfig, names: list[str], every: bool) -> tuple[str, ...
 
 
 def provision_mesh(cfg: MeshConfig, *, force: bool = False, trust_new: bool = False) -> None:
-    from meshd import provision
-    from meshd.ssh import SshError
+    from meshd.nodes import provision
+    from meshd.nodes.ssh import SshError
 
     try:
         provision.provision(cfg, force=force, trust_new=trust_new, say=say)
@@ -516,7 +516,7 @@ def cmd_provision(args) -> int:
 
 
 def preflight(cfg: MeshConfig, *, canary: bool = False, trust_new: bool = False) -> list:
-    from meshd import doctor
+    from meshd.nodes import doctor
 
     current, phase = None, "stopped"
     ctl = Control(cfg)
@@ -547,8 +547,8 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_reboot(args) -> int:
-    from meshd import provision
-    from meshd.agentclient import AgentClient, agent_session
+    from meshd.nodes import provision
+    from meshd.nodes.agentclient import AgentClient, agent_session
 
     cfg = resolve_config(args.config)
     nodes = pick_nodes(cfg, args.nodes, args.all)
@@ -573,7 +573,7 @@ def cmd_reboot(args) -> int:
 
 
 def cmd_agents_install(args) -> int:
-    from meshd import install
+    from meshd.meshctl import install
 
     cfg = resolve_config(args.config)
     try:
