@@ -7,7 +7,7 @@ import pytest
 
 from meshd.meshctl.ports import free_ports
 from meshd.dataplane.proxy import sse_blocks
-from meshd.dataplane.upstream import Upstream, UpstreamError
+from meshd.upstream import Upstream, UpstreamError
 
 LENGTH = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\": 1}\r\n"
 CHUNKED = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"

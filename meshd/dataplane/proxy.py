@@ -47,7 +47,7 @@ from meshd.config import MeshConfig, ping_body, rank0_body
 from meshd.config import Proxy as ProxyConfig
 from meshd.metrics import ProxyMetrics
 from meshd.seam import FleetView, Observation, Serving
-from meshd.dataplane.upstream import Answer, Upstream, UpstreamError
+from meshd.upstream import Answer, Upstream, UpstreamError
 from runtime import openai_api as oa
 
 RETRY_AFTER = "5"
