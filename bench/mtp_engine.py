@@ -27,7 +27,8 @@ from mlx_lm.utils import load_model
 
 import runtime.overlays.demo_mtp  # noqa: F401  registers model type demo_mtp
 from runtime.demo_model import build_demo_model
-from runtime.engine import BatchEngine, Job, MTPEngine
+from runtime.drafting import MTPEngine
+from runtime.engine import BatchEngine, Job
 from runtime.openai_api import SamplingParams
 
 PROMPT = tuple(range(5, 45))

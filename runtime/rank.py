@@ -28,7 +28,8 @@ from common.tomlcheck import loopback
 from common.states import RankState
 from common.statusfile import RankStatus
 from runtime import openai_api as oa
-from runtime.engine import BatchEngine, Job, MTPEngine, SpeculativeEngine
+from runtime.drafting import MTPEngine, SpeculativeEngine
+from runtime.engine import BatchEngine, Job
 from runtime.lockstep import Divergence, Lockstep, fold
 from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend

@@ -6,9 +6,12 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from runtime.demo_model import DemoModelSpec, build_demo_model
-from runtime.engine import BatchEngine, Job, MTPEngine, SeededSampler, TokenTape
+from runtime.drafting import MTPEngine
+from runtime.engine import BatchEngine, Job
 from runtime.lockstep import Divergence, Lockstep, PeerLost, fold
 from runtime.openai_api import SamplingParams
+from runtime.sampling import SeededSampler
+from runtime.tape import TokenTape
 
 
 def cache_of(n: int) -> list:

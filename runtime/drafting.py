@@ -1,0 +1,273 @@
+"""The drafting engines: one request at a time (speculation is singleton-only), the
+others wait FIFO. `SingleRequestEngine` is their shared Engine; a drafter
+subclasses it with how one request begins and advances."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from contextlib import contextmanager
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream, speculative_generate_step
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from runtime.jobs import Emission, Job, emission, finish_reason
+from runtime.sampling import processors_for, sample_at, sampler_for
+
+
+class SingleRequestEngine(ABC):
+    """The Engine of a drafter: the queue, the active job, its token count and how it ends. A subclass
+    decodes the active job (its three abstract methods)."""
+
+    def __init__(self, eos_ids: set[int]):
+        self._eos = eos_ids
+        self._queue: deque[Job] = deque()
+        self._active: Job | None = None
+        self._count = 0  # tokens the active job emitted
+
+    def insert(self, job: Job) -> int:
+        self._queue.append(job)
+        return 0
+
+    def cancel(self, rid: str) -> None:
+        if self._active is not None and self._active.rid == rid:
+            self._finish()
+        else:
+            self._queue = deque(j for j in self._queue if j.rid != rid)
+
+    def step(self) -> list[Emission]:
+        if self._active is None:
+            if not self._queue:
+                return []
+            self._active = self._queue.popleft()
+            self._count = 0
+            self._begin(self._active)
+        return self._advance()
+
+    @property
+    def busy(self) -> bool:
+        return self._active is not None or bool(self._queue)
+
+    def prompt_tokens_in_flight(self) -> int:
+        return (self._prompt_left() if self._active is not None else 0) + sum(len(j.prompt) for j in self._queue)
+
+    def close(self) -> None:
+        mx.synchronize()
+        self._finish()
+
+    def _finish(self) -> None:
+        self._active = None
+
+    def _emit(self, tokens: list[int], logprobs) -> list[Emission]:
+        """The active job's next tokens (`logprobs[i]` what token i was drawn from), up to where it ends."""
+        job, out = self._active, []
+        for i, token in enumerate(tokens):
+            self._count += 1
+            reason = finish_reason(token, self._count, job.max_tokens, self._eos)
+            out.append(emission(job.rid, token, reason, logprobs[i], job.logprobs))
+            if reason is not None:
+                self._finish()
+                break
+        return out
+
+    @abstractmethod
+    def _begin(self, job: Job) -> None:
+        """Start decoding the job just made active."""
+
+    @abstractmethod
+    def _advance(self) -> list[Emission]:
+        """One prefill chunk or decode step of the active job; its tokens go out through `_emit`."""
+
+    @abstractmethod
+    def _prompt_left(self) -> int:
+        """How much of the active job's prompt is not yet prefilled."""
+
+
+class SpeculativeEngine(SingleRequestEngine):
+    """A draft model loaded whole on every rank proposes tokens the sharded target verifies."""
+
+    def __init__(self, model, draft_model, eos_ids: set[int], *, num_draft_tokens: int = 3,
+                 prefill_step_size: int = 512):
+        super().__init__(eos_ids)
+        self._model = model
+        self._draft = draft_model
+        self._num_draft = num_draft_tokens
+        self._prefill_step_size = prefill_step_size
+        self._stream = None
+
+    def _finish(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+        self._stream = None
+        super()._finish()
+
+    def _begin(self, job: Job) -> None:
+        self._stream = speculative_generate_step(
+            mx.array(job.prompt),
+            self._model,
+            self._draft,
+            num_draft_tokens=self._num_draft,
+            max_tokens=job.max_tokens,
+            sampler=sampler_for(job),
+            logits_processors=processors_for(job),
+            prefill_step_size=self._prefill_step_size,
+        )
+
+    def _advance(self) -> list[Emission]:
+        try:
+            token, logprobs, _ = next(self._stream)
+        except StopIteration:
+            rid = self._active.rid
+            self._finish()
+            return [Emission(rid, None, "length")]
+        return self._emit([int(token)], [logprobs])
+
+    def _prompt_left(self) -> int:
+        return len(self._active.prompt) if self._count == 0 else 0
+
+
+def trim_to(cache: list, length: int) -> None:
+    trim_prompt_cache(cache, cache[0].offset - length)
+
+
+class MTPEngine(SingleRequestEngine):
+    """One request at a time, drafted by the loaded model's own multi-token-prediction head (DeepSeek's
+    layout: the head takes the last hidden state and the next token's embedding). Each verify step feeds
+    the last token and the drafts through the sharded target and keeps the drafts the target itself
+    samples at their places (logit bias and penalties applied at each place as if the drafts before it
+    were already said), so the answer is the target's, token for token.
+
+    One graph and one read back a step: the head learns every place of the verify in the same graph,
+    paired with the token the target sampled there (right up to the first rejected draft, which is all
+    that is kept), so its draft after whichever place turns out last is already computed; the caches are
+    cut back to that place when the samples are read. Every step runs the same collectives whatever it
+    keeps, so ranks that disagree meet at the next lockstep exchange, which names the divergence.
+
+    A drafter that refuses a shape (a kernel's layout limit past some prompt length) ends drafting for
+    that request: plain decoding from there, said in the log and counted, the rank alive."""
+
+    def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 1, prefill_step_size: int = 512,
+                 log=print):
+        super().__init__(eos_ids)
+        self._model = model
+        self.num_draft_tokens = num_draft_tokens
+        self._chunk = prefill_step_size
+        self._log = log
+        self.proposed = self.accepted = self.fallbacks = 0
+
+    def draft_stats(self) -> dict:
+        return {"drafter": "mtp", "draft_proposed": self.proposed, "draft_accepted": self.accepted,
+                "draft_fallbacks": self.fallbacks}
+
+    def _prompt_left(self) -> int:
+        return len(self._todo)
+
+    def _advance(self) -> list[Emission]:
+        if len(self._todo) > self._chunk:
+            self._prefill()
+            return []
+        return self._verify()
+
+    def _begin(self, job: Job) -> None:
+        self._cache = make_prompt_cache(self._model)
+        self._mtp_cache = self._model.make_mtp_cache()
+        self._todo = list(job.prompt)  # the prompt not yet through the target
+        self._base = 0  # positions both caches hold for good
+        self._pending: int | None = None  # the last emitted token, not yet through the target
+        self._drafts: mx.array | None = None  # the head's drafts after it (on the device)
+        self._drafting = True
+        self._processors = processors_for(job)
+        self._said = mx.array(job.prompt, dtype=mx.uint32) if self._processors else None  # what they see
+
+    def _prefill(self) -> None:
+        """A chunk of the prompt that is not its last through the target; the head learns its positions."""
+        chunk, self._todo = self._todo[:self._chunk], self._todo[self._chunk:]
+        with mx.stream(generation_stream):
+            hidden = self._model.hidden(mx.array(chunk, dtype=mx.uint32)[None], self._cache)
+        self._learn(hidden, mx.array(chunk[1:] + self._todo[:1], dtype=mx.uint32))
+        mx.eval([c.state for c in self._cache] + ([c.state for c in self._mtp_cache] if self._drafting else []))
+        self._base += len(chunk)
+
+    def _verify(self) -> list[Emission]:
+        """The places (the prompt's last chunk, or the pending token and the drafts) through the target,
+        sampled from `first` on: the drafts it agrees with and its own next token come out."""
+        job = self._active
+        if self._todo:
+            inputs, first, self._todo = mx.array(self._todo, dtype=mx.uint32), len(self._todo) - 1, []
+        else:
+            inputs, first = mx.array([self._pending], dtype=mx.uint32), 0
+            if self._drafts is not None:
+                inputs = mx.concatenate([inputs, self._drafts])
+        with mx.stream(generation_stream):
+            hidden = self._model.hidden(inputs[None], self._cache)
+            logprobs = self._logprobs(self._model.head(hidden[0, first:]), inputs[first + 1:])
+            sampled = mx.concatenate([sample_at(job, self._count + p, logprobs[p:p + 1])
+                                      for p in range(logprobs.shape[0])]).astype(mx.uint32)
+        learned = self._learn(hidden, mx.concatenate([inputs[1:first + 1], sampled]))
+        mx.eval([sampled, logprobs, *(learned or ())])
+        tokens, guessed = sampled.tolist(), inputs[first + 1:].tolist()
+        kept = 0
+        while kept < len(guessed) and guessed[kept] == tokens[kept]:
+            kept += 1
+        self.proposed += len(guessed)
+        self.accepted += kept
+        out = self._emit(tokens[:kept + 1], logprobs)
+        if self._active is not None:
+            at = first + kept  # the place of the last token kept
+            self._base += at + 1
+            trim_to(self._cache, self._base)
+            if self._said is not None:
+                self._said = mx.concatenate([self._said, sampled[:kept + 1]])
+            self._pending = tokens[kept]
+            self._drafts = self._chain(*learned, at) if learned and self._drafting else None
+        return out
+
+    def _logprobs(self, logits: mx.array, drafts: mx.array) -> mx.array:
+        """Log probabilities at each place, the request's processors run with what precedes that place:
+        what was said, then the drafts before it."""
+        if self._processors:
+            rows = []
+            for p in range(logits.shape[0]):
+                row = logits[p:p + 1]
+                seen = mx.concatenate([self._said, drafts[:p]])
+                for processor in self._processors:
+                    row = processor(seen, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def _learn(self, hidden: mx.array, next_tokens: mx.array) -> tuple[mx.array, mx.array] | None:
+        """The head's cache, cut back to the kept positions, learns (hidden state at p, token at p+1) for
+        these places: its states and logits at each. None once drafting has ended for the request."""
+        if not self._drafting:
+            return None
+        with self._refusals():
+            trim_to(self._mtp_cache, self._base)
+            return self._model.mtp_draft(hidden, next_tokens[None], self._mtp_cache)
+        return None
+
+    def _chain(self, h: mx.array, logits: mx.array, at: int) -> mx.array | None:
+        """num_draft_tokens drafts after place `at` of the head's last learning: its guess there, then
+        each from the one before (on the device: they go into the next verify's graph)."""
+        with self._refusals():
+            trim_to(self._mtp_cache, self._base)
+            guesses = [mx.argmax(logits[:, at], axis=-1)]
+            h = h[:, at:at + 1]
+            while len(guesses) < self.num_draft_tokens:
+                h, logits = self._model.mtp_draft(h, guesses[-1][None], self._mtp_cache)
+                guesses.append(mx.argmax(logits[:, -1], axis=-1))
+            return mx.concatenate(guesses).astype(mx.uint32)
+        return None
+
+    @contextmanager
+    def _refusals(self):
+        """A kernel's refusal of a shape: the same on every rank, so all go on plainly."""
+        try:
+            with mx.stream(generation_stream):
+                yield
+        except Exception as e:
+            self._drafting = False
+            self.fallbacks += 1
+            self._log(f"drafter refused ({type(e).__name__}: {str(e)[:200]}); request {self._active.rid} "
+                      "goes on without drafts")
