@@ -15,10 +15,15 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httptools
 
+from meshd.config import ping_body
+
+READY = "/internal/ready"  # meshd-rank's: 200 once its own one-token generation went through every rank
+COMPLETION = "/v1/chat/completions"
 HIGH_WATER = 1 << 20  # bytes of body waiting for the relay before reading from rank 0 pauses
 # A connection idle longer than this is not reused: rank 0 (aiohttp) closes idle ones after 75 s, and a
 # request written into one it is closing would look like a rank 0 that died with it.
@@ -153,14 +158,22 @@ class Upstream:
             raise UpstreamError(f"cannot connect to rank 0 at {host}:{port} ({e.strerror or e})", sent=False)
         return conn
 
-    @asynccontextmanager
-    async def post(self, url: str, body: dict, headers: dict[str, str]):
+    def get(self, url: str, headers: dict[str, str]):
+        """GET `url`; yields the answer once its status line and headers are in."""
+        return self._exchange(b"GET", url, headers, None)
+
+    def post(self, url: str, body: dict, headers: dict[str, str]):
         """POST `body` as JSON; yields the answer once its status line and headers are in."""
+        return self._exchange(b"POST", url, headers, json.dumps(body).encode())
+
+    @asynccontextmanager
+    async def _exchange(self, method: bytes, url: str, headers: dict[str, str], data: bytes | None):
         host, port, path = self._split(url)
-        data = json.dumps(body).encode()
         head = b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items())
-        request = (b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-                   % (path, (f"[{host}]" if ":" in host else host).encode(), port, len(data)) + head + b"\r\n" + data)
+        if data is not None:
+            head = b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(data) + head
+        name = (f"[{host}]" if ":" in host else host).encode()
+        request = b"%s %s HTTP/1.1\r\nHost: %s:%d\r\n" % (method, path, name, port) + head + b"\r\n" + (data or b"")
         pool = self.idle.setdefault((host, port), [])
         conn = None
         while pool and conn is None:
@@ -187,3 +200,38 @@ class Upstream:
             for conn in pool:
                 conn.transport.close()
         self.idle.clear()
+
+
+@dataclass(frozen=True)
+class ReadinessSeen:
+    """What asking rank 0 at `url` whether it serves saw: the route that settled it, the HTTP status it
+    answered (None: no answer in time) and its body (a completion's)."""
+
+    url: str
+    route: str
+    status: int | None = None
+    body: str = ""
+
+    @property
+    def secret_refused(self) -> bool:
+        return self.route == READY and self.status == 401
+
+
+async def probe_ready(rank0: Upstream, url: str, auth: dict[str, str], profile: str,
+                      completion_timeout: float) -> ReadinessSeen:
+    """Ask rank 0 whether it serves: meshd-rank on its readiness route; a runtime without one by its
+    /v1/models answering, then a real one-token completion."""
+    route = READY if profile == "meshd-rank" else "/v1/models"
+    try:
+        async with asyncio.timeout(2):
+            async with rank0.get(url + route, auth) as r:
+                await r.read()
+        if route == READY or r.status != 200:
+            return ReadinessSeen(url, route, r.status)
+        route = COMPLETION
+        async with asyncio.timeout(completion_timeout):
+            async with rank0.post(url + route, ping_body(profile), auth) as r:
+                body = await r.read()
+    except (UpstreamError, TimeoutError):
+        return ReadinessSeen(url, route)
+    return ReadinessSeen(url, route, r.status, body.decode(errors="replace"))

@@ -9,9 +9,10 @@ from common.protocol import RankExited, RankSignature, RankStalled, RankStateCha
 from common.states import RankState
 from meshd.control import fleet
 from meshd.config import Proxy as ProxyConfig
-from meshd.control.evidence import launch_refused, meaning_of, observed
+from meshd.control.evidence import launch_refused, meaning_of, observed, readiness
 from meshd.dataplane.proxy import stall_window
 from meshd.seam import Observation
+from meshd.upstream import COMPLETION, READY, ReadinessSeen
 
 AT = dict(node="n1", generation=3, rank=1, at=100.0)
 BAD_TYPE = "ValueError: Model type no_such_architecture not supported."
@@ -81,6 +82,30 @@ def test_what_the_proxy_saw_is_a_symptom_and_a_4xx_probe_is_deterministic(obs, d
 
 def test_a_served_request_is_its_own_observation():
     assert observed(Observation(5, "served"), "n0") == fleet.RequestServed(5)
+
+
+URL = "http://127.0.0.1:8100"
+
+
+@pytest.mark.parametrize("seen,ready,deterministic", [
+    (ReadinessSeen(URL, READY, 200), True, None),
+    (ReadinessSeen(URL, READY, 503), False, None),
+    (ReadinessSeen(URL, READY), False, None),
+    (ReadinessSeen(URL, READY, 401), False, False),
+    (ReadinessSeen(URL, "/v1/models", 404), False, None),
+    (ReadinessSeen(URL, COMPLETION), False, None),
+    (ReadinessSeen(URL, COMPLETION, 200, '{"choices": [{"index": 0}]}'), True, None),
+    (ReadinessSeen(URL, COMPLETION, 200, "not a completion"), False, False),
+    (ReadinessSeen(URL, COMPLETION, 404, "no such model"), False, True),
+    (ReadinessSeen(URL, COMPLETION, 500, "Internal Server Error"), False, False),
+], ids=["ready", "not-yet", "no-answer", "secret-refused", "models-not-yet", "completion-no-answer",
+        "completion-served", "completion-not-one", "completion-4xx", "completion-5xx"])
+def test_rank0s_readiness_answers_and_the_evidence_in_them(seen, ready, deterministic):
+    """An answer that is not yet ready is no evidence; a refused secret or a completion that errs is."""
+    is_ready, died = readiness(seen, "n0", 4)
+    assert is_ready == ready
+    assert (None if died is None else (died.node, died.rank, died.generation, died.deterministic)) == \
+        (None if deterministic is None else ("n0", 0, 4, deterministic))
 
 
 P = ProxyConfig(token_stall=10.0, min_prefill_rate=100.0, min_decode_rate=2.0)

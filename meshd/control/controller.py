@@ -1,11 +1,10 @@
 """The reconciler: feeds the fleet state machine and carries out its actions.
 
-Inputs: every agent's event stream (resumed by sequence number; records are
-decoded into `common.protocol` events at this edge), a 1 s poll of the same
-events as a backstop, rank 0's readiness while starting, what the proxy
-observes (through `FleetView.report`), and a clock tick. Outputs: start and
-stop generations through the agents, sweeps, incidents in the store, metrics.
-The fleet's state changes in `feed` and nowhere else.
+Inputs: what the agents' events mean (`intake.Intake`), rank 0's readiness
+while starting (probed by `upstream.probe_ready`, judged by `evidence`), what
+the proxy observes (through `FleetView.report`), and a clock tick. Outputs:
+start and stop generations through the agents, sweeps, incidents in the store,
+metrics. The fleet's state changes in `feed` and nowhere else.
 """
 
 from __future__ import annotations
@@ -18,18 +17,19 @@ from typing import Callable
 import aiohttp
 import structlog
 
-from common.protocol import RankSpec, StopResult, event_from_dict
+from common.protocol import RankSpec, StopResult
 from common.secretfile import ensure_secret
 from common.states import Phase
 from common.tomlcheck import ConfigError
 from meshd.nodes import doctor, provision
-from meshd.control import fleet
-from meshd.control.evidence import launch_refused, meaning_of, observed
+from meshd.control import evidence, fleet, survey
+from meshd.control.intake import Intake
 from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
-from meshd.config import MeshConfig, hostfile_for, ping_body
+from meshd.config import MeshConfig, hostfile_for
 from meshd.metrics import Metrics
 from meshd.seam import Observation, Serving, rank_secret, wait_until
 from meshd.store import Store
+from meshd.upstream import Upstream, probe_ready
 
 log = structlog.get_logger("meshd.controller")
 
@@ -50,12 +50,10 @@ class Controller:
         carried = store.open_incident_row()
         self.state = fleet.FleetState(generation=saved.get("generation", 0),
                                       incident=fleet.Incident(**carried) if carried else None)
-        # node -> {"epoch", "seq"}: where each agent's event log was read up to
-        self.seen: dict[str, dict] = {node: mark if isinstance(mark, dict) else {"epoch": None, "seq": mark}
-                                      for node, mark in store.get("agent_seq", {}).items()}
         self.changed = asyncio.Condition()
         self.session: aiohttp.ClientSession | None = None
         self.agents: dict[str, AgentClient] = {}
+        self.rank0 = Upstream()
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
         self.agent_errors: dict[str, str] = {}
@@ -65,16 +63,17 @@ class Controller:
     async def start(self) -> None:
         self.session = agent_session(self.cfg)
         self.agents = {n.name: AgentClient(n, self.session) for n in self.cfg.nodes}
+        intake = Intake(self.agents, self.store, self.metrics, self.agent_errors, lambda: self.state, self.feed)
         await self._adopt()
-        for node in self.agents:
-            self._spawn(self._follow(node))
-        self._spawn(self._poll_loop())
+        for loop in intake.loops():
+            self._spawn(loop)
         self._spawn(self._tick_loop())
 
     async def close(self) -> None:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.rank0.close()
         if self.session:
             await self.session.close()
 
@@ -189,41 +188,15 @@ class Controller:
             try:
                 await self.agents[node].call("POST", "/v1/ranks", self._spec(g, rank, hostfile), timeout=30)
             except AgentError as e:
-                await self.feed(launch_refused(node, rank, g, e.status, str(e)))
+                await self.feed(evidence.launch_refused(node, rank, g, e.status, str(e)))
 
         await asyncio.gather(*(one(i, n.name) for i, n in enumerate(self.cfg.nodes)))
         self._spawn(self._await_ready(g))
 
     async def readiness(self) -> tuple[bool, fleet.RankDied | None]:
-        """Does rank 0 serve? meshd-rank answers /internal/ready once its own one-token generation went
-        through every rank. A runtime without that proves it here: its port answering, then a real
-        one-token completion; an error from a server that is up is evidence (a 4xx: deterministic)."""
-        url = self.cfg.rank0_url
-        auth = self.serving().rank0_auth
-        try:
-            if self.cfg.runtime.profile == "meshd-rank":
-                async with self.session.get(url + "/internal/ready", headers=auth,
-                                            timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status == 401:
-                        return False, fleet.RankDied(
-                            self.cfg.nodes[0].name, 0, self.state.generation, "readiness",
-                            f"{url} refused this generation's rank secret: another generation's rank 0 (or "
-                            "another program) holds runtime.port")
-                    return r.status == 200, None
-            async with self.session.get(url + "/v1/models", headers=auth, timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status != 200:
-                    return False, None
-            body = ping_body(self.cfg.runtime.profile)
-            async with self.session.post(url + "/v1/chat/completions", json=body, headers=auth,
-                                         timeout=aiohttp.ClientTimeout(total=self.cfg.proxy.probe_timeout)) as r:
-                text = await r.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return False, None
-        if r.status == 200 and '"choices"' in text:
-            return True, None
-        return False, fleet.RankDied(self.cfg.nodes[0].name, 0, self.state.generation, "readiness",
-                                     f"a one-token completion answered {r.status}: {text[:200]}",
-                                     deterministic=400 <= r.status < 500)
+        seen = await probe_ready(self.rank0, self.cfg.rank0_url, self.serving().rank0_auth, self.cfg.runtime.profile,
+                                 self.cfg.proxy.probe_timeout)
+        return evidence.readiness(seen, self.cfg.nodes[0].name, self.state.generation)
 
     async def ready_probe(self) -> bool:
         return (await self.readiness())[0]
@@ -264,85 +237,17 @@ class Controller:
         ok, detail = await provision.run_ladder_step(self.cfg, self.agents, step, nodes)
         await self.feed(fleet.StepDone(step, ok, detail))
 
-    # --- observation ------------------------------------------------------------
-    def _mark(self, node: str) -> tuple[int, str | None]:
-        mark = self.seen.get(node, {})
-        return mark.get("seq", 0), mark.get("epoch")
-
-    async def on_record(self, node: str, record: dict) -> None:
-        seq, epoch = self._mark(node)
-        if record.get("epoch") not in (None, epoch):
-            seq = 0  # the agent's log was reset (reinstalled, state wiped): its numbering starts again
-        if record["seq"] <= seq:
-            return  # the stream and the poll both deliver; keep the first
-        self.seen[node] = {"epoch": record.get("epoch", epoch), "seq": record["seq"]}
-        self.store.put("agent_seq", self.seen)
-        self.store.record_event(record)
-        try:
-            ev = event_from_dict(record)
-        except ValueError as e:
-            log.warning("agent event not understood", node=node, error=str(e))
-            return
-        meaning = meaning_of(ev)
-        if isinstance(meaning, fleet.RankDied) and meaning.generation == self.state.generation \
-                and self.state.phase in (Phase.READY, Phase.STARTING):
-            self.metrics.detection.observe(max(0.0, time.time() - ev.at))
-        if meaning is not None:
-            await self.feed(meaning)
-
-    async def _follow(self, node: str) -> None:
-        delay = 0.2
-        while True:
-            try:
-                await self.agents[node].follow(*self._mark(node), lambda r: self.on_record(node, r))
-            except AgentError as e:
-                self.agent_errors[node] = str(e)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-            else:
-                delay = 0.2
-
-    async def _poll_loop(self) -> None:
-        """The backstop: events missed by a stream arrive here within a second.
-        All agents at once, so one that does not answer delays no other."""
-        async def poll(node: str, client: AgentClient) -> None:
-            seq, epoch = self._mark(node)
-            try:
-                data = await client.call("GET", f"/v1/events?stream=0&since={seq}&epoch={epoch or ''}", timeout=5)
-                self.agent_errors.pop(node, None)
-                self.metrics.agent_up.labels(node=node).set(1)
-            except AgentError as e:
-                self.agent_errors[node] = str(e)
-                self.metrics.agent_up.labels(node=node).set(0)
-                return
-            for record in data["events"]:
-                await self.on_record(node, record)
-
-        while True:
-            await asyncio.sleep(1.0)
-            await asyncio.gather(*(poll(node, client) for node, client in self.agents.items()))
-
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(0.25)
             await self.feed(fleet.Tick())
 
-    async def _views(self) -> dict[str, list[dict] | None]:
-        """Every agent's rank records; None for an agent that does not answer."""
-        async def view(node: str, client: AgentClient) -> list[dict] | None:
-            try:
-                return (await client.call("GET", "/v1/ranks", timeout=5))["ranks"]
-            except AgentError as e:
-                self.agent_errors[node] = str(e)
-                return None
-
-        return dict(zip(self.agents, await asyncio.gather(*(view(n, c) for n, c in self.agents.items()))))
-
     async def _adopt(self) -> None:
         """A restarted controller keeps a healthy running generation. It waits (bounded) for every
         agent to answer; what a partial view cannot settle is settled once the view is whole."""
         deadline = time.monotonic() + self.policy.adopt_wait
-        while None in (views := await self._views()).values() and time.monotonic() < deadline:
+        while None in (views := await survey.rank_views(self.agents, self.agent_errors)).values() \
+                and time.monotonic() < deadline:
             await asyncio.sleep(1.0)
         if not await self._decide_adoption(views) and None in views.values():
             log.warning("adoption waits for agents", missing=[n for n, v in views.items() if v is None])
@@ -351,7 +256,7 @@ class Controller:
     async def _adopt_when_whole(self) -> None:
         while self.state.phase == Phase.STOPPED:
             await asyncio.sleep(2.0)
-            views = await self._views()
+            views = await survey.rank_views(self.agents, self.agent_errors)
             if None not in views.values():
                 await self._decide_adoption(views)
                 return
@@ -376,23 +281,4 @@ class Controller:
         return await wait_until(self.changed, self.serving, predicate, timeout)
 
     async def report(self, obs: Observation) -> None:
-        await self.feed(observed(obs, self.cfg.nodes[0].name))
-
-    async def status(self) -> dict:
-        s = self.state
-
-        async def one(n):
-            try:
-                v = await self.agents[n.name].call("GET", "/v1/ranks", timeout=3)
-                rank = next((r for r in reversed(v["ranks"]) if r["generation"] == s.generation), None)
-                return {"node": n.name, "agent": n.agent, "agent_ok": True, "rank": rank}
-            except AgentError as e:
-                return {"node": n.name, "agent": n.agent, "agent_ok": False, "error": str(e), "rank": None}
-
-        nodes = await asyncio.gather(*(one(n) for n in self.cfg.nodes))
-        incidents = self.store.incidents(1)
-        return {"mesh": self.cfg.name, "phase": s.phase, "generation": s.generation, "reason": s.reason,
-                "ready_since": s.ready_since, "failures_in_window": len(s.failures),
-                "backoff_until": s.backoff_until, "nodes": list(nodes),
-                "load": [asdict(r) for r in s.ranks],
-                "last_incident": incidents[0] if incidents else None}
+        await self.feed(evidence.observed(obs, self.cfg.nodes[0].name))

@@ -30,7 +30,7 @@ from common.http import (
 from common.secretfile import derive, ensure_secret
 from common.tls import Pair, ensure_ca, ensure_issued, local_names, server_context
 from common.tomlcheck import ConfigError, listen_host, loopback, split_listen
-from meshd.control import statuspage
+from meshd.control import statuspage, survey
 from meshd.nodes.agentclient import AgentError
 from meshd.config import MeshConfig, load
 from meshd.control.controller import Controller
@@ -103,8 +103,8 @@ def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | 
         return web.Response(body=generate_latest(metrics.registry), content_type="text/plain", charset="utf-8")
 
     async def status(request):
-        return web.json_response({**await ctl.status(), "urls": urls(ctl.cfg),
-                                  "agent_errors": ctl.agent_errors, "proxies_following": len(followers)})
+        return web.json_response({**await survey.status(ctl.cfg, ctl.state, ctl.agents, ctl.store),
+                                  "urls": urls(ctl.cfg), "agent_errors": ctl.agent_errors, "proxies_following": len(followers)})
 
     followers: set[web.StreamResponse] = set()
 
@@ -186,7 +186,8 @@ def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | 
 
     async def page(request):
         rates.update(await statuspage.proxy_samples(ctl.session, ctl.cfg.proxy.url))
-        body = statuspage.render({**await ctl.status(), "urls": urls(ctl.cfg)}, ctl.store.incidents(12), rates)
+        status = await survey.status(ctl.cfg, ctl.state, ctl.agents, ctl.store)
+        body = statuspage.render({**status, "urls": urls(ctl.cfg)}, ctl.store.incidents(12), rates)
         return web.Response(text=body, content_type="text/html")
 
     async def login(request):

@@ -13,6 +13,7 @@ from common.protocol import Event, RankExited, RankSignature, RankStalled, RankS
 from common.states import RankState
 from meshd.control import fleet
 from meshd.seam import Observation
+from meshd.upstream import COMPLETION, ReadinessSeen
 
 BEFORE_SERVING = (RankState.SPAWNED, RankState.LOADING, RankState.ARMED)
 
@@ -60,3 +61,19 @@ def observed(obs: Observation, rank0_node: str) -> fleet.RankDied | fleet.Reques
     deterministic = obs.source == "probe" and obs.status is not None and 400 <= obs.status < 500
     return fleet.RankDied(rank0_node, 0, obs.generation, obs.source, obs.detail, consequence=True,
                           deterministic=deterministic)
+
+
+def readiness(seen: ReadinessSeen, rank0_node: str, generation: int) -> tuple[bool, fleet.RankDied | None]:
+    """Does rank 0 serve, and is what it answered evidence against it? A readiness route that refuses this
+    generation's secret, or an error from a server that is up (a 4xx: deterministic)."""
+    if seen.secret_refused:
+        return False, fleet.RankDied(rank0_node, 0, generation, "readiness",
+                                     f"{seen.url} refused this generation's rank secret: another generation's "
+                                     "rank 0 (or another program) holds runtime.port")
+    if seen.route != COMPLETION or seen.status is None:
+        return seen.status == 200, None
+    if seen.status == 200 and '"choices"' in seen.body:
+        return True, None
+    return False, fleet.RankDied(rank0_node, 0, generation, "readiness",
+                                 f"a one-token completion answered {seen.status}: {seen.body[:200]}",
+                                 deterministic=400 <= seen.status < 500)

@@ -1,0 +1,43 @@
+"""What the agents say runs, asked of every agent at once: each node's rank
+records (a restarted controller adopts by them) and the mesh's status as the
+control API answers it."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict
+
+from meshd.config import MeshConfig
+from meshd.control import fleet
+from meshd.nodes.agentclient import AgentClient, AgentError
+from meshd.store import Store
+
+
+async def rank_views(agents: dict[str, AgentClient], errors: dict[str, str]) -> dict[str, list[dict] | None]:
+    """Every agent's rank records; None for an agent that does not answer (why, into `errors`)."""
+    async def view(node: str, client: AgentClient) -> list[dict] | None:
+        try:
+            return (await client.call("GET", "/v1/ranks", timeout=5))["ranks"]
+        except AgentError as e:
+            errors[node] = str(e)
+            return None
+
+    return dict(zip(agents, await asyncio.gather(*(view(n, c) for n, c in agents.items()))))
+
+
+async def status(cfg: MeshConfig, s: fleet.FleetState, agents: dict[str, AgentClient], store: Store) -> dict:
+    async def one(n):
+        try:
+            v = await agents[n.name].call("GET", "/v1/ranks", timeout=3)
+            rank = next((r for r in reversed(v["ranks"]) if r["generation"] == s.generation), None)
+            return {"node": n.name, "agent": n.agent, "agent_ok": True, "rank": rank}
+        except AgentError as e:
+            return {"node": n.name, "agent": n.agent, "agent_ok": False, "error": str(e), "rank": None}
+
+    nodes = await asyncio.gather(*(one(n) for n in cfg.nodes))
+    incidents = store.incidents(1)
+    return {"mesh": cfg.name, "phase": s.phase, "generation": s.generation, "reason": s.reason,
+            "ready_since": s.ready_since, "failures_in_window": len(s.failures),
+            "backoff_until": s.backoff_until, "nodes": list(nodes),
+            "load": [asdict(r) for r in s.ranks],
+            "last_incident": incidents[0] if incidents else None}
