@@ -15,6 +15,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from aiohttp import web
 
@@ -23,7 +24,15 @@ from common.http import bearer_matches, json_error, json_errors, read_json
 from runtime import openai_api as oa
 from runtime.engine import Emission
 
-ADMITTING, LOADING, DRAINING = "admitting", "loading", "draining"
+
+class FrontendPhase(StrEnum):
+    """Rank 0's doors: shut while the model loads and warms up, open, then shut again for good."""
+
+    LOADING = "loading"
+    ADMITTING = "admitting"
+    DRAINING = "draining"
+
+
 WARMUP = "meshd-warmup"  # the readiness generation's request id
 
 
@@ -48,7 +57,7 @@ class Frontend:
         self.drain_deadline = drain_deadline
         self.max_body_bytes = max_body_bytes
         self.secret = secret  # every route wants it as a bearer token, when set
-        self.phase = LOADING
+        self.phase = FrontendPhase.LOADING
         self._inbox: queue.Queue = queue.Queue()
         self._pending: dict[str, Pending] = {}
         self._lock = threading.Lock()
@@ -121,8 +130,8 @@ class Frontend:
 
     def begin_drain(self, mode: str) -> None:
         with self._lock:
-            first = self.phase != DRAINING
-            self.phase = DRAINING
+            first = self.phase != FrontendPhase.DRAINING
+            self.phase = FrontendPhase.DRAINING
             if first:
                 self._drain_started = time.monotonic()
         self._inbox.put({"op": "drain", "mode": mode})
@@ -155,8 +164,8 @@ class Frontend:
         for e in emissions:
             if e.rid == WARMUP and e.finish_reason is not None:
                 with self._lock:
-                    if self.phase == LOADING:
-                        self.phase = ADMITTING
+                    if self.phase == FrontendPhase.LOADING:
+                        self.phase = FrontendPhase.ADMITTING
             elif (p := self._pending_for(e.rid)) is not None:
                 p.put(("token", e))
 
@@ -179,8 +188,8 @@ class Frontend:
 
     # --- HTTP (frontend thread) ------------------------------------------------
     async def _ready(self, request: web.Request) -> web.Response:
-        body = {"ready": self.phase == ADMITTING, "phase": self.phase, "generation": self.generation}
-        return web.json_response(body, status=200 if self.phase == ADMITTING else 503)
+        body = {"ready": self.phase == FrontendPhase.ADMITTING, "phase": self.phase, "generation": self.generation}
+        return web.json_response(body, status=200 if self.phase == FrontendPhase.ADMITTING else 503)
 
     async def _drain(self, request: web.Request) -> web.Response:
         body = await read_json(request) if request.can_read_body else {}
@@ -200,7 +209,7 @@ class Frontend:
         return await self._complete(request, "text")
 
     def _unavailable(self) -> web.Response:
-        why = "loading the model" if self.phase == LOADING else "draining"
+        why = "loading the model" if self.phase == FrontendPhase.LOADING else "draining"
         return json_error(503, f"Generation {self.generation} is {why} and admits no request; retry shortly",
                           code="unavailable", type_="server_error", headers={"Retry-After": "2"})
 
@@ -226,7 +235,7 @@ class Frontend:
 
     async def _complete(self, request: web.Request, kind: str) -> web.StreamResponse:
         req = oa.parse_request(kind, await read_json(request), self.limits, internal=True)
-        if self.phase != ADMITTING:
+        if self.phase != FrontendPhase.ADMITTING:
             return self._unavailable()
         prompt = self._tokenize(req)
         resume = req.resume
@@ -236,7 +245,7 @@ class Frontend:
         run = _Run(self, req, rid, prompt, seed)
         pending = Pending(asyncio.get_running_loop())
         with self._lock:
-            if self.phase != ADMITTING:
+            if self.phase != FrontendPhase.ADMITTING:
                 return self._unavailable()
             self._pending[rid] = pending
         # an answer whose length the client left open stops at the end of the context at the latest

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from meshd.meshctl.ports import free_ports
-from meshd.dataplane.proxy import sse_blocks
+from meshd.dataplane.sse import sse_blocks
 from meshd.upstream import Upstream, UpstreamError
 
 LENGTH = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\": 1}\r\n"

@@ -1,0 +1,346 @@
+"""One client request through one or more upstream attempts.
+
+An exchange knows the proxy only through a `Gate`: the rank 0 to send to (waited
+for), what to tell the fleet, the settings and the metrics. Each attempt goes
+to the `Rank0` the gate hands it.
+
+- Holds the request while the fleet starts or recovers, up to `queue_wait`,
+  then 503 with Retry-After; a client already streaming gets keep-alives.
+- Retries a request whose upstream failed before any data reached the client
+  on the next generation. A stream cut after data is resumed on the next
+  generation (up to `migration_limit` times): rank 0 reports the token ids
+  behind each chunk in SSE comments, the exchange keeps what it delivered and
+  sends the same request with those ids to continue from, and the client sees
+  one stream. Past that, the stream ends with an SSE error event and `data: [DONE]`.
+- A request that was in flight when `poison_after` generations died is refused
+  with 502 (and so is the same request for a while after): it may be what kills them.
+- Sends SSE keep-alive comments while rank 0 is silent (long prefills); a
+  client that goes away closes the upstream request, which cancels it on every rank.
+- Measures time to first token, inter-token latency and tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+from aiohttp import web
+
+from common.errors import error_body
+from common.http import json_error
+from meshd.config import Proxy as ProxyConfig
+from meshd.metrics import ProxyMetrics
+from meshd.seam import Observation
+from meshd.upstream import Upstream, UpstreamError
+from meshd.dataplane.sse import sse_blocks
+from runtime import openai_api as oa
+
+RETRY_AFTER = "5"
+# A chunk carries text when its "content" (chat) or "text" (completions) is a
+# non-empty string. Matching bytes spares decoding every chunk of every stream.
+TEXT_FIELD = re.compile(rb'"(?:content|text)":\s?"(?!")')
+FINISHED = re.compile(rb'"finish_reason":\s?"')
+COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s?(\d+)')
+log = structlog.get_logger("meshd.proxy")
+
+
+@dataclass(frozen=True)
+class Rank0:
+    """Where one attempt goes: a generation's rank 0, over the proxy's connections to it."""
+
+    generation: int
+    url: str
+    auth: dict[str, str] = field(repr=False)
+    connections: Upstream = field(repr=False)
+
+    def post(self, path: str, body: dict):
+        return self.connections.post(self.url + path, body, self.auth)
+
+
+class Gate(Protocol):
+    """What an exchange needs of the proxy it runs in."""
+
+    settings: ProxyConfig
+    metrics: ProxyMetrics
+
+    async def rank0(self, after: int, deadline: float) -> Rank0 | None:
+        """Rank 0 of a serving generation newer than `after`; None when the fleet is down or failed, or
+        not back by `deadline` (a monotonic time)."""
+
+    def hopeless(self) -> bool:
+        """No generation comes by waiting: the fleet failed, stopped or drains."""
+
+    def why_unavailable(self) -> str:
+        """What a client is told when no generation serves it."""
+
+    async def report(self, observation: Observation) -> None:
+        """Tell the fleet what this exchange saw."""
+
+    async def served(self, generation: int) -> None:
+        """A generation answered a request."""
+
+    def quarantine(self, digest: str) -> None:
+        """Refuse the request with this digest for a while: it was in flight as generations died."""
+
+
+def request_digest(path: str, body: dict) -> str:
+    return hashlib.sha256(path.encode() + json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def unavailable(why: str) -> web.Response:
+    return json_error(503, why, code="mesh_unavailable", type_="server_error", headers={"Retry-After": RETRY_AFTER})
+
+
+def quarantined(p: ProxyConfig) -> web.Response:
+    return json_error(502, f"This request was in flight when {p.poison_after} generations of the mesh died; it is "
+                           f"quarantined for {p.quarantine_seconds:.0f}s in case it is what kills them. Change "
+                           "it, or tell the operator (meshctl events)", code="request_quarantined",
+                      type_="server_error")
+
+
+class UpstreamFailed(Exception):
+    """Rank 0 could not be reached or failed before answering. `evidence` when
+    the failure itself says the generation is broken (no connection, a cut
+    stream, a stall), rather than an answer like 503 while draining;
+    `in_flight` when rank 0 had taken the request when it failed."""
+
+    def __init__(self, message: str, evidence: bool = True, in_flight: bool = True):
+        super().__init__(message)
+        self.evidence = evidence
+        self.in_flight = in_flight
+
+
+def answered_failure(status: int, body: bytes) -> UpstreamFailed:
+    """Rank 0 answered 5xx: `generation_failed` means a rank died under this request; anything else
+    (loading, draining) means it never took it."""
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        code = None
+    died = code == "generation_failed"
+    return UpstreamFailed(f"rank 0 answered {status}" + (f" ({code})" if code else ""), evidence=died, in_flight=died)
+
+
+def upstream_failure(e: UpstreamError) -> UpstreamFailed:
+    """No answer from rank 0, as the proxy judges it: a refused connection never reached it; anything
+    later cut a request it had taken."""
+    return UpstreamFailed(str(e), in_flight=e.sent)
+
+
+class Exchange:
+    """`body` is what rank 0 gets, `client_body` what the client sent (what a quarantine recognises);
+    `window` how long rank 0 may stay silent (None: the agents judge); `resumable` when rank 0 reports
+    the token ids a resumption needs (meshd-rank)."""
+
+    def __init__(self, gate: Gate, request: web.Request, req: oa.CompletionRequest, body: dict, client_body: dict,
+                 window: float | None, resumable: bool, deadline: float):
+        self.gate, self.request, self.req, self.deadline = gate, request, req, deadline
+        self.body, self.client_body = body, client_body
+        self.window, self.resumable = window, resumable
+        self.killed: list[int] = []  # generations that died with this request in flight
+        self.resp: web.StreamResponse | None = None  # prepared once anything reached the client
+        self.sent_data = False
+        self.t0 = time.monotonic()
+        self.last_chunk: float | None = None
+        # What the client has of the answer, for a resumption: its id, created and seed (rank 0's first
+        # comment), the token ids and characters of the chunks forwarded, whether its end went out.
+        self.answer: dict | None = None
+        self.delivered: list[int] = []
+        self.chars = 0
+        self.unconfirmed: tuple[int, list[int]] | None = None  # an ids comment whose chunk is not forwarded yet
+        self.ended = False
+        self.migrations = 0
+
+    async def run(self) -> web.StreamResponse:
+        p = self.gate.settings
+        after = -1
+        while True:
+            rank0 = await self._next_rank0(after)
+            if rank0 is None:
+                return await self._give_up(self.gate.why_unavailable())
+            g = rank0.generation
+            try:
+                resp = await (self._stream(rank0) if self.req.stream else self._whole(rank0))
+            except UpstreamFailed as e:
+                log.warning("upstream failed", generation=g, reason=str(e), evidence=e.evidence,
+                            client_has_data=self.sent_data)
+                if e.evidence:
+                    await self.gate.report(Observation(g, "proxy", str(e)))
+                if e.evidence and e.in_flight:
+                    self.killed.append(g)
+                if len(self.killed) >= p.poison_after:
+                    return await self._quarantine()
+                if self.sent_data:
+                    if self.ended:  # only the stream's last bytes were lost
+                        return await self._finish()
+                    if self.answer is None or self.migrations >= p.migration_limit:
+                        return await self._end_stream_with_error(
+                            f"The mesh failed mid-answer ({e}); retry the request")
+                    self.migrations += 1
+                    self.gate.metrics.migrations.inc()
+                    await self.gate.report(Observation(g, "migrated"))
+                else:
+                    self.gate.metrics.retries.inc()
+                after = g
+                self.deadline = time.monotonic() + p.queue_wait
+                continue
+            if resp.status == 200:
+                await self.gate.served(g)
+            return resp
+
+    async def _next_rank0(self, after: int) -> Rank0 | None:
+        """Wait for a generation newer than `after`; a client already streaming gets keep-alives."""
+        while True:
+            step = min(self.deadline, time.monotonic() + self.gate.settings.keepalive_interval) \
+                if self.resp is not None else self.deadline
+            rank0 = await self.gate.rank0(after, step)
+            if rank0 is not None or self.resp is None or time.monotonic() >= self.deadline or self.gate.hopeless():
+                return rank0
+            await self.resp.write(b": keep-alive\n\n")
+
+    async def _quarantine(self) -> web.StreamResponse:
+        digest = request_digest(self.request.path, self.client_body)
+        self.gate.quarantine(digest)
+        log.warning("request quarantined", generations=self.killed, digest=digest[:16])
+        if self.resp is None:
+            return quarantined(self.gate.settings)
+        return await self._end_stream_with_error(
+            f"This request was in flight when generations {self.killed} died; it is quarantined")
+
+    async def _give_up(self, why: str) -> web.StreamResponse:
+        if self.resp is None:
+            return unavailable(why)
+        return await self._end_stream_with_error(why)
+
+    async def _whole(self, rank0: Rank0) -> web.Response:
+        try:
+            async with asyncio.timeout(self.window) if self.window else contextlib.nullcontext():
+                async with rank0.post(self.request.path, self.body) as r:
+                    data = await r.read()
+        except TimeoutError:
+            raise UpstreamFailed(f"no answer within {self.window:.0f}s")
+        except UpstreamError as e:
+            raise upstream_failure(e)
+        if r.status >= 500:
+            raise answered_failure(r.status, data)
+        if r.status == 200 and (m := COMPLETION_TOKENS.search(data)):
+            self.gate.metrics.tokens.inc(int(m.group(1)))
+        return web.Response(body=data, status=r.status, content_type="application/json")
+
+    async def _prepare(self) -> web.StreamResponse:
+        if self.resp is None:
+            self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                    "X-Accel-Buffering": "no"})
+            self.resp.enable_chunked_encoding()
+            await self.resp.prepare(self.request)
+        return self.resp
+
+    def _stream_body(self) -> dict:
+        """What rank 0 gets: asked for the token ids of each chunk, and told where to resume from."""
+        meshd = {"ids": True}
+        if self.answer is not None and self.sent_data:
+            meshd["resume"] = {"ids": self.delivered, "chars": self.chars, **self.answer}
+        return {**self.body, "meshd": meshd}
+
+    async def _stream(self, rank0: Rank0) -> web.StreamResponse:
+        silent_since = time.monotonic()
+
+        async def idle() -> None:
+            if self.window is not None and time.monotonic() - silent_since > self.window:
+                raise UpstreamFailed(f"no token for {self.window:.0f}s")
+            await (await self._prepare()).write(b": keep-alive\n\n")
+
+        body = self._stream_body() if self.resumable else self.body
+        try:
+            async with rank0.post(self.request.path, body) as r:
+                if r.status >= 500:
+                    raise answered_failure(r.status, await r.read())
+                if r.status != 200:
+                    if self.resp is None:
+                        return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+                    return await self._end_stream_with_error(f"rank 0 refused to resume the answer ({r.status})")
+                async for lines in sse_blocks(r, self.gate.settings.keepalive_interval, idle):
+                    out, confirmed, end = self._relay(lines)
+                    if out:
+                        silent_since = time.monotonic()
+                        await (await self._prepare()).write(out)
+                        if confirmed is not None:  # the chunks those ids belong to are with the client now
+                            self.chars, ids = confirmed
+                            self.delivered += ids
+                    if end == b"[DONE]":
+                        await self.resp.write_eof()
+                        return self.resp
+                    if end:
+                        raise answered_failure(503, end)
+                raise UpstreamFailed("rank 0 closed the stream before [DONE]")
+        except UpstreamError as e:
+            raise upstream_failure(e)
+
+    def _relay(self, lines: list[bytes]) -> tuple[bytes, tuple[int, list[int]] | None, bytes]:
+        """What one read of rank 0's stream sends the client: its data lines, as bytes for one write;
+        the last (chars, ids) behind them, to count as delivered once written; and how it ended, if it
+        did: b"[DONE]", or rank 0's own error event (what came before it goes out first)."""
+        out: list[bytes] = []
+        confirmed: tuple[int, list[int]] | None = None
+        ids: list[int] = []
+        texts = 0
+        end = b""
+        for line in lines:
+            if line.startswith(b": "):
+                if line.startswith(b": ids "):
+                    chars, _, given = line[6:].strip().partition(b" ")
+                    self.unconfirmed = (int(chars), [int(t) for t in given.split(b",") if t])
+                elif line.startswith(b": meshd ") and self.answer is None:
+                    self.answer = json.loads(line[8:])
+                continue
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:]
+            if payload.startswith(b'{"error"'):
+                end = payload
+                break
+            if payload.startswith(b"[DONE]"):
+                end = b"[DONE]"
+            else:
+                self.sent_data = True
+                texts += TEXT_FIELD.search(payload) is not None
+                self.ended |= FINISHED.search(payload) is not None
+            out.append(line.rstrip(b"\r") + b"\n\n")
+            if self.unconfirmed is not None:
+                chars, more = self.unconfirmed
+                ids += more
+                confirmed = (chars, ids)
+                self.unconfirmed = None
+            if end:
+                break
+        if texts:  # the chunks of one read arrived together: the first after its gap, the rest at once
+            metrics = self.gate.metrics
+            now = time.monotonic()
+            if self.last_chunk is None:
+                metrics.ttft.observe(now - self.t0)
+            else:
+                metrics.inter_token.observe(now - self.last_chunk)
+            for _ in range(texts - 1):
+                metrics.inter_token.observe(0.0)
+            self.last_chunk = now
+            metrics.tokens.inc(texts)
+        return b"".join(out), confirmed, end
+
+    async def _finish(self) -> web.StreamResponse:
+        resp = await self._prepare()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _end_stream_with_error(self, message: str) -> web.StreamResponse:
+        resp = await self._prepare()
+        err = error_body(message, "server_error", None, "mesh_failed")
+        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+        return await self._finish()
