@@ -1,19 +1,25 @@
 """The one port picker: a run of consecutive free ports on 127.0.0.1, at a
 preferred base when it is free (the demo's URLs stay where users expect them),
 else at a random base (tests, side by side with a running demo). A port is
-handed out once per process: two runs picked before either is bound never
-overlap."""
+free when a server can bind it as meshd's servers do (SO_REUSEADDR) and no live
+socket holds it: the connections a server that just stopped leaves in
+TIME_WAIT do not count. A port is handed out once per process: two runs picked
+before either is bound never overlap."""
 
 from __future__ import annotations
 
 import random
 import socket
 
+import psutil
+
 _handed_out: set[int] = set()
 
 
-def is_free(port: int) -> bool:
+def _binds(port: int, reuse: bool = False) -> bool:
     with socket.socket() as s:
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True
@@ -21,10 +27,28 @@ def is_free(port: int) -> bool:
             return False
 
 
+def tcp_sockets() -> list:
+    """This machine's TCP sockets (psutil's), or none where the OS shows them to root only (macOS)."""
+    try:
+        return psutil.net_connections("tcp")
+    except psutil.AccessDenied:
+        return []
+
+
+def _live_ports() -> set[int]:
+    """Local ports of TCP sockets other than TIME_WAIT ones. Linux lets a bind with SO_REUSEADDR through a
+    port that a connection holds (a ring's, whose listener closed once its peer connected), so they are
+    looked up; macOS, which may not show them, refuses that bind itself."""
+    return {c.laddr.port for c in tcp_sockets() if c.status != psutil.CONN_TIME_WAIT}
+
+
 def run_free(base: int, count: int, taken: set[int] = frozenset()) -> bool:
     """Are base .. base+count-1 all free, and none of them in `taken`?"""
     run = range(base, base + count)
-    return not taken.intersection(run) and all(is_free(p) for p in run)
+    if taken.intersection(run):
+        return False
+    held = [p for p in run if not _binds(p)]  # by a live socket, or only by TIME_WAIT connections
+    return not held or (all(_binds(p, reuse=True) for p in held) and not _live_ports().intersection(held))
 
 
 def free_run(count: int = 1, preferred: int | None = None, taken: set[int] = frozenset()) -> int:
