@@ -19,7 +19,7 @@ from kit.configs import write_mesh
 from kit.meshctl import another_controller, meshctl, stop_controller
 from kit.waiting import wait_for
 from meshd.meshctl import background
-from meshd.meshctl.cli import CliError, log_generation, may_have_ranks
+from meshd.meshctl.cli import CliError, Control, log_generation, may_have_ranks, silent_controller
 from meshd.config import load
 from meshd.meshctl.progress import frame
 from meshd.store import Store
@@ -192,3 +192,35 @@ def test_down_on_a_mesh_that_never_ran_starts_no_controller(tmp_path, demo_model
     assert down.returncode == 0, down.stdout + down.stderr
     assert "nothing to stop" in down.stdout and "starting the controller" not in down.stdout, down.stdout
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(mesh) in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.parametrize("pid,state,says", [
+    (41, "stopped", ["pid 41 is stopped (state T: SIGSTOP, or a debugger holds it)", "`kill -CONT 41` resumes it",
+                     "`kill -KILL 41`, then `meshctl up`"]),
+    (41, "tracing-stop", ["pid 41 is stopped", "`kill -CONT 41`"]),
+    (41, "sleeping", ["pid 41 is sleeping, wedged or overloaded", "`kill 41`, then `meshctl up`"]),
+    (41, None, ["pid 41 has just exited", "`meshctl up` starts one"]),
+    (None, None, ["its process is not one meshctl can see"]),
+], ids=["stopped", "under a debugger", "wedged", "just exited", "not visible"])
+def test_a_controller_that_takes_connections_and_answers_none_is_named_by_its_process(pid, state, says):
+    said = silent_controller("127.0.0.1:8001", pid, state)
+    assert said.startswith("the controller at 127.0.0.1:8001 accepts connections but does not answer")
+    assert all(s in said for s in says), said
+
+
+def test_the_controllers_pid_is_the_listener_on_its_address_when_meshctl_did_not_start_it(tmp_path, demo_model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        mesh = write_mesh(tmp_path, make_agents(tmp_path, 1), demo_model,
+                          control={"listen": f"127.0.0.1:{s.getsockname()[1]}"})
+        assert Control(load(mesh)).process() == (os.getpid(), "running")
+    assert Control(load(mesh)).process() == (None, None)
+
+
+def test_nodes_is_the_demo_meshs_and_takes_the_counts_its_model_divides_into(tmp_path, demo_model):
+    three = run("up", "--nodes", "3")
+    assert three.returncode == 2 and "the demo mesh has 1, 2, 4 or 8 nodes" in three.stderr
+    mesh = write_mesh(tmp_path, make_agents(tmp_path, 2), demo_model)
+    r = run("--config", str(mesh), "up", "--nodes", "1")
+    assert r.returncode == 1 and f"--nodes is the demo mesh's; {mesh} lists this mesh's 2 nodes" in r.stderr

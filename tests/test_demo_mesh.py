@@ -131,7 +131,8 @@ def test_sigstop_of_a_busy_rank_is_a_stall_and_the_mesh_recovers(demo):
     finally:
         if psutil.pid_exists(victim):
             os.kill(victim, signal.SIGCONT)
-    assert demo.incidents()[0]["cause"] == "stall"
+    incident = demo.incidents()[0]
+    assert (incident["cause"], incident["node"]) == ("stall", "node1") and "heartbeat alive" not in incident["detail"]
     assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
 
 
@@ -161,6 +162,59 @@ def test_a_killed_controller_comes_back_and_adopts_the_running_generation(demo):
     metrics = requests.get(after["urls"]["metrics"], timeout=5).text
     assert "meshd_restarts_total" not in metrics.replace("# HELP meshd_restarts_total", "").replace(
         "# TYPE meshd_restarts_total", "")
+
+
+def controller_pid(demo) -> int:
+    return int((demo.home / "demo" / "run" / "controller.pid").read_text().split()[0])
+
+
+def gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_stopped_controller_is_named_stopped_with_the_fix_and_up_starts_no_second_one(demo):
+    demo.wait_ready()
+    pid = controller_pid(demo)
+    os.kill(pid, signal.SIGSTOP)  # its port still accepts connections (the kernel's backlog); nothing answers
+    try:
+        status, up = demo_meshctl(demo.home, "status", check=False), demo_meshctl(demo.home, "up", check=False)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for r in (status, up):
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert f"accepts connections but does not answer: pid {pid} is stopped" in r.stderr, r.stderr
+        assert f"kill -CONT {pid}" in r.stderr and "is it running" not in r.stderr
+    assert controller_pid(demo) == pid and demo.status()["phase"] == "ready"
+
+
+def test_up_while_the_controller_exits_waits_for_it_and_starts_the_next_which_adopts(demo):
+    s = demo.wait_ready()
+    pids = [demo.rank_pid(i) for i in range(4)]
+    old = controller_pid(demo)
+    control = demo.status()["urls"]["control"]
+    os.kill(old, signal.SIGTERM)
+
+    def closed_but_exiting():  # its API closed, its process not gone yet: held there until up is waiting
+        if background.http_status(f"{control}/healthz") is None and not gone(old):
+            os.kill(old, signal.SIGSTOP)
+            return True
+    wait_for(closed_but_exiting, 30, "the controller's API to close as it exits")
+    up = subprocess.Popen([sys.executable, "-m", "meshd.meshctl.cli", "up"], stdout=subprocess.PIPE, text=True,
+                          stderr=subprocess.STDOUT, env={**{k: v for k, v in os.environ.items() if k != "MESHD_CONFIG"},
+                                                         "MESHD_HOME": str(demo.home)})
+    said: list[str] = []
+    threading.Thread(target=lambda: said.extend(up.stdout), daemon=True).start()
+    try:
+        wait_for(lambda: any(f"(pid {old}) does not answer" in line for line in said), 60, "up to wait for it")
+        os.kill(old, signal.SIGCONT)
+        assert up.wait(300) == 0, "".join(said)
+    finally:
+        if not gone(old):
+            os.kill(old, signal.SIGCONT)
+        up.kill()
+    assert f"ready: generation {s['generation']}" in "".join(said)
+    assert controller_pid(demo) != old and gone(old)
+    assert [demo.rank_pid(i) for i in range(4)] == pids and demo.chat().status_code == 200
 
 
 def test_adoption_waits_for_an_agent_that_is_late_and_a_reset_agent_log_is_read_again(demo):
@@ -245,10 +299,12 @@ def test_logs_show_an_agents_and_the_controllers_own_log(demo):
     assert r.returncode == 2 and "not allowed with argument" in r.stderr
 
 
-def test_down_drains_and_leaves_no_process(tmp_path_factory, demo_model):
+def test_down_drains_and_leaves_no_process_and_up_again_keeps_every_port(tmp_path_factory, demo_model):
     home = demo_home(tmp_path_factory, "meshd-home-down")
+    ports = (home / "demo" / "ports.json").read_text()
     demo_meshctl(home, "up")
     status = Demo(home).status()
+    assert Demo(home).chat().status_code == 200
     pids = [n["rank"]["pid"] for n in status["nodes"]]
     out = demo_meshctl(home, "down").stdout
     assert "no process of the mesh remains" in out
@@ -258,6 +314,13 @@ def test_down_drains_and_leaves_no_process(tmp_path_factory, demo_model):
     assert leftovers == []
     r = demo_meshctl(home, "status", check=False)
     assert r.returncode == 1 and "meshctl up" in r.stderr
+    # Up again at once, the connections of the mesh that just stopped still in TIME_WAIT: the same ports,
+    # so the URL the README shows (and a client's configuration) goes on working.
+    again = demo_meshctl(home, "up")
+    assert f"OpenAI URL: {status['urls']['proxy']}" in again.stdout, again.stdout
+    assert (home / "demo" / "ports.json").read_text() == ports
+    assert Demo(home).chat().status_code == 200
+    assert "no process of the mesh remains" in demo_meshctl(home, "down").stdout
 
 
 def test_status_watch_redraws_live_on_a_terminal_while_restart_waits_for_the_next_generation(demo):

@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 
 from common import procs
+from common.tomlcheck import loopback, wildcard
+from meshd.meshctl.ports import tcp_sockets
 
 
 def _read_pid(pidfile: Path) -> procs.Target | None:
@@ -52,6 +54,25 @@ def stop(pidfiles: list[Path], grace: float = 10.0) -> None:
     asyncio.run(procs.stop_ladder(targets, grace=grace, kill_grace=5.0))
     for f in pidfiles:
         f.unlink(missing_ok=True)
+
+
+STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)  # SIGSTOP, or a debugger holds it
+
+
+def process_state(pid: int) -> str | None:
+    """psutil's word for what the process is doing (running, sleeping, stopped, ...); None when it is gone."""
+    try:
+        return psutil.Process(pid).status()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def listener(host: str, port: int) -> int | None:
+    """The pid of the process listening on host:port (or on every address) here, where the OS shows it."""
+    def serves(ip: str) -> bool:
+        return ip == host or wildcard(ip) or (loopback(ip) and loopback(host))
+    return next((c.pid for c in tcp_sockets() if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                 and serves(c.laddr.ip)), None)
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from agents.config import DEFAULT_ENV_ALLOWLIST, DEFAULT_PROFILES
 from common.states import Phase
-from common.tomlcheck import ConfigError
+from common.tomlcheck import ConfigError, listen_host, split_listen
 from meshd.meshctl import background, demo, service
 from meshd.config import MeshConfig, hostfile_for, load
 from meshd.meshctl.progress import Display
@@ -58,10 +58,32 @@ def caller() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
+def silent_controller(listen: str, pid: int | None, state: str | None) -> str:
+    """What to say of a controller that takes connections (the kernel does, into its backlog) and answers
+    none, by the state of its process (`background.process_state`), with the fix."""
+    head = f"the controller at {listen} accepts connections but does not answer"
+    again = "then `meshctl up` starts one that adopts the running generation"
+    if pid is None:
+        return (f"{head}, and its process is not one meshctl can see (another user's, or another machine's): "
+                "its log says why")
+    if state is None:
+        return f"{head}: pid {pid} has just exited; {again}"
+    if state in background.STOPPED:
+        return (f"{head}: pid {pid} is stopped (state T: SIGSTOP, or a debugger holds it). `kill -CONT {pid}` "
+                f"resumes it; or `kill -KILL {pid}`, {again}")
+    return f"{head}: pid {pid} is {state}, wedged or overloaded (its log says which). `kill {pid}`, {again}"
+
+
+def timed_out(e: Exception) -> bool:
+    """Did the connection go unanswered (urllib raises a timeout bare, or in a URLError while connecting)?"""
+    return isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
+
+
 class Control:
     def __init__(self, cfg: MeshConfig):
         self.cfg = cfg
         self.base = cfg.control.url
+        self._looked = False  # at the controller's process, before the first call
 
     def _tls(self):
         """Off loopback the control API speaks TLS: trust the mesh CA only (ConfigError when there is none)."""
@@ -90,15 +112,42 @@ class Control:
         controller on the same address is not this one's)."""
         return (self.cfg.state_dir / "control.token").exists() and self.alive()
 
-    def alive(self) -> bool:
+    def _healthz(self) -> bool | None:
+        """Does /healthz answer 200? None: the connection was taken and nothing answered within 2 s."""
         try:
             with urllib.request.urlopen(f"{self.base}/healthz", timeout=2, context=self._tls()) as r:
                 return r.status == 200
-        except (OSError, ValueError):  # no mesh CA yet (ConfigError) included: nothing to verify it with
-            return False
+        except (OSError, ValueError) as e:  # no mesh CA yet (ConfigError) included: nothing to verify it with
+            return None if timed_out(e) else False
+
+    def alive(self) -> bool:
+        """Does the controller answer? CliError when its process is stopped."""
+        answer = self._healthz()
+        if answer is None:
+            self.not_stopped(probed=True)
+        return bool(answer)
+
+    def process(self) -> tuple[int | None, str | None]:
+        """The controller's pid (the one meshctl started for this mesh, else the process listening on its
+        address here) and its state."""
+        listen = self.cfg.control.listen
+        pid = (background.pid_of(run_dir(self.cfg) / "controller.pid")
+               or background.listener(listen_host(listen), split_listen("control.listen", listen)[1]))
+        return pid, (background.process_state(pid) if pid is not None else None)
+
+    def not_stopped(self, probed: bool = False) -> None:
+        """CliError, at once, when the controller's process is stopped: its port accepts connections and
+        nothing ever answers. `probed`: /healthz just went unanswered (else it is asked first, so a process
+        a debugger pauses for an instant is not called stopped)."""
+        pid, state = self.process()
+        if state in background.STOPPED and (probed or self._healthz() is None):
+            raise CliError(silent_controller(self.cfg.control.listen, pid, state))
 
     def call(self, method: str, path: str, body=None, timeout: float = 30) -> dict:
         """The controller's JSON answer (urllib, not requests: meshctl starts in a quarter of the time)."""
+        if not self._looked:
+            self._looked = True
+            self.not_stopped()
         req = urllib.request.Request(self.base + path, method=method,
                                      data=json.dumps(body).encode() if body is not None else None,
                                      headers={"Authorization": f"Bearer {self.token()}",
@@ -115,6 +164,8 @@ class Control:
                 message = f"{e.code}: {text[:200]}"
             raise CliError(message)
         except (OSError, ValueError) as e:
+            if timed_out(e):
+                raise CliError(silent_controller(self.cfg.control.listen, *self.process()))
             raise CliError(f"cannot reach the controller at {self.base} ({type(e).__name__}); "
                            "is it running? `meshctl up` starts it")
 
@@ -169,18 +220,50 @@ def run_dir(cfg: MeshConfig) -> Path:
     return demo.run_dir(demo.home()) if cfg.path and demo.is_demo(cfg.path) else cfg.state_dir / "run"
 
 
+def settled(ctl: Control, pidfile: Path, timeout: float = 60.0) -> str:
+    """Wait until the controller answers ("answers") or the process `pidfile` names is gone ("exited");
+    "silent" when neither happened within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ctl.alive():
+            return "answers"
+        if not background.running(pidfile):
+            return "exited"
+        time.sleep(0.1)
+    return "silent"
+
+
 def start_controller(cfg: MeshConfig, ctl: Control) -> None:
-    """The mesh's controller as a daemon (the demo's with its agents), once it answers."""
+    """The mesh's controller as a daemon (the demo's with its agents), once it answers. One that meshctl
+    started before and that does not answer is starting (its API opens once it has adopted what runs) or
+    exiting: it is waited for, and replaced once it has exited."""
     run = run_dir(cfg)
+    pidfile, log = run / "controller.pid", run / "controller.log"
+    if (old := background.pid_of(pidfile)) is not None:
+        say(f"the controller meshctl started (pid {old}) does not answer: waiting for it to answer or to exit")
+        outcome = settled(ctl, pidfile)
+        if outcome == "answers":
+            return
+        if outcome == "silent":
+            raise CliError(f"the controller (pid {old}) neither answers nor exits after 60s; its log ({log}) says "
+                           f"why; `kill {old}`, then `meshctl up` starts a new one")
     if cfg.path and demo.is_demo(cfg.path):
-        say(f"demo: starting {demo.WORLD} agents and the controller on 127.0.0.1 (logs in {run})")
+        say(f"demo: starting {len(cfg.nodes)} agent{'s' if len(cfg.nodes) > 1 else ''} and the controller on "
+            f"127.0.0.1 (logs in {run})")
         demo.start_daemons(demo.home(), cfg.path)
     else:
-        say(f"starting the controller for {cfg.name} (log in {run / 'controller.log'})")
-        background.start(background.python_module("meshd.control.controllerd", "--config", str(cfg.path)), run / "controller.pid",
-                      run / "controller.log")
-    if not background.wait_until(ctl.alive, 60):
-        raise CliError(f"the controller did not come up; see {run / 'controller.log'}")
+        say(f"starting the controller for {cfg.name} (log in {log})")
+        background.start(background.python_module("meshd.control.controllerd", "--config", str(cfg.path)), pidfile,
+                         log)
+    outcome = settled(ctl, pidfile)
+    if outcome == "exited":
+        from common import logfile
+
+        found = logfile.tail(log, 1)
+        said = found[0][-1] if found and found[0] else "it wrote nothing"
+        raise CliError(f"the controller exited as it started ({said}); see {log}")
+    if outcome == "silent":
+        raise CliError(f"the controller did not come up within 60s; see {log}")
 
 
 def start_proxy(cfg: MeshConfig) -> None:
@@ -196,8 +279,13 @@ def start_proxy(cfg: MeshConfig) -> None:
 def cmd_up(args) -> int:
     opts = demo.DemoOptions(stall_window=args.stall_window, start_deadline=args.start_deadline,
                             max_failures=args.max_failures, backoff_max=args.backoff_max,
-                            poison_after=args.poison_after, migration_limit=args.migration_limit)
+                            poison_after=args.poison_after, migration_limit=args.migration_limit,
+                            nodes=args.nodes or demo.WORLD)
     cfg = resolve_config(args.config, for_up=True, opts=opts)
+    if args.nodes is not None and args.nodes != len(cfg.nodes):
+        raise CliError(f"the demo mesh runs with {len(cfg.nodes)} nodes: `meshctl down`, then `meshctl up --nodes "
+                       f"{args.nodes}`" if cfg.path and demo.is_demo(cfg.path) else
+                       f"--nodes is the demo mesh's; {cfg.path} lists this mesh's {len(cfg.nodes)} nodes")
     ctl = Control(cfg)
     if not ctl.alive():
         start_controller(cfg, ctl)
@@ -219,7 +307,8 @@ def cmd_up(args) -> int:
         raise CliError(f"the mesh serves but meshd-proxy does not answer on {cfg.proxy.listen}; see "
                        f"{run_dir(cfg) / 'proxy.log'}")
     proxy = status["urls"]["proxy"]
-    say(f"\nready: generation {status['generation']} on {len(status['nodes'])} ranks")
+    ranks = len(status["nodes"])
+    say(f"\nready: generation {status['generation']} on {ranks} rank{'s' if ranks > 1 else ''}")
     say(f"OpenAI URL: {proxy}")
     say(f"try:  curl -s {proxy}/chat/completions -H 'Content-Type: application/json' "
         "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"hello\"}], \"max_tokens\": 32}'")
@@ -631,6 +720,14 @@ def config_first(argv: list[str]) -> list[str]:
     return front + rest
 
 
+def demo_nodes(text: str) -> int:
+    if text not in map(str, demo.NODES):
+        *most, last = map(str, demo.NODES)
+        raise argparse.ArgumentTypeError(f"{text!r}: the demo mesh has {', '.join(most)} or {last} nodes (the ways "
+                                         "its tiny model divides)")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshctl", description="Drive a meshd mesh (the demo mesh when no config).")
     p.add_argument("--config", help="mesh.toml, before or after the command (default: $MESHD_CONFIG, ./mesh.toml, "
@@ -640,6 +737,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start the mesh (the demo mesh when no config) and wait until it serves")
     up.add_argument("--timeout", type=float, default=900)
     up.add_argument("--skip-preflight", action="store_true", help="start without the doctor's checks")
+    up.add_argument("--nodes", type=demo_nodes, metavar="N", help=f"demo: nodes on 127.0.0.1, each an agent and a "
+                                                                  f"rank (default {demo.WORLD}; 1: a mesh of one)")
     up.add_argument("--stall-window", type=float, default=10.0, help="demo: agents' stall window, seconds")
     up.add_argument("--start-deadline", type=float, default=120.0, help="demo: seconds to become ready")
     up.add_argument("--max-failures", type=int, default=5, help="demo: failures in the window before failed")

@@ -1,7 +1,7 @@
-"""The embedded demo mesh: a controller and four agents on 127.0.0.1, each
-agent's rank on the ring backend over loopback, serving the tiny demo model
-built locally on first use. Everything lives under `$MESHD_HOME/demo`
-(default `~/.meshd/meshctl/demo`)."""
+"""The embedded demo mesh: a controller and four agents (`--nodes`: 1, 2, 4 or
+8) on 127.0.0.1, each agent's rank on the ring backend over loopback, serving
+the tiny demo model built locally on first use. Everything lives under
+`$MESHD_HOME/demo` (default `~/.meshd/meshctl/demo`)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from pathlib import Path
 
 from common.secretfile import ensure_secret
 from common.tomlcheck import write_toml
+from meshd.config import load
 from meshd.meshctl import background
 from meshd.meshctl.ports import free_run, run_free
 from runtime.demo_model import build_demo_model
 
-WORLD = 4
+WORLD = 4  # nodes unless `meshctl up --nodes` says otherwise
+NODES = (1, 2, 4, 8)  # the ways the demo model's heads and widths divide
 PREFERRED = {"proxy": 8000, "control": 8001, "rank": 8100, "agents": 7701, "ring": 32323}
 
 
@@ -28,16 +30,17 @@ class DemoOptions:
     backoff_max: float = 10.0
     poison_after: int = 2
     migration_limit: int = 2
+    nodes: int = WORLD
 
 
 def home() -> Path:
     return Path(os.environ.get("MESHD_HOME", Path.home() / ".meshd")) / "demo"
 
 
-def _ports(root: Path) -> dict:
+def _ports(root: Path, nodes: int) -> dict:
     """Ports stay what they were while they are free, so URLs do not move."""
     saved = root / "ports.json"
-    counts = {k: WORLD if k in ("agents", "ring") else 1 for k in PREFERRED}
+    counts = {k: nodes if k in ("agents", "ring") else 1 for k in PREFERRED}
     if saved.exists():
         ports = json.loads(saved.read_text())
         if all(run_free(ports[k], n) for k, n in counts.items()):
@@ -70,7 +73,7 @@ def mesh_config(ports: dict, model: Path, opts: DemoOptions) -> dict:
     return {
         "name": "demo", "backend": "ring", "state_dir": "state",
         "nodes": [{"name": f"node{i}", "agent": f"http://127.0.0.1:{ports['agents'] + i}",
-                   "token_file": f"agents/node{i}/token", "address": "127.0.0.1"} for i in range(WORLD)],
+                   "token_file": f"agents/node{i}/token", "address": "127.0.0.1"} for i in range(opts.nodes)],
         "runtime": {"profile": "meshd-rank", "model": str(model), "port": ports["rank"], "ring_port": ports["ring"],
                     "args": {"max_tokens": 128, "model_name": "demo"}},
         "proxy": {"listen": f"127.0.0.1:{ports['proxy']}", "queue_wait": 120, "keepalive_interval": 5,
@@ -86,8 +89,8 @@ def write_configs(root: Path, opts: DemoOptions, say) -> Path:
     """Write (again) the agent configs and mesh.toml; returns mesh.toml's path."""
     root.mkdir(parents=True, exist_ok=True)
     model = ensure_model(root, say)
-    ports = _ports(root)
-    for i in range(WORLD):
+    ports = _ports(root, opts.nodes)
+    for i in range(opts.nodes):
         d = root / "agents" / f"node{i}"
         d.mkdir(parents=True, exist_ok=True)
         ensure_secret(d / "token")
@@ -104,23 +107,21 @@ def start_daemons(root: Path, mesh: Path) -> None:
     controller that starts a generation before its agents listen only
     records a launch failure."""
     run = run_dir(root)
-    ports = json.loads((root / "ports.json").read_text())
-    for i in range(WORLD):
-        cfg = root / "agents" / f"node{i}" / "agent.toml"
-        background.start(background.python_module("agents.server", "--config", str(cfg)), run / f"agent-node{i}.pid",
-                      run / f"agent-node{i}.log")
-    for i in range(WORLD):
-        url = f"http://127.0.0.1:{ports['agents'] + i}/healthz"
-        if not background.wait_until(lambda: background.answers(url), 60):
-            raise RuntimeError(f"agent node{i} did not come up; see {run / f'agent-node{i}.log'}")
+    nodes = load(mesh).nodes
+    for n in nodes:
+        cfg = root / "agents" / n.name / "agent.toml"
+        background.start(background.python_module("agents.server", "--config", str(cfg)), run / f"agent-{n.name}.pid",
+                      run / f"agent-{n.name}.log")
+    for n in nodes:
+        if not background.wait_until(lambda: background.answers(f"{n.agent}/healthz"), 60):
+            raise RuntimeError(f"agent {n.name} did not come up; see {run / f'agent-{n.name}.log'}")
     background.start(background.python_module("meshd.control.controllerd", "--config", str(mesh)), run / "controller.pid",
                   run / "controller.log")
 
 
 def stop_daemons(root: Path) -> list[int]:
     """Stop the proxy, the controller and the agents; returns any process still there."""
-    run = run_dir(root)
-    background.stop([run / "proxy.pid", run / "controller.pid", *(run / f"agent-node{i}.pid" for i in range(WORLD))])
+    background.stop(sorted(run_dir(root).glob("*.pid")))
     return background.pids_below(root)
 
 
