@@ -70,6 +70,9 @@ def parse_spec(body) -> RankSpec:
     return RankSpec(**body)
 
 
+TAPE_OUTCOMES = (("hit", "tape_hits"), ("miss", "tape_misses"), ("not_reusable", "tape_not_reusable"))
+
+
 class AgentMetrics:
     """Read the supervisor at scrape time."""
 
@@ -93,6 +96,10 @@ class AgentMetrics:
                                      "target accepted", labels=["node", "rank", "kind"])
         refusals = CounterMetricFamily("meshd_agent_rank_draft_fallbacks", "Requests the drafter refused (a "
                                        "shape), decoded plainly instead", labels=["node", "rank"])
+        tape = CounterMetricFamily("meshd_agent_rank_tape_lookups", "Prompts looked up in the token tape, by "
+                                   "outcome: hit (a cache reused exactly), miss (no shared prefix), not_reusable "
+                                   "(a shared prefix the cache could not be cut back to)",
+                                   labels=["node", "rank", "outcome"])
         gen = GaugeMetricFamily("meshd_agent_generation", "Generation of the live rank (-1 when none)",
                                 labels=["node"])
         for rec in self.sup.live():
@@ -108,6 +115,9 @@ class AgentMetrics:
                 for kind in ("proposed", "accepted"):
                     drafts.add_metric([node, str(rec.rank), kind], rec.status.get(f"draft_{kind}", 0))
                 refusals.add_metric([node, str(rec.rank)], rec.status.get("draft_fallbacks", 0))
+            for outcome, field in TAPE_OUTCOMES:
+                if rec.status and field in rec.status:
+                    tape.add_metric([node, str(rec.rank), outcome], rec.status[field])
         current = self.sup.current_generation()
         gen.add_metric([node], -1 if current is None else current)
         exits = CounterMetricFamily("meshd_agent_rank_exits", "Rank exits by kind", labels=["node", "kind"])
@@ -132,8 +142,8 @@ class AgentMetrics:
         memory.add_metric([node, "available"], mem.available)
         events = CounterMetricFamily("meshd_agent_events", "Events emitted", labels=["node"])
         events.add_metric([node], self.sup.events.seq)
-        yield from (up, rss, cpu, mlx, armed, drafts, refusals, gen, exits, sigs, orphans, survivors, reboot, memory,
-                    events)
+        yield from (up, rss, cpu, mlx, armed, drafts, refusals, tape, gen, exits, sigs, orphans, survivors, reboot,
+                    memory, events)
 
 
 def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,

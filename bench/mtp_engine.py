@@ -96,7 +96,7 @@ def main() -> None:
             rate, answers[name] = decode(engine, args.tokens)
             if n:
                 rates[name].append(rate)
-            stats[name] = getattr(engine, "draft_stats", dict)()
+            stats[name] = engine.stats()
     costs = shape_costs(model, sorted({1, *(k + 1 for k in args.draft_tokens)}), args.repeat)
     med = {name: statistics.median(v) for name, v in rates.items()}
     lines = ["", f"### The MTP engine alone, one device (`bench/mtp_engine.py`, {time.strftime('%Y-%m-%d')}, "
@@ -106,7 +106,7 @@ def main() -> None:
              "| engine | decode tok/s (median) | spread (min-max) | / plain | acceptance |", "|---|---|---|---|---|"]
     for name, v in rates.items():
         s = stats[name]
-        acc = f"{s['draft_accepted'] / max(1, s['draft_proposed']):.0%}" if s else "-"
+        acc = f"{s['draft_accepted'] / max(1, s['draft_proposed']):.0%}" if "draft_proposed" in s else "-"
         lines.append(f"| {name} | {med[name]:.1f} | {min(v):.1f}-{max(v):.1f} | {med[name] / med['plain']:.2f}x | {acc} |")
     lines += ["", "What one step's shapes cost, each evaluated alone (ms, median of "
               f"{args.repeat}): " + ", ".join(f"{k} {v:.3f}" for k, v in costs.items()) + ".",

@@ -37,6 +37,9 @@ class RankStatus:
     draft_proposed: int = 0
     draft_accepted: int = 0
     draft_fallbacks: int = 0  # requests the drafter refused (a shape), decoded plainly instead
+    tape_hits: int = 0  # prompts the token tape served: a cache reused exactly
+    tape_misses: int = 0  # prompts no tape shared a prefix with
+    tape_not_reusable: int = 0  # prompts that shared one with a tape whose cache could not be cut back to it
     progress_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     started_at: float = field(default_factory=time.time)

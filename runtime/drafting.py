@@ -56,6 +56,9 @@ class SingleRequestEngine(ABC):
         mx.synchronize()
         self._finish()
 
+    def stats(self) -> dict:
+        return {}
+
     def _finish(self) -> None:
         self._active = None
 
@@ -156,7 +159,7 @@ class MTPEngine(SingleRequestEngine):
         self._log = log
         self.proposed = self.accepted = self.fallbacks = 0
 
-    def draft_stats(self) -> dict:
+    def stats(self) -> dict:
         return {"drafter": "mtp", "draft_proposed": self.proposed, "draft_accepted": self.accepted,
                 "draft_fallbacks": self.fallbacks}
 

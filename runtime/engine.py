@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from runtime.jobs import Emission, Job, emission, finish_reason
 from runtime.sampling import greedy, processors_for, sampler_for
@@ -62,9 +62,13 @@ class SoloDecode:
             self._next = self._forward(mx.array(self.todo, dtype=mx.uint32))
             self.fed += self.todo
             self.todo = []
+        return self._read(go_on=True)
+
+    def _read(self, go_on: bool) -> Emission:
+        """The token queued on the device, read back; with `go_on` the step after it is queued first."""
         (sampled, logprobs), self._next = self._next, None
         self.emitted += 1
-        if self.emitted < self.job.max_tokens:
+        if go_on and self.emitted < self.job.max_tokens:
             self._next = self._forward(sampled)
             mx.async_eval(self._next)
         token = sampled.item()
@@ -73,18 +77,21 @@ class SoloDecode:
         reason = finish_reason(token, self.emitted, self.job.max_tokens, self._eos)
         return emission(self.job.rid, token, reason, logprobs, self.job.logprobs)
 
-    def handover(self) -> tuple[Job, list, int]:
-        """The rest of this job for a batch: a job from the next token on (its prompt the answer so
-        far), the cache, and how much of that prompt the cache holds. The token queued on the device
-        is dropped and the last one read back leaves the cache, so the batch samples that next token
-        itself, with the same key."""
+    def handover(self) -> tuple[Job | None, int, Emission | None]:
+        """The rest of this job for a batch, with the cache as it is (a sliding window past its size
+        or SSM state cannot be cut back): the token queued on the device is read back as the job's
+        next emission and the batch goes on from it. Returns the job from that token on (its prompt
+        the answer so far; None when that token ends the job), how much of its prompt the cache
+        holds, and that token's emission (None while the job is still in its prompt)."""
         job = self.job
         if self.emitted == 0:
-            return job, self.cache, len(self.fed)
-        rest = Job(job.rid, tuple(self.fed), job.max_tokens - self.emitted, job.seed, job.sampling,
-                   job.offset + self.emitted, job.logprobs)
-        trim_prompt_cache(self.cache, 1)
-        return rest, self.cache, len(self.fed) - 1
+            return job, len(self.fed), None
+        last = self._read(go_on=False)
+        if last.finish_reason is not None:
+            return None, len(self.fed), last
+        rest = Job(job.rid, tuple(self.fed) + (last.token,), job.max_tokens - self.emitted, job.seed,
+                   job.sampling, job.offset + self.emitted, job.logprobs)
+        return rest, len(self.fed), last
 
 
 class BatchEngine:
@@ -100,9 +107,8 @@ class BatchEngine:
         self._model = model
         self._eos = eos_ids
         self._prefill_step_size = prefill_step_size
-        # A job alone runs solo only when its cache can give back a token at the handover.
-        self._solo_ok = can_trim_prompt_cache(make_prompt_cache(model))
         self._solo: SoloDecode | None = None
+        self._carried: list[Emission] = []  # a handed-over solo job's last token, out at the next step
         self._rid_by_uid: dict[int, str] = {}
         self._uid_by_rid: dict[str, int] = {}
         self._prompt_left: dict[str, int] = {}
@@ -112,14 +118,23 @@ class BatchEngine:
     def insert(self, job: Job) -> int:
         cache, cached = self.tape.take(job.prompt)
         cache = cache if cache is not None else make_prompt_cache(self._model)
-        if self._solo_ok and not self.busy:
+        if self._solo is None and not self._uid_by_rid:
             self._solo = SoloDecode(self._model, job, cache, cached, self._eos, self._prefill_step_size)
             return cached
         if self._solo is not None:
-            self._join_batch(*self._solo.handover())
-            self._solo = None
+            self._hand_over()
         self._join_batch(job, cache, cached)
         return cached
+
+    def _hand_over(self) -> None:
+        solo, self._solo = self._solo, None
+        rest, cached, last = solo.handover()
+        if last is not None:
+            self._carried.append(last)
+        if rest is None:
+            self.tape.store(tuple(solo.fed), solo.cache)
+        else:
+            self._join_batch(rest, solo.cache, cached)
 
     def _join_batch(self, job: Job, cache: list, cached: int) -> None:
         (uid,) = self._gen.insert(
@@ -142,6 +157,7 @@ class BatchEngine:
         self._logprobs.pop(rid, None)
 
     def cancel(self, rid: str) -> None:
+        self._carried = [e for e in self._carried if e.rid != rid]
         if self._solo is not None and self._solo.job.rid == rid:
             self._solo = None
         if rid in self._uid_by_rid:
@@ -149,14 +165,14 @@ class BatchEngine:
             self._forget(rid)
 
     def step(self) -> list[Emission]:
+        out, self._carried = self._carried, []
         if self._solo is not None:
-            return self._solo_step()
+            return out + self._solo_step()
         prompt_responses, gen_responses = self._gen.next()
         for p in prompt_responses:
             rid = self._rid_by_uid.get(p.uid)
             if rid is not None:
                 self._prompt_left[rid] = p.progress[1] - p.progress[0]
-        out = []
         for r in gen_responses:
             rid = self._rid_by_uid.get(r.uid)
             if rid is None:
@@ -179,7 +195,7 @@ class BatchEngine:
 
     @property
     def busy(self) -> bool:
-        return self._solo is not None or bool(self._uid_by_rid)
+        return self._solo is not None or bool(self._uid_by_rid) or bool(self._carried)
 
     def prompt_tokens_in_flight(self) -> int:
         return sum(self._prompt_left.values()) + (len(self._solo.todo) if self._solo is not None else 0)
@@ -187,3 +203,7 @@ class BatchEngine:
     def close(self) -> None:
         mx.synchronize()
         self._gen.close()
+
+    def stats(self) -> dict:
+        return {"tape_hits": self.tape.hits, "tape_misses": self.tape.misses,
+                "tape_not_reusable": self.tape.not_reusable}

@@ -68,3 +68,6 @@ class Engine(Protocol):
     def prompt_tokens_in_flight(self) -> int: ...
 
     def close(self) -> None: ...
+
+    def stats(self) -> dict:
+        """The engine's counters, as RankStatus fields."""

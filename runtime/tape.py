@@ -1,43 +1,66 @@
-"""The token tape: the batch engine's prefix cache, keyed by post-template token ids."""
+"""The token tape: the batch engine's prefix cache, keyed by post-template token ids.
+
+A cache is reused only where that is exact. A plain KV cache is cut back to
+the prefix a prompt shares with its tape. Some caches cannot be cut back: a
+sliding window (RotatingKVCache) once past its size, SSM state (ArraysCache)
+always; such a cache serves only a prompt that extends its whole tape, and
+any other prompt is prefilled afresh.
+"""
 
 from __future__ import annotations
 
 import copy
 from collections import deque
 
-from mlx_lm.models.cache import trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+
+def reusable_prefix(shared: int, stored: int, prompt: int, trimmable: bool) -> int:
+    """How many tokens of a stored tape of `stored` tokens a prompt of `prompt` tokens starts from, when
+    they share `shared`: at most all but the prompt's last token (always left to process), and from a
+    cache that cannot be cut back only its whole tape."""
+    n = min(shared, prompt - 1)
+    return n if trimmable or n == stored else 0
 
 
 class TokenTape:
-    """Append-only tapes of post-template token ids with their KV caches.
-
-    A follow-up turn whose prompt extends a stored tape prefills only the new
-    tokens. Entries are kept in LRU order up to `capacity`."""
+    """Append-only tapes of post-template token ids with their caches, kept in
+    LRU order up to `capacity`; each `take` counts as a hit, a miss (no tape
+    shares a prefix) or not reusable (one does, but its cache cannot be cut
+    back to it)."""
 
     def __init__(self, capacity: int = 8):
         self.capacity = capacity
         self._entries: deque[tuple[tuple[int, ...], list]] = deque()
+        self.hits = self.misses = self.not_reusable = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def take(self, prompt: tuple[int, ...]) -> tuple[list | None, int]:
-        """The cache for the longest stored prefix of `prompt` (a copy, trimmed
-        to the shared prefix) and that prefix length; at least one prompt token
-        is always left to process."""
-        best, best_len = None, 0
-        for i, (tape, _) in enumerate(self._entries):
+        """A copy of the cache that serves the longest reusable prefix of `prompt`, cut back to it, and
+        that prefix's length; (None, 0) when none does."""
+        best, best_len, shared = None, 0, False
+        for i, (tape, cache) in enumerate(self._entries):
             n = _common_prefix(tape, prompt)
+            shared = shared or min(n, len(prompt) - 1) > 0
+            n = reusable_prefix(n, len(tape), len(prompt), can_trim_prompt_cache(cache))
             if n > best_len:
                 best, best_len = i, n
-        best_len = min(best_len, len(prompt) - 1)
-        if best is None or best_len <= 0:
+        if best is None:
+            if shared:
+                self.not_reusable += 1
+            else:
+                self.misses += 1
             return None, 0
-        tape, cache = self._entries[best]
+        tape, stored = self._entries[best]
+        cache = copy.deepcopy(stored)
+        if trim_prompt_cache(cache, len(tape) - best_len) != len(tape) - best_len:
+            self.not_reusable += 1
+            return None, 0
         del self._entries[best]
-        self._entries.append((tape, cache))
-        cache = copy.deepcopy(cache)
-        trim_prompt_cache(cache, len(tape) - best_len)
+        self._entries.append((tape, stored))
+        self.hits += 1
         return cache, best_len
 
     def store(self, tape: tuple[int, ...], cache: list) -> None:

@@ -11,7 +11,7 @@ from runtime.engine import BatchEngine, Job
 from runtime.lockstep import Divergence, Lockstep, PeerLost, fold
 from runtime.openai_api import SamplingParams
 from runtime.sampling import SeededSampler
-from runtime.tape import TokenTape
+from runtime.tape import TokenTape, reusable_prefix
 
 
 def cache_of(n: int) -> list:
@@ -138,6 +138,93 @@ def test_a_solo_answer_is_the_reference_greedy_answer_and_feeds_the_tape(demo, r
     assert engine.insert(Job("b", prompt + tuple(tokens[:10]) + prompt, 4, 0, greedy)) == len(prompt) + 10
 
 
+def tiny_model(family: str):
+    """A tiny random model of an mlx-lm family whose cache cannot always be cut back: gemma3_text with a
+    sliding window of 8 (RotatingKVCache layers beside KVCache ones) or qwen3_next (SSM state in
+    ArraysCache layers beside KVCache ones)."""
+    from mlx_lm.models import gemma3_text, qwen3_next
+
+    mx.random.seed(0)
+    if family == "gemma3_text":
+        model = gemma3_text.Model(gemma3_text.ModelArgs(
+            model_type="gemma3_text", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+            num_attention_heads=2, head_dim=16, num_key_value_heads=1, vocab_size=128, sliding_window=8,
+            sliding_window_pattern=2, query_pre_attn_scalar=16))
+    else:
+        model = qwen3_next.Model(qwen3_next.ModelArgs(
+            model_type="qwen3_next", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+            num_attention_heads=2, linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=0, num_experts_per_tok=0,
+            decoder_sparse_step=1, shared_expert_intermediate_size=0, mlp_only_layers=[0, 1],
+            moe_intermediate_size=0, rms_norm_eps=1e-6, vocab_size=128, num_key_value_heads=1,
+            rope_theta=10000.0, partial_rotary_factor=0.5, max_position_embeddings=512, head_dim=16,
+            full_attention_interval=2))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3_text", "qwen3_next"],
+                ids=["KVCache (llama)", "RotatingKVCache, window 8 (gemma3_text)", "ArraysCache (qwen3_next)"])
+def family(request, demo):
+    """A model and whether its tape cuts back to any shared prefix (only plain KV caches do)."""
+    if request.param == "llama":
+        return demo[0], True
+    return tiny_model(request.param), False
+
+
+GREEDY = {**SAMPLING, "temperature": 0.0}
+
+
+def ask(engine, rid: str, prompt: tuple[int, ...]) -> tuple[int, list[int]]:
+    """How many prompt tokens came from the tape, and the greedy answer."""
+    cached = engine.insert(Job(rid, prompt, 16, 0, GREEDY))
+    out = []
+    while engine.busy:
+        out += [e.token for e in engine.step() if e.token is not None]
+    return cached, out
+
+
+def test_a_repeated_prompt_and_a_partial_prefix_answer_as_a_fresh_engine_whatever_the_cache(family):
+    """The tape reuses a cache only where that is exact: cut back to the shared prefix where the cache
+    can be, else only for a prompt that extends its tape; otherwise the prompt is prefilled afresh."""
+    model, trimmable = family
+    engine = BatchEngine(model, set())
+    prompt = tuple(range(5, 45))
+    _, first = ask(engine, "a", prompt)
+    assert ask(engine, "b", prompt) == ((len(prompt) - 1 if trimmable else 0), first)
+    partial = prompt[:30] + tuple(range(60, 70))
+    assert ask(engine, "c", partial) == ((30 if trimmable else 0), ask(BatchEngine(model, set()), "c", partial)[1])
+    turn = prompt + tuple(first) + (7, 8, 9)  # the tape holds the prompt and the answer but its last token
+    assert ask(engine, "d", turn) == (len(prompt) + len(first) - 1, ask(BatchEngine(model, set()), "d", turn)[1])
+    assert engine.stats() == {"tape_hits": 3 if trimmable else 1, "tape_misses": 1,
+                              "tape_not_reusable": 0 if trimmable else 2}
+
+
+@pytest.mark.parametrize("join_at,length", [(2, 40), (20, 40), (20, 16)],
+                         ids=["in prefill", "mid-answer", "at its last token"])
+def test_a_request_alone_then_joined_answers_as_it_would_alone_whatever_the_cache(family, join_at, length):
+    """The solo request joins the batch without cutting its cache back, which a sliding window past its
+    size or SSM state cannot do. (Its prompt takes 5 steps in chunks of 8, so at step 20 it has 15
+    tokens out and the 16th on the device.)"""
+    model, _ = family
+    s = {**SAMPLING, "temperature": 0.8, "repetition_penalty": 1.3}
+    first, second = Job("a", tuple(range(5, 45)), length, 7, s), Job("b", tuple(range(5, 14)), 16, 3, s)
+    alone = {**answers(model, set(), [first], prefill_step_size=8), **answers(model, set(), [second])}
+    assert answers(model, set(), [first, second], join_at, prefill_step_size=8) == alone
+
+
+@pytest.mark.parametrize("shared,stored,prompt,trimmable,reused", [
+    (0, 10, 20, True, 0),      # nothing shared
+    (6, 10, 20, True, 6),      # cut back to the shared prefix
+    (10, 10, 10, True, 9),     # the same prompt again: its last token is left to process
+    (6, 10, 20, False, 0),     # cannot be cut back
+    (10, 10, 20, False, 10),   # extends its tape: nothing to cut
+    (10, 10, 10, False, 0),    # the same prompt again would need its last token cut off
+])
+def test_how_much_of_a_tape_a_prompt_reuses(shared, stored, prompt, trimmable, reused):
+    assert reusable_prefix(shared, stored, prompt, trimmable) == reused
+
+
 def two_rank_lockstep(peer_share):
     """Rank 0 of two, its collective summing in what the transport got from rank 1 (None: nothing, as
     a ring transport that gave up on a dead peer hands back the local buffer)."""
@@ -191,7 +278,7 @@ def test_the_heads_drafts_do_not_depend_on_how_the_prompt_was_chunked(mtp_demo, 
     runs = []
     for chunk in (16, 512):
         engine = MTPEngine(model, set(), num_draft_tokens=k, prefill_step_size=chunk, log=lambda line: None)
-        runs.append((drain(engine, job), engine.draft_stats()))
+        runs.append((drain(engine, job), engine.stats()))
     assert runs[0] == runs[1] and runs[0][1]["draft_accepted"] > 0
 
 
@@ -204,7 +291,7 @@ def test_mtp_drafting_answers_what_plain_decoding_answers(mtp_demo, sampling, k)
     plain = drain(BatchEngine(model, eos, prefill_step_size=16), job)
     engine = MTPEngine(model, eos, num_draft_tokens=k, prefill_step_size=16, log=lambda line: None)
     assert drain(engine, job) == plain
-    stats = engine.draft_stats()
+    stats = engine.stats()
     assert stats["draft_proposed"] > 0 and stats["draft_fallbacks"] == 0
     assert drain(engine, Job("b", job.prompt, 48, 7, s), cancel_after=5)[:5] == plain[:5]  # a cancel ends it
     assert not engine.busy

@@ -3,6 +3,7 @@ the OpenAI contract, lockstep under sampling, cancellation, prefix reuse and
 bad input."""
 
 import json
+import time
 
 import pytest
 import requests
@@ -137,6 +138,7 @@ def test_prefix_reuse_counts_cached_tokens_and_keeps_output(mesh2, reference):
     r1 = requests.post(f"{mesh2.url}/v1/chat/completions", timeout=60,
                        json={"messages": turn1, "max_tokens": 10}).json()
     answer = r1["choices"][0]["message"]["content"]
+    lookups, hits = tape_counts_after(mesh2, time.time())
     turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
     r2 = requests.post(f"{mesh2.url}/v1/chat/completions", timeout=60,
                        json={"messages": turn2, "max_tokens": 10}).json()
@@ -145,6 +147,20 @@ def test_prefix_reuse_counts_cached_tokens_and_keeps_output(mesh2, reference):
     ids = reference.tokenizer.apply_chat_template(turn2, add_generation_prompt=True)
     assert len(ids) > cached >= len(reference.tokenizer.apply_chat_template(turn1, add_generation_prompt=True))
     assert r2["choices"][0]["message"]["content"] == reference(ids, 10)
+    assert tape_counts_after(mesh2, time.time()) == (lookups + 1, hits + 1)
+
+
+def tape_counts_after(mesh, t: float) -> tuple[int, int]:
+    """The token tape's lookups and hits, the same on every rank, in status files written after `t` (a
+    rank counts a lookup at the request's insert, long before its last step)."""
+    def read():
+        statuses = [mesh.status(r) for r in range(len(mesh.procs))]
+        if any(s is None or s["updated_at"] <= t for s in statuses):
+            return None
+        counts = {(s["tape_hits"] + s["tape_misses"] + s["tape_not_reusable"], s["tape_hits"]) for s in statuses}
+        assert len(counts) == 1, statuses
+        return counts.pop()
+    return wait_for(read, 10, "every rank's status file written after the request")
 
 
 def test_status_file_shows_decode_progress(mesh2):
