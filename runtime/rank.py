@@ -10,6 +10,7 @@ synchronizes, closes its generator and exits 0.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -19,20 +20,17 @@ import traceback
 from pathlib import Path
 
 import mlx.core as mx
-import mlx_lm.utils
-from mlx.utils import tree_flatten
 from mlx_lm import load as load_whole
-from mlx_lm.utils import load_config, load_tokenizer
+from mlx_lm.utils import load_config, load_model, load_tokenizer
 
 from common.hostfile import DISTRIBUTED_ENV, distributed_backend
 from common.tomlcheck import loopback
 from common.states import RankState
 from common.statusfile import RankStatus
-from runtime import dspark, families, openai_api as oa
+from runtime import openai_api as oa
 from runtime.drafting import MTPEngine, SpeculativeEngine
 from runtime.engine import BatchEngine, Job
 from runtime.lockstep import Divergence, Lockstep, fold
-from runtime.overlay import OverlayError, check_loaded, checkpoint_tensors, overlay_for, set_up
 from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend
 from runtime.status import Heartbeat
@@ -83,24 +81,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_sharded(model_path: Path, group, on_progress, overlay=None):
-    """Load lazily through the loader in place now (an overlay's setup may have replaced it), check every
-    checkpoint tensor landed, shard across `group` (DSpark's stages as the backbone's layers), then
-    materialise layer by layer so progress is real: (layers and stages done, total)."""
-    try:
-        model, config = mlx_lm.utils.load_model(model_path, lazy=True)
-    except ValueError as e:
-        raise OverlayError(f"the checkpoint at {model_path} does not fit its model: {' '.join(str(e).split())[:800]}"
-                           ) from None
-    check_loaded(overlay, model, checkpoint_tensors(model_path), [k for k, _ in tree_flatten(model.parameters())])
+def load_sharded(model_path: Path, group, on_progress):
+    """Load lazily, shard across `group`, then materialise layer by layer so
+    progress is real: (layers done, layers total)."""
+    model, config = load_model(model_path, lazy=True, strict=False)
     if group.size() > 1:
         if not hasattr(model, "shard"):
             raise SystemExit(f"meshd-rank: {config.get('model_type')} models cannot be sharded "
                              "(no tensor-parallel support in mlx-lm); run a single rank")
         model.shard(group)
-        if dspark.stages(model):
-            dspark.shard_stages(model, group)
-    layers = list(model.layers) + dspark.stages(model)
+    layers = list(model.layers)
     total = len(layers) + 1
     on_progress(0, total)
     for i, layer in enumerate(layers):
@@ -258,12 +248,12 @@ def mlx_memory() -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model_path = Path(args.model)
-    overlay = overlay_for(args.model_package)
-    try:
-        if overlay:
-            set_up(overlay)
-    except OverlayError as e:
-        sys.exit(f"meshd-rank: {e}")
+    if args.model_package:
+        try:
+            importlib.import_module(args.model_package)
+        except ImportError as e:
+            sys.exit(f"meshd-rank: --model-package {args.model_package} cannot be imported ({e}); install it on "
+                     "this node (`meshctl doctor` checks every node has it, in one version)")
     if not (model_path / "config.json").is_file():
         sys.exit(f"meshd-rank: no model at {model_path} (config.json missing); "
                  "pass --model with an mlx-lm model directory")
@@ -291,7 +281,6 @@ def main(argv: list[str] | None = None) -> None:
         log(f"loading {done}/{total}")
 
     config = load_config(model_path)
-    families.refuse(config, draft=args.draft_model, drafter=args.drafter, batch=args.completion_batch_size)
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
     frontend = None
     context = args.max_context or int(config.get("max_position_embeddings", 4096))
@@ -304,10 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         except OSError as e:
             sys.exit(f"meshd-rank: cannot listen on {args.host}:{args.port} ({e}); pick a free --port")
     began = time.monotonic()
-    try:
-        model = load_sharded(model_path, group, progress, overlay)
-    except OverlayError as e:
-        sys.exit(f"meshd-rank: {e}")
+    model = load_sharded(model_path, group, progress)
     log(f"loaded in {time.monotonic() - began:.1f}s")
 
     eos = set(tokenizer.eos_token_ids)
