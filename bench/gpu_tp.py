@@ -41,7 +41,7 @@ from kit.agents import make_agents
 from kit.demo_answers import endless
 from kit.meshctl import stop_controller
 from kit.waiting import wait_for
-from meshd.seam import rank_secret
+from meshd.seam import rank_key, rank_secret
 from meshd.meshctl.ports import free_ports
 
 
@@ -235,7 +235,7 @@ def main() -> None:
             f"steps {result['cold_start_steps']}")
         s = status(mesh)
         rank0 = f"http://127.0.0.1:{rank_port}/v1"
-        secret = rank_secret((work / "state" / "rank.key").read_text().strip(), s["generation"])
+        secret = rank_secret(rank_key(work / "state"), s["generation"])
         rank0_auth = {"Authorization": f"Bearer {secret}"}  # what the proxy sends
 
         plain = {engine: PlainLoop(work, engine, model, args) for engine in args.loops}

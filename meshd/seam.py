@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable, Protocol
 
 from common.errors import ApiError
-from common.secretfile import derive
+from common.secretfile import derive, ensure_secret
 from common.states import Phase
 
 SOURCES = ("proxy", "probe", "served", "migrated")
+
+
+def rank_key(state_dir: Path, create: bool = False) -> str:
+    """The mesh's rank key, state_dir/rank.key, that every generation's rank secret derives from. The
+    controller creates it (`create`); a reader where there is none, or where it may not read it: OSError."""
+    path = state_dir / "rank.key"
+    return ensure_secret(path) if create else path.read_text().strip()
 
 
 def rank_secret(key: str, generation: int) -> str:

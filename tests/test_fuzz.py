@@ -32,7 +32,7 @@ from meshd.control.controller import Controller
 from meshd.control.controllerd import control_app
 from meshd.metrics import Metrics, ProxyMetrics
 from meshd.dataplane.proxy import Proxy
-from meshd.seam import rank_secret
+from meshd.seam import rank_key, rank_secret
 from meshd.store import Store
 from runtime.openai_api import Limits
 from runtime.server import Frontend
@@ -78,7 +78,7 @@ def fuzz_mesh(tmp_path_factory, demo_model):
     assert up.returncode == 0, up.stdout + up.stderr
     status = json.loads(meshctl(mesh, "status", "--json").stdout)
     token = (tmp / "state" / "control.token").read_text().strip()
-    secret = rank_secret((tmp / "state" / "rank.key").read_text().strip(), status["generation"])
+    secret = rank_secret(rank_key(tmp / "state"), status["generation"])
     rank0 = f"http://127.0.0.1:{tomllib.loads(mesh.read_text())['runtime']['port']}"
     yield {"proxy": status["urls"]["proxy"].removesuffix("/v1"), "control": status["urls"]["control"],
            "token": token, "mesh": mesh, "agents": agents, "rank0": rank0, "rank_secret": secret}
@@ -115,7 +115,7 @@ def test_rank0_refuses_every_route_without_the_generations_secret(case, fuzz_mes
 def test_a_generations_secret_opens_no_other_generation(fuzz_mesh):
     state = fuzz_mesh["mesh"].parent / "state"
     g = json.loads(meshctl(fuzz_mesh["mesh"], "status", "--json").stdout)["generation"]
-    key = (state / "rank.key").read_text().strip()
+    key = rank_key(state)
     for other in (g - 1, g + 1):
         r = requests.get(f"{fuzz_mesh['rank0']}/internal/ready",
                          headers={"Authorization": f"Bearer {rank_secret(key, other)}"}, timeout=10)

@@ -18,7 +18,6 @@ import aiohttp
 import structlog
 
 from common.protocol import RankSpec, StopResult
-from common.secretfile import ensure_secret
 from common.states import Phase
 from common.tomlcheck import ConfigError
 from meshd.nodes import doctor, provision
@@ -27,7 +26,7 @@ from meshd.control.intake import Intake
 from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
 from meshd.config import MeshConfig, hostfile_for
 from meshd.metrics import Metrics
-from meshd.seam import Observation, Serving, rank_secret, wait_until
+from meshd.seam import Observation, Serving, rank_key, rank_secret, wait_until
 from meshd.store import Store
 from meshd.upstream import Upstream, probe_ready
 
@@ -44,7 +43,7 @@ class Controller:
         self.store = store
         self.metrics = metrics
         self.policy = policy_for(cfg)
-        self.rank_key = ensure_secret(cfg.state_dir / "rank.key")
+        self.rank_key = rank_key(cfg.state_dir, create=True)
         metrics.desired_up.set(store.get("desired") == "up")
         saved = store.get("fleet", {})
         carried = store.open_incident_row()

@@ -34,20 +34,23 @@ def meaning_of(ev: Event) -> fleet.RankDied | fleet.RankReported | None:
             return fleet.RankDied(*where, "signature", f"{name}: {line[-200:]}", reboot=severity == "reboot",
                                   consequence=role == "consequence", at=ev.at)
         case RankStalled(idle_for=idle, window=window, phase=phase, frozen=frozen):
-            # A stall happened when the rank stopped moving, not when its window ran out: a frozen rank's
-            # window (a longer prompt's) can run out after those of the peers that only wait for it.
             return fleet.RankDied(*where, "stall", f"no progress for {idle:.1f}s (window {window:.1f}s) while "
                                                    f"{phase}" + ("" if frozen else ", its heartbeat alive"),
-                                  consequence=not frozen, at=ev.at - idle)
+                                  consequence=not frozen, at=ev.at)
         case RebootRequired(reason=reason):
             return fleet.RankDied(*where, "reboot_required", reason, reboot=True, at=ev.at)
     return None
 
 
+def refused_for_good(status: int | None) -> bool:
+    """A 4xx answer: the request is wrong, and will be whenever it is made again."""
+    return status is not None and 400 <= status < 500
+
+
 def launch_refused(node: str, rank: int, generation: int, status: int | None, message: str) -> fleet.RankDied:
     """An agent that would not start its rank: a 4xx other than 409 (another generation still
     running there) is a spec it will never run."""
-    deterministic = status is not None and 400 <= status < 500 and status != 409
+    deterministic = refused_for_good(status) and status != 409
     return fleet.RankDied(node, rank, generation, "launch", message, deterministic=deterministic)
 
 
@@ -60,7 +63,7 @@ def observed(obs: Observation, rank0_node: str) -> fleet.RankDied | fleet.Reques
         return fleet.RequestServed(obs.generation)
     if obs.source == "migrated":
         return fleet.RequestMigrated(obs.generation)
-    deterministic = obs.source == "probe" and obs.status is not None and 400 <= obs.status < 500
+    deterministic = obs.source == "probe" and refused_for_good(obs.status)
     return fleet.RankDied(rank0_node, 0, obs.generation, obs.source, obs.detail, consequence=True,
                           deterministic=deterministic)
 
@@ -78,4 +81,4 @@ def readiness(seen: ReadinessSeen, rank0_node: str, generation: int) -> tuple[bo
         return True, None
     return False, fleet.RankDied(rank0_node, 0, generation, "readiness",
                                  f"a one-token completion answered {seen.status}: {seen.body[:200]}",
-                                 deterministic=400 <= seen.status < 500)
+                                 deterministic=refused_for_good(seen.status))

@@ -23,7 +23,7 @@ import structlog
 
 from common.states import Phase
 from meshd.config import MeshConfig
-from meshd.seam import Observation, Serving, rank_secret, wait_until
+from meshd.seam import Observation, Serving, rank_key, rank_secret, wait_until
 from meshd.store import read_value
 
 log = structlog.get_logger("meshd.fleetlink")
@@ -39,7 +39,7 @@ def remembered(cfg: MeshConfig) -> Serving | None:
     key. None when there is no record (or no key: the proxy runs as the controller's user)."""
     fleet = read_value(cfg.store_path, "fleet")
     try:
-        key = (cfg.state_dir / "rank.key").read_text().strip()
+        key = rank_key(cfg.state_dir)
         phase, generation = Phase(fleet["phase"]), int(fleet["generation"])
     except (OSError, TypeError, KeyError, ValueError):
         return None

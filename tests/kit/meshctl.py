@@ -17,7 +17,7 @@ from kit.agents import make_agents
 from kit.configs import write_mesh
 from kit.waiting import wait_for
 from meshd import config as mesh_config
-from meshd.seam import rank_secret
+from meshd.seam import rank_key, rank_secret
 from meshd.meshctl.demo import PREFERRED, WORLD
 from meshd.meshctl.ports import free_run
 
@@ -116,7 +116,7 @@ class Demo:
     def rank0(self, generation: int) -> tuple[str, dict]:
         """Rank 0's address and the header that opens it in `generation` (what the proxy sends)."""
         cfg = mesh_config.load(self.home / "demo" / "mesh.toml")
-        secret = rank_secret((cfg.state_dir / "rank.key").read_text().strip(), generation)
+        secret = rank_secret(rank_key(cfg.state_dir), generation)
         return f"http://127.0.0.1:{cfg.runtime.port}", {"Authorization": f"Bearer {secret}"}
 
     def rank_pid(self, i: int) -> int:
