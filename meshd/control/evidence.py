@@ -34,9 +34,11 @@ def meaning_of(ev: Event) -> fleet.RankDied | fleet.RankReported | None:
             return fleet.RankDied(*where, "signature", f"{name}: {line[-200:]}", reboot=severity == "reboot",
                                   consequence=role == "consequence", at=ev.at)
         case RankStalled(idle_for=idle, window=window, phase=phase, frozen=frozen):
+            # A stall happened when the rank stopped moving, not when its window ran out: a frozen rank's
+            # window (a longer prompt's) can run out after those of the peers that only wait for it.
             return fleet.RankDied(*where, "stall", f"no progress for {idle:.1f}s (window {window:.1f}s) while "
                                                    f"{phase}" + ("" if frozen else ", its heartbeat alive"),
-                                  consequence=not frozen, at=ev.at)
+                                  consequence=not frozen, at=ev.at - idle)
         case RebootRequired(reason=reason):
             return fleet.RankDied(*where, "reboot_required", reason, reboot=True, at=ev.at)
     return None
