@@ -1,0 +1,76 @@
+"""The tiny checkpoint in DeepSeek-V4 DSpark's layout (model type deepseek_v4, three mtp.* stages after four
+backbone layers, `main_proj` over the last three layers' taps, a Markov head), built here from the omlx
+stand-in's classes (tests/standins/omlx, over mlx-lm's deepseek_v41) with the demo tokenizer, and the
+environment a rank needs to import that stand-in."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+STANDINS = Path(__file__).resolve().parents[1] / "standins"
+CONFIG = {"model_type": "deepseek_v4", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4,
+          "num_attention_heads": 8, "head_dim": 16, "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 4,
+          "o_lora_rank": 16, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+          "swiglu_limit": 10.0, "rms_norm_eps": 1e-6, "sliding_window": 16, "compress_ratios": [],
+          "hc_mult": 2, "hc_sinkhorn_iters": 3, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+          # the published config's 1, which is not the stage count (n_mtp_layers is)
+          "num_nextn_predict_layers": 1, "n_mtp_layers": 3, "dspark_block_size": 5,
+          "dspark_noise_token_id": 511, "dspark_target_layer_ids": [1, 2, 3], "dspark_markov_rank": 8,
+          "torch_dtype": "float32"}
+
+
+def standin_env() -> dict:
+    """What a rank's environment needs for `model_package = "omlx"` to find the stand-in."""
+    return {"PYTHONPATH": os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+
+def build_dspark_model(path: Path, markov_steps: int = 150, seed: int = 0) -> Path:
+    """Write the checkpoint to `path`: seeded random weights, the Markov head fitted to the bigrams of the
+    backbone's own greedy text (so drafts are right where that text repeats itself)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_flatten
+
+    from runtime.demo_model import DemoModelSpec, build_demo_model
+
+    if str(STANDINS) not in sys.path:
+        sys.path.insert(0, str(STANDINS))
+    from omlx.patches.deepseek_v4 import apply_deepseek_v4_patch, deepseek_v4_model as v4
+    from omlx.patches.mlx_lm_mtp import apply_mlx_lm_mtp_patch, set_mtp_active
+
+    apply_deepseek_v4_patch()
+    apply_mlx_lm_mtp_patch()
+    set_mtp_active(True)
+    build_demo_model(path, DemoModelSpec())  # the tokenizer and its chat template; config and weights replaced
+    config = {**CONFIG, "eos_token_id": json.loads((path / "config.json").read_text())["eos_token_id"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    mx.random.seed(seed)
+    model = v4.Model(v4.ModelArgs.from_dict(config))
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 4.0  # clear greedy winners
+    head = model.mtp[-1].markov_head
+    tokens, cache = mx.random.randint(0, 500, (96, 4)), model.make_cache()
+    logits = model(tokens, cache)
+    for _ in range(40):
+        tokens = mx.concatenate([tokens, mx.argmax(logits[:, -1:], axis=-1)], axis=1)
+        logits = model(tokens[:, -1:], cache)
+        mx.eval(logits)
+    prev, nxt = tokens[:, 3:-1].reshape(-1), tokens[:, 4:].reshape(-1)
+
+    def loss(h):
+        return nn.losses.cross_entropy(h.markov_w2(h.markov_w1(prev)), nxt, reduction="mean")
+
+    optimizer, step = optim.Adam(learning_rate=3e-2), nn.value_and_grad(head, loss)
+    for _ in range(markov_steps):
+        _, grads = step(head)
+        optimizer.update(head, grads)
+        mx.eval(head.parameters(), optimizer.state)
+    weights = dict(tree_flatten(model.parameters()))
+    (path / "model.safetensors").unlink()
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {k: "model.safetensors" for k in weights}}, indent=2))
+    return path
