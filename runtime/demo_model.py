@@ -22,7 +22,8 @@ CHAT_TEMPLATE = (
     "{% if message['role'] == 'assistant' and message['tool_calls'] %}<|im_start|>assistant\n"
     "{% if message['content'] %}{{ message['content'] }}\n{% endif %}"
     "{% for call in message['tool_calls'] %}{% set tool_call = call['function'] %}<tool_call>\n"
-    '{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>\n'
+    '{"name": "{{ tool_call.name }}", "arguments": {% if tool_call.arguments is string %}{{ tool_call.arguments }}'
+    "{% else %}{{ tool_call.arguments | tojson }}{% endif %}}\n</tool_call>\n"
     "{% endfor %}<|im_end|>\n"
     "{% elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n"
     "</tool_response><|im_end|>\n"

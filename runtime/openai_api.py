@@ -249,6 +249,12 @@ def _messages(body: dict) -> tuple[dict, ...]:
         message = {"role": role, "content": content}
         if role == "assistant" and m.get("tool_calls"):
             message["tool_calls"] = _history_calls(m["tool_calls"], f"{where}.tool_calls")
+        reasoning = m.get("reasoning_content")
+        if role == "assistant" and reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise _bad(f"{where}.reasoning_content", f"'{where}.reasoning_content' must be a string, got "
+                                                          f"{type(reasoning).__name__}")
+            message["reasoning_content"] = reasoning  # a thinking template renders it back into the prompt
         if role == "tool" and m.get("tool_call_id") is not None:
             message["tool_call_id"] = str(m["tool_call_id"])
         out.append(message)
@@ -256,7 +262,8 @@ def _messages(body: dict) -> tuple[dict, ...]:
 
 
 def _history_calls(calls: Any, where: str) -> list[dict]:
-    """An assistant turn's tool calls as chat templates take them: arguments as an object."""
+    """An assistant turn's tool calls as chat templates take them: the arguments as the client sent them,
+    a JSON object in a string (DeepSeek's template parses them; others print a string as it is)."""
     if not isinstance(calls, list):
         raise _bad(where, f"'{where}' must be a list of tool calls")
     out = []
@@ -266,11 +273,14 @@ def _history_calls(calls: Any, where: str) -> list[dict]:
             raise _bad(f"{where}[{i}]", f"'{where}[{i}]' must be {{\"type\": \"function\", \"function\": "
                                         "{\"name\": ..., \"arguments\": \"<JSON>\"}}")
         try:
-            arguments = json.loads(fn["arguments"] or "{}")
+            arguments = fn["arguments"] or "{}"
+            if not isinstance(json.loads(arguments), dict):
+                raise ValueError
         except ValueError:
             raise _bad(f"{where}[{i}].function.arguments", f"'{where}[{i}].function.arguments' must be a JSON "
                                                            f"object in a string, got {fn['arguments']!r}")
-        out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}})
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
     return out
 
 
@@ -485,8 +495,8 @@ def completion_body(req: CompletionRequest, rid: str, created: int, text: str, f
                     tool_calls: list[dict] = ()) -> dict:
     if req.kind == "chat":
         message = {"role": "assistant", "content": None if tool_calls and not text else text, "refusal": None}
-        if reasoning:
-            message["reasoning"] = reasoning
+        if reasoning:  # under both names: DeepSeek's API (and its clients, dsh) says reasoning_content
+            message["reasoning"] = message["reasoning_content"] = reasoning
         if tool_calls:
             message["tool_calls"] = [tool_call_body(c) for c in tool_calls]
         choice = {
@@ -515,7 +525,7 @@ def chunk_body(req: CompletionRequest, rid: str, created: int, text: str | None,
         if first:
             delta["role"] = "assistant"
         if reasoning:
-            delta["reasoning"] = reasoning
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
         if text is not None:
             delta["content"] = text
         if tool_calls:

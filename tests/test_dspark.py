@@ -1,7 +1,7 @@
 """DeepSeek-V4 with its DSpark drafter through omlx's overlay, on a tiny checkpoint in DSpark's layout built
 here (tests/kit/dspark.py) and omlx's entry points played by the stand-in in tests/standins/omlx: the
 overlay set up before load by meshd's adapter, an omlx that lacks an entry point or stages that did not load
-named at load."""
+named at load; a DeepSeek Harness (dsh) turn, reasoning_content and tool calls, through DeepSeek's template."""
 
 import os
 import subprocess
@@ -11,6 +11,9 @@ import pytest
 
 from kit.dspark import build_dspark_model, standin_env
 from kit.ranks import start_mesh
+from mlx_lm.chat_templates import deepseek_v32
+
+from runtime import openai_api as oa
 from runtime.overlay import OMLX, overlay_for, unloaded
 
 OVERLAY = ("--model-package", "omlx")
@@ -59,3 +62,33 @@ def test_the_load_path_sets_up_the_overlay_first_and_names_stages_that_did_not_l
     run = subprocess.run([sys.executable, "-c", LOAD, str(dspark_model)], capture_output=True, text=True,
                          timeout=300, env={**os.environ, **standin_env(), "OMLX_STUB_OLD": old})
     assert out in run.stdout + run.stderr, run.stdout + run.stderr
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+# dsh's turn after a tool call: the call's reasoning sent back with it, then the tool's result
+DSH_TURN = [{"role": "user", "content": "Is it warm in Oslo?"},
+            {"role": "assistant", "content": "", "reasoning_content": "I should look the weather up.",
+             "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "21 degrees, sunny"}]
+LIMITS = oa.Limits("dspark", 0, 8192)
+
+
+def test_a_dsh_turn_reaches_deepseeks_template_whole_and_reasoning_goes_out_under_both_names():
+    req = oa.parse_request("chat", {"messages": DSH_TURN, "tools": [WEATHER]}, LIMITS)
+    assert req.messages[1]["reasoning_content"] == "I should look the weather up."
+    assert req.messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'  # as sent
+    prompt = deepseek_v32.apply_chat_template(list(req.messages), tools=list(req.tools), add_generation_prompt=True,
+                                              enable_thinking=True)
+    # the reasoning is after the last user turn, so the template renders it back: the prompt is what was said
+    assert "I should look the weather up.</think>" in prompt
+    assert '<｜DSML｜parameter name="city" string="true">Oslo</｜DSML｜parameter>' in prompt
+    assert "<result>21 degrees, sunny</result>" in prompt and prompt.endswith("<think>")
+    message = oa.completion_body(req, "r", 0, "Yes.", "stop", {}, reasoning="Warm enough.")["choices"][0]["message"]
+    assert message["reasoning_content"] == message["reasoning"] == "Warm enough."
+    delta = oa.chunk_body(req, "r", 0, None, None, reasoning="Warm")["choices"][0]["delta"]
+    assert delta["reasoning_content"] == delta["reasoning"] == "Warm"
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_request("chat", {"messages": [DSH_TURN[0], {**DSH_TURN[1], "reasoning_content": ["x"]}]}, LIMITS)
+    assert (e.value.status, e.value.param) == (400, "messages[1].reasoning_content")

@@ -188,14 +188,14 @@ def test_tools_that_cannot_be_honoured_are_400s_that_say_why(fields, param, says
     assert (e.value.status, e.value.param) == (400, param) and says in e.value.message
 
 
-def test_tools_reach_the_request_and_a_history_of_calls_reaches_the_template_as_objects():
+def test_tools_reach_the_request_and_a_history_of_calls_reaches_the_template_as_sent():
     history = [{"role": "user", "content": "weather?"},
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
     req = oa.parse_request("chat", {"messages": history, "tools": [WEATHER]}, LIMITS)
     assert req.tools == (WEATHER,)
-    assert req.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    assert req.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert req.messages[1]["content"] == "" and req.messages[2]["tool_call_id"] == "c1"
     assert oa.parse_request("chat", {"messages": MSG, "tools": [WEATHER], "tool_choice": "none"}, LIMITS).tools == ()
 
