@@ -27,7 +27,7 @@ from common.hostfile import DISTRIBUTED_ENV, distributed_backend
 from common.tomlcheck import loopback
 from common.states import RankState
 from common.statusfile import RankStatus
-from runtime import openai_api as oa
+from runtime import families, openai_api as oa
 from runtime.drafting import MTPEngine, SpeculativeEngine
 from runtime.engine import BatchEngine, Job
 from runtime.lockstep import Divergence, Lockstep, fold
@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         log(f"loading {done}/{total}")
 
     config = load_config(model_path)
+    families.refuse(config, draft=args.draft_model, drafter=args.drafter, batch=args.completion_batch_size)
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
     frontend = None
     context = args.max_context or int(config.get("max_position_embeddings", 4096))
