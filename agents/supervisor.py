@@ -27,6 +27,7 @@ from common.hostfile import MLX_BACKEND, HostfileError, launch_env
 from common.modelref import ModelNotFound, resolve
 from common.protocol import (OrphansSwept, RankExited, RankSignature, RankSpec, RankStarted, RebootRequired,
                              StopResult)
+from common.states import StopMode
 from common.statusfile import write_atomic
 
 
@@ -213,16 +214,16 @@ class Supervisor:
             return rec, True
 
     # --- stop -------------------------------------------------------------------
-    async def stop(self, generation: int, mode: str, grace: float) -> StopResult:
+    async def stop(self, generation: int, mode: StopMode, grace: float) -> StopResult:
         recs = [r for r in self.records.values() if r.generation == generation and not r.done]
         for r in recs:
             r.stopping = True
         drain = None
         rank0 = next((r for r in recs if r.rank == 0), None)
-        if mode == "drain" and rank0 is not None:
+        if mode == StopMode.DRAIN and rank0 is not None:
             async def drain():  # SIGTERM is rank 0's finishing drain; it reaches the others through the mesh
                 procs.send(rank0.target, signal.SIGTERM)
-        elif mode == "drain":
+        elif mode == StopMode.DRAIN:
             async def drain():  # rank 0's drain reaches this rank through the mesh
                 return None
         by_pid = {r.pid: r for r in recs}
@@ -232,7 +233,8 @@ class Supervisor:
             return blocked_on_peer(rec.status, rec.peer_lost, time.time())
 
         result = await procs.stop_ladder([r.target for r in recs], grace=grace, drain=drain,
-                                         escalate=blocked if mode == "kill" else None, escalate_grace=BLOCKED_GRACE)
+                                         escalate=blocked if mode == StopMode.KILL else None,
+                                         escalate_grace=BLOCKED_GRACE)
         await self._settle(recs)
         survivors = result.survivors
         if survivors:
@@ -257,7 +259,7 @@ class Supervisor:
         if current == "live":
             current = self.current_generation()
         for g in sorted({r.generation for r in self.live() if r.generation != current}):
-            await self.stop(g, "kill", grace)
+            await self.stop(g, StopMode.KILL, grace)
         keep = {r.pid for r in self.live()} | {os.getpid()}
         debris = orphans.select_orphans(orphans.scan(), agent=str(self.state_dir.resolve()), current=current,
                                         keep_pids=keep, manifest=self._read_manifest(), now=time.time(),

@@ -145,6 +145,27 @@ def event_from_dict(data: dict[str, Any]) -> Event:
 
 
 @dataclass(frozen=True)
+class RankReport:
+    """One rank as its agent reports it (GET /v1/ranks), read for what the controller and the doctor
+    judge by: which generation and rank, its process, where it is, and how it went."""
+
+    generation: int
+    rank: int
+    pid: int = 0
+    state: RankState = RankState.SPAWNED
+    expected: bool = True  # it exited because the agent was stopping it
+    peer_lost: bool = False
+    exit_code: int | None = None
+    exit_signal: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RankReport":
+        return cls(int(d["generation"]), int(d["rank"]), int(d.get("pid", 0)), RankState(d["state"]),
+                   bool(d.get("expected", True)), bool(d.get("peer_lost", False)), d.get("exit_code"),
+                   d.get("exit_signal"))
+
+
+@dataclass(frozen=True)
 class StopResult:
     """What stopping a generation on one node did: the ladder's steps, the
     processes it ended and those that survived SIGKILL."""

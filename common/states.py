@@ -1,4 +1,4 @@
-"""The two state vocabularies, defined once.
+"""The vocabularies more than one layer speaks, defined once.
 
 `RankState`, one rank as its agent reports it (a generation changes state as a
 unit only in the fleet's eyes; each rank moves on its own):
@@ -20,6 +20,12 @@ unit only in the fleet's eyes; each rank moves on its own):
     draining    `meshctl down`: generation G finishes its work and exits
     failed      given up (too many failures, or a cause no restart fixes);
                 serves 503 until an operator acts
+
+`StopMode`, how the agents stop a generation: `drain` (rank 0 finishes its
+work, the others leave with it) or `kill` (the stop ladder at once).
+
+`LadderStep`, the recovery ladder's steps (mesh.toml's `recovery.ladder`):
+`restart`, `reprovision`, `reboot`.
 """
 
 from __future__ import annotations
@@ -44,3 +50,14 @@ class Phase(StrEnum):
     RECOVERING = "recovering"
     DRAINING = "draining"
     FAILED = "failed"
+
+
+class StopMode(StrEnum):
+    DRAIN = "drain"
+    KILL = "kill"
+
+
+class LadderStep(StrEnum):
+    RESTART = "restart"
+    REPROVISION = "reprovision"
+    REBOOT = "reboot"

@@ -1,5 +1,6 @@
-"""meshd-proxy's HTTP/1.1 client for rank 0: keep-alive connections per
-address, a request written in one piece, the answer parsed by httptools (C).
+"""The HTTP/1.1 client for rank 0 (meshd-proxy's relay, the controller's
+readiness probe): keep-alive connections per address, a request written in
+one piece, the answer parsed by httptools (C).
 aiohttp's client cost the proxy more per request than everything else it does
 (bench/proxy_overhead.py); this one does what the relay needs and no more.
 

@@ -11,6 +11,8 @@ from importlib import metadata
 
 import pytest
 
+from common.protocol import RankReport
+from common.states import RankState
 from kit.agents import make_agents
 from kit.configs import write_mesh
 from kit.meshctl import meshctl, stop_controller
@@ -112,8 +114,7 @@ def test_rdma_devices_must_be_present_and_active(devices, devinfo, hung, ok, fix
 
 
 def test_ranks_of_another_generation_are_stale():
-    ranks = [{"generation": 3, "rank": 0, "pid": 10, "state": "spawned"},
-             {"generation": 2, "rank": 0, "pid": 9, "state": "exited"}]
+    ranks = [RankReport(3, 0, pid=10, state=RankState.SPAWNED), RankReport(2, 0, pid=9, state=RankState.EXITED)]
     assert doctor.judge_stale("a", ranks, 3).ok
     stale = doctor.judge_stale("a", ranks, 4)
     assert not stale.ok and "generation 3 rank 0 pid 10" in stale.detail

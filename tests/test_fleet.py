@@ -2,6 +2,7 @@
 
 import pytest
 
+from common.protocol import RankReport
 from common.states import RankState
 from meshd.control import fleet as f
 
@@ -211,12 +212,12 @@ def test_a_failed_ladder_step_climbs_on_and_exhaustion_is_failed():
 
 
 def ranks(*gen_rank_state):
-    return [{"generation": g, "rank": r, "state": st} for g, r, st in gen_rank_state]
+    return [RankReport.from_dict({"generation": g, "rank": r, "state": st}) for g, r, st in gen_rank_state]
 
 
-def exited(g: int, r: int, expected=False, peer_lost=False, exit_code=None, exit_signal=None) -> dict:
-    return {"generation": g, "rank": r, "state": "exited", "expected": expected, "peer_lost": peer_lost,
-            "exit_code": exit_code, "exit_signal": exit_signal}
+def exited(g: int, r: int, expected=False, peer_lost=False, exit_code=None, exit_signal=None) -> RankReport:
+    return RankReport.from_dict({"generation": g, "rank": r, "state": "exited", "expected": expected,
+                                 "peer_lost": peer_lost, "exit_code": exit_code, "exit_signal": exit_signal})
 
 
 @pytest.mark.parametrize("views,desired_up,ready,expected", [

@@ -17,8 +17,8 @@ from typing import Callable
 import aiohttp
 import structlog
 
-from common.protocol import RankSpec, StopResult
-from common.states import Phase
+from common.protocol import RankReport, RankSpec, StopResult
+from common.states import LadderStep, Phase, StopMode
 from common.tomlcheck import ConfigError
 from meshd.nodes import doctor, provision
 from meshd.control import evidence, fleet, survey
@@ -208,7 +208,7 @@ class Controller:
                 return
             await asyncio.sleep(0.1)
 
-    async def _stop_generation(self, g: int, mode: str, grace: float) -> None:
+    async def _stop_generation(self, g: int, mode: StopMode, grace: float) -> None:
         log.info("stopping generation", generation=g, mode=mode, grace=grace)
 
         async def one(node: str) -> StopResult:
@@ -232,7 +232,7 @@ class Controller:
         except AgentError as e:
             log.warning("sweep failed", node=node, error=str(e))
 
-    async def _run_step(self, step: str, nodes: tuple[str, ...]) -> None:
+    async def _run_step(self, step: LadderStep, nodes: tuple[str, ...]) -> None:
         ok, detail = await provision.run_ladder_step(self.cfg, self.agents, step, nodes)
         await self.feed(fleet.StepDone(step, ok, detail))
 
@@ -260,7 +260,7 @@ class Controller:
                 await self._decide_adoption(views)
                 return
 
-    async def _decide_adoption(self, views: dict[str, list[dict] | None]) -> bool:
+    async def _decide_adoption(self, views: dict[str, list[RankReport] | None]) -> bool:
         decision = fleet.decide_adoption(views, self.policy.nodes, desired_up=self.store.get("desired") == "up",
                                          rank0_ready=await self.ready_probe())
         if decision is None:

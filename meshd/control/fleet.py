@@ -43,7 +43,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from common.states import Phase, RankState
+from common.protocol import RankReport
+from common.states import LadderStep, Phase, RankState, StopMode
 from meshd.config import Recovery
 
 
@@ -185,7 +186,7 @@ class RequestMigrated:
 @dataclass(frozen=True)
 class StepDone:
     """A ladder step other than restart (reprovision, reboot) finished."""
-    step: str
+    step: LadderStep
     ok: bool
     detail: str = ""
 
@@ -223,13 +224,13 @@ class StartGeneration:
 @dataclass(frozen=True)
 class StopGeneration:
     generation: int
-    mode: str  # drain | kill
+    mode: StopMode
     grace: float
 
 
 @dataclass(frozen=True)
 class RunStep:
-    step: str  # reprovision | reboot
+    step: LadderStep  # reprovision | reboot
     nodes: tuple[str, ...] = ()
 
 
@@ -285,9 +286,9 @@ def _start_next(state: FleetState, now: float, policy: Policy) -> Result:
 
 def _mark_reboot(state: FleetState, nodes, policy: Policy) -> FleetState:
     """These nodes need a reboot: the ladder jumps to its reboot step (when it has one)."""
-    if not nodes or "reboot" not in policy.ladder:
+    if not nodes or LadderStep.REBOOT not in policy.ladder:
         return state
-    return replace(state, ladder_step=max(state.ladder_step, policy.ladder.index("reboot")),
+    return replace(state, ladder_step=max(state.ladder_step, policy.ladder.index(LadderStep.REBOOT)),
                    reboot_nodes=tuple(sorted(set(state.reboot_nodes) | set(nodes))))
 
 
@@ -306,7 +307,7 @@ def _fail(state: FleetState, now: float, policy: Policy, ev: RankDied) -> Result
                   closing=None, last_load_failure=ev.load_line,
                   reason=f"{ev.cause} on {ev.node} rank {ev.rank}: {ev.detail}".strip(": "))
     actions: list = [OpenIncident(incident)] if opened else [IncidentUpdated(incident)]
-    actions += [StopGeneration(ev.generation, "kill", policy.stop_grace),
+    actions += [StopGeneration(ev.generation, StopMode.KILL, policy.stop_grace),
                 NoteGeneration(ev.generation, "ended", new.reason)]
     if deterministic:
         why = "the same failure at load as the generation before" if repeated and not ev.deterministic else \
@@ -360,20 +361,20 @@ def _climb(state: FleetState, now: float, policy: Policy) -> Result:
     if len(state.failures) > policy.max_failures:
         return _give_up(state, f"{len(state.failures)} failures within {policy.window:.0f}s (limit "
                                f"{policy.max_failures}); last: {state.reason}. Fix the cause, then `meshctl up`")
-    step = policy.ladder[min(state.ladder_step, len(policy.ladder) - 1)]
+    step = LadderStep(policy.ladder[min(state.ladder_step, len(policy.ladder) - 1)])
     state, actions = _with_step(state, step)
-    if step == "restart" or state.ladder_step >= len(policy.ladder):
+    if step == LadderStep.RESTART or state.ladder_step >= len(policy.ladder):
         wait = backoff(policy, len(state.failures))
         state = replace(state, backoff_until=now + wait, ladder_step=state.ladder_step + 1)
         if wait > 0:
             state, marked = _mark(state, "backoff", now)
             actions += marked
         return state, actions
-    nodes = state.reboot_nodes if step == "reboot" and state.reboot_nodes else policy.nodes
+    nodes = state.reboot_nodes if step == LadderStep.REBOOT and state.reboot_nodes else policy.nodes
     return replace(state, backoff_until=None), actions + [RunStep(step, nodes)]
 
 
-def decide_adoption(views: dict[str, list[dict] | None], nodes: tuple[str, ...], *, desired_up: bool,
+def decide_adoption(views: dict[str, list[RankReport] | None], nodes: tuple[str, ...], *, desired_up: bool,
                     rank0_ready: bool):
     """What a restarted controller makes of the ranks its agents report (`views`:
     node -> that agent's rank records, None when it did not answer): the event
@@ -385,9 +386,10 @@ def decide_adoption(views: dict[str, list[dict] | None], nodes: tuple[str, ...],
     agent that does not answer may be restarting beside a rank that serves. With
     a partial view, the answering nodes running their own ranks of one generation
     while rank 0 serves are adopted; anything else waits for the whole view."""
-    live = {node: [r for r in views[node] if r["state"] != "exited"] for node in nodes if views.get(node) is not None}
-    gens = {r["generation"] for rs in live.values() for r in rs}
-    own = len(gens) == 1 and all(len(live[n]) == 1 and live[n][0]["rank"] == i
+    live = {node: [r for r in views[node] if r.state != RankState.EXITED] for node in nodes
+            if views.get(node) is not None}
+    gens = {r.generation for rs in live.values() for r in rs}
+    own = len(gens) == 1 and all(len(live[n]) == 1 and live[n][0].rank == i
                                  for i, n in enumerate(nodes) if n in live)
     partial = len(live) < len(nodes)
     died = unwatched_death(views, nodes) if desired_up else None
@@ -402,20 +404,20 @@ def decide_adoption(views: dict[str, list[dict] | None], nodes: tuple[str, ...],
     return DiedUnwatched(died) if died else LeftoversFound(max(gens), desired_up)
 
 
-def unwatched_death(views: dict[str, list[dict] | None], nodes: tuple[str, ...]) -> RankDied | None:
+def unwatched_death(views: dict[str, list[RankReport] | None], nodes: tuple[str, ...]) -> RankDied | None:
     """A rank of the newest generation the agents know that exited without being asked to: the one that
     failed by itself before one that only lost a peer, then the lowest rank."""
     records = [(i, n, r) for i, n in enumerate(nodes) for r in (views.get(n) or [])]
     if not records:
         return None
-    last = max(r["generation"] for _, _, r in records)
-    dead = [(r.get("peer_lost", False), i, n, r) for i, n, r in records
-            if r["generation"] == last and r["state"] == "exited" and not r.get("expected", True)]
+    last = max(r.generation for _, _, r in records)
+    dead = [(r.peer_lost, i, n, r) for i, n, r in records
+            if r.generation == last and r.state == RankState.EXITED and not r.expected]
     if not dead:
         return None
     lost, _, node, r = min(dead, key=lambda d: d[:2])
-    how = f"signal {r['exit_signal']}" if r.get("exit_signal") else f"exit code {r.get('exit_code')}"
-    return RankDied(node, r["rank"], last, "exit", f"{how}, while no controller watched", consequence=lost)
+    how = f"signal {r.exit_signal}" if r.exit_signal else f"exit code {r.exit_code}"
+    return RankDied(node, r.rank, last, "exit", f"{how}, while no controller watched", consequence=lost)
 
 
 # --- one function per event ----------------------------------------------------
@@ -429,8 +431,8 @@ def _on_down(state: FleetState, ev: DownRequested, now: float, policy: Policy) -
     if state.phase == Phase.STOPPED:
         return state, []
     if state.phase == Phase.FAILED:
-        return replace(state, phase=Phase.STOPPED, reason=""), [StopGeneration(state.generation, "kill", 0.0)]
-    mode, grace = ("kill", policy.stop_grace) if ev.force else ("drain", policy.drain_grace)
+        return replace(state, phase=Phase.STOPPED, reason=""), [StopGeneration(state.generation, StopMode.KILL, 0.0)]
+    mode, grace = (StopMode.KILL, policy.stop_grace) if ev.force else (StopMode.DRAIN, policy.drain_grace)
     return (replace(state, phase=Phase.DRAINING, ready_since=None, backoff_until=None, restart_requested=False),
             [StopGeneration(state.generation, mode, grace)])
 
@@ -440,7 +442,7 @@ def _on_restart(state: FleetState, ev: RestartRequested, now: float, policy: Pol
         return state, []
     return (replace(state, phase=Phase.RECOVERING, ready_since=None, backoff_until=None, reason="restart requested",
                     restart_requested=True),
-            [StopGeneration(state.generation, "drain", policy.drain_grace),
+            [StopGeneration(state.generation, StopMode.DRAIN, policy.drain_grace),
              NoteGeneration(state.generation, "ended", "restart requested")])
 
 
@@ -471,7 +473,7 @@ def _on_leftovers(state: FleetState, ev: LeftoversFound, now: float, policy: Pol
     g = max(state.generation, ev.generation)
     phase = Phase.RECOVERING if ev.up else Phase.DRAINING
     return (replace(state, phase=phase, generation=g, restart_requested=ev.up, reason="leftovers of a broken generation"),
-            [StopGeneration(g, "kill", policy.stop_grace)])
+            [StopGeneration(g, StopMode.KILL, policy.stop_grace)])
 
 
 def _on_mesh_ready(state: FleetState, ev: MeshReady, now: float, policy: Policy) -> Result:
@@ -566,10 +568,10 @@ def _on_step_done(state: FleetState, ev: StepDone, now: float, policy: Policy) -
                                     "Fix the nodes, then `meshctl up`")
         return _climb(failed, now, policy)
     nxt = replace(state, ladder_step=state.ladder_step + 1,
-                  reboot_nodes=() if ev.step == "reboot" else state.reboot_nodes)
-    if ev.step == "reboot" and "reprovision" in policy.ladder:
-        nxt, actions = _with_step(nxt, "reprovision")
-        return nxt, actions + [RunStep("reprovision", policy.nodes)]
+                  reboot_nodes=() if ev.step == LadderStep.REBOOT else state.reboot_nodes)
+    if ev.step == LadderStep.REBOOT and LadderStep.REPROVISION in policy.ladder:
+        nxt, actions = _with_step(nxt, LadderStep.REPROVISION)
+        return nxt, actions + [RunStep(LadderStep.REPROVISION, policy.nodes)]
     return _start_next(nxt, now, policy)
 
 

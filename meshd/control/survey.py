@@ -7,17 +7,18 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict
 
+from common.protocol import RankReport
 from meshd.config import MeshConfig
 from meshd.control import fleet
 from meshd.nodes.agentclient import AgentClient, AgentError
 from meshd.store import Store
 
 
-async def rank_views(agents: dict[str, AgentClient], errors: dict[str, str]) -> dict[str, list[dict] | None]:
+async def rank_views(agents: dict[str, AgentClient], errors: dict[str, str]) -> dict[str, list[RankReport] | None]:
     """Every agent's rank records; None for an agent that does not answer (why, into `errors`)."""
-    async def view(node: str, client: AgentClient) -> list[dict] | None:
+    async def view(node: str, client: AgentClient) -> list[RankReport] | None:
         try:
-            return (await client.call("GET", "/v1/ranks", timeout=5))["ranks"]
+            return [RankReport.from_dict(r) for r in (await client.call("GET", "/v1/ranks", timeout=5))["ranks"]]
         except AgentError as e:
             errors[node] = str(e)
             return None

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from common.hostfile import HostfileError
 from common.modelref import is_repo_id
+from common.protocol import RankReport
+from common.states import RankState
 from common.tomlcheck import ConfigError
 from meshd.nodes import provision
 from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
@@ -138,11 +140,11 @@ def judge_rdma(node: str, devices: str | None, devinfo: str | None, hung: bool) 
     return Check("rdma", node, True, f"{len(names)} devices, all PORT_ACTIVE")
 
 
-def judge_stale(node: str, ranks: list[dict], current: int | None) -> Check:
+def judge_stale(node: str, ranks: list[RankReport], current: int | None) -> Check:
     """No rank left running from a generation that is not the live one."""
-    stale = [r for r in ranks if r.get("state") not in ("exited", "lost") and r.get("generation") != current]
+    stale = [r for r in ranks if r.state != RankState.EXITED and r.generation != current]
     if stale:
-        desc = ", ".join(f"generation {r['generation']} rank {r['rank']} pid {r['pid']}" for r in stale)
+        desc = ", ".join(f"generation {r.generation} rank {r.rank} pid {r.pid}" for r in stale)
         return Check("stale ranks", node, False, desc,
                      f"meshctl down --force, or POST /v1/generations/G/stop on {node}'s agent")
     return Check("stale ranks", node, True, "none")
@@ -268,7 +270,7 @@ async def node_facts(cfg: MeshConfig, client: AgentClient) -> dict:
 async def _agent_node(client: AgentClient, n, cfg: MeshConfig, current: int | None) -> tuple[list[Check], dict | None]:
     try:
         facts = await node_facts(cfg, client)
-        ranks = (await client.call("GET", "/v1/ranks", timeout=10))["ranks"]
+        ranks = [RankReport.from_dict(r) for r in (await client.call("GET", "/v1/ranks", timeout=10))["ranks"]]
     except AgentError as e:
         fix = (f"put the token from {n.name}'s agent config into {n.token_file}" if "401" in str(e) else
                f"start the agent at {n.agent}: `meshctl agents install {n.name}` installs and starts it "
@@ -303,8 +305,8 @@ async def canary(cfg: MeshConfig, hostfile: dict, seconds: float = 3.0, timeout:
 async def _canary_lines(clients: list[AgentClient]) -> list[str]:
     while True:
         views = await asyncio.gather(*(c.call("GET", "/v1/ranks", timeout=10) for c in clients))
-        done = [next((r for r in v["ranks"] if r["generation"] == 0), None) for v in views]
-        if all(r is not None and r["state"] == "exited" for r in done):
+        done = [next((r for r in map(RankReport.from_dict, v["ranks"]) if r.generation == 0), None) for v in views]
+        if all(r is not None and r.state == RankState.EXITED for r in done):
             break
         await asyncio.sleep(0.3)
     out = []
