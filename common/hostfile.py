@@ -4,7 +4,10 @@ A hostfile is the JSON `mlx.distributed_config` writes:
 `{"backend": "jaccl", "envs": [...], "hosts": [{"ssh", "ips", "rdma"}, ...]}`.
 `launch_env` computes exactly what `mlx.launch` would set for a rank
 (mlx/_distributed_utils/launch.py is the reference; a test proves it): the
-variables, plus the contents of the files some of them point to.
+variables, plus the contents of the files some of them point to. One
+exception: a mesh of one host gets no transport at all (mlx.launch's one-host
+ring file is empty, which mx.distributed.init cannot parse), and its rank is
+mx.distributed's one-rank group on every backend.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def validate(hostfile: dict, backend: str | None = None) -> tuple[str, list[dict
     if not isinstance(envs, list) or not all(isinstance(e, str) and "=" in e for e in envs):
         raise HostfileError('hostfile "envs" must be a list of "NAME=value" strings')
     n = len(hosts)
+    if n == 1:
+        return backend, hosts  # no peer to reach: neither addresses nor RDMA devices are needed
     if backend == "ring":
         missing = [h["ssh"] for h in hosts if not h.get("ips")]
         if missing and n > 1:
@@ -110,7 +115,10 @@ def launch_env(hostfile: dict, rank: int, backend: str | None = None, *,
         key, value = e.split("=", 1)
         env[key] = value
     files: dict[str, str] = {}
-    if backend == "ring":
+    if len(hosts) == 1:  # a mesh of one: no transport; on NCCL its GPU, as mlx.launch gives it
+        if backend == "nccl":
+            env["CUDA_VISIBLE_DEVICES"] = "0"
+    elif backend == "ring":
         port = starting_port
         ring = []
         for h in hosts:
@@ -119,7 +127,7 @@ def launch_env(hostfile: dict, rank: int, backend: str | None = None, *,
                 node.append(f"{ip}:{port}")
                 port += 1
             ring.append(node)
-        files["MLX_HOSTFILE"] = json.dumps(ring) if len(ring) > 1 else ""
+        files["MLX_HOSTFILE"] = json.dumps(ring)
     elif backend in ("jaccl", "jaccl-ring"):
         env["MLX_JACCL_COORDINATOR"] = f"{hosts[0]['ips'][0]}:{starting_port}"
         if backend == "jaccl-ring":

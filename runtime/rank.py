@@ -23,13 +23,13 @@ import mlx.core as mx
 from mlx_lm import load as load_whole
 from mlx_lm.utils import load_config, load_model, load_tokenizer
 
-from common.hostfile import DISTRIBUTED_ENV, distributed_backend
 from common.tomlcheck import loopback
 from common.states import RankState
 from common.statusfile import RankStatus
 from runtime import families, openai_api as oa
 from runtime.drafting import MTPEngine, SpeculativeEngine
 from runtime.engine import BatchEngine, Job
+from runtime.join import join_mesh
 from runtime.lockstep import Divergence, Lockstep, fold
 from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend
@@ -268,9 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     hb = Heartbeat(args.status_file, RankStatus(args.generation, rank, 0, os.getpid()),
                    interval=args.heartbeat_interval, sample=mlx_memory).start()
     log = _logger(rank, args.generation)
-    strict = any(k in os.environ for k in DISTRIBUTED_ENV)
     began = time.monotonic()
-    group = mx.distributed.init(strict=strict, backend=distributed_backend(args.backend))
+    group = join_mesh(args.backend)
     rank, world = group.rank(), group.size()
     hb.update(rank=rank, world=world, flush=True)
     log(f"joined as rank {rank} of {world} in {time.monotonic() - began:.1f}s")

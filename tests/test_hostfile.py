@@ -3,12 +3,14 @@ hostfiles are refused with a reason."""
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
 from mlx._distributed_utils import launch as mlx_launch
 
-from common.hostfile import HostfileError, launch_env, rank0_host, validate
+from common.hostfile import (BACKENDS, DISTRIBUTED_ENV, MLX_BACKEND, HostfileError, LaunchEnv, launch_env, rank0_host,
+                             validate)
 
 RING = {"backend": "ring", "envs": ["MLX_METAL_FAST_SYNCH=0"],
         "hosts": [{"ssh": f"h{i}", "ips": [f"10.0.0.{i + 1}"], "rdma": []} for i in range(4)]}
@@ -70,9 +72,55 @@ def test_nccl_ranks_sharing_a_host_get_their_own_gpus_as_mlx_launch_repeat_hosts
     assert got == ["0", "1", "0", "1"]
 
 
-def test_ring_single_host_points_at_an_empty_file_like_mlx():
-    one = {"hosts": [{"ssh": "a", "ips": ["127.0.0.1"]}]}
-    assert launch_env(one, 0).files == {"MLX_HOSTFILE": ""}
+ONE_HOST = {"ring": {"backend": "ring", "hosts": [{"ssh": "solo", "ips": ["127.0.0.1"]}]},
+            "jaccl": {"backend": "jaccl", "hosts": [{"ssh": "solo", "ips": ["192.168.0.1"], "rdma": [None]}]},
+            "jaccl-ring": {"backend": "jaccl-ring", "hosts": [{"ssh": "solo", "ips": ["192.168.0.1"], "rdma": [None]}]},
+            "nccl": {"backend": "nccl", "envs": ["NCCL_DEBUG=WARN"], "hosts": [{"ssh": "solo", "ips": ["10.1.0.1"]}]}}
+TRANSPORT = {"MLX_JACCL_COORDINATOR", "MLX_JACCL_RING", "NCCL_HOST_IP", "NCCL_PORT", "MLX_WORLD_SIZE"}
+
+
+def join(launch, backend: str, tmp_path) -> subprocess.CompletedProcess:
+    """A process given `launch` as the agent gives it (each file's content and a newline, as mlx.launch
+    writes it too) joins the mesh as a rank does: its rank, its world and an all_sum of 3 on stdout."""
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    env.update(launch.env, MESHD_BACKEND=MLX_BACKEND[backend])
+    for var, content in launch.files.items():
+        (tmp_path / var).write_text(content + "\n")
+        env[var] = str(tmp_path / var)
+    code = ("import mlx.core as mx; from runtime.join import join_mesh; g = join_mesh(); "
+            "print(g.rank(), g.size(), mx.distributed.all_sum(mx.array([3]), group=g).item())")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_one_host_mesh_is_mlx_launchs_env_without_the_transport(backend, tmp_path, monkeypatch):
+    (want,) = mlx_would_set(ONE_HOST[backend], tmp_path, monkeypatch)
+    env = dict(e.split("=", 1) for e in want["env"])
+    env["MLX_RANK"] = "0"
+    got = launch_env(ONE_HOST[backend], 0)
+    assert got.env == {k: v for k, v in env.items() if k not in TRANSPORT}
+    assert got.files == {}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_one_host_mesh_joins_as_rank_0_of_1_on_every_backend(backend, tmp_path):
+    """No transport for a mesh of one (its host needs no address, nor RDMA devices): the rank is
+    mx.distributed's one-rank group, whether or not the backend exists on this machine (jaccl and nccl
+    do not here; strict, their init would fail)."""
+    done = join(launch_env({"backend": backend, "hosts": [{"ssh": "solo"}]}, 0), backend, tmp_path)
+    assert (done.returncode, done.stdout.split()) == (0, ["0", "1", "3"]), done.stderr
+
+
+def test_mlx_launchs_own_one_host_ring_file_cannot_be_joined(tmp_path, monkeypatch):
+    """Why a mesh of one gets no ring file: the empty one mlx.launch gives it fails mx.distributed.init
+    (the one-node ring mesh of issue 27 died so twice). Once mlx parses it this fails, and launch_env may
+    follow mlx.launch again."""
+    (want,) = mlx_would_set(ONE_HOST["ring"], tmp_path, monkeypatch)
+    assert want["files"] == {"MLX_HOSTFILE": ""}
+    env = dict(e.split("=", 1) for e in want["env"])
+    done = join(LaunchEnv({**env, "MLX_RANK": "0"}, want["files"]), "ring", tmp_path)
+    assert done.returncode != 0 and "parse_error" in done.stderr
+
 
 
 def test_ring_ports_on_loopback_are_distinct_per_rank():

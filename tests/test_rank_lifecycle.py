@@ -1,7 +1,7 @@
 """Rank lifecycle on real 2-rank meshes: drain (finish, cancel, SIGTERM), load
 and prefill progress in the status file, speculative decoding."""
 
-import json
+import re
 import signal
 import threading
 import time
@@ -9,6 +9,7 @@ import time
 import requests
 
 from agents.signatures import classify
+from kit.agents import make_agents, start_generation, stop_generation, wait_mesh_ready
 from kit.demo_answers import endless
 from kit.openai import sse_events, validate
 from kit.ranks import StatusTrace, start_mesh
@@ -159,12 +160,33 @@ def test_speculative_greedy_equals_plain_greedy_on_two_ranks(demo_model, draft_m
         assert sse_events(r.iter_lines(decode_unicode=True))[-1] == "[DONE]"
 
 
-def test_single_rank_without_distributed_env_serves(demo_model, tmp_path):
-    with start_mesh(demo_model, 1, tmp_path) as mesh:
-        mesh.wait_ready()
-        r = requests.get(f"{mesh.url}/internal/ready", timeout=5).json()
-        assert r == {"ready": True, "phase": "admitting", "generation": 1}
-        assert json.loads(mesh.status_files[0].read_text())["world"] == 1
+def test_a_one_node_ring_mesh_serves_through_its_agent(demo_model, reference, tmp_path):
+    """A mesh of one is a mesh: its agent starts the rank from a one-host ring hostfile, the rank serves,
+    and the agent's /metrics carries the rank's token tape counts (a follow-up turn is a hit)."""
+    (agent,) = make_agents(tmp_path, 1)
+    agent.start()
+    try:
+        port = start_generation([agent], 1, demo_model)
+        wait_mesh_ready(port)
+        assert requests.get(f"http://127.0.0.1:{port}/internal/ready", timeout=5).json() == \
+            {"ready": True, "phase": "admitting", "generation": 1}
+        ids = reference.tokenizer.encode("The ranks step")
+        turn = {"prompt": "The ranks step", "max_tokens": 8}
+        first = requests.post(f"http://127.0.0.1:{port}/v1/completions", json=turn, timeout=60).json()
+        assert first["choices"][0]["text"] == reference(ids, 8)
+        turn["prompt"] += first["choices"][0]["text"] + " and then"
+        follow = requests.post(f"http://127.0.0.1:{port}/v1/completions", json=turn, timeout=60).json()
+        assert follow["usage"]["prompt_tokens_details"]["cached_tokens"] > len(ids)
+        assert [r["status"]["world"] for r in agent.ranks()] == [1]
+
+        def hits():
+            found = re.search(r'^meshd_agent_rank_tape_lookups_total\{[^}]*outcome="hit"[^}]*\} ([0-9.]+)$',
+                              agent.get("/metrics").text, re.M)
+            return found and float(found.group(1)) >= 1
+        wait_for(hits, 10, "the tape's hit in the agent's /metrics")
+    finally:
+        stop_generation([agent], 1)
+        agent.kill()
 
 
 def test_ranks_that_sample_different_tokens_end_the_generation_naming_the_step(demo_model, tmp_path):
