@@ -358,3 +358,19 @@ def test_status_watch_redraws_live_on_a_terminal_while_restart_waits_for_the_nex
     assert "\x1b[2K" in text and "\x1b[" in text.split("generation", 2)[-1]  # redrawn in place, not scrolled
     assert f"generation {s['generation']} draining" in text or f"generation {s['generation'] + 1} starting" in text
     assert "Traceback" not in text
+
+
+def test_a_demo_of_one_node_is_a_mesh_of_one_that_serves_and_recovers(tmp_path_factory):
+    home = demo_home(tmp_path_factory, "meshd-home-one")
+    up = demo_meshctl(home, "up", "--nodes", "1")
+    assert "demo: starting 1 agent and the controller" in up.stdout and "on 1 rank\n" in up.stdout, up.stdout
+    one = Demo(home)
+    s = one.status()
+    assert [(n["node"], n["rank"]["rank"]) for n in s["nodes"]] == [("node0", 0)]
+    assert one.chat().status_code == 200
+    other = demo_meshctl(home, "up", "--nodes", "2", check=False)
+    assert other.returncode == 1 and "the demo mesh runs with 1 node: `meshctl down`" in other.stderr
+    os.kill(one.rank_pid(0), signal.SIGKILL)
+    one.wait_ready(after=s["generation"])
+    assert one.incidents()[0]["node"] == "node0" and one.chat().status_code == 200
+    assert "no process of the mesh remains" in demo_meshctl(home, "down").stdout

@@ -283,9 +283,10 @@ def cmd_up(args) -> int:
                             nodes=args.nodes or demo.WORLD)
     cfg = resolve_config(args.config, for_up=True, opts=opts)
     if args.nodes is not None and args.nodes != len(cfg.nodes):
-        raise CliError(f"the demo mesh runs with {len(cfg.nodes)} nodes: `meshctl down`, then `meshctl up --nodes "
-                       f"{args.nodes}`" if cfg.path and demo.is_demo(cfg.path) else
-                       f"--nodes is the demo mesh's; {cfg.path} lists this mesh's {len(cfg.nodes)} nodes")
+        n = len(cfg.nodes)
+        raise CliError(f"the demo mesh runs with {n} node{'s' if n > 1 else ''}: `meshctl down`, then `meshctl up "
+                       f"--nodes {args.nodes}`" if cfg.path and demo.is_demo(cfg.path) else
+                       f"--nodes is the demo mesh's; {cfg.path} lists this mesh's {n} nodes")
     ctl = Control(cfg)
     if not ctl.alive():
         start_controller(cfg, ctl)
