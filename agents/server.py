@@ -8,6 +8,7 @@ Stopping the agent leaves its ranks running: a restarted agent adopts them.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -19,13 +20,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from agents import config as agent_config
 from agents import node as node_facts
+from agents.fencing import Fencing, admits
 from agents.supervisor import BadSpec, Conflict, Supervisor
 from common import procs
 from common.buildinfo import register_process_metrics
 from common.errors import ApiError
 from common.http import (bearer_matches, json_error, json_errors, log_answer, read_json, read_object, run_daemon,
                          start_sites, until_stopped)
-from common.protocol import RankSpec
+from common.protocol import CONTROLLER_EPOCH, RankSpec
 from common.tls import server_context
 
 log = structlog.get_logger("meshd.agent")
@@ -40,6 +42,33 @@ def auth_middleware(token: str, metrics_token: str | None):
         if not bearer_matches(request, metrics_token if path == "/metrics" else token):
             return json_error(401, "Missing or wrong bearer token; send 'Authorization: Bearer <token>' "
                                    "with the token from this agent's token_file", code="unauthorized")
+        return await handler(request)
+    return check
+
+
+EPOCH_MAX = 2**63 - 1
+
+
+def fence_middleware(fencing: Fencing, node: str):
+    """After the token: a controller's epoch is kept when it is the newest, and a command (POST) from an
+    older one is refused with 409 naming the newer epoch. Calls without an epoch (doctor, an operator) pass."""
+    @web.middleware
+    async def check(request: web.Request, handler):
+        raw = request.headers.get(CONTROLLER_EPOCH)
+        if raw is None:
+            return await handler(request)
+        if not (raw.isascii() and raw.isdigit()) or int(raw) > EPOCH_MAX:
+            raise ApiError(400, f"{CONTROLLER_EPOCH} must be a non-negative integer, got {raw[:40]!r}",
+                           param=CONTROLLER_EPOCH)
+        epoch = int(raw)
+        if request.method == "POST" and not admits(fencing.highest, epoch):
+            log.warning("stale controller refused", node=node, epoch=epoch,
+                        newer=fencing.highest, route=request.path)
+            return json_error(409, f"controller epoch {epoch} is older than epoch {fencing.highest}, which has "
+                                   "taken this mesh over: a stale controller's command is refused",
+                              code="stale_controller", param=CONTROLLER_EPOCH,
+                              headers={CONTROLLER_EPOCH: str(fencing.highest)})
+        fencing.see(epoch)
         return await handler(request)
     return check
 
@@ -146,13 +175,21 @@ class AgentMetrics:
                     memory, events)
 
 
+def free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
 def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
              log_file: Path | None = None) -> web.Application:
     cfg = sup.config
     registry = CollectorRegistry()
     registry.register(AgentMetrics(sup))
     register_process_metrics(registry, "agent")
-    app = web.Application(middlewares=[json_errors, auth_middleware(token, metrics_token)],
+    app = web.Application(middlewares=[json_errors, auth_middleware(token, metrics_token),
+                                       fence_middleware(Fencing(cfg.state_dir / "controller_epoch"), cfg.node)],
                           client_max_size=1 << 20)
 
     async def healthz(request):
@@ -164,6 +201,7 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
     async def node(request):
         model, package = request.query.get("model"), request.query.get("package")
         return web.json_response({"node": cfg.node, **await node_facts.facts(model, cfg.node, package),
+                                  "state_dir": str(cfg.state_dir), "state_free_bytes": free_bytes(cfg.state_dir),
                                   "wired_limit_applied": sup.wired_limit,
                                   "reboot_required": sup.reboot_required, "allow_reboot": cfg.allow_reboot,
                                   "launch": {"profiles": {p.name: sorted(p.args) for p in cfg.profiles.values()},

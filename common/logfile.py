@@ -24,24 +24,34 @@ class RotatingLog:
     def __init__(self, path: Path, max_bytes: int = 64 << 20, keep: int = 5):
         self.path, self.max_bytes, self.keep = Path(path), max_bytes, keep
         self._lock = threading.Lock()
+        self.lost, self.lost_why = 0, ""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._open()
 
     def _open(self) -> None:
-        self._file = open_appending(self.path, "a", buffering=1)
+        self._file = open_appending(self.path, "ab", buffering=0)  # unbuffered: nothing lost waits to go out later
         self._size = self._file.tell()
 
     def write(self, text: str) -> int:
+        """Never raises: on a full disk the line is lost (counted in a line once writing works again), and
+        the daemon goes on."""
         with self._lock:
-            n = self._file.write(text)
-            self._size += len(text.encode())
-            if self._size >= self.max_bytes:
-                self._rotate()
-            return n
+            try:
+                if self.lost:
+                    self._file.write(f"({self.lost} log lines lost: {self.lost_why})\n".encode())
+                    self.lost = 0
+                data = text.encode()
+                self._file.write(data)
+                self._size += len(data)
+                if self._size >= self.max_bytes:
+                    self._rotate()
+            except OSError as e:
+                self.lost, self.lost_why = self.lost + 1, e.strerror
+                return 0
+            return len(text)
 
     def flush(self) -> None:
-        with self._lock:
-            self._file.flush()
+        """Nothing waits in a buffer: every write went to the file."""
 
     def _rotate(self) -> None:
         self._file.close()

@@ -14,6 +14,10 @@ from typing import Any, ClassVar
 
 from common.states import RankState
 
+# The header every controller call to an agent carries: the controller's epoch, which agents check on every
+# command (agents/fencing.py) and name in a refusal's answer (409, code "stale_controller").
+CONTROLLER_EPOCH = "X-Meshd-Controller-Epoch"
+
 
 @dataclass(frozen=True)
 class RankSpec:

@@ -39,6 +39,10 @@ class Metrics:
                                         "Each step of a recovery (stopped, swept, backoff, started, loaded, ready, "
                                         "served), from the step before it", ["step"], buckets=LATENCY_BUCKETS,
                                         registry=r)
+        self.store_errors = Counter("meshd_store_errors_total", "Writes to the controller's store (SQLite in its "
+                                    "state directory) that failed: a full disk, a quota", registry=r)
+        self.store_pending = Gauge("meshd_store_pending_writes", "Writes acted on and waiting to be written to "
+                                   "the store", registry=r)
         self.set_phase(Phase.STOPPED)
 
     def set_phase(self, phase: str) -> None:

@@ -1,8 +1,9 @@
 """No open door: agents speak TLS with certificates from the mesh CA and the
 controller trusts that CA only; the control API off loopback speaks TLS only;
 the status page off loopback wants the token once, for a cookie that opens the
-page and nothing else; an open proxy off loopback is said at every start. A
-real two-rank mesh, its control API and proxy bound to every address, reached
+page and nothing else; an open proxy off loopback is said at every start; a
+flood of wrong tokens hides no accepted action from the audit trail. A real
+two-rank mesh, its control API and proxy bound to every address, reached
 through this machine's LAN address."""
 
 import asyncio
@@ -10,6 +11,7 @@ import getpass
 import json
 import shutil
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import psutil
@@ -157,3 +159,25 @@ def test_control_actions_and_refusals_are_in_the_audit_trail(tls_mesh):
     assert "control actions, newest first:" in text and f"up                 accepted  by {me}" in text
     store = (tls_mesh["tmp"] / "state" / "meshd.sqlite").read_bytes()
     assert tls_mesh["token"].encode() not in store and b"wrong" not in store
+
+
+def test_a_flood_of_wrong_tokens_leaves_every_accepted_action_in_the_audit_trail(tls_mesh):
+    mesh, url, ca = tls_mesh["mesh"], tls_mesh["control"], str(tls_mesh["ca"].cert)
+    restart = meshctl(mesh, "restart")
+    assert restart.returncode == 0, restart.stdout + restart.stderr
+
+    def flood(_):
+        with requests.Session() as s:
+            return [s.post(f"{url}/v1/restart", headers={"Authorization": "Bearer wrong", "X-Meshd-User": "root@ops"},
+                           verify=ca, timeout=60).status_code for _ in range(60)]
+
+    with ThreadPoolExecutor(50) as pool:  # 3000 calls, 50 at a time
+        answers = [code for codes in pool.map(flood, range(50)) for code in codes]
+    assert answers == [401] * 3000
+    me = f"{getpass.getuser()}@{socket.gethostname()}"
+    text = meshctl(mesh, "events").stdout
+    assert f"restart            accepted  by {me}" in text and f"up                 accepted  by {me}" in text, text
+    audit = json.loads(meshctl(mesh, "events", "--json").stdout)["audit"]
+    flooded = [a for a in audit if a["remote"] == tls_mesh["lan"] and a["action"] == "POST /v1/restart"]
+    assert 1 <= len(flooded) <= 2 and all(a["outcome"].startswith("refused") for a in flooded), flooded
+    assert "root@ops" not in {a["user"] for a in audit}, "a refused caller's claimed name is not a user"

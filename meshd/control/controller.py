@@ -61,7 +61,7 @@ class Controller:
     # --- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
         self.session = agent_session(self.cfg)
-        self.agents = {n.name: AgentClient(n, self.session) for n in self.cfg.nodes}
+        self.agents = {n.name: AgentClient(n, self.session, self.store.fence) for n in self.cfg.nodes}
         intake = Intake(self.agents, self.store, self.metrics, self.agent_errors, lambda: self.state, self.feed)
         await self._adopt()
         for loop in intake.loops():

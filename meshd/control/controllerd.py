@@ -2,14 +2,20 @@
 (loopback by default; bearer token from a 0600 file in the state directory).
 The OpenAI endpoint is meshd-proxy's (meshd/dataplane/proxyd.py), which follows the fleet
 through this API. Stopping the controller leaves the mesh serving, and the
-proxy with it: a restarted controller adopts the running generation."""
+proxy with it: a restarted controller adopts the running generation.
+One controller per mesh: it holds the state directory's lock before it acts
+on anything, and stops when a newer one has taken the mesh over."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hmac
 import json
+import os
 import ssl
+import time
 from pathlib import Path
 
 import structlog
@@ -31,6 +37,7 @@ from common.secretfile import derive, ensure_secret
 from common.tls import Pair, ensure_ca, ensure_issued, local_names, server_context
 from common.tomlcheck import ConfigError, listen_host, loopback, split_listen
 from meshd.control import statuspage, survey
+from meshd.control.audit import Refusals, Row
 from meshd.nodes.agentclient import AgentError
 from meshd.config import MeshConfig, load
 from meshd.control.controller import Controller
@@ -66,13 +73,28 @@ def urls(cfg: MeshConfig) -> dict:
 
 
 PAGE_COOKIE = "meshd_page"
-USER_HEADER = "X-Meshd-User"  # who the caller says it is (meshctl sends user@host); the audit trail keeps it
+USER_HEADER = "X-Meshd-User"  # who an authenticated caller says it is (meshctl sends user@host)
+STORE_PROBE = 5.0  # seconds between the writes that prove the store takes writes (and retry those waiting)
 
 
-def audit(ctl: Controller, request: web.Request, action: str, outcome: str) -> None:
+def accepted(ctl: Controller, request: web.Request, action: str) -> None:
     user = "".join(c for c in request.headers.get(USER_HEADER, "")[:80] if c.isprintable())
-    ctl.store.record_audit(user, request.remote or "", action, outcome)
-    log.info("control action", action=action, outcome=outcome, user=user, remote=request.remote)
+    ctl.store.record_audit(user, request.remote or "", action, "accepted")
+    log.info("control action", action=action, outcome="accepted", user=user, remote=request.remote)
+
+
+def store_health(ctl: Controller) -> list[str]:
+    """What is wrong with this controller's ground: its store failing, a newer controller."""
+    store, fence = ctl.store, ctl.store.fence
+    problems = []
+    if store.failing:
+        since = time.strftime("%H:%M:%S", time.localtime(store.failing_since))
+        problems.append(f"the store ({ctl.cfg.store_path}) fails to write since {since}: {store.failing}; "
+                        f"{len(store.pending)} writes wait (free space in {ctl.cfg.state_dir})")
+    if fence and fence.newer is not None:
+        problems.append(f"controller epoch {fence.newer} has taken this mesh over; this one (epoch {fence.epoch}) "
+                        "acts on nothing more")
+    return problems
 
 
 def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | None = None) -> web.Application:
@@ -89,15 +111,44 @@ def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | 
         if request.path == "/" and not page_allowed(request):
             return web.Response(text=statuspage.login(ctl.cfg.name, wrong=False), status=401, content_type="text/html")
         if request.path != "/" and not bearer_matches(request, token):
-            audit(ctl, request, f"{request.method} {request.path}", "refused: missing or wrong token")
+            resource = request.match_info.route.resource  # a route's pattern: callers cannot make up new ones
+            refused(request, f"{request.method} {resource.canonical if resource else '(no such route)'}",
+                    "missing or wrong token")
             return json_error(401, "Missing or wrong control token; it is in control.token in the mesh's "
                                    "state directory (meshctl reads it for you)", code="unauthorized")
         return await handler(request)
 
     app = web.Application(middlewares=[json_errors, auth], client_max_size=64 << 10)
+    refusals = Refusals()
+
+    def trail(rows: list[Row]) -> None:
+        for row in rows:
+            ctl.store.record_audit(row.user, row.remote, row.action, row.outcome)
+            log.warning("control call refused", action=row.action, outcome=row.outcome, remote=row.remote)
+
+    def refused(request, action: str, reason: str) -> None:
+        """Into the tally; a remote's first refusal of a window, and the summaries due, into the trail."""
+        trail(refusals.note(request.remote or "", action, reason, time.time()))
+
+    async def keep_store(app):
+        async def probe():
+            while True:
+                await asyncio.sleep(STORE_PROBE)
+                ctl.store.put("controller", {"pid": os.getpid(), "at": time.time()})
+                trail(refusals.due(time.time()))
+
+        task = asyncio.create_task(probe())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(keep_store)
 
     async def healthz(request):
-        return web.json_response({"ok": True, "phase": ctl.state.phase, "generation": ctl.state.generation})
+        problems = store_health(ctl)
+        return web.json_response({"ok": not problems, "problems": problems, "phase": ctl.state.phase,
+                                  "generation": ctl.state.generation})
 
     async def metrics_route(request):
         return web.Response(body=generate_latest(metrics.registry), content_type="text/plain", charset="utf-8")
@@ -134,7 +185,7 @@ def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | 
 
     async def up(request):
         await ctl.up()
-        audit(ctl, request, "up", "accepted")
+        accepted(ctl, request, "up")
         return web.json_response({"phase": ctl.state.phase, "generation": ctl.state.generation}, status=202)
 
     async def down(request):
@@ -142,17 +193,17 @@ def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | 
         if not isinstance(force, bool):
             raise ApiError(400, "'force' must be true or false", param="force")
         await ctl.down(force)
-        audit(ctl, request, "down --force" if force else "down", "accepted")
+        accepted(ctl, request, "down --force" if force else "down")
         return web.json_response({"phase": ctl.state.phase, "generation": ctl.state.generation}, status=202)
 
     async def restart(request):
         await ctl.restart()
-        audit(ctl, request, "restart", "accepted")
+        accepted(ctl, request, "restart")
         return web.json_response({"phase": ctl.state.phase, "generation": ctl.state.generation}, status=202)
 
     async def incidents(request):
         return web.json_response({"incidents": ctl.store.incidents(200), "generations": ctl.store.generations(50),
-                                  "audit": ctl.store.audit(200)})
+                                  "audit": ctl.store.audit(200), "store_problems": store_health(ctl)})
 
     async def logs(request):
         node = request.match_info["node"]
@@ -196,9 +247,9 @@ def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | 
                                 "status page's login form does", code="unsupported_media_type")
         given = (await request.post()).get("token", "")
         if not isinstance(given, str) or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            audit(ctl, request, "status page login", "refused: wrong token")
+            refused(request, "status page login", "wrong token")
             return web.Response(text=statuspage.login(ctl.cfg.name, wrong=True), status=401, content_type="text/html")
-        audit(ctl, request, "status page login", "accepted")
+        accepted(ctl, request, "status page login")
         resp = web.Response(status=303, headers={"Location": "/"})
         resp.set_cookie(PAGE_COOKIE, page_cookie, httponly=True, samesite="Strict", secure=ctl.cfg.control.tls,
                         max_age=30 * 86400)
@@ -220,23 +271,60 @@ def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | 
     return app
 
 
+def hold_lock(cfg: MeshConfig) -> int:
+    """The state directory's lock (its fd), held for as long as this process lives: one controller per mesh.
+    SystemExit naming the holder when another controller holds it: this one has done nothing."""
+    path = cfg.state_dir / "controller.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise SystemExit(f"meshd: another controller of mesh {cfg.name} (pid {holder}) holds {path}; this one "
+                         f"did nothing. One controller runs a mesh: if pid {holder} is stopped (kill -STOP, a "
+                         f"debugger), resume it (kill -CONT {holder}); to replace it, stop it first (kill {holder}: "
+                         "the mesh keeps serving and the next controller adopts it)")
+    with contextlib.suppress(OSError):  # the pid only names the holder; a full disk must not stop a controller
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+async def check_listen(listen: str) -> None:
+    """OSError now when another process listens on `listen`: the API binds only after adoption, and a
+    controller that cannot serve must not act first."""
+    server = await asyncio.get_running_loop().create_server(asyncio.Protocol, *split_listen("control.listen", listen),
+                                                            reuse_address=True)
+    server.close()
+    await server.wait_closed()
+
+
 async def serve(cfg: MeshConfig, log_file: Path | None = None) -> None:
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    lock = hold_lock(cfg)
+    await check_listen(cfg.control.listen)
     token = control_token(cfg.state_dir)
-    store = Store(cfg.store_path)
     metrics = Metrics(cfg.name)
+    store = Store(cfg.store_path, on_error=lambda message: metrics.store_errors.inc())
+    metrics.store_pending.set_function(lambda: len(store.pending))
+    fence = store.take_epoch()
     ctl = Controller(cfg, store, metrics)
     await ctl.start()  # adopt first: no command may arrive before the controller knows what runs
     runners = await start_sites([(control_app(ctl, metrics, token, log_file),
                                   *split_listen("control.listen", cfg.control.listen), control_tls(cfg))])
-    log.info("meshd running", mesh=cfg.name, control=cfg.control.listen,
+    log.info("meshd running", mesh=cfg.name, control=cfg.control.listen, epoch=fence.epoch,
              phase=ctl.state.phase, generation=ctl.state.generation)
-    await until_stopped(f"mesh {cfg.name}: control API on {cfg.control.listen}")
+    await until_stopped(f"mesh {cfg.name}: control API on {cfg.control.listen}", stop=fence.superseded)
     log.info("meshd stopping; the mesh keeps serving and will be adopted", generation=ctl.state.generation)
     await ctl.close()
     for r in runners:
         await r.cleanup()
     store.close()
+    os.close(lock)
+    if fence.newer is not None:
+        raise SystemExit(f"meshd: controller epoch {fence.newer} has taken mesh {cfg.name} over ({fence.by} said "
+                         f"so); this one (epoch {fence.epoch}) stopped and acted on nothing after it")
 
 
 def load_checked(path: str) -> MeshConfig:

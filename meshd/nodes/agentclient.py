@@ -1,5 +1,7 @@
 """The controller's side of the agent API: one small client per node, and the
-event stream follower that resumes by sequence number after any disconnect."""
+event stream follower that resumes by sequence number after any disconnect.
+A controller's client sends its epoch with every call and learns from a
+refusal that a newer controller has taken the mesh over."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
+from common.protocol import CONTROLLER_EPOCH
 from meshd.config import MeshConfig, Node
+from meshd.store import Fence
 
 
 def agent_session(cfg: MeshConfig) -> aiohttp.ClientSession:
@@ -28,20 +32,25 @@ class AgentError(Exception):
 
 
 class AgentClient:
-    def __init__(self, node: Node, session: aiohttp.ClientSession):
+    def __init__(self, node: Node, session: aiohttp.ClientSession, fence: Fence | None = None):
+        """`fence`: the controller's (doctor and meshctl call without one)."""
         self.node = node
         self.session = session
+        self.fence = fence
         self.token = node.token_file.read_text().strip()
 
     @property
     def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.token}"}
+        epoch = {CONTROLLER_EPOCH: str(self.fence.epoch)} if self.fence else {}
+        return {"Authorization": f"Bearer {self.token}", **epoch}
 
     async def call(self, method: str, path: str, body=None, timeout: float = 10.0):
         try:
             async with self.session.request(method, f"{self.node.agent}{path}", json=body, headers=self.headers,
                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 data = await r.json(content_type=None)
+                if r.status == 409 and self.fence and CONTROLLER_EPOCH in r.headers:
+                    self.fence.supersede(int(r.headers[CONTROLLER_EPOCH]), f"{self.node.name}'s agent")
                 if r.status >= 400:
                     raise AgentError(f"{self.node.name}: {method} {path} -> {r.status}: "
                                      f"{(data or {}).get('error', {}).get('message', data)}", r.status)

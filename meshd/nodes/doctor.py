@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
+import shutil
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from meshd.config import MeshConfig, Runtime, hostfile_for
 from meshd.nodes.ssh import Session, SshError
 
 USABLE_FRACTION = 0.9  # of iogpu.wired_limit_mb: what a model may take (oMLX caps prefill there too)
+LOW_SPACE = 1 << 30  # free bytes in a state directory below which doctor warns (its logs alone rotate to 320 MiB)
 JACCL = ("jaccl", "jaccl-ring")
 
 
@@ -35,10 +37,12 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    warn: bool = False  # ok, but an operator should act before it becomes a failure
 
     def line(self) -> str:
-        mark = "ok  " if self.ok else "FAIL"
-        return f"{mark} {self.name:<12} {self.node:<10} {self.detail}" + ("" if self.ok else f"\n     fix: {self.fix}")
+        mark = "FAIL" if not self.ok else "WARN" if self.warn else "ok  "
+        told = not self.ok or self.warn
+        return f"{mark} {self.name:<12} {self.node:<10} {self.detail}" + (f"\n     fix: {self.fix}" if told else "")
 
 
 # --- pure judgements ------------------------------------------------------------------
@@ -150,6 +154,17 @@ def judge_stale(node: str, ranks: list[RankReport], current: int | None) -> Chec
     return Check("stale ranks", node, True, "none")
 
 
+def judge_space(node: str, what: str, path: str, free: int | None) -> list[Check]:
+    """A state directory with room for its store and logs; a full one is warned of, while it still serves."""
+    if free is None:
+        return []
+    detail = f"{free / 2**20:.0f} MiB free in {path} ({what})"
+    if free >= LOW_SPACE:
+        return [Check("space", node, True, detail)]
+    return [Check("space", node, True, f"only {detail}", f"free space in {path}, or move it to a larger disk (a full "
+                  "one loses records and logs; the mesh is still recovered)", warn=True)]
+
+
 def judge_hostfile(cfg: MeshConfig) -> Check:
     try:
         hosts = provision.check_hostfile(hostfile_for(cfg), cfg)
@@ -198,13 +213,25 @@ def _ssh_fix(message: str) -> str:
 
 
 async def agent_checks(cfg: MeshConfig, current: int | None) -> list[Check]:
-    """Agent reachable and token accepted; versions, model, launch, memory and stale ranks from what it reports."""
+    """Agent reachable and token accepted; versions, model, launch, memory, stale ranks and free space from
+    what it reports; and the free space in the controller's own state directory."""
     async with agent_session(cfg) as session:
         clients = {n.name: AgentClient(n, session) for n in cfg.nodes}
         answers = await asyncio.gather(*(_agent_node(clients[n.name], n, cfg, current) for n in cfg.nodes))
     out = [c for checks, _ in answers for c in checks]
     facts = {n.name: f for n, (_, f) in zip(cfg.nodes, answers) if f is not None}
-    return out + judge_start(cfg, facts) + judge_memory(facts, len(cfg.nodes))
+    spaces = [c for node, f in facts.items() for c in
+              judge_space(node, "the agent's state directory", f.get("state_dir", "?"), f.get("state_free_bytes"))]
+    return (out + judge_start(cfg, facts) + judge_memory(facts, len(cfg.nodes)) + spaces
+            + judge_space("mesh", "the controller's state directory", str(cfg.state_dir), _free(cfg.state_dir)))
+
+
+def _free(path) -> int | None:
+    """Free bytes where `path` is, or would be made (its nearest existing parent)."""
+    for where in (path, *path.parents):
+        if where.exists():
+            return shutil.disk_usage(where).free
+    return None
 
 
 def judge_start(cfg: MeshConfig, facts: dict[str, dict]) -> list[Check]:
