@@ -136,17 +136,18 @@ class AgentMetrics:
             up.add_metric([node, str(rec.rank)], 1)
             rss.add_metric([node, str(rec.rank)], res["rss_bytes"])
             cpu.add_metric([node, str(rec.rank)], res["cpu_seconds"])
+            status = rec.status
+            if status is None:
+                continue
             for kind in ("active", "peak", "cache"):
-                if rec.status and f"mlx_{kind}_bytes" in rec.status:
-                    mlx.add_metric([node, str(rec.rank), kind], rec.status[f"mlx_{kind}_bytes"])
-            if rec.status and rec.status.get("drafter"):
+                mlx.add_metric([node, str(rec.rank), kind], getattr(status, f"mlx_{kind}_bytes"))
+            if status.drafter:
                 armed.add_metric([node, str(rec.rank)], 1)
-                for kind in ("proposed", "accepted"):
-                    drafts.add_metric([node, str(rec.rank), kind], rec.status.get(f"draft_{kind}", 0))
-                refusals.add_metric([node, str(rec.rank)], rec.status.get("draft_fallbacks", 0))
+                drafts.add_metric([node, str(rec.rank), "proposed"], status.draft_proposed)
+                drafts.add_metric([node, str(rec.rank), "accepted"], status.draft_accepted)
+                refusals.add_metric([node, str(rec.rank)], status.draft_fallbacks)
             for outcome, field in TAPE_OUTCOMES:
-                if rec.status and field in rec.status:
-                    tape.add_metric([node, str(rec.rank), outcome], rec.status[field])
+                tape.add_metric([node, str(rec.rank), outcome], getattr(status, field))
         current = self.sup.current_generation()
         gen.add_metric([node], -1 if current is None else current)
         exits = CounterMetricFamily("meshd_agent_rank_exits", "Rank exits by kind", labels=["node", "kind"])

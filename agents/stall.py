@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.states import RankState
+from common.statusfile import RankStatus
 
 
 @dataclass(frozen=True)
@@ -41,27 +42,26 @@ class Stall:
     frozen: bool = False  # the heartbeat stopped too: the process itself is stopped or wedged
 
 
-def window_for(status: dict, w: StallWindows) -> float:
-    state = status.get("state")
-    if state == RankState.LOADING:
+def window_for(status: RankStatus, w: StallWindows) -> float:
+    if status.state == RankState.LOADING:
         return w.load_deadline
-    if state == RankState.ARMED:
+    if status.state == RankState.ARMED:
         return w.warmup
-    return w.base + status.get("prompt_tokens_in_flight", 0) / w.min_prefill_rate
+    return w.base + status.prompt_tokens_in_flight / w.min_prefill_rate
 
 
-def stall_verdict(status: dict | None, now: float, spawned_at: float, w: StallWindows) -> Stall | None:
+def stall_verdict(status: RankStatus | None, now: float, spawned_at: float, w: StallWindows) -> Stall | None:
     if status is None:
         waited = now - spawned_at
         return Stall("starting", waited, w.start_deadline) if waited > w.start_deadline else None
-    if status.get("state") == RankState.EXITED:
+    if status.state == RankState.EXITED:
         return None
     window = window_for(status, w)
-    idle_for = now - float(status.get("progress_at", spawned_at))
+    idle_for = now - status.progress_at
     if idle_for <= window:
         return None
-    frozen = now - float(status.get("updated_at", now)) > min(FROZEN_AFTER, idle_for / 2)
-    return Stall(status.get("state", "unknown"), idle_for, window, frozen)
+    frozen = now - status.updated_at > min(FROZEN_AFTER, idle_for / 2)
+    return Stall(status.state, idle_for, window, frozen)
 
 
 # A serving rank moves `progress_at` at least every idle interval (0.5 s) and
@@ -70,11 +70,11 @@ def stall_verdict(status: dict | None, now: float, spawned_at: float, w: StallWi
 BLOCKED_AFTER = 1.5
 
 
-def blocked_on_peer(status: dict | None, peer_lost: bool, now: float) -> bool:
+def blocked_on_peer(status: RankStatus | None, peer_lost: bool, now: float) -> bool:
     """Is this rank stuck in a collective with a dead peer? Such a rank runs no
     Python signal handler, so SIGTERM only waits out the grace: stop it at once."""
     if peer_lost:
         return True
-    if not status or status.get("state") not in (RankState.READY, RankState.BUSY, RankState.DRAINING):
+    if not status or status.state not in (RankState.READY, RankState.BUSY, RankState.DRAINING):
         return False
-    return now - float(status.get("progress_at", now)) > BLOCKED_AFTER
+    return now - status.progress_at > BLOCKED_AFTER

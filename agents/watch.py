@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -20,7 +20,7 @@ from common import procs
 from common.logfile import rotated
 from common.protocol import Event, RankExited, RankSignature, RankStalled, RankStateChanged
 from common.states import RankState
-from common.statusfile import read_status
+from common.statusfile import RankStatus, read_status
 
 Emit = Callable[[Event], Awaitable[None]]
 
@@ -39,7 +39,7 @@ class RankRecord:
     profile: str
     proc: asyncio.subprocess.Process | None = None  # None when adopted
     state: RankState = RankState.SPAWNED
-    status: dict | None = None
+    status: RankStatus | None = None
     exit_code: int | None = None
     exit_signal: int | None = None
     stopping: bool = False
@@ -64,7 +64,7 @@ class RankRecord:
 
     def view(self) -> dict:
         res = procs.resources(self.target) if not self.done else {"rss_bytes": 0, "cpu_seconds": 0.0}
-        return {**self.manifest_entry(), "state": self.state, "status": self.status,
+        return {**self.manifest_entry(), "state": self.state, "status": asdict(self.status) if self.status else None,
                 "exit_code": self.exit_code, "exit_signal": self.exit_signal, "stalled": self.stalled,
                 "expected": self.stopping, "peer_lost": self.peer_lost,
                 "signatures": self.signatures, **res}
@@ -160,20 +160,20 @@ class RankWatcher:
         if rec.status_path is None:
             return
         status = read_status(rec.status_path)
-        if status is not None and status.get("generation") not in (None, rec.generation):
+        if status is not None and status.generation != rec.generation:
             status = None  # a previous generation's file
         previous = rec.status
         rec.status = status
         if status is not None:
-            state = RankState(status.get("state", rec.state))
-            moved = previous is None or state != previous.get("state") or (
-                state == RankState.LOADING and status.get("load_done") != previous.get("load_done"))
+            state = status.state
+            moved = previous is None or state != previous.state or (
+                state == RankState.LOADING and status.load_done != previous.load_done)
             if moved and state != RankState.EXITED:
                 rec.state = state
                 # When the rank wrote it (a state change is written at once), not when this poll saw it.
-                changed = self._event(RankStateChanged, state=state, load_done=status.get("load_done", 0),
-                                      load_total=status.get("load_total", 0))
-                await self.emit(replace(changed, at=float(status.get("updated_at", changed.at))))
+                changed = self._event(RankStateChanged, state=state, load_done=status.load_done,
+                                      load_total=status.load_total)
+                await self.emit(replace(changed, at=status.updated_at))
         if rec.stopping:
             return
         verdict = stall_verdict(status, time.time(), rec.spawned_at, self.windows)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from common.states import RankState
@@ -44,6 +44,14 @@ class RankStatus:
     updated_at: float = field(default_factory=time.time)
     started_at: float = field(default_factory=time.time)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "RankStatus":
+        """A status file as a rank of any version wrote it: fields this version does not know are left
+        out, fields it lacks take their defaults."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        return cls(**{**values, "state": RankState(values.get("state", RankState.LOADING))})
+
 
 def write_atomic(path: Path, data) -> None:
     """`data` as JSON at `path`; a reader sees the old file or the new one, never half of either."""
@@ -52,9 +60,10 @@ def write_atomic(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
-def read_status(path: str | Path) -> dict | None:
-    """The last status written, or None when there is none (yet) or it is unreadable."""
+def read_status(path: str | Path) -> RankStatus | None:
+    """The last status written, or None when there is none (yet) or it is unreadable (half a file from
+    another writer, no rank's identity in it, a state this version does not know)."""
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        return RankStatus.from_dict(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, TypeError):
         return None

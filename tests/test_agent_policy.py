@@ -7,6 +7,7 @@ from agents.orphans import ProcInfo, select_orphans
 from agents.signatures import classify
 from agents.stall import StallWindows, stall_verdict
 from agents.supervisor import generations_to_prune
+from common.statusfile import RankStatus, read_status
 from kit.fatal_lines import LINES
 
 
@@ -14,6 +15,11 @@ from kit.fatal_lines import LINES
 def test_signatures(line, name, severity, role):
     sig = classify(line)
     assert (sig.name, sig.severity, sig.role) == (name, severity, role) if sig else (name is None)
+
+
+def status_file(fields: dict | None) -> RankStatus | None:
+    """A status file as the agent reads it, with the table's fields."""
+    return None if fields is None else RankStatus.from_dict({"generation": 1, "rank": 0, "world": 2, "pid": 1, **fields})
 
 
 W = StallWindows(base=10, min_prefill_rate=100, load_deadline=600, warmup=120, start_deadline=60)
@@ -39,7 +45,7 @@ STALLS = [
 
 @pytest.mark.parametrize("name,status,now,phase", STALLS, ids=[s[0] for s in STALLS])
 def test_stall_verdicts(name, status, now, phase):
-    verdict = stall_verdict(status, now, T0, W)
+    verdict = stall_verdict(status_file(status), now, T0, W)
     assert (verdict.phase if verdict else None) == phase
     if verdict:
         assert verdict.idle_for > verdict.window
@@ -53,7 +59,7 @@ def test_stall_verdicts(name, status, now, phase):
 ])
 def test_a_stall_says_whether_the_heartbeat_stopped_too(base, idle_for, heartbeat_age, frozen):
     status = {"state": "busy", "progress_at": T0, "updated_at": T0 + idle_for - heartbeat_age}
-    verdict = stall_verdict(status, T0 + idle_for, T0, StallWindows(base=base))
+    verdict = stall_verdict(status_file(status), T0 + idle_for, T0, StallWindows(base=base))
     assert verdict.frozen is frozen
 
 
@@ -108,3 +114,17 @@ PRUNES = [
 @pytest.mark.parametrize("existing,keep,live,pruned", [p[1:] for p in PRUNES], ids=[p[0] for p in PRUNES])
 def test_retention_prunes_the_oldest_generations_but_never_a_live_one(existing, keep, live, pruned):
     assert generations_to_prune(existing, keep, live) == pruned
+
+
+@pytest.mark.parametrize("text,state", [
+    ('{"generation": 3, "rank": 1, "world": 2, "pid": 9, "state": "busy", "added_by_a_newer_rank": 1}', "busy"),
+    ('{"generation": 3, "rank": 1, "world": 2, "pid": 9}', "loading"),
+    ('{"generation": 3, "rank": 1, "world": 2, "pid": 9, "state": "a state this version does not know"}', None),
+    ('{"state": "busy"}', None),  # no rank's identity: not a rank's status file
+    ('{"generation": 3, "rank": 1, "wor', None),  # half a file
+])
+def test_a_status_file_is_read_as_any_version_wrote_it(tmp_path, text, state):
+    path = tmp_path / "status.json"
+    path.write_text(text)
+    seen = read_status(path)
+    assert (seen.state if seen else None) == state

@@ -5,6 +5,7 @@ proxy's stall windows, and which ranks the agent stops at once."""
 import pytest
 
 from agents.stall import blocked_on_peer
+from common.statusfile import RankStatus
 from common.protocol import RankExited, RankSignature, RankStalled, RankStateChanged, RebootRequired
 from common.states import RankState
 from meshd.control import fleet
@@ -134,4 +135,5 @@ NOW = 1000.0
     (None, True, True),
 ])
 def test_which_ranks_are_blocked_on_a_dead_peer(status, peer_lost, blocked):
-    assert blocked_on_peer(status, peer_lost, NOW) == blocked
+    seen = RankStatus.from_dict({"generation": 1, "rank": 0, "world": 2, "pid": 1, **status}) if status else None
+    assert blocked_on_peer(seen, peer_lost, NOW) == blocked
