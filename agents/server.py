@@ -28,6 +28,7 @@ from common.errors import ApiError
 from common.http import (bearer_matches, json_error, json_errors, log_answer, read_json, read_object, run_daemon,
                          start_sites, until_stopped)
 from common.protocol import CONTROLLER_EPOCH, RankSpec
+from common.states import StopMode
 from common.tls import server_context
 
 log = structlog.get_logger("meshd.agent")
@@ -228,9 +229,11 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
         except ValueError:
             raise ApiError(400, "the generation in the path must be an integer", param="generation")
         body = await read_object(request)
-        mode = body.get("mode", "drain")
-        if mode not in ("drain", "kill"):
-            raise ApiError(400, f"'mode' must be 'drain' or 'kill', got {mode!r}", param="mode")
+        try:
+            mode = StopMode(body.get("mode", StopMode.DRAIN))
+        except ValueError:
+            raise ApiError(400, f"'mode' must be {' or '.join(repr(str(m)) for m in StopMode)}, "
+                                f"got {body.get('mode')!r}", param="mode") from None
         grace = body.get("grace", cfg.grace_seconds)
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= 3600:
             raise ApiError(400, f"'grace' must be seconds between 0 and 3600, got {grace!r}", param="grace")
