@@ -112,7 +112,7 @@ def build_family(path: Path, family: str, tokenizer: Path) -> Path:
 
 
 # --- the walk, on every rank alike --------------------------------------------------------------------------
-ANSWER = 6  # tokens an answer runs to (fewer where the model says its end of sequence)
+ANSWER = 5  # tokens an answer runs to (fewer where the model says its end of sequence)
 TOP = 2  # alternatives recorded per token: a greedy flip between TP and one process shows as a near-tie
 
 
@@ -168,6 +168,7 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
         except SystemExit:
             return {**row, "refused": str(e)}
         row.update(batch_size=1, one_at_a_time=str(e))
+    row["caches"] = sorted(families.needs_of(config).caches)
     model = load_sharded(path, group, lambda done, total: None)
     eos = {config["eos_token_id"]}
     greedy = SamplingParams(ANSWER).sampling()
@@ -316,9 +317,9 @@ def main(argv: list[str] | None = None) -> None:
 
     group = mx.distributed.init(strict=any(k in os.environ for k in DISTRIBUTED_ENV),
                                 backend=distributed_backend("any"))
-    from mlx_lm import load
+    from mlx_lm.utils import load_model
 
-    draft = load(str(args.draft))[0]
+    draft = load_model(args.draft)[0]
     for family in args.families:
         row = walk(args.models / family, group, args.draft, draft)
         if group.rank() == 0:
