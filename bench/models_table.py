@@ -88,7 +88,7 @@ def main() -> None:
 
 Every model family mlx-lm {mlx_lm.__version__} can shard (its `Model` has `shard()`), as
 tests/test_families.py proves it on a tiny random model built from mlx-lm's own class (tests/kit/families.py:
-two layers of each kind the family mixes, sliding windows of 8 tokens under prompts of 9-24). Written by
+two layers, one of each kind where a family mixes kinds, sliding windows of 8 tokens under prompts of 9 to 30). Written by
 `.venv/bin/python bench/models_table.py`, which runs that file; this run: mlx {mx.__version__}, {device}.
 
 - **TP2 = one process**: loaded and sharded through meshd-rank's load path on two ring ranks, a fresh engine's
