@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import mlx.core as mx
 
-from common.hostfile import DISTRIBUTED_ENV, distributed_backend
+from runtime.join import join_mesh
 
 
 def sizes(largest: int) -> list[int]:
@@ -36,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="any")
     args = p.parse_args(argv)
 
-    group = mx.distributed.init(strict=any(k in os.environ for k in DISTRIBUTED_ENV),
-                                backend=distributed_backend(args.backend))
+    group = join_mesh(args.backend)
     rank, world = group.rank(), group.size()
     expected_sum = world * (world + 1) / 2
     done, moved, rounds = 0, 0, 0
