@@ -9,8 +9,13 @@ import argparse
 import json
 import os
 import shutil
-import time
+import subprocess
+import sys
 from pathlib import Path
+
+from common.hostfile import DISTRIBUTED_ENV, distributed_backend, launch_env
+from kit.agents import ring_hostfile
+from meshd.meshctl.ports import free_run
 
 V = 512  # the model's vocabulary: the demo tokenizer's 508 tokens and spare rows, even for a vocab split
 WINDOW = 8  # sliding windows: every prompt below is longer, so a rotating cache is past it after the prefill
@@ -113,6 +118,7 @@ def build_family(path: Path, family: str, tokenizer: Path) -> Path:
 
 # --- the walk, on every rank alike --------------------------------------------------------------------------
 ANSWER = 5  # tokens an answer runs to (fewer where the model says its end of sequence)
+BATCH = 16  # meshd-rank's --completion-batch-size by default
 TOP = 2  # alternatives recorded per token: a greedy flip between TP and one process shows as a near-tie
 
 
@@ -157,11 +163,10 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
     from runtime.openai_api import SamplingParams
     from runtime.rank import load_sharded
 
-    began = time.monotonic()
     config = load_config(path)
-    row: dict = {"family": path.name, "world": group.size(), "batch_size": 16}
+    row: dict = {"family": path.name, "world": group.size(), "batch_size": BATCH}
     try:
-        families.refuse(config, draft=None, drafter="off", batch=16)
+        families.refuse(config, draft=None, drafter="off", batch=BATCH)
     except SystemExit as e:
         try:  # refused as batched: what the refusal names as the way out, if it is one
             families.refuse(config, draft=None, drafter="off", batch=1)
@@ -221,7 +226,7 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
         return out
 
     scenario("fresh", lambda: alone(PROMPTS))
-    cases = follow_ups([t for t, _ in row["fresh"].get("p1", [])])
+    cases = follow_ups(tokens(row["fresh"].get("p1", [])))
     scenario("fresh_follow_ups", lambda: alone(cases))
     scenario("tape", taped)
     scenario("batch", batched)
@@ -229,10 +234,9 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
     if group.size() == 1:
         scenario("reference", lambda: reference({**PROMPTS, **cases}))
         if row["batch_size"] == 1:  # what the refusal spares a client
-            scenario("batched_anyway", lambda: batched(16))
+            scenario("batched_anyway", lambda: batched(BATCH))
         if "refused" in row["speculative"]:
             scenario("speculative_anyway", lambda: drafted(anyway=True))
-    row["seconds"] = time.monotonic() - began
     return row
 
 
@@ -261,13 +265,6 @@ class Walk:
     launch_env on a ring hostfile of loopback hosts); their rows once all have exited."""
 
     def __init__(self, models: Path, draft: Path, world: int, tmp: Path):
-        import subprocess
-        import sys
-
-        from common.hostfile import launch_env
-        from kit.agents import ring_hostfile
-        from meshd.meshctl.ports import free_run
-
         tmp.mkdir(parents=True, exist_ok=True)
         self.out, self.logs, self.procs = tmp / "rows.jsonl", [], []
         port = free_run(world)
@@ -286,8 +283,6 @@ class Walk:
 
     def rows(self, timeout: float) -> dict[str, dict]:
         """The rows, or an AssertionError with the log of the rank that failed or outlasted `timeout`."""
-        import subprocess
-
         try:
             for p, log in zip(self.procs, self.logs):
                 try:
@@ -312,13 +307,10 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     import mlx.core as mx
-
-    from common.hostfile import DISTRIBUTED_ENV, distributed_backend
+    from mlx_lm.utils import load_model
 
     group = mx.distributed.init(strict=any(k in os.environ for k in DISTRIBUTED_ENV),
                                 backend=distributed_backend("any"))
-    from mlx_lm.utils import load_model
-
     draft = load_model(args.draft)[0]
     for family in args.families:
         row = walk(args.models / family, group, args.draft, draft)
