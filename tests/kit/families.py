@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.hostfile import DISTRIBUTED_ENV, distributed_backend, launch_env
+from common.hostfile import launch_env
 from kit.agents import ring_hostfile
 from meshd.meshctl.ports import free_run
 
@@ -306,11 +306,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("families", nargs="*", default=list(FAMILIES))
     args = p.parse_args(argv)
 
-    import mlx.core as mx
     from mlx_lm.utils import load_model
 
-    group = mx.distributed.init(strict=any(k in os.environ for k in DISTRIBUTED_ENV),
-                                backend=distributed_backend("any"))
+    from runtime.join import join_mesh
+
+    group = join_mesh()
     draft = load_model(args.draft)[0]
     for family in args.families:
         row = walk(args.models / family, group, args.draft, draft)
