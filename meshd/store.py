@@ -63,6 +63,18 @@ def read_value(path: Path, key: str):
     return json.loads(row[0]) if row else None
 
 
+def _connect(path: Path, exclusive: bool = False) -> sqlite3.Connection:
+    db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    try:
+        if exclusive:
+            db.execute("PRAGMA locking_mode=EXCLUSIVE")
+        db.execute("PRAGMA journal_mode=WAL")
+    except sqlite3.Error:
+        db.close()
+        raise
+    return db
+
+
 @dataclass
 class Fence:
     """A controller's epoch, one above its store's last. A newer one met in the store or named by an agent
@@ -98,8 +110,10 @@ class Store:
     def __init__(self, path: Path, on_error: Callable[[str], None] = lambda message: None):
         """`on_error(message)` is told of every write that failed (for /metrics)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
+        try:
+            self.db = _connect(path)
+        except sqlite3.OperationalError:  # no room for the WAL's shared-memory file: its index in this process
+            self.db = _connect(path, exclusive=True)  # (meshctl and the proxy read the store once this one exits)
         self.db.execute(f"PRAGMA wal_autocheckpoint={WAL_PAGES}")
         self.db.execute(f"PRAGMA journal_size_limit={WAL_LIMIT}")
         self.db.executescript(SCHEMA)

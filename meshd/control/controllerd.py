@@ -14,6 +14,7 @@ import fcntl
 import hmac
 import json
 import os
+import sqlite3
 import ssl
 import time
 from pathlib import Path
@@ -306,7 +307,11 @@ async def serve(cfg: MeshConfig, log_file: Path | None = None) -> None:
     await check_listen(cfg.control.listen)
     token = control_token(cfg.state_dir)
     metrics = Metrics(cfg.name)
-    store = Store(cfg.store_path, on_error=lambda message: metrics.store_errors.inc())
+    try:
+        store = Store(cfg.store_path, on_error=lambda message: metrics.store_errors.inc())
+    except sqlite3.Error as e:
+        raise SystemExit(f"meshd: cannot open the store {cfg.store_path} ({e}); free space in {cfg.state_dir} or "
+                         "check its permissions, then start meshd again (the mesh keeps serving meanwhile)")
     metrics.store_pending.set_function(lambda: len(store.pending))
     fence = store.take_epoch()
     ctl = Controller(cfg, store, metrics)
