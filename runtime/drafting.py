@@ -4,6 +4,8 @@ subclasses it with how one request begins and advances."""
 
 from __future__ import annotations
 
+import copy
+import sys
 from abc import ABC, abstractmethod
 from collections import deque
 from contextlib import contextmanager
@@ -13,6 +15,7 @@ from mlx_lm.generate import generation_stream, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from runtime.jobs import Emission, Job, emission, finish_reason
+from runtime.lockstep import Divergence
 from runtime.sampling import processors_for, sample_at, sampler_for
 
 
@@ -264,7 +267,7 @@ class MTPEngine(SingleRequestEngine):
         return None
 
     @contextmanager
-    def _refusals(self):
+    def _refusals(self, who: str = "drafter"):
         """A kernel's refusal of a shape: the same on every rank, so all go on plainly."""
         try:
             with mx.stream(generation_stream):
@@ -272,5 +275,125 @@ class MTPEngine(SingleRequestEngine):
         except Exception as e:
             self._drafting = False
             self.fallbacks += 1
-            self._log(f"drafter refused ({type(e).__name__}: {str(e)[:200]}); request {self._active.rid} "
+            self._log(f"{who} refused ({type(e).__name__}: {str(e)[:200]}); request {self._active.rid} "
                       "goes on without drafts")
+
+
+class DSparkEngine(MTPEngine):
+    """One request at a time, drafted by DeepSeek-V4's DSpark stages (omlx's overlay): the target's forward
+    gives its logits and the taps of its target layers; the committed positions' taps enter the stages'
+    context (never a draft's, so that context needs no trim); a block of drafts comes from one pass of
+    the stages over the anchor (the token the target sampled last) and noise tokens, each row biased by
+    the Markov head from the draft before it and taken greedily. The sharded target verifies the block
+    as MTPEngine's verify does, sampling each place with the request's per-token key, so the answer is
+    the plain decoder's token for token.
+
+    The target's caches go back to the kept places by trimming when every layer can, else by restoring
+    the step's copy and feeding the kept places again. A refusal anywhere in a drafted step (the
+    target's verify, the stages) ends drafting for that request, the caches restored: plain from there,
+    the rank alive."""
+
+    def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
+                 log=print):
+        block = int(model.args.dspark_block_size)
+        super().__init__(model, eos_ids, num_draft_tokens=min(num_draft_tokens or block, block),
+                         prefill_step_size=prefill_step_size, log=log)
+        self._arm = getattr(sys.modules[type(model).__module__], "set_dspark_verify_armed", lambda flag: None)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "drafter": "dspark"}
+
+    def _prefill(self) -> None:
+        chunk, self._todo = self._todo[:self._chunk], self._todo[self._chunk:]
+        with mx.stream(generation_stream):
+            _, taps = self._model(mx.array(chunk, dtype=mx.uint32)[None], self._cache, return_hidden=True)
+        if self._drafting:
+            with self._refusals():
+                self._model.dspark_append_context(taps, self._mtp_cache)
+        mx.eval([c.state for c in self._cache])
+        self._base += len(chunk)
+
+    def _verify(self) -> list[Emission]:
+        job = self._active
+        if self._todo:
+            inputs, first, self._todo = mx.array(self._todo, dtype=mx.uint32), len(self._todo) - 1, []
+        else:
+            inputs, first = mx.array([self._pending], dtype=mx.uint32), 0
+        saved = [copy.copy(c) for c in self._cache]
+        if self._drafts is None:
+            taps, logprobs, sampled = self._target(job, inputs, first)
+        else:
+            refused = True
+            with self._refusals("the target's verify"):
+                taps, logprobs, sampled = self._target(job, mx.concatenate([inputs, self._drafts]), first)
+                inputs, refused = mx.concatenate([inputs, self._drafts]), False
+            if refused:
+                self._cache = saved
+                saved = [copy.copy(c) for c in self._cache]
+                taps, logprobs, sampled = self._target(job, inputs, first)
+        tokens, guessed = sampled.tolist(), inputs[first + 1:].tolist()
+        kept = next((i for i, (g, t) in enumerate(zip(guessed, tokens)) if g != t), len(guessed))
+        if guessed:
+            self._agree(kept)
+        self.proposed += len(guessed)
+        self.accepted += kept
+        out = self._emit(tokens[:kept + 1], logprobs)
+        if self._active is not None:
+            at = first + kept  # the place of the last token kept
+            if at + 1 < inputs.shape[0]:
+                self._rewind(saved, inputs[:at + 1])
+            self._base += at + 1
+            if self._said is not None:
+                self._said = mx.concatenate([self._said, sampled[:kept + 1]])
+            self._pending = tokens[kept]
+            self._drafts = self._draft(taps[:, :at + 1], tokens[kept]) if self._drafting else None
+        return out
+
+    def _target(self, job: Job, inputs: mx.array, first: int):
+        """The places through the target (its verify armed for a block of drafts), sampled from `first`
+        on: the taps, the log probabilities and the samples, read back."""
+        with mx.stream(generation_stream):
+            self._arm(first == 0 and inputs.shape[0] > 1)
+            try:
+                logits, taps = self._model(inputs[None], self._cache, return_hidden=True)
+            finally:
+                self._arm(False)
+            logprobs = self._logprobs(logits[0, first:], inputs[first + 1:])
+            sampled = mx.concatenate([sample_at(job, self._count + p, logprobs[p:p + 1])
+                                      for p in range(logprobs.shape[0])]).astype(mx.uint32)
+        mx.eval(taps, logprobs, sampled)
+        return taps, logprobs, sampled
+
+    @staticmethod
+    def _agree(kept: int) -> None:
+        """Every rank kept as many drafts, or all stop here: what comes next (feeding the kept places again)
+        runs collectives of that length, which ranks that disagree would not meet in."""
+        by_rank = mx.distributed.all_gather(mx.array([kept], dtype=mx.int32)).tolist()
+        if len(set(by_rank)) > 1:
+            raise Divergence(f"[meshd] divergence: the ranks sampled different tokens or drafted different blocks "
+                             f"(drafts kept by rank: {by_rank})")
+
+    def _rewind(self, saved: list, kept: mx.array) -> None:
+        """The target's caches back to `_base` plus the `kept` places."""
+        if all(c.is_trimmable() for c in self._cache):
+            trim_to(self._cache, self._base + kept.shape[0])
+            return
+        self._cache = saved
+        with mx.stream(generation_stream):
+            self._model(kept[None], self._cache)
+        mx.eval([c.state for c in self._cache])
+
+    def _draft(self, committed: mx.array, anchor: int) -> mx.array | None:
+        """The next block (on the device: it goes into the next verify's graph), the committed places'
+        taps entering the stages' context first."""
+        with self._refusals():
+            prev = mx.array([anchor], dtype=mx.uint32)
+            logits, _ = self._model.dspark_forward(committed, prev, self._mtp_cache,
+                                                   draft_length=self.num_draft_tokens)
+            drafts = []
+            for i in range(logits.shape[1]):
+                bias, _ = self._model.dspark_markov(prev)
+                prev = mx.argmax(logits[:, i] + bias, axis=-1).astype(mx.uint32)
+                drafts.append(prev)
+            return mx.concatenate(drafts)
+        return None

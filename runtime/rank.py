@@ -10,7 +10,6 @@ synchronizes, closes its generator and exits 0.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import signal
 import sys
@@ -20,17 +19,20 @@ import traceback
 from pathlib import Path
 
 import mlx.core as mx
+import mlx_lm.utils
+from mlx.utils import tree_flatten
 from mlx_lm import load as load_whole
-from mlx_lm.utils import load_config, load_model, load_tokenizer
+from mlx_lm.utils import load_config, load_tokenizer
 
 from common.tomlcheck import loopback
 from common.states import RankState
 from common.statusfile import RankStatus
-from runtime import families, openai_api as oa
-from runtime.drafting import MTPEngine, SpeculativeEngine
+from runtime import dspark, families, openai_api as oa
+from runtime.drafting import DSparkEngine, MTPEngine, SpeculativeEngine
 from runtime.engine import BatchEngine, Job
 from runtime.join import join_mesh
 from runtime.lockstep import Divergence, Lockstep, fold
+from runtime.overlay import OverlayError, check_loaded, checkpoint_tensors, overlay_for, set_up
 from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend
 from runtime.status import Heartbeat
@@ -56,7 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-name", default=None, help="model id served (default: the directory name)")
     p.add_argument("--draft-model", default=None, help="draft model for speculative decoding")
     p.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="tokens drafted per step (default: 3 with --draft-model, 1 with a model's MTP head)")
+                   help="tokens drafted per step (default: 3 with --draft-model, 1 with a model's MTP head, "
+                        "the block size with DSpark's stages)")
     p.add_argument("--model-package", default=None,
                    help="a Python package imported before the model loads, which registers its model type "
                         "(and MTP head) into mlx-lm: a model overlay")
@@ -81,16 +84,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_sharded(model_path: Path, group, on_progress):
-    """Load lazily, shard across `group`, then materialise layer by layer so
-    progress is real: (layers done, layers total)."""
-    model, config = load_model(model_path, lazy=True, strict=False)
+def load_sharded(model_path: Path, group, on_progress, overlay=None, log=print):
+    """Load lazily through the loader in place now (an overlay's setup may have replaced it), check every
+    checkpoint tensor landed, shard across `group` (DSpark's stages as the backbone's layers), then
+    materialise layer by layer so progress is real: (layers and stages done, total)."""
+    try:
+        model, config = mlx_lm.utils.load_model(model_path, lazy=True)
+    except ValueError as e:
+        raise OverlayError(f"the checkpoint at {model_path} does not fit its model: {' '.join(str(e).split())[:800]}"
+                           ) from None
+    check_loaded(overlay, model, checkpoint_tensors(model_path), [k for k, _ in tree_flatten(model.parameters())])
     if group.size() > 1:
         if not hasattr(model, "shard"):
             raise SystemExit(f"meshd-rank: {config.get('model_type')} models cannot be sharded "
                              "(no tensor-parallel support in mlx-lm); run a single rank")
         model.shard(group)
-    layers = list(model.layers)
+        if dspark.stages(model):
+            dspark.shard_stages(model, group)
+    dspark.gate_kernels(overlay and overlay.package, model, config, log)
+    layers = list(model.layers) + dspark.stages(model)
     total = len(layers) + 1
     on_progress(0, total)
     for i, layer in enumerate(layers):
@@ -248,12 +260,12 @@ def mlx_memory() -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model_path = Path(args.model)
-    if args.model_package:
-        try:
-            importlib.import_module(args.model_package)
-        except ImportError as e:
-            sys.exit(f"meshd-rank: --model-package {args.model_package} cannot be imported ({e}); install it on "
-                     "this node (`meshctl doctor` checks every node has it, in one version)")
+    overlay = overlay_for(args.model_package)
+    try:
+        if overlay:
+            set_up(overlay)
+    except OverlayError as e:
+        sys.exit(f"meshd-rank: {e}")
     if not (model_path / "config.json").is_file():
         sys.exit(f"meshd-rank: no model at {model_path} (config.json missing); "
                  "pass --model with an mlx-lm model directory")
@@ -293,7 +305,10 @@ def main(argv: list[str] | None = None) -> None:
         except OSError as e:
             sys.exit(f"meshd-rank: cannot listen on {args.host}:{args.port} ({e}); pick a free --port")
     began = time.monotonic()
-    model = load_sharded(model_path, group, progress)
+    try:
+        model = load_sharded(model_path, group, progress, overlay, log)
+    except OverlayError as e:
+        sys.exit(f"meshd-rank: {e}")
     log(f"loaded in {time.monotonic() - began:.1f}s")
 
     eos = set(tokenizer.eos_token_ids)
@@ -301,6 +316,12 @@ def main(argv: list[str] | None = None) -> None:
         draft, _ = load_whole(args.draft_model)
         engine = SpeculativeEngine(model, draft, eos, num_draft_tokens=args.num_draft_tokens or 3,
                                    prefill_step_size=args.prefill_step_size)
+    elif args.drafter == "auto" and dspark.stages(model):
+        engine = DSparkEngine(model, eos, num_draft_tokens=args.num_draft_tokens or 0,
+                              prefill_step_size=args.prefill_step_size, log=log)
+        hb.update(**engine.stats())
+        log(f"drafter armed: DSpark's {len(dspark.stages(model))} stages, blocks of {engine.num_draft_tokens} "
+            "drafts, one request at a time")
     elif args.drafter == "auto" and hasattr(model, "mtp_draft"):
         engine = MTPEngine(model, eos, num_draft_tokens=args.num_draft_tokens or 1,
                            prefill_step_size=args.prefill_step_size, log=log)

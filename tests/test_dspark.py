@@ -1,17 +1,27 @@
 """DeepSeek-V4 with its DSpark drafter through omlx's overlay, on a tiny checkpoint in DSpark's layout built
 here (tests/kit/dspark.py) and omlx's entry points played by the stand-in in tests/standins/omlx: the
 overlay set up before load by meshd's adapter, an omlx that lacks an entry point or stages that did not load
-named at load; a DeepSeek Harness (dsh) turn, reasoning_content and tool calls, through DeepSeek's template."""
+named at load; a DeepSeek Harness (dsh) turn, reasoning_content and tool calls, through DeepSeek's template;
+at TP4 on the ring, DSpark armed in the lockstep loop with drafted greedy and seeded answers the plain ones
+token for token, the stand-in's 8-head kernel hidden at load (2 heads per rank), a refusal in the target's
+verify falling back for that request with the ranks alive, and stages split without their all-reduce
+caught by the lockstep digests."""
 
 import os
 import subprocess
 import sys
 
 import pytest
+import requests
 
 from kit.dspark import build_dspark_model, standin_env
+from agents.signatures import classify
+from kit.demo_answers import endless
 from kit.ranks import start_mesh
+from kit.waiting import wait_for
 from mlx_lm.chat_templates import deepseek_v32
+
+from mlx_lm.utils import load_tokenizer
 
 from runtime import openai_api as oa
 from runtime.overlay import OMLX, overlay_for, unloaded
@@ -92,3 +102,83 @@ def test_a_dsh_turn_reaches_deepseeks_template_whole_and_reasoning_goes_out_unde
     with pytest.raises(oa.ApiError) as e:
         oa.parse_request("chat", {"messages": [DSH_TURN[0], {**DSH_TURN[1], "reasoning_content": ["x"]}]}, LIMITS)
     assert (e.value.status, e.value.param) == (400, "messages[1].reasoning_content")
+
+
+PROMPT = "The ranks step in lockstep: each token needs an all-reduce across the ring."
+REFUSE_AT = 100  # the stand-in target's verify refuses past this many positions (MESHD_FAULT_TARGET_REFUSE_AT)
+ASKS = {"greedy": {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16},
+        "seeded": {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "temperature": 0.9,
+                   "seed": 7, "logprobs": True, "top_logprobs": 2},
+        "long": {"messages": [{"role": "user", "content": PROMPT * 2}], "max_tokens": 16}}  # past REFUSE_AT
+
+
+def answers(url: str, model) -> dict:
+    out = {}
+    for name, body in ASKS.items():
+        r = requests.post(f"{url}/v1/chat/completions", timeout=300, json={**body, **endless(model)})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        out[name] = (choice["message"]["content"], r.json()["usage"]["completion_tokens"],
+                     [round(t["logprob"], 2) for t in (choice.get("logprobs") or {}).get("content", [])])
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(dspark_model, tmp_path_factory):
+    with start_mesh(dspark_model, 4, tmp_path_factory.mktemp("plain"), *OVERLAY, "--drafter", "off",
+                    env=standin_env()) as mesh:
+        mesh.wait_ready(300)
+        return answers(mesh.url, dspark_model)
+
+
+@pytest.fixture(scope="module")
+def drafted(dspark_model, tmp_path_factory):
+    with start_mesh(dspark_model, 4, tmp_path_factory.mktemp("drafted"), *OVERLAY, "--prefill-step-size", "16",
+                    env={**standin_env(), "MESHD_FAULT_TARGET_REFUSE_AT": str(REFUSE_AT)}) as mesh:
+        mesh.wait_ready(300)
+        short = answers(mesh.url, dspark_model)
+        dsh = requests.post(f"{mesh.url}/v1/chat/completions", timeout=300,
+                            json={"messages": DSH_TURN, "tools": [WEATHER], "max_tokens": 4,
+                                  "chat_template_kwargs": {"enable_thinking": True}})
+        wait_for(lambda: mesh.status(0)["state"] == "ready", 60, "rank 0 idle again")
+        yield {"answers": short, "dsh": dsh, "status": [mesh.status(r) for r in range(4)],
+               "logs": [mesh.log(r) for r in range(4)], "alive": [p.poll() is None for p in mesh.procs]}
+
+
+def test_dspark_drafts_at_tp4_and_its_answers_are_the_plain_ones_token_for_token(drafted, plain):
+    assert drafted["answers"] == plain  # greedy, seeded (and its log probabilities), and the long one
+    assert plain["greedy"][1] == 16 and plain["seeded"][2]
+    first = drafted["status"][0]
+    assert first["drafter"] == "dspark" and 0 < first["draft_accepted"] <= first["draft_proposed"]
+    counts = {(s["draft_proposed"], s["draft_accepted"], s["draft_fallbacks"]) for s in drafted["status"]}
+    assert len(counts) == 1  # every rank drafted and kept the same
+    assert all("drafter armed: DSpark's 3 stages, blocks of 5 drafts" in log for log in drafted["logs"])
+
+
+def test_a_kernel_that_refuses_the_heads_per_rank_is_hidden_at_load(drafted):
+    assert all("kernel dspark_ring_gemm hidden: it refuses 2 heads per rank (ValueError: Unsupported DSpark "
+               "physical-ring GEMM layout.)" in log for log in drafted["logs"])
+
+
+def test_a_refusal_in_the_targets_verify_falls_back_for_that_request_and_the_ranks_live(drafted):
+    # the long prompt and the dsh turn, both past REFUSE_AT; their answers are the plain ones (the long one above)
+    assert drafted["alive"] == [True] * 4 and drafted["status"][0]["draft_fallbacks"] == 2
+    assert "the target's verify refused (ValueError: Unsupported DSpark physical-ring GEMM layout." in drafted["logs"][0]
+
+
+def test_a_dsh_turn_through_the_mesh_reaches_the_template_with_its_reasoning(drafted, dspark_model):
+    assert drafted["dsh"].status_code == 200, drafted["dsh"].text
+    said = load_tokenizer(dspark_model).apply_chat_template(
+        DSH_TURN, tools=[WEATHER], add_generation_prompt=True, enable_thinking=True)
+    assert drafted["dsh"].json()["usage"]["prompt_tokens"] == len(said)  # the reasoning and the call rendered
+
+
+def test_stages_split_without_their_all_reduce_are_caught_by_the_digests(dspark_model, tmp_path):
+    with start_mesh(dspark_model, 2, tmp_path, *OVERLAY,
+                    env={**standin_env(), "MESHD_FAULT_DSPARK_UNREDUCED": "1"}) as mesh:
+        mesh.wait_ready(300)  # the readiness answer is one token: no draft is verified yet
+        r = requests.post(f"{mesh.url}/v1/chat/completions", timeout=300, json=ASKS["greedy"])
+        assert r.status_code == 503 and r.json()["error"]["code"] == "generation_failed"
+        assert mesh.wait_exit(timeout=120) == [1, 1]
+        line = next(l for l in mesh.log(0).splitlines() if "[meshd] divergence" in l)
+        assert classify(line).name == "divergence"

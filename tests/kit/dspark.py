@@ -14,7 +14,7 @@ STANDINS = Path(__file__).resolve().parents[1] / "standins"
 CONFIG = {"model_type": "deepseek_v4", "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4,
           "num_attention_heads": 8, "head_dim": 16, "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 4,
           "o_lora_rank": 16, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
-          "swiglu_limit": 10.0, "rms_norm_eps": 1e-6, "sliding_window": 16, "compress_ratios": [],
+          "swiglu_limit": 10.0, "rms_norm_eps": 1e-6, "sliding_window": 16, "compress_ratios": [0] * 7,
           "hc_mult": 2, "hc_sinkhorn_iters": 3, "max_position_embeddings": 4096, "rope_theta": 10000.0,
           # the published config's 1, which is not the stage count (n_mtp_layers is)
           "num_nextn_predict_layers": 1, "n_mtp_layers": 3, "dspark_block_size": 5,
@@ -45,7 +45,10 @@ def build_dspark_model(path: Path, markov_steps: int = 150, seed: int = 0) -> Pa
     apply_deepseek_v4_patch()
     apply_mlx_lm_mtp_patch()
     set_mtp_active(True)
-    build_demo_model(path, DemoModelSpec())  # the tokenizer and its chat template; config and weights replaced
+    build_demo_model(path, DemoModelSpec())  # the tokenizer; its template, config and weights replaced
+    tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+    # DeepSeek's DSML template as mlx-lm ships it (V3.2's, V4's twin): reasoning_content, tools, tool results
+    (path / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template_type": "deepseek_v32"}))
     config = {**CONFIG, "eos_token_id": json.loads((path / "config.json").read_text())["eos_token_id"]}
     (path / "config.json").write_text(json.dumps(config, indent=2))
     mx.random.seed(seed)
