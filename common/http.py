@@ -1,21 +1,29 @@
 """HTTP pieces shared by the rank server, the agent, the proxy and the
 controller: JSON errors in the OpenAI shape for every failure, aiohttp's own
 included (unknown route, wrong method, oversized body); a JSON body reader that
-names the problem; a constant-time bearer check; and the daemons' entry point."""
+names the problem and holds the body to a deadline and a nesting depth; the
+listener every server runs, which holds each connection to its limits; a
+constant-time bearer check; and the daemons' entry point."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import hmac
 import json
+import os
+import resource
 import signal
+import socket
 import ssl
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from common import logfile, sdnotify
 from common.errors import ApiError, error_body, error_type
@@ -45,20 +53,65 @@ async def json_errors(request: web.Request, handler):
                                                      if k in ("Allow", "Retry-After")})
 
 
+BODY_TIMEOUT = web.AppKey("body_timeout", float)  # an app's ListenerLimits.body_timeout, for read_json
+
+
+def default_max_connections() -> int:
+    """1000, or half the descriptors this process may open where that is fewer (launchd gives 256)."""
+    return min(1000, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2)
+
+
+@dataclass(frozen=True)
+class ListenerLimits:
+    """What clients may hold of a listener. `header_timeout`: seconds from a connection's start, or from
+    the first byte after an answer, until a request's headers are in (else the connection is closed);
+    `body_timeout`: seconds a handler waits for the whole body (else 408); `max_connections`: open at
+    once (one more takes the place of the connection that owes its headers longest, or is answered 503
+    and closed when none does; those it replaces close within one batch of accepts, BACKLOG)."""
+
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = field(default_factory=default_max_connections)
+
+
+MAX_DEPTH = 64  # JSON nesting a body may have: far more than any request needs, far less than the stack holds
+
+
+def nested_deeper(value, limit: int) -> bool:
+    """Whether `value` (decoded JSON) nests lists and objects more than `limit` levels deep."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(limit):
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list))]
+    return bool(level)
+
+
 async def read_json(request: web.Request):
-    """The decoded body, or ApiError(400) saying what is wrong with it."""
+    """The decoded body, or ApiError saying what is wrong with it: 400 (not JSON, nested deeper than
+    MAX_DEPTH), 408 (not all there within the listener's body_timeout), 413 (too large)."""
+    timeout = request.config_dict.get(BODY_TIMEOUT, ListenerLimits.body_timeout)
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"The request body exceeds {request.client_max_size} bytes; send a smaller body",
                        code="body_too_large")
+    except TimeoutError:
+        raise ApiError(408, f"The request body did not arrive within {timeout:g}s; send it at once",
+                       code="body_timeout")
     if not raw:
         raise ApiError(400, "The request body is empty; send a JSON object", code="invalid_json")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
+        deep = nested_deeper(body, MAX_DEPTH)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"The request body is not valid JSON ({e}); send a JSON object",
                        code="invalid_json")
+    except RecursionError:  # deeper than the parser's stack reaches
+        deep = True
+    if deep:
+        raise ApiError(400, f"The request body nests JSON more than {MAX_DEPTH} levels deep; send a flatter body",
+                       code="invalid_json")
+    return body
 
 
 async def read_object(request: web.Request) -> dict:
@@ -90,16 +143,160 @@ def bearer_matches(request: web.Request, token: str) -> bool:
     return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
 
 
+BACKLOG = 128  # connections the kernel queues for a listener; also the most one batch of accepts takes
+REFUSAL_LINGER = 1.0  # seconds a refused connection's request is read and dropped, so that the answer is not reset
+
+
+def answer_bytes(status: int, reason: str, message: str, code: str, headers: dict[str, str]) -> bytes:
+    """A whole HTTP/1.1 answer with an error body, for a connection no handler answers; it closes after."""
+    body = json.dumps(error_body(message, error_type(status), None, code)).encode()
+    head = {"Content-Type": "application/json", "Content-Length": str(len(body)), "Connection": "close", **headers}
+    return f"HTTP/1.1 {status} {reason}\r\n".encode() + "".join(f"{k}: {v}\r\n" for k, v in head.items()).encode() \
+        + b"\r\n" + body
+
+
+class _Refusal(asyncio.Protocol):
+    """A connection over the cap: its answer is written at once, its request read and dropped until the
+    client closes or REFUSAL_LINGER passes."""
+
+    def __init__(self, answer: bytes):
+        self.answer = answer
+        self.closing: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        transport.write(self.answer)
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.closing = asyncio.get_running_loop().call_later(REFUSAL_LINGER, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing.cancel()
+
+
+class _Connection(asyncio.Protocol):
+    """One client's connection, handed on to aiohttp's handler for it, open from when it is accepted
+    (a TLS handshake included). `owing_since`: since when the client owes a request's headers (its
+    start, or its first byte after an answer); None while a request runs or the connection idles
+    between requests."""
+
+    def __init__(self, open_: dict[RequestHandler, _Connection], handler: RequestHandler):
+        self.open, self.handler = open_, handler
+        self.transport: asyncio.Transport | None = None  # once the handshake, if any, is done
+        self.busy = False
+        self.owing_since: float | None = time.monotonic()
+        open_[handler] = self
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.handler.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.open.pop(self.handler, None)
+        self.handler.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.owing_since is None and not self.busy:
+            self.owing_since = time.monotonic()
+        self.handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.handler.eof_received()
+
+    def pause_writing(self) -> None:
+        self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.handler.resume_writing()
+
+
+class Listener:
+    """`app` on one listening socket (TLS with a context), every connection held to `limits`: a client
+    that goes away cancels its handler; one that sends its headers too slowly is closed, one past
+    the cap refused. `on_refusal(why)` counts them: "slow_headers" or "cap"."""
+
+    def __init__(self, app: web.Application, limits: ListenerLimits | None = None, shutdown_timeout: float = 2.0,
+                 on_refusal: Callable[[str], None] = lambda why: None):
+        self.limits = limits or ListenerLimits()
+        self.on_refusal = on_refusal
+        self.open: dict[RequestHandler, _Connection] = {}
+        self._full = answer_bytes(503, "Service Unavailable", f"This server holds its limit of "
+                                  f"{self.limits.max_connections} open connections; retry shortly",
+                                  "too_many_connections", {"Retry-After": "1"})
+        open_ = self.open
+
+        @web.middleware
+        async def busy(request: web.Request, handler):
+            conn = open_.get(request.protocol)
+            if conn is None:
+                return await handler(request)
+            conn.busy, conn.owing_since = True, None
+            try:
+                return await handler(request)
+            finally:
+                conn.busy = False
+
+        app.middlewares.insert(0, busy)
+        app[BODY_TIMEOUT] = self.limits.body_timeout
+        self.runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+        self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self, host: str | None = None, port: int | None = None, *, sock: socket.socket | None = None,
+                    tls: ssl.SSLContext | None = None) -> None:
+        await self.runner.setup()
+        self._server = await asyncio.get_running_loop().create_server(
+            self._accept, host, port, sock=sock, ssl=tls, backlog=BACKLOG,
+            ssl_handshake_timeout=self.limits.header_timeout if tls else None)
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    def _accept(self) -> asyncio.Protocol:
+        if len(self.open) >= self.limits.max_connections:
+            slowest = min((c for c in self.open.values() if c.owing_since is not None and c.transport),
+                          key=lambda c: c.owing_since, default=None)
+            if slowest is None:  # every connection runs a request or idles between two: refuse the newcomer
+                self.on_refusal("cap")
+                return _Refusal(self._full)
+            self._close(slowest)
+        return _Connection(self.open, self.runner.server())
+
+    def _close(self, slow: _Connection) -> None:
+        self.on_refusal("slow_headers")
+        slow.owing_since = None
+        if slow.transport is None:  # its TLS handshake failed, or never ended (ssl_handshake_timeout)
+            self.open.pop(slow.handler, None)
+        else:
+            slow.transport.abort()
+
+    async def _sweep(self) -> None:
+        """Close the connections that owe their headers longer than header_timeout."""
+        timeout = self.limits.header_timeout
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            cutoff = time.monotonic() - timeout
+            for conn in [c for c in self.open.values() if c.owing_since is not None and c.owing_since < cutoff]:
+                self._close(conn)
+
+    async def cleanup(self) -> None:
+        """Stop accepting, let the handlers finish (shutdown_timeout at most), close every connection."""
+        if self._server is not None:
+            self._server.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        await self.runner.cleanup()
+
+
 async def start_sites(apps: list[tuple[web.Application, str, int, ssl.SSLContext | None]],
-                      shutdown_timeout: float = 2.0) -> list[web.AppRunner]:
-    """Listen with each app (over TLS where it has a context); client disconnects cancel their handlers."""
-    runners = []
+                      shutdown_timeout: float = 2.0) -> list[Listener]:
+    """Listen with each app (over TLS where it has a context), with the default ListenerLimits."""
+    listeners = []
     for app, host, port, tls in apps:
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
-        await runner.setup()
-        await web.TCPSite(runner, host, port, ssl_context=tls).start()
-        runners.append(runner)
-    return runners
+        listener = Listener(app, shutdown_timeout=shutdown_timeout)
+        await listener.start(host, port, tls=tls)
+        listeners.append(listener)
+    return listeners
 
 
 async def until_stopped(status: str, stop: asyncio.Event | None = None, main_pid: bool = False) -> None:

@@ -72,3 +72,7 @@ class ProxyMetrics:
         self.migrations = Counter("meshd_proxy_migrations_total",
                                   "Streams cut by a generation's death and resumed on the next one", registry=r)
         self.retries = Counter("meshd_proxy_retries_total", "Requests retried on the next generation", registry=r)
+        self.connections = Gauge("meshd_proxy_connections", "Client connections open", registry=r)
+        self.refused = Counter("meshd_proxy_refused_connections_total", "Client connections the listener's limits "
+                               "ended, by reason (slow_headers: closed, its headers not in within header_timeout; "
+                               "cap: answered 503, max_connections open)", ["reason"], registry=r)

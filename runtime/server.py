@@ -20,7 +20,7 @@ from enum import StrEnum
 from aiohttp import web
 
 from common.errors import ApiError, error_body
-from common.http import bearer_matches, json_error, json_errors, read_json
+from common.http import Listener, bearer_matches, json_error, json_errors, read_json
 from runtime import openai_api as oa
 from runtime.engine import Emission
 
@@ -64,7 +64,7 @@ class Frontend:
         self._drain_started: float | None = None
         self._drain_escalated = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._runner: web.AppRunner | None = None
+        self._listener: Listener | None = None
         self._thread: threading.Thread | None = None
         self._eos = set(tokenizer.eos_token_ids)
 
@@ -101,9 +101,8 @@ class Frontend:
         return app
 
     async def _serve(self) -> None:
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port).start()
+        self._listener = Listener(self.app())
+        await self._listener.start(self.host, self.port)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -113,9 +112,9 @@ class Frontend:
         return await handler(request)
 
     def stop(self) -> None:
-        if self._loop is None or self._runner is None:
+        if self._loop is None or self._listener is None:
             return
-        fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(self._listener.cleanup(), self._loop)
         try:
             fut.result(timeout=5)
         except Exception:  # shutting down anyway; the process exits next

@@ -9,15 +9,19 @@ holds a connection to it and dozes in `select` on it, and rank 0 writes a byte
 down every connection when it has work: the dozers go to the exchange at once.
 
 A connection proves itself with a token derived from the generation's rank
-secret before it is woken; without a secret the hub answers loopback peers
-only. A byte only ends a doze early, so nothing here can change what a rank
-computes; a lost connection leaves its rank dozing as before.
+secret before it is woken, within PROVE_WITHIN seconds of connecting; without a
+secret the hub answers loopback peers only. One thread serves every connection,
+and at most MAX_UNPROVEN wait to prove themselves at once (a newcomer takes the
+place of the oldest): strangers cost rank 0 no thread and a bounded number of
+descriptors. A byte only ends a doze early, so nothing here can change what a
+rank computes; a lost connection leaves its rank dozing as before.
 """
 
 from __future__ import annotations
 
 import hmac
 import select
+import selectors
 import socket
 import threading
 import time
@@ -28,6 +32,8 @@ from common.secretfile import derive
 from common.tomlcheck import loopback
 
 TOKEN_BYTES = 64  # a hex sha256
+PROVE_WITHIN = 5.0  # seconds a connection has to send its token
+MAX_UNPROVEN = 64  # connections still owing their token at once (a mesh has 7 other ranks at most)
 
 
 def wake_token(secret: str, generation: int) -> bytes:
@@ -35,39 +41,77 @@ def wake_token(secret: str, generation: int) -> bytes:
 
 
 class WakeHub:
-    """Rank 0's end: accepts the other ranks' connections in a thread; `wake` writes to each."""
+    """Rank 0's end: one thread accepts the other ranks' connections and reads their tokens; `wake`
+    writes to each connection that proved itself."""
 
     def __init__(self, host: str, token: bytes, loopback_only: bool):
         self._token, self._loopback_only = token, loopback_only
         self._sock = socket.create_server((host, 0))
+        self._sock.setblocking(False)
         self.port = self._sock.getsockname()[1]
         self._peers: list[socket.socket] = []
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept, name="wake-hub", daemon=True).start()
+        threading.Thread(target=self._serve, name="wake-hub", daemon=True).start()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, addr = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._admit, args=(conn, addr[0]), daemon=True).start()
+    def _serve(self) -> None:
+        unproven: dict[socket.socket, tuple[float, bytes]] = {}  # connection -> (deadline, token so far)
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._sock, selectors.EVENT_READ)
+            while True:
+                for key, _ in sel.select(timeout=1.0):
+                    if key.fileobj is self._sock:
+                        if not self._accept(unproven, sel):
+                            return
+                    elif key.fileobj in unproven:  # not dropped since the select
+                        self._read_token(key.fileobj, unproven, sel)
+                now = time.monotonic()
+                for conn in [c for c, (deadline, _) in unproven.items() if deadline < now]:
+                    self._drop(conn, unproven, sel)
 
-    def _admit(self, conn: socket.socket, peer: str) -> None:
-        conn.settimeout(5)
+    def _accept(self, unproven: dict, sel: selectors.BaseSelector) -> bool:
+        """Take one connection, in the place of the oldest unproven one when MAX_UNPROVEN wait; False
+        once the listening socket is closed."""
         try:
-            given = b""
-            while len(given) < TOKEN_BYTES and (chunk := conn.recv(TOKEN_BYTES - len(given))):
-                given += chunk
+            conn, addr = self._sock.accept()
+        except BlockingIOError:
+            return True
         except OSError:
-            given = b""
-        if not hmac.compare_digest(given, self._token) or (self._loopback_only and not loopback(peer)):
+            return False
+        if self._loopback_only and not loopback(addr[0]):
             conn.close()
-            return
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return True
+        if len(unproven) >= MAX_UNPROVEN:
+            self._drop(min(unproven, key=lambda c: unproven[c][0]), unproven, sel)
         conn.setblocking(False)
-        with self._lock:
-            self._peers.append(conn)
+        unproven[conn] = (time.monotonic() + PROVE_WITHIN, b"")
+        sel.register(conn, selectors.EVENT_READ)
+        return True
+
+    def _read_token(self, conn: socket.socket, unproven: dict, sel: selectors.BaseSelector) -> None:
+        deadline, given = unproven[conn]
+        try:
+            chunk = conn.recv(TOKEN_BYTES - len(given))
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        given += chunk
+        if chunk and len(given) < TOKEN_BYTES:
+            unproven[conn] = (deadline, given)
+        elif chunk and hmac.compare_digest(given, self._token):
+            sel.unregister(conn)
+            del unproven[conn]
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._peers.append(conn)
+        else:
+            self._drop(conn, unproven, sel)
+
+    @staticmethod
+    def _drop(conn: socket.socket, unproven: dict, sel: selectors.BaseSelector) -> None:
+        sel.unregister(conn)
+        del unproven[conn]
+        conn.close()
 
     def wake(self) -> None:
         with self._lock:

@@ -27,10 +27,9 @@ import sys
 from pathlib import Path
 
 import structlog
-from aiohttp import web
 
 from common import procs
-from common.http import run_daemon, until_stopped
+from common.http import Listener, run_daemon, until_stopped
 from common.tomlcheck import split_listen
 from meshd.config import MeshConfig, load
 from meshd.dataplane.fleetlink import RemoteFleet, remembered
@@ -110,10 +109,10 @@ class ProxyDaemon:
 
     async def run(self) -> None:
         follow = asyncio.create_task(self.fleet.follow())
-        runner = web.AppRunner(self.proxy.app(), access_log=None, handler_cancellation=True,
-                               shutdown_timeout=self.cfg.proxy.drain_timeout)
-        await runner.setup()
-        await web.SockSite(runner, self.sock).start()
+        listener = Listener(self.proxy.app(), shutdown_timeout=self.cfg.proxy.drain_timeout,
+                            on_refusal=lambda why: self.proxy.metrics.refused.labels(reason=why).inc())
+        self.proxy.metrics.connections.set_function(lambda: len(listener.open))
+        await listener.start(sock=self.sock)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.hand_over()))
         if self.cfg.proxy.open_off_loopback:
@@ -132,7 +131,7 @@ class ProxyDaemon:
         log.info("meshd-proxy draining: no new connections; the requests in flight finish",
                  in_flight=self.proxy.admission.running, waiting=self.proxy.admission.depth,
                  drain_timeout=self.cfg.proxy.drain_timeout)
-        await runner.cleanup()  # stops accepting, then waits for the handlers (drain_timeout at most)
+        await listener.cleanup()  # stops accepting, then waits for the handlers (drain_timeout at most)
         for task in (follow, told):
             task.cancel()
         await asyncio.gather(follow, told, return_exceptions=True)
