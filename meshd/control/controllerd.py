@@ -320,6 +320,7 @@ async def serve(cfg: MeshConfig, log_file: Path | None = None) -> None:
                                   *split_listen("control.listen", cfg.control.listen), control_tls(cfg))])
     log.info("meshd running", mesh=cfg.name, control=cfg.control.listen, epoch=fence.epoch,
              phase=ctl.state.phase, generation=ctl.state.generation)
+    # Until a signal, or a newer controller (fence.newer says which: a signal sets the event too).
     await until_stopped(f"mesh {cfg.name}: control API on {cfg.control.listen}", stop=fence.superseded)
     log.info("meshd stopping; the mesh keeps serving and will be adopted", generation=ctl.state.generation)
     await ctl.close()
