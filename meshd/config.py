@@ -33,6 +33,35 @@ class Recovery:
 
 
 @dataclass(frozen=True)
+class Recycle:
+    """Planned recycling ([recycle] in mesh.toml): the next generation starts on purpose before a
+    long-lived one wears out, once the mesh has had no request in flight for `idle_for` seconds.
+    Off unless `after` or `window` is set."""
+
+    after: float = 0.0  # seconds since the generation became ready (0: never by age)
+    window: str = ""  # "HH:MM-HH:MM", local time: once a day inside it ("": never by the clock)
+    idle_for: float = 60.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.after > 0 or bool(self.window)
+
+    @property
+    def minutes(self) -> tuple[int, int]:
+        """The window's start and end in minutes after local midnight (the end may come before the start:
+        a window across midnight)."""
+        start, _, end = self.window.partition("-")
+        return _minute_of_day(start), _minute_of_day(end)
+
+
+def _minute_of_day(text: str) -> int:
+    hours, _, minutes = text.strip().partition(":")
+    if not (hours.isdigit() and minutes.isdigit() and int(hours) < 24 and int(minutes) < 60):
+        raise ValueError(text)
+    return int(hours) * 60 + int(minutes)
+
+
+@dataclass(frozen=True)
 class Node:
     name: str
     agent: str  # https://host:port of its meshd-agent (http:// on loopback)
@@ -174,6 +203,7 @@ class MeshConfig:
     path: Path | None = None
     ssh: Ssh = field(default_factory=Ssh)
     retention: Retention = field(default_factory=Retention)
+    recycle: Recycle = field(default_factory=Recycle)
 
     @property
     def speculative(self) -> bool:
@@ -224,7 +254,7 @@ class MeshConfig:
 
 
 TOP_KEYS = ("name", "backend", "nodes", "runtime", "proxy", "recovery", "control", "state_dir", "hostfile", "ssh",
-            "retention")
+            "retention", "recycle")
 NODE_KEYS = ("name", "agent", "token_file", "address", "ssh", "devices")
 
 
@@ -239,6 +269,7 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
     runtime = problems.check(_runtime, raw.get("runtime"), base)
     proxy = problems.check(_proxy, raw.get("proxy"), base)
     recovery = problems.check(_recovery, raw.get("recovery"), base)
+    recycle = problems.check(_recycle, raw.get("recycle"), base)
     control = problems.check(table, Control, raw.get("control"), "control", base, {"listen": '"127.0.0.1:8001"'})
     if control is not None:
         problems.check(split_listen, "control.listen", control.listen)
@@ -255,7 +286,7 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
     if backend in ("jaccl", "jaccl-ring") and not hostfile:
         hostfile = str(Path(state_dir) / "hostfile.json")  # where `meshctl provision` writes it
     return MeshConfig(name, backend, tuple(nodes), runtime, proxy, recovery, control, base / state_dir,
-                      base / hostfile if hostfile else None, path, ssh, retention)
+                      base / hostfile if hostfile else None, path, ssh, retention, recycle)
 
 
 def _name(raw: dict) -> str:
@@ -368,6 +399,20 @@ def _recovery(raw, base: Path) -> Recovery:
     return recovery
 
 
+def _recycle(raw, base: Path) -> Recycle:
+    recycle = table(Recycle, raw, "recycle", base, {"after": "86400.0", "window": '"03:00-04:00"',
+                                                     "idle_for": "60.0"})
+    if recycle.window:
+        try:
+            start, end = recycle.minutes
+        except ValueError:
+            start = end = None
+        if start is None or start == end:
+            raise ConfigError(f'recycle.window: {recycle.window!r} is not a daily window "HH:MM-HH:MM" (local '
+                              'time, 24-hour, start and end apart); for example window = "03:00-04:00"')
+    return recycle
+
+
 def _listeners_apart(proxy: Proxy, control: Control, runtime: Runtime | None) -> None:
     """The controller's two listeners (and rank 0's, when it shares their host) on different ports."""
     ports = {"proxy.listen": proxy.listen.rpartition(":")[2], "control.listen": control.listen.rpartition(":")[2]}
@@ -403,7 +448,7 @@ def json_schema() -> dict:
                            "nodes": {"type": "array", "minItems": 1, "items": node},
                            "runtime": section(Runtime, ("model",)), "proxy": section(Proxy),
                            "recovery": section(Recovery), "control": section(Control), "ssh": section(Ssh),
-                           "retention": section(Retention),
+                           "retention": section(Retention), "recycle": section(Recycle),
                            "state_dir": {"type": "string", "default": "state"}, "hostfile": {"type": "string"}}}
 
 

@@ -30,6 +30,8 @@ class Metrics:
         self.generation = Gauge("meshd_generation", "Current generation", registry=r)
         self.restarts = Counter("meshd_restarts_total", "Generations ended by a failure, by cause", ["reason"],
                                 registry=r)
+        self.recycles = Counter("meshd_recycles_total", "Generations ended on purpose by planned recycling "
+                                "([recycle]), by trigger (age, window)", ["reason"], registry=r)
         self.detection = Histogram("meshd_detection_seconds",
                                    "From an agent observing a death to the controller acting on it",
                                    buckets=DETECTION_BUCKETS, registry=r)

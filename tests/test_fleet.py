@@ -1,5 +1,7 @@
 """The fleet state machine, scenario by scenario, without I/O."""
 
+from datetime import datetime
+
 import pytest
 
 from common.protocol import RankReport
@@ -386,3 +388,69 @@ def test_a_last_rank_loaded_reported_after_ready_goes_into_the_closed_incidents_
     assert [step for step, _ in last.timeline] == ["detected", "stopped", "swept", "started", "loaded", "ready",
                                                    "served"]
     assert dict(last.timeline)["loaded"] == 22.95
+
+
+# --- planned recycling -----------------------------------------------------------
+AGED = f.Policy(nodes=NODES, recycle=f.Recycle(after=100.0, idle_for=10.0))
+
+
+def busy(t, node="n0", state="busy"):
+    return (t, f.RankReported(node, 1, state))
+
+
+@pytest.mark.parametrize("events, recycled", [
+    ([(105, f.Tick())], False),  # not yet its age
+    ([(115, f.Tick())], True),  # its age, idle since ready
+    ([busy(100), (115, f.Tick())], False),  # its age, a request in flight
+    ([busy(100), busy(108, state="ready"), (115, f.Tick())], False),  # idle only 7s
+    ([busy(100), busy(108, state="ready"), (118, f.Tick())], True),
+    ([busy(100), busy(101, "n1"), busy(108, state="ready"), (120, f.Tick())], False),  # n1 still busy
+])
+def test_a_generation_is_recycled_at_its_age_only_once_idle_for_long_enough(events, recycled):
+    s, a = run(ready_at() + events, AGED)
+    opened = [x for x in a if isinstance(x, f.OpenIncident)]
+    assert bool(opened) == recycled and (s.phase == "recovering") == recycled
+    if recycled:
+        assert opened[0].planned == "age" and opened[0].incident.cause == "recycle"
+        assert f.StopGeneration(1, "drain", AGED.drain_grace) in a
+
+
+def test_recycling_is_off_by_default():
+    s, a = run([(10 ** 6, f.Tick())], state=run(ready_at())[0])
+    assert (s.phase, a) == ("ready", [])
+
+
+def test_a_recycle_starts_the_next_generation_as_a_planned_incident_never_a_failure():
+    s, a = run(ready_at() + [(115, f.Tick()), (117, f.GenerationStopped(1)), (118, f.Tick())], AGED)
+    assert (s.phase, s.generation, s.failures, s.backoff_until, s.ladder_step) == ("starting", 2, (), None, 0)
+    s, a = run([(125, f.MeshReady(2)), (126, f.RequestServed(2))], AGED, s)
+    closed = next(x.incident for x in a if isinstance(x, f.CloseIncident))
+    assert (closed.cause, closed.steps, closed.generation) == ("recycle", ("recycle",), 1)
+    assert [step for step, _ in closed.timeline] == ["planned", "stopped", "swept", "started", "ready"]
+    assert s.failures == () and s.phase == "ready" and s.idle_since == 125
+    assert run([(200, f.Tick())], AGED, s)[0].phase == "ready", "the new generation's age counts from its ready"
+
+
+def test_a_failure_while_a_recycle_starts_the_next_generation_is_an_incident_of_its_own():
+    s, _ = run(ready_at() + [(115, f.Tick()), (117, f.GenerationStopped(1)), death(2, 120)], AGED)
+    assert (s.incident.cause, s.incident.generation, len(s.failures)) == ("exit", 2, 1)
+
+
+def local(hour, minute, day=1):
+    return datetime(2026, 12, day, hour, minute).timestamp()
+
+
+@pytest.mark.parametrize("window, ready, tick, recycled", [
+    ("03:00-04:00", local(1, 0), local(3, 10), True),
+    ("03:00-04:00", local(1, 0), local(4, 10), False),  # past the window
+    ("03:00-04:00", local(3, 5), local(3, 30), False),  # started inside this window: recycled already
+    ("03:00-04:00", local(3, 5, day=1), local(3, 30, day=2), True),  # the next day's window
+    ("23:30-00:30", local(20, 0), local(0, 10, day=2), True),  # across midnight
+    ("23:30-00:30", local(23, 40), local(0, 10, day=2), False),
+    ("23:30-00:30", local(20, 0), local(23, 0), False),
+])
+def test_a_generation_is_recycled_once_in_the_daily_window(window, ready, tick, recycled):
+    policy = f.Policy(nodes=NODES, recycle=f.Recycle(window=window, idle_for=60.0))
+    s, a = run([(ready - 1, f.UpRequested()), (ready, f.MeshReady(1)), (tick, f.Tick())], policy)
+    assert (s.phase == "recovering") == recycled
+    assert [x.planned for x in a if isinstance(x, f.OpenIncident)] == (["window"] if recycled else [])

@@ -34,7 +34,7 @@ log = structlog.get_logger("meshd.controller")
 
 
 def policy_for(cfg: MeshConfig) -> fleet.Policy:
-    return fleet.Policy(nodes=tuple(n.name for n in cfg.nodes), **asdict(cfg.recovery))
+    return fleet.Policy(nodes=tuple(n.name for n in cfg.nodes), recycle=cfg.recycle, **asdict(cfg.recovery))
 
 
 class Controller:
@@ -105,11 +105,15 @@ class Controller:
                 self._spawn(self._stop_generation(g, mode, grace))
             case fleet.RunStep(step=step, nodes=nodes):
                 self._spawn(self._run_step(step, nodes))
-            case fleet.OpenIncident(incident=i):
-                log.warning("incident", cause=i.cause, node=i.node, rank=i.rank, generation=i.generation,
-                            detail=i.detail)
+            case fleet.OpenIncident(incident=i, planned=trigger):
                 self.store.open_incident(i)
-                self.metrics.restarts.labels(reason=i.cause).inc()
+                if trigger:
+                    log.info("planned recycle", generation=i.generation, trigger=trigger, detail=i.detail)
+                    self.metrics.recycles.labels(reason=trigger).inc()
+                else:
+                    log.warning("incident", cause=i.cause, node=i.node, rank=i.rank, generation=i.generation,
+                                detail=i.detail)
+                    self.metrics.restarts.labels(reason=i.cause).inc()
             case fleet.IncidentUpdated(incident=i):
                 self.store.update_incident(i)
                 self._observe_steps(i)

@@ -37,20 +37,29 @@ Judgement:
   incident over from a consequence that happened to arrive first.
 - Each incident keeps a timeline: detected, stopped, swept, backoff, started,
   loaded, ready, and served (the first request answered after it).
+
+Planned recycling ([recycle]): a generation that reached its age or the daily
+window, with no rank busy for `idle_for`, is drained and the next one starts,
+as `meshctl restart` does; its incident (cause "recycle") is planned: no
+failure, no ladder step, no backoff.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
 
 from common.protocol import RankReport
 from common.states import LadderStep, Phase, RankState, StopMode
-from meshd.config import Recovery
+from meshd.config import Recovery, Recycle
+
+RECYCLE = "recycle"  # a planned incident's cause
 
 
 @dataclass(frozen=True)
 class Policy(Recovery):
     nodes: tuple[str, ...] = ()
+    recycle: Recycle = Recycle()
 
 
 @dataclass(frozen=True)
@@ -89,6 +98,7 @@ class FleetState:
     ladder_step: int = 0  # index into policy.ladder for the next recovery
     backoff_until: float | None = None
     ready_since: float | None = None
+    idle_since: float | None = None  # since when no rank of the generation reported itself busy
     started_at: float | None = None
     incident: Incident | None = None
     reason: str = ""  # why failed / what is pending
@@ -237,6 +247,7 @@ class RunStep:
 @dataclass(frozen=True)
 class OpenIncident:
     incident: Incident
+    planned: str = ""  # a planned recycle's trigger (age, window); "" for a failure
 
 
 @dataclass(frozen=True)
@@ -298,6 +309,8 @@ def _fail(state: FleetState, now: float, policy: Policy, ev: RankDied) -> Result
     repeated = bool(ev.load_line) and ev.load_line == state.last_load_failure
     deterministic = ev.deterministic or repeated
     failures = tuple(t for t in state.failures if now - t < policy.window) + (now,)
+    if state.incident is not None and state.incident.cause == RECYCLE:  # a failure is never the planned one's
+        state = replace(state, incident=None)
     incident = state.incident or Incident(now, ev.cause, ev.node, ev.rank, ev.generation, ev.detail,
                                           primary=not ev.consequence, timeline=(("detected", now),))
     opened = state.incident is None
@@ -437,13 +450,18 @@ def _on_down(state: FleetState, ev: DownRequested, now: float, policy: Policy) -
             [StopGeneration(state.generation, mode, grace)])
 
 
+def _end_on_purpose(state: FleetState, policy: Policy, why: str) -> Result:
+    """Drain the generation (its requests finish), then start the next one, counting no failure."""
+    return (replace(state, phase=Phase.RECOVERING, ready_since=None, idle_since=None, backoff_until=None, reason=why,
+                    restart_requested=True),
+            [StopGeneration(state.generation, StopMode.DRAIN, policy.drain_grace),
+             NoteGeneration(state.generation, "ended", why)])
+
+
 def _on_restart(state: FleetState, ev: RestartRequested, now: float, policy: Policy) -> Result:
     if state.phase not in (Phase.READY, Phase.STARTING):
         return state, []
-    return (replace(state, phase=Phase.RECOVERING, ready_since=None, backoff_until=None, reason="restart requested",
-                    restart_requested=True),
-            [StopGeneration(state.generation, StopMode.DRAIN, policy.drain_grace),
-             NoteGeneration(state.generation, "ended", "restart requested")])
+    return _end_on_purpose(state, policy, "restart requested")
 
 
 def _on_adopted(state: FleetState, ev: Adopted, now: float, policy: Policy) -> Result:
@@ -452,7 +470,8 @@ def _on_adopted(state: FleetState, ev: Adopted, now: float, policy: Policy) -> R
         return state, []
     rank_state = RankState.READY if ev.ready else RankState.LOADING
     new = replace(state, phase=Phase.READY if ev.ready else Phase.STARTING, generation=ev.generation,
-                  ready_since=now if ev.ready else None, started_at=state.started_at or now,
+                  ready_since=now if ev.ready else None, idle_since=now if ev.ready else None,
+                  started_at=state.started_at or now,
                   ranks=tuple(RankView(n, rank_state) for n in policy.nodes), backoff_until=None)
     if ev.ready and state.incident:  # an incident a restarted controller inherited
         incident = state.incident.at("ready", now)
@@ -479,7 +498,7 @@ def _on_leftovers(state: FleetState, ev: LeftoversFound, now: float, policy: Pol
 def _on_mesh_ready(state: FleetState, ev: MeshReady, now: float, policy: Policy) -> Result:
     if state.phase != Phase.STARTING or ev.generation != state.generation:
         return state, []
-    new = replace(state, phase=Phase.READY, ready_since=now, reason="", last_load_failure="",
+    new = replace(state, phase=Phase.READY, ready_since=now, idle_since=now, reason="", last_load_failure="",
                   ranks=tuple(replace(r, state=RankState.READY) for r in state.ranks))
     actions: list = [NoteGeneration(ev.generation, "ready")]
     if state.incident:
@@ -511,7 +530,9 @@ def _on_rank_reported(state: FleetState, ev: RankReported, now: float, policy: P
     if ev.generation != state.generation or state.phase not in (Phase.STARTING, Phase.READY):
         return state, []
     view = RankView(ev.node, ev.state, ev.load_done, ev.load_total)
-    new = replace(state, ranks=tuple(view if r.node == ev.node else r for r in state.ranks))
+    ranks = tuple(view if r.node == ev.node else r for r in state.ranks)
+    busy = any(r.state == RankState.BUSY for r in ranks)
+    new = replace(state, ranks=ranks, idle_since=None if busy else now if state.idle_since is None else state.idle_since)
     if not all(r.state in LOADED for r in new.ranks):
         return new, []
     # The last rank loaded. Rank 0 may have answered its readiness probe before this report arrived:
@@ -597,7 +618,46 @@ def _start_overdue(state: FleetState, now: float, policy: Policy) -> Result | No
     return None
 
 
-TICK_RULES = (_backoff_over, _healthy_long_enough, _start_overdue)
+def window_opened(recycle: Recycle, now: float) -> float | None:
+    """When the daily window that `now` is inside opened (local time), or None outside it."""
+    start, end = recycle.minutes
+    t = datetime.fromtimestamp(now)
+    minute = t.hour * 60 + t.minute
+    inside = start <= minute < end if start < end else (minute >= start or minute < end)
+    if not inside:
+        return None
+    day = t.replace(hour=0, minute=0, second=0, microsecond=0) - timedelta(days=minute < start)
+    return (day + timedelta(minutes=start)).timestamp()
+
+
+def recycle_due(state: FleetState, now: float, recycle: Recycle) -> tuple[str, str] | None:
+    """(trigger, what it saw) when the serving generation is to be recycled now, else None: it has served
+    `after` seconds, or it is inside the daily window and was ready before the window opened; and no rank
+    has been busy for `idle_for` seconds."""
+    if not recycle.enabled or state.phase != Phase.READY or state.ready_since is None or state.idle_since is None \
+            or now - state.idle_since < recycle.idle_for:
+        return None
+    age, idle = now - state.ready_since, f"no request in flight for {now - state.idle_since:.0f}s"
+    if recycle.after and age >= recycle.after:
+        return "age", f"generation {state.generation} served {age:.0f}s (recycle.after {recycle.after:g}s), {idle}"
+    opened = window_opened(recycle, now) if recycle.window else None
+    if opened is not None and state.ready_since < opened:
+        return "window", f"generation {state.generation} in the daily window {recycle.window}, {idle}"
+    return None
+
+
+def _recycle_due(state: FleetState, now: float, policy: Policy) -> Result | None:
+    due = recycle_due(state, now, policy.recycle)
+    if due is None:
+        return None
+    trigger, detail = due
+    incident = Incident(now, RECYCLE, "-", -1, state.generation, f"planned: {detail}", steps=(RECYCLE,),
+                        timeline=(("planned", now),))
+    new, actions = _end_on_purpose(state, policy, f"recycle: {detail}")
+    return replace(new, incident=incident), [OpenIncident(incident, planned=trigger), *actions]
+
+
+TICK_RULES = (_backoff_over, _healthy_long_enough, _start_overdue, _recycle_due)
 
 
 def _on_tick(state: FleetState, ev: Tick, now: float, policy: Policy) -> Result:
