@@ -102,6 +102,8 @@ class BatchEngine:
             stop_tokens=[[t] for t in sorted(eos_ids)],
             sampler=greedy,
             prefill_step_size=prefill_step_size,
+            # mlx-lm raises the completion batch to the prefill batch (8 by default): a batch of one is one.
+            prefill_batch_size=min(8, completion_batch_size),
             completion_batch_size=completion_batch_size,
         )
         self._model = model
