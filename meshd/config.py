@@ -270,6 +270,10 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
     proxy = problems.check(_proxy, raw.get("proxy"), base)
     recovery = problems.check(_recovery, raw.get("recovery"), base)
     recycle = problems.check(_recycle, raw.get("recycle"), base)
+    if recycle is not None and recycle.enabled and runtime is not None and runtime.profile != "meshd-rank":
+        problems.found.append(f"recycle: the {runtime.profile} profile's ranks do not report when a request is in "
+                              "flight, so no recycle could wait for the mesh to be idle; use profile = "
+                              '"meshd-rank", or leave [recycle] out')
     control = problems.check(table, Control, raw.get("control"), "control", base, {"listen": '"127.0.0.1:8001"'})
     if control is not None:
         problems.check(split_listen, "control.listen", control.listen)

@@ -92,12 +92,14 @@ def test_an_idle_generation_past_its_age_is_recycled_without_cutting_a_stream(me
     assert samples(where["metrics"], "meshd_restarts_total") == [], "a recycle is no failure"
 
 
-@pytest.mark.parametrize("recycle, named", [
-    ({"window": "3-4"}, ("recycle.window",)),
-    ({"after": -1, "idle": 60}, ("recycle.after", "recycle.idle")),
+@pytest.mark.parametrize("profile, recycle, named", [
+    ("meshd-rank", {"window": "3-4"}, ("recycle.window",)),
+    ("meshd-rank", {"after": -1, "idle": 60}, ("recycle.after", "recycle.idle")),
+    ("mlx-lm-server", {"after": 3600}, ("recycle: the mlx-lm-server profile", 'profile = "meshd-rank"')),
 ])
-def test_config_check_names_the_recycle_key_that_is_wrong(tmp_path, demo_model, recycle, named):
+def test_config_check_names_the_recycle_key_that_is_wrong(tmp_path, demo_model, profile, recycle, named):
     agents = make_agents(tmp_path, 2)  # never started: the check reads the file
-    check = meshctl(write_mesh(tmp_path, agents, demo_model, recycle=recycle), "config", "check")
+    mesh = write_mesh(tmp_path, agents, demo_model, recycle=recycle, runtime={"profile": profile})
+    check = meshctl(mesh, "config", "check")
     said = check.stdout + check.stderr
     assert check.returncode != 0 and all(key in said for key in named), said
