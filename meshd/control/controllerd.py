@@ -149,7 +149,7 @@ def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | 
     async def healthz(request):
         problems = store_health(ctl)
         return web.json_response({"ok": not problems, "problems": problems, "phase": ctl.state.phase,
-                                  "generation": ctl.state.generation})
+                                  "generation": ctl.state.generation}, status=503 if problems else 200)
 
     async def metrics_route(request):
         return web.Response(body=generate_latest(metrics.registry), content_type="text/plain", charset="utf-8")

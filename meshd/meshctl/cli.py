@@ -113,10 +113,13 @@ class Control:
         return (self.cfg.state_dir / "control.token").exists() and self.alive()
 
     def _healthz(self) -> bool | None:
-        """Does /healthz answer 200? None: the connection was taken and nothing answered within 2 s."""
+        """Does the controller answer /healthz (200, or 503 while its store fails: it still acts)? None: the
+        connection was taken and nothing answered within 2 s."""
         try:
             with urllib.request.urlopen(f"{self.base}/healthz", timeout=2, context=self._tls()) as r:
                 return r.status == 200
+        except urllib.error.HTTPError as e:
+            return e.code == 503
         except (OSError, ValueError) as e:  # no mesh CA yet (ConfigError) included: nothing to verify it with
             return None if timed_out(e) else False
 
