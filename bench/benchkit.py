@@ -69,6 +69,25 @@ def meshctl_for(mesh: Path, *args: str, check: bool = True) -> str:
     return meshctl(mesh.parent, "--config", str(mesh), *args, check=check)
 
 
+def alternate(meshes: dict, rounds: int, ask) -> tuple[list[dict], dict[str, list[str]], dict, dict]:
+    """`rounds` alternating rounds of `ask(url, n)` -> a pace with its "text", each mesh asked in turn while
+    the others idle, after a round 0 that warms every mesh up and is not counted: the rounds' paces by mesh,
+    each mesh's texts (round 0 first), its tok/s by round and their median. It returns after the status
+    files' next heartbeat."""
+    rows, texts = [], {name: [] for name in meshes}
+    for n in range(rounds + 1):
+        order = list(meshes) if n % 2 else list(meshes)[::-1]
+        row = {name: ask(meshes[name].url, n) for name in order}
+        for name in order:
+            texts[name].append(row[name].pop("text"))
+        print(f"round {n}: " + ", ".join(f"{k} {v['tok_s']:.2f} tok/s" for k, v in row.items()), file=sys.stderr)
+        if n:
+            rows.append(row)
+    time.sleep(1.5)
+    rate = {name: [r[name]["tok_s"] for r in rows] for name in meshes}
+    return rows, texts, rate, {name: statistics.median(v) for name, v in rate.items()}
+
+
 def report(lines: list[str], write: bool) -> None:
     """Print the result table; with `write`, append it to docs/BENCHMARKS.md."""
     table = "\n".join(lines)

@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import requests
-from benchkit import ROOT, pace, report
+from benchkit import ROOT, alternate, pace, report
 
 from kit.demo_answers import endless
 from kit.ranks import start_mesh
@@ -70,35 +68,23 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="meshd-mtp-bench-"))
     model = build_demo_model(work / "model", mtp_spec(args.hidden, args.layers, args.train_steps))
-    rows, texts = [], {"plain": {}, "drafted": {}}
     mesh = {"backend": args.backend}
     with start_mesh(model, args.world, work / "plain", *OVERLAY, "--drafter", "off", **mesh) as plain, \
             start_mesh(model, args.world, work / "drafted", *OVERLAY, "--num-draft-tokens", str(args.draft_tokens),
                        **mesh) as drafted:
         plain.wait_ready()
         drafted.wait_ready()
-        meshes = {"plain": plain, "drafted": drafted}
-        for n in range(args.rounds + 1):  # round 0 warms both up and is not counted
-            order = ("plain", "drafted") if n % 2 else ("drafted", "plain")
-            row = {name: decode(meshes[name].url, model, args.tokens, n) for name in order}
-            for name in order:
-                texts[name][n] = row[name].pop("text")
-            print(f"round {n}: " + ", ".join(f"{k} {v['tok_s']:.1f} tok/s" for k, v in row.items()),
-                  file=sys.stderr)
-            if n:
-                rows.append(row)
-        time.sleep(1.5)  # the status files' next heartbeat
+        rows, texts, rate, med = alternate({"plain": plain, "drafted": drafted}, args.rounds,
+                                           lambda url, n: decode(url, model, args.tokens, n))
         stats = drafted.status(0)
-    rate = {name: [r[name]["tok_s"] for r in rows] for name in ("plain", "drafted")}
-    med = {name: statistics.median(v) for name, v in rate.items()}
     spread = {name: (min(v), max(v)) for name, v in rate.items()}
     acceptance = stats["draft_accepted"] / max(1, stats["draft_proposed"])
     result = {"rounds": rows, "median_tok_s": med, "spread_tok_s": spread, "ratio": med["drafted"] / med["plain"],
               "draft_proposed": stats["draft_proposed"], "draft_accepted": stats["draft_accepted"],
               "acceptance": acceptance, "tokens": args.tokens, "train_steps": args.train_steps,
               "same_answers": texts["plain"] == texts["drafted"],
-              "differing": {n: {"plain": texts["plain"][n], "drafted": texts["drafted"][n]} for n in texts["plain"]
-                            if texts["plain"][n] != texts["drafted"][n]},
+              "differing": {n: {"plain": p, "drafted": d} for n, (p, d) in enumerate(zip(texts["plain"], texts["drafted"]))
+                            if p != d},
               "draft_tokens": args.draft_tokens, "backend": args.backend, "world": args.world,
               "model": {"hidden": args.hidden, "layers": args.layers}}
     inside = spread["drafted"][0] <= spread["plain"][1] and spread["plain"][0] <= spread["drafted"][1]

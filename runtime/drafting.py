@@ -279,6 +279,50 @@ class MTPEngine(SingleRequestEngine):
                       "goes on without drafts")
 
 
+class DraftWhenAlone:
+    """A drafter for a request alone, the batch engine for more: B>1 runs the backbone, batched. A request
+    that arrives while the drafter has one waits for it to finish (a drafted answer is never moved
+    mid-way); then what waits goes to the drafter when it is one request, else to the batch engine, which
+    takes arrivals while it runs. So the drafter re-arms only between requests."""
+
+    def __init__(self, drafter, batch):
+        self._drafter, self._batch = drafter, batch
+        self._waiting: deque[Job] = deque()
+
+    def insert(self, job: Job) -> int:
+        if self._batch.busy:
+            return self._batch.insert(job)
+        self._waiting.append(job)
+        return 0
+
+    def cancel(self, rid: str) -> None:
+        self._waiting = deque(j for j in self._waiting if j.rid != rid)
+        self._drafter.cancel(rid)
+        self._batch.cancel(rid)
+
+    def step(self) -> list[Emission]:
+        if self._waiting and not (self._drafter.busy or self._batch.busy):
+            engine = self._drafter if len(self._waiting) == 1 else self._batch
+            while self._waiting:
+                engine.insert(self._waiting.popleft())
+        return (self._drafter if self._drafter.busy else self._batch).step()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting) or self._drafter.busy or self._batch.busy
+
+    def prompt_tokens_in_flight(self) -> int:
+        return (self._drafter.prompt_tokens_in_flight() + self._batch.prompt_tokens_in_flight()
+                + sum(len(j.prompt) for j in self._waiting))
+
+    def close(self) -> None:
+        self._drafter.close()
+        self._batch.close()
+
+    def stats(self) -> dict:
+        return {**self._batch.stats(), **self._drafter.stats()}
+
+
 class DSparkEngine(MTPEngine):
     """One request at a time, drafted by DeepSeek-V4's DSpark stages (omlx's overlay): the target's forward
     gives its logits and the taps of its target layers; the committed positions' taps enter the stages'
@@ -291,7 +335,7 @@ class DSparkEngine(MTPEngine):
     The target's caches go back to the kept places by trimming when every layer can, else by restoring
     the step's copy and feeding the kept places again. A refusal anywhere in a drafted step (the
     target's verify, the stages) ends drafting for that request, the caches restored: plain from there,
-    the rank alive."""
+    the rank alive. One request at a time: `DraftWhenAlone` gives it the requests that are alone."""
 
     def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
                  log=print):

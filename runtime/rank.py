@@ -28,7 +28,7 @@ from common.tomlcheck import loopback
 from common.states import RankState
 from common.statusfile import RankStatus
 from runtime import dspark, families, openai_api as oa
-from runtime.drafting import DSparkEngine, MTPEngine, SpeculativeEngine
+from runtime.drafting import DraftWhenAlone, DSparkEngine, MTPEngine, SpeculativeEngine
 from runtime.engine import BatchEngine, Job
 from runtime.join import join_mesh
 from runtime.lockstep import Divergence, Lockstep, fold
@@ -317,11 +317,13 @@ def main(argv: list[str] | None = None) -> None:
         engine = SpeculativeEngine(model, draft, eos, num_draft_tokens=args.num_draft_tokens or 3,
                                    prefill_step_size=args.prefill_step_size)
     elif args.drafter == "auto" and dspark.stages(model):
-        engine = DSparkEngine(model, eos, num_draft_tokens=args.num_draft_tokens or 0,
-                              prefill_step_size=args.prefill_step_size, log=log)
+        drafter = DSparkEngine(model, eos, num_draft_tokens=args.num_draft_tokens or 0,
+                               prefill_step_size=args.prefill_step_size, log=log)
+        engine = DraftWhenAlone(drafter, BatchEngine(model, eos, prefill_step_size=args.prefill_step_size,
+                                                     completion_batch_size=args.completion_batch_size))
         hb.update(**engine.stats())
-        log(f"drafter armed: DSpark's {len(dspark.stages(model))} stages, blocks of {engine.num_draft_tokens} "
-            "drafts, one request at a time")
+        log(f"drafter armed: DSpark's {len(dspark.stages(model))} stages, blocks of {drafter.num_draft_tokens} "
+            "drafts, for a request alone (more run batched, undrafted)")
     elif args.drafter == "auto" and hasattr(model, "mtp_draft"):
         engine = MTPEngine(model, eos, num_draft_tokens=args.num_draft_tokens or 1,
                            prefill_step_size=args.prefill_step_size, log=log)

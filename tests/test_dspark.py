@@ -10,6 +10,7 @@ caught by the lockstep digests."""
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -141,8 +142,22 @@ def drafted(dspark_model, tmp_path_factory):
                             json={"messages": DSH_TURN, "tools": [WEATHER], "max_tokens": 4,
                                   "chat_template_kwargs": {"enable_thinking": True}})
         wait_for(lambda: mesh.status(0)["state"] == "ready", 60, "rank 0 idle again")
-        yield {"answers": short, "dsh": dsh, "status": [mesh.status(r) for r in range(4)],
-               "logs": [mesh.log(r) for r in range(4)], "alive": [p.poll() is None for p in mesh.procs]}
+        status = [mesh.status(r) for r in range(4)]
+        # B>1: two requests that arrive while the drafter has one wait for it, then run batched together
+        with ThreadPoolExecutor(3) as pool:
+            def ask():
+                return requests.post(f"{mesh.url}/v1/chat/completions", timeout=300,
+                                     json={**ASKS["greedy"], **endless(dspark_model)}).json()
+            first = pool.submit(ask)
+            wait_for(lambda: mesh.status(0)["tokens"] > status[0]["tokens"], 120, "the lone request drafting")
+            pair = [pool.submit(ask), pool.submit(ask)]
+            together = [first.result(), *(f.result() for f in pair)]
+        batched = mesh.status(0)
+        alone = ask()  # the drafter re-armed between requests
+        wait_for(lambda: mesh.status(0)["state"] == "ready", 60, "rank 0 idle again")
+        yield {"answers": short, "dsh": dsh, "status": status, "logs": [mesh.log(r) for r in range(4)],
+               "alive": [p.poll() is None for p in mesh.procs], "together": together, "alone": alone,
+               "before": status[0], "batched": batched, "after": mesh.status(0)}
 
 
 def test_dspark_drafts_at_tp4_and_its_answers_are_the_plain_ones_token_for_token(drafted, plain):
@@ -153,6 +168,15 @@ def test_dspark_drafts_at_tp4_and_its_answers_are_the_plain_ones_token_for_token
     counts = {(s["draft_proposed"], s["draft_accepted"], s["draft_fallbacks"]) for s in drafted["status"]}
     assert len(counts) == 1  # every rank drafted and kept the same
     assert all("drafter armed: DSpark's 3 stages, blocks of 5 drafts" in log for log in drafted["logs"])
+
+
+def test_more_than_one_request_runs_batched_and_the_drafter_rearms_between_requests(drafted, plain):
+    texts = [r["choices"][0]["message"]["content"] for r in [*drafted["together"], drafted["alone"]]]
+    assert texts == [plain["greedy"][0]] * 4
+    before, batched, after = drafted["before"], drafted["batched"], drafted["after"]
+    lookups = lambda s: s["tape_hits"] + s["tape_misses"] + s["tape_not_reusable"]
+    assert lookups(batched) - lookups(before) == 2  # the pair went to the batch engine (its tape looked up)
+    assert after["draft_proposed"] > batched["draft_proposed"] and lookups(after) == lookups(batched)
 
 
 def test_a_kernel_that_refuses_the_heads_per_rank_is_hidden_at_load(drafted):
