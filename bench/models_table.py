@@ -1,5 +1,6 @@
 """docs/MODELS.md from tests/test_families.py's own results: runs that file (its JUnit XML) and writes, for
-every model family mlx-lm can shard, what each test proved on this machine. Arguments go to pytest.
+every model family mlx-lm can shard, what each test proved on this machine; the sections after the table
+(each under a `## ` heading: recipes written by hand) are kept as they are. Arguments go to pytest.
 
     .venv/bin/python bench/models_table.py"""
 
@@ -84,7 +85,9 @@ def main() -> None:
         results = outcomes(junit)
     caches = {f: sorted(needs_of(config).caches) for f, config in FAMILIES.items()}
     device = "Metal" if mx.metal.is_available() else f"{platform.system()} {platform.machine()}, no Metal"
-    (ROOT / "docs" / "MODELS.md").write_text(f"""# Model families
+    doc = ROOT / "docs" / "MODELS.md"
+    _, heading, written_by_hand = doc.read_text().partition("\n## ") if doc.exists() else ("", "", "")
+    doc.write_text(f"""# Model families
 
 Every model family mlx-lm {mlx_lm.__version__} can shard (its `Model` has `shard()`), as
 tests/test_families.py proves it on a tiny random model built from mlx-lm's own class (tests/kit/families.py:
@@ -108,8 +111,8 @@ two layers, one of each kind where a family mixes kinds, sliding windows of 8 to
 A refusal is meshd-rank's own, at load (runtime/families.py): the rank exits 1 naming why and the way out.
 
 {table(results, caches)}
-""")
-    print(ROOT / "docs" / "MODELS.md")
+""" + (heading + written_by_hand if heading else ""))
+    print(doc)
 
 
 if __name__ == "__main__":
