@@ -143,6 +143,11 @@ class Proxy:
     # it holds this long to finish (the streams in flight end on the old process).
     drain_timeout: float = 300.0
     access_log: bool = False  # log every request; without it only those that did not end 200 (metrics count all)
+    # What a client may hold of the endpoint (common.http.ListenerLimits): seconds for a request's headers,
+    # seconds for its whole body, connections open at once (0: 1000, or half the descriptors where fewer).
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    max_connections: int = 0
 
     @property
     def url(self) -> str:
@@ -390,6 +395,9 @@ def _proxy(raw, base: Path) -> Proxy:
                               "per line), or allow_open = true to serve it open on purpose")
     if proxy.concurrency < 1:
         problems.found.append("proxy.concurrency: must be at least 1")
+    if min(proxy.header_timeout, proxy.body_timeout) <= 0:
+        problems.found.append("proxy.header_timeout and proxy.body_timeout must be seconds above 0; for example "
+                              "header_timeout = 10")
     problems.raise_any()
     return proxy
 

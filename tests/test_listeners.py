@@ -30,6 +30,7 @@ from meshd.seam import rank_key, rank_secret
 from runtime.wake import MAX_UNPROVEN, PROVE_WITHIN, WakeHub, WakeLine, wake_token
 
 DEFAULTS = ListenerLimits()
+PROXY = ListenerLimits(header_timeout=4.0, body_timeout=8.0)  # the mesh's [proxy] keys below
 
 
 @contextlib.contextmanager
@@ -147,7 +148,8 @@ def test_strangers_on_the_wake_hub_cost_no_thread_and_a_rank_with_the_token_is_s
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, demo_model):
     with mesh_up(tmp_path_factory.mktemp("listeners"), demo_model,
-                 runtime={"args": {"max_tokens": 4, "max_context": 512}}) as (path, agents):
+                 runtime={"args": {"max_tokens": 4, "max_context": 512}},
+                 proxy={"header_timeout": PROXY.header_timeout, "body_timeout": PROXY.body_timeout}) as (path, agents):
         status = json.loads(meshctl(path, "status", "--json").stdout)
         state = path.parent / "state"
         secret = rank_secret(rank_key(state), status["generation"])
@@ -168,13 +170,13 @@ def test_slowloris_and_a_trickled_body_are_closed_by_the_proxy_while_it_serves(m
     body = Trickle(port, 1, first=HEAD.replace(b"X-Pad: " + b"a" * 500, b"Content-Length: 1000\r\n\r\n{"),
                    head=b" ")
     try:
-        wait_for(lambda: len(slow.closed) == 300, 12 * DEFAULTS.header_timeout, "the proxy to close slowloris")
-        wait_for(lambda: body.closed, 4 * DEFAULTS.body_timeout, "the proxy to answer the trickled body")
+        wait_for(lambda: len(slow.closed) == 300, 12 * PROXY.header_timeout, "the proxy to close slowloris")
+        wait_for(lambda: body.closed, 4 * PROXY.body_timeout, "the proxy to answer the trickled body")
     finally:
         slow.close()
         body.close()
         statuses = chat.stop()
-    assert max(slow.closed) < 3 * DEFAULTS.header_timeout, max(slow.closed)  # a ceiling; never, before
+    assert max(slow.closed) < 3 * PROXY.header_timeout, max(slow.closed)  # a ceiling; never, before
     assert statuses and set(statuses) == {200}, statuses
     (answer,) = body.answers
     assert answer.startswith(b"HTTP/1.1 408 ") and b'"body_timeout"' in answer, answer

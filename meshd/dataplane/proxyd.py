@@ -29,7 +29,7 @@ from pathlib import Path
 import structlog
 
 from common import procs
-from common.http import Listener, run_daemon, until_stopped
+from common.http import Listener, ListenerLimits, default_max_connections, run_daemon, until_stopped
 from common.tomlcheck import split_listen
 from meshd.config import MeshConfig, load
 from meshd.dataplane.fleetlink import RemoteFleet, remembered
@@ -109,7 +109,9 @@ class ProxyDaemon:
 
     async def run(self) -> None:
         follow = asyncio.create_task(self.fleet.follow())
-        listener = Listener(self.proxy.app(), shutdown_timeout=self.cfg.proxy.drain_timeout,
+        p = self.cfg.proxy
+        limits = ListenerLimits(p.header_timeout, p.body_timeout, p.max_connections or default_max_connections())
+        listener = Listener(self.proxy.app(), limits, shutdown_timeout=p.drain_timeout,
                             on_refusal=lambda why: self.proxy.metrics.refused.labels(reason=why).inc())
         self.proxy.metrics.connections.set_function(lambda: len(listener.open))
         await listener.start(sock=self.sock)
