@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 
 from common.hostfile import BACKENDS, local_index
 from common.modelref import is_repo_id
+from common.states import LadderStep
 from common.tomlcheck import (ConfigError, Problems, listen_host, loopback, port_in_range, read_toml, split_listen,
                               table, wildcard)
 
@@ -404,8 +405,8 @@ def _proxy(raw, base: Path) -> Proxy:
 
 def _recovery(raw, base: Path) -> Recovery:
     recovery = table(Recovery, raw, "recovery", base, {"ladder": '["restart", "reprovision", "reboot"]'})
-    bad_steps = [s for s in recovery.ladder if s not in ("restart", "reprovision", "reboot")]
-    if bad_steps or not recovery.ladder or recovery.ladder[0] != "restart":
+    bad_steps = [s for s in recovery.ladder if s not in set(LadderStep)]
+    if bad_steps or not recovery.ladder or recovery.ladder[0] != LadderStep.RESTART:
         raise ConfigError('recovery.ladder: must start with "restart" and use only restart, reprovision, reboot; '
                           'for example ladder = ["restart", "reprovision", "reboot"]')
     return recovery

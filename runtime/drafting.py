@@ -134,7 +134,13 @@ class SpeculativeEngine(SingleRequestEngine):
 
 
 def trim_to(cache: list, length: int) -> None:
-    trim_prompt_cache(cache, cache[0].offset - length)
+    """Cut the cache back to `length` tokens. A cache that cannot give tokens back (a sliding window past its
+    size, a recurrent state) is refused drafting at load (runtime/families.py); one that still trims short
+    here is an error, never a draft kept on top of rejected tokens."""
+    cut = cache[0].offset - length
+    if trim_prompt_cache(cache, cut) != cut:
+        raise RuntimeError(f"the draft cache gave back fewer than the {cut} rejected tokens: drafting over this "
+                           "cache would change answers")
 
 
 class MTPEngine(SingleRequestEngine):
