@@ -6,9 +6,10 @@ from runtime.demo_model import DemoModelSpec, build_demo_model
 
 # The slowest files first: on two workers (scripts/test) the run then ends on short files, not with one
 # worker alone on a long one.
-SLOW_FIRST = ["test_chaos.py", "test_mtp.py", "test_agents_install.py", "test_doctor.py", "test_agent_mesh.py",
-              "test_demo_mesh.py", "test_controller.py", "test_provision.py", "test_rank_lifecycle.py",
-              "test_security.py", "test_models.py", "test_proxyd.py"]
+SLOW_FIRST = ["test_chaos.py", "test_dspark.py", "test_families.py", "test_mtp.py", "test_agents_install.py",
+              "test_doctor.py", "test_agent_mesh.py", "test_demo_mesh.py", "test_controller.py",
+              "test_controller_ground.py", "test_provision.py", "test_rank_lifecycle.py", "test_security.py",
+              "test_models.py", "test_proxyd.py", "test_listeners.py", "test_recycle.py"]
 
 
 def pytest_collection_modifyitems(items):
