@@ -78,6 +78,7 @@ class AgentConfig:
     wired_limit_mb: int = 0  # applied at start when set (macOS, lost at reboot)
     tls: Pair | None = None  # the API's certificate and key, from the mesh CA
     keep_generations: int = 10  # generation directories (rank logs, status files) kept; older ones pruned
+    standby: bool = True  # keep a standby rank (imports and device init done) for the next generation
 
     def token(self) -> str:
         return read_secret(self.token_file, "token_file")
@@ -141,6 +142,7 @@ class Options:
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     keep_generations: int = AgentConfig.keep_generations
+    standby: bool = AgentConfig.standby
 
 
 EXAMPLES = {"listen": '"127.0.0.1:7701"', "state_dir": '"/var/lib/meshd-agent"',
@@ -178,7 +180,7 @@ def parse(raw: dict, base: Path) -> AgentConfig:
         stall=table(StallWindows, raw.get("stall"), "stall", base, {}),
         log_max_bytes=opts.log_max_bytes, ibv_hang_seconds=opts.ibv_hang_seconds, grace_seconds=opts.grace_seconds,
         metrics_token_file=opts.metrics_token_file, python=opts.python, wired_limit_mb=opts.wired_limit_mb, tls=tls,
-        keep_generations=opts.keep_generations,
+        keep_generations=opts.keep_generations, standby=opts.standby,
     )
 
 

@@ -56,6 +56,7 @@ class RankStarted(Event):
     kind: ClassVar[str] = "RankStarted"
     pid: int = 0
     adopted: bool = False
+    warm: bool = False  # the agent's standby took it: its imports and device init were done
 
 
 @dataclass(frozen=True)
