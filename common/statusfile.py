@@ -37,9 +37,14 @@ class RankStatus:
     draft_proposed: int = 0
     draft_accepted: int = 0
     draft_fallbacks: int = 0  # requests the drafter refused (a shape), decoded plainly instead
+    kernels_hidden: int = 0  # the model's kernels hidden at load: they refuse this rank's share of the heads
     tape_hits: int = 0  # prompts the token tape served: a cache reused exactly
     tape_misses: int = 0  # prompts no tape shared a prefix with
     tape_not_reusable: int = 0  # prompts that shared one with a tape whose cache could not be cut back to it
+    snapshots_written: int = 0  # prefix snapshot segments this rank wrote (runtime/snapshot.py)
+    snapshots_restored: int = 0  # tapes restored from them at load
+    snapshots_skipped: dict = field(default_factory=dict)  # by reason: missing, truncated, corrupt, foreign, ...
+    snapshot_bytes: int = 0  # what its snapshot directory holds
     progress_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     started_at: float = field(default_factory=time.time)
