@@ -126,6 +126,9 @@ class AgentMetrics:
                                      "target accepted", labels=["node", "rank", "kind"])
         refusals = CounterMetricFamily("meshd_agent_rank_draft_fallbacks", "Requests the drafter refused (a "
                                        "shape), decoded plainly instead", labels=["node", "rank"])
+        hidden = GaugeMetricFamily("meshd_agent_rank_kernels_hidden", "The model's kernels the rank hid at load "
+                                   "(they refuse its share of the heads; the model takes its portable path)",
+                                   labels=["node", "rank"])
         tape = CounterMetricFamily("meshd_agent_rank_tape_lookups", "Prompts looked up in the token tape, by "
                                    "outcome: hit (a cache reused exactly), miss (no shared prefix), not_reusable "
                                    "(a shared prefix the cache could not be cut back to)",
@@ -147,6 +150,7 @@ class AgentMetrics:
                 drafts.add_metric([node, str(rec.rank), "proposed"], status.draft_proposed)
                 drafts.add_metric([node, str(rec.rank), "accepted"], status.draft_accepted)
                 refusals.add_metric([node, str(rec.rank)], status.draft_fallbacks)
+            hidden.add_metric([node, str(rec.rank)], status.kernels_hidden)
             for outcome, field in TAPE_OUTCOMES:
                 tape.add_metric([node, str(rec.rank), outcome], getattr(status, field))
         current = self.sup.current_generation()
@@ -173,8 +177,8 @@ class AgentMetrics:
         memory.add_metric([node, "available"], mem.available)
         events = CounterMetricFamily("meshd_agent_events", "Events emitted", labels=["node"])
         events.add_metric([node], self.sup.events.seq)
-        yield from (up, rss, cpu, mlx, armed, drafts, refusals, tape, gen, exits, sigs, orphans, survivors, reboot,
-                    memory, events)
+        yield from (up, rss, cpu, mlx, armed, drafts, refusals, hidden, tape, gen, exits, sigs, orphans, survivors,
+                    reboot, memory, events)
 
 
 def free_bytes(path: Path) -> int | None:
