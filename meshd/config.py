@@ -14,6 +14,7 @@ from common.modelref import is_repo_id
 from common.states import LadderStep
 from common.tomlcheck import (ConfigError, Problems, listen_host, loopback, port_in_range, read_toml, split_listen,
                               table, wildcard)
+from runtime.overlay import overlay_for
 
 
 @dataclass(frozen=True)
@@ -213,10 +214,12 @@ class MeshConfig:
 
     @property
     def speculative(self) -> bool:
-        """A drafter decodes one request at a time: a draft model, or (with a model overlay) the model's own
-        MTP head unless `args.drafter = "off"` asks for continuous batching."""
-        rt = self.runtime
-        return bool(rt.draft_model) or (bool(rt.model_package) and rt.args.get("drafter", "auto") != "off")
+        """The ranks decode one request at a time: a draft model, or (with a model overlay) the model's own
+        MTP head unless `args.drafter = "off"` asks for continuous batching. An overlay whose drafter
+        batches (omlx's DSpark: a request alone drafted, more batched on the backbone) is not."""
+        rt, overlay = self.runtime, overlay_for(self.runtime.model_package)
+        drafts = overlay is not None and not overlay.batches and rt.args.get("drafter", "auto") != "off"
+        return bool(rt.draft_model) or drafts
 
     @property
     def rank0_url(self) -> str:

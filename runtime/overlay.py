@@ -33,6 +33,7 @@ class Overlay:
     loads: tuple[str, ...] = ()  # checkpoint tensor prefixes that must end up in the model
     methods: tuple[str, ...] = ()  # what the loaded model must have (its drafter's entry points)
     armed: str = ""  # the model attribute that says its drafter is on
+    batches: bool = False  # its drafter takes a request alone and more run batched (runtime.drafting.DraftWhenAlone)
     fix: str = ""  # how to get a version that has everything
 
 
@@ -44,6 +45,7 @@ OMLX = Overlay(
     loads=("mtp.",),
     methods=("make_mtp_cache", "dspark_append_context", "dspark_forward", "dspark_markov"),
     armed="_omlx_dspark_decode_enabled",
+    batches=True,
     fix="install an omlx whose patches/mlx_lm_mtp has DeepSeek-V4 DSpark (github.com/jundot/omlx) on every node",
 )
 ADAPTERS = {o.package: o for o in (OMLX,)}
