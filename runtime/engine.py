@@ -1,7 +1,7 @@
 """The batch engine: continuous batching over mlx-lm's BatchGenerator, with the
-token tape (runtime/tape.py) as its prefix cache. A request alone runs in
-`SoloDecode` (the plain loop's speed) until a second one arrives and it joins
-the batch."""
+token tape (runtime/tape.py) as its prefix cache, snapshotted to disk when
+given `snapshots` (runtime/snapshot.py). A request alone runs in `SoloDecode`
+(the plain loop's speed) until a second one arrives and it joins the batch."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from runtime.jobs import Emission, Job, emission, finish_reason
 from runtime.sampling import greedy, processors_for, sampler_for
+from runtime.snapshot import Snapshots
 from runtime.tape import TokenTape
 
 
@@ -96,7 +97,7 @@ class SoloDecode:
 
 class BatchEngine:
     def __init__(self, model, eos_ids: set[int], *, prefill_step_size: int = 512,
-                 completion_batch_size: int = 16, tape_capacity: int = 8):
+                 completion_batch_size: int = 16, tape_capacity: int = 8, snapshots: Snapshots | None = None):
         self._gen = BatchGenerator(
             model,
             stop_tokens=[[t] for t in sorted(eos_ids)],
@@ -116,10 +117,16 @@ class BatchEngine:
         self._prompt_left: dict[str, int] = {}
         self._logprobs: dict[str, int] = {}  # what each job asked for (Job.logprobs)
         self.tape = TokenTape(tape_capacity)
+        self.snapshots = snapshots
+        # each job's snapshot point: the id and length of what its tape has on disk (a solo job's long
+        # prefill once it ends and its answer every `snapshots.every` tokens; a batched job's at its end)
+        self._since: dict[str, tuple[str, int]] = {}
 
     def insert(self, job: Job) -> int:
-        cache, cached = self.tape.take(job.prompt)
+        cache, cached, sid = self.tape.take(job.prompt)
         cache = cache if cache is not None else make_prompt_cache(self._model)
+        if self.snapshots:
+            self._since[job.rid] = self.snapshots.base(sid, cached)
         if self._solo is None and not self._uid_by_rid:
             self._solo = SoloDecode(self._model, job, cache, cached, self._eos, self._prefill_step_size)
             return cached
@@ -134,7 +141,7 @@ class BatchEngine:
         if last is not None:
             self._carried.append(last)
         if rest is None:
-            self.tape.store(tuple(solo.fed), solo.cache)
+            self._finished(solo.job.rid, tuple(solo.fed), solo.cache)
         else:
             self._join_batch(rest, solo.cache, cached)
 
@@ -158,7 +165,19 @@ class BatchEngine:
         self._prompt_left.pop(rid, None)
         self._logprobs.pop(rid, None)
 
+    def _snapshot(self, rid: str, tokens, cache: list, final: bool) -> str:
+        """Stage what is new of this job's tape when due; the id of its snapshot so far ("" without)."""
+        if not self.snapshots:
+            return ""
+        self._since[rid] = self.snapshots.stage(tokens, cache, self._since[rid], final)
+        return self._since[rid][0]
+
+    def _finished(self, rid: str, tokens: tuple, cache: list) -> None:
+        self.tape.store(tokens, cache, self._snapshot(rid, tokens, cache, final=True))
+        self._since.pop(rid, None)
+
     def cancel(self, rid: str) -> None:
+        self._since.pop(rid, None)
         self._carried = [e for e in self._carried if e.rid != rid]
         if self._solo is not None and self._solo.job.rid == rid:
             self._solo = None
@@ -171,6 +190,8 @@ class BatchEngine:
         if self._solo is not None:
             return out + self._solo_step()
         prompt_responses, gen_responses = self._gen.next()
+        if self.snapshots:
+            self.snapshots.pump()
         for p in prompt_responses:
             rid = self._rid_by_uid.get(p.uid)
             if rid is not None:
@@ -181,18 +202,24 @@ class BatchEngine:
                 continue
             out.append(emission(rid, r.token, r.finish_reason, r.logprobs, self._logprobs[rid]))
             if r.finish_reason is not None:
-                self.tape.store(tuple(r.all_tokens), r.prompt_cache)
+                self._finished(rid, tuple(r.all_tokens), r.prompt_cache)
                 self._forget(rid)
         return out
 
     def _solo_step(self) -> list[Emission]:
         solo = self._solo
         e = solo.step()
+        if self.snapshots:
+            self.snapshots.pump()  # what was staged a step ago: on the device before the step just queued
         if e is None:
+            if len(solo.todo) == 1:  # the prefill ended (all but the last token, which starts the answer)
+                self._snapshot(solo.job.rid, solo.fed, solo.cache, final=False)
             return []
         if e.finish_reason is not None:
-            self.tape.store(tuple(solo.fed), solo.cache)
+            self._finished(solo.job.rid, tuple(solo.fed), solo.cache)
             self._solo = None
+        else:
+            self._snapshot(solo.job.rid, solo.fed, solo.cache, final=False)
         return [e]
 
     @property
@@ -205,7 +232,9 @@ class BatchEngine:
     def close(self) -> None:
         mx.synchronize()
         self._gen.close()
+        if self.snapshots:
+            self.snapshots.close()
 
     def stats(self) -> dict:
         return {"tape_hits": self.tape.hits, "tape_misses": self.tape.misses,
-                "tape_not_reusable": self.tape.not_reusable}
+                "tape_not_reusable": self.tape.not_reusable, **(self.snapshots.stats() if self.snapshots else {})}

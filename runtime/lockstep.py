@@ -86,3 +86,17 @@ class Lockstep:
         if self.size == 1:
             return value
         return int(self._all_sum(mx.array([value if self.rank == 0 else 0], dtype=mx.int32)).item())
+
+    def gather(self, data: bytes) -> list[bytes]:
+        """Every rank's `data`, on every rank, in rank order (at load: nothing else is in flight)."""
+        if self.size == 1:
+            return [data]
+        sizes = [0] * self.size
+        sizes[self.rank] = len(data)
+        sizes = self._all_sum(mx.array(sizes, dtype=mx.int32)).tolist()
+        buf = np.zeros(sum(sizes), dtype=np.uint8)
+        at = sum(sizes[:self.rank])
+        buf[at:at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        got = bytes(np.array(self._all_sum(mx.array(buf)), copy=False)) if len(buf) else b""
+        bounds = np.cumsum([0] + sizes).tolist()
+        return [got[a:b] for a, b in zip(bounds, bounds[1:])]

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx_lm.utils
 from mlx.utils import tree_flatten
 from mlx_lm import load as load_whole
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_config, load_tokenizer
 
 from common.tomlcheck import loopback
@@ -33,6 +34,7 @@ from runtime.engine import BatchEngine, Job
 from runtime.join import join_mesh
 from runtime.lockstep import Divergence, Lockstep, fold
 from runtime.overlay import OverlayError, check_loaded, checkpoint_tensors, overlay_for, set_up
+from runtime.snapshot import Identity, Snapshots, model_fingerprint, restore_agreed, shard_layout, snapshottable
 from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend
 from runtime.status import Heartbeat
@@ -79,6 +81,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "cancel latency, in steps)")
     p.add_argument("--heartbeat-interval", type=float, default=0.5,
                    help="seconds between status file writes while nothing changes state")
+    p.add_argument("--snapshots", choices=["on", "off"], default="on",
+                   help="prefix snapshots: each rank writes its shard of the token tape's caches to local disk, and "
+                        "the next generation restores the tapes every rank holds whole (runtime/snapshot.py)")
+    agent = os.environ.get("MESHD_AGENT")
+    p.add_argument("--snapshot-dir", default=os.path.join(agent, "snapshots") if agent else "",
+                   help="where this rank's snapshots live (default: snapshots/ in its agent's state_dir, "
+                        "$MESHD_AGENT; without an agent, none: off)")
+    p.add_argument("--snapshot-budget-mb", type=int, default=8192,
+                   help="disk the snapshots of this rank's directory may take; least recently used tapes go first")
+    p.add_argument("--snapshot-every", type=int, default=256,
+                   help="a prefill this long is snapshotted when it ends, an answer in flight every this many tokens")
     p.add_argument("--backend", default="any",
                    help="mx.distributed backend (default: $MESHD_BACKEND, which the agent sets from the hostfile)")
     return p.parse_args(argv)
@@ -217,7 +230,7 @@ class LockstepLoop:
                 return
             if not self.engine.busy:
                 self.hb.update(progress=True, state=RankState.DRAINING if self.draining else RankState.READY,
-                               requests_in_flight=0, prompt_tokens_in_flight=0)
+                               requests_in_flight=0, prompt_tokens_in_flight=0, **self.engine.stats())
                 if not self.fe and doze:
                     self.doze(doze)
                 continue
@@ -332,9 +345,12 @@ def main(argv: list[str] | None = None) -> None:
             "at a time")
     else:
         engine = BatchEngine(model, eos, prefill_step_size=args.prefill_step_size,
-                             completion_batch_size=args.completion_batch_size)
+                             completion_batch_size=args.completion_batch_size,
+                             snapshots=open_snapshots(args, model_path, model, rank, world, log))
 
     lockstep = Lockstep(group)
+    if isinstance(engine, BatchEngine):
+        restore(engine, lockstep, len(make_prompt_cache(model)), hb, log)
     wake, doze = rouse(lockstep, secret, args.generation, log)  # the arm barrier too: all are loaded past it
     hb.update(state=RankState.ARMED)
     log("armed")
@@ -367,6 +383,37 @@ def main(argv: list[str] | None = None) -> None:
     # death by signal), and a normal exit runs the transport's destructors, which
     # free RDMA resources that a kill leaks.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def open_snapshots(args, model_path: Path, model, rank: int, world: int, log) -> Snapshots | None:
+    """This rank's snapshots as the args ask, or None (off, a cache type that cannot be appended to exactly,
+    a directory it cannot use: each said in the log)."""
+    if args.snapshots == "off" or not args.snapshot_dir:
+        return None
+    cache = make_prompt_cache(model)
+    if not snapshottable(cache):
+        kinds = ", ".join(sorted({type(c).__name__ for c in cache}))
+        log(f"snapshots off: this model's caches ({kinds}) cannot be snapshotted exactly, only KVCache")
+        return None
+    try:
+        me = Identity(model_fingerprint(model_path), world, rank, shard_layout(model))
+        return Snapshots(Path(args.snapshot_dir), me, args.snapshot_budget_mb << 20, args.snapshot_every, log)
+    except OSError as e:
+        log(f"snapshots off: {args.snapshot_dir} cannot be used ({e}); check its permissions and free space")
+        return None
+
+
+def restore(engine: BatchEngine, lockstep: Lockstep, layers: int, hb: Heartbeat, log) -> None:
+    """The tapes every rank restored from its snapshots, into the token tape, before serving."""
+    began = time.monotonic()
+    tapes = restore_agreed(engine.snapshots, lockstep.gather, engine.tape.capacity, layers,
+                           on_progress=lambda: hb.update(progress=True))
+    for tokens, cache, sid in tapes:
+        engine.tape.store(tokens, cache, sid)
+    if engine.snapshots:
+        hb.update(**engine.stats())
+        log(f"restored {len(tapes)} tape(s) ({sum(len(t[0]) for t in tapes)} tokens) from snapshots in "
+            f"{time.monotonic() - began:.1f}s; skipped so far: {engine.snapshots.skipped or 'none'}")
 
 
 def warmup_prompt(tokenizer) -> list[int]:

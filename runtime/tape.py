@@ -4,7 +4,8 @@ A cache is reused only where that is exact. A plain KV cache is cut back to
 the prefix a prompt shares with its tape. Some caches cannot be cut back: a
 sliding window (RotatingKVCache) once past its size, SSM state (ArraysCache)
 always; such a cache serves only a prompt that extends its whole tape, and
-any other prompt is prefilled afresh.
+any other prompt is prefilled afresh. Each entry carries the id its snapshot
+was written or restored under (runtime/snapshot.py), "" when it has none.
 """
 
 from __future__ import annotations
@@ -31,17 +32,17 @@ class TokenTape:
 
     def __init__(self, capacity: int = 8):
         self.capacity = capacity
-        self._entries: deque[tuple[tuple[int, ...], list]] = deque()
+        self._entries: deque[tuple[tuple[int, ...], list, str]] = deque()
         self.hits = self.misses = self.not_reusable = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def take(self, prompt: tuple[int, ...]) -> tuple[list | None, int]:
-        """A copy of the cache that serves the longest reusable prefix of `prompt`, cut back to it, and
-        that prefix's length; (None, 0) when none does."""
+    def take(self, prompt: tuple[int, ...]) -> tuple[list | None, int, str]:
+        """A copy of the cache that serves the longest reusable prefix of `prompt`, cut back to it, that
+        prefix's length and the snapshot id of the entry it came from; (None, 0, "") when none does."""
         best, best_len, shared = None, 0, False
-        for i, (tape, cache) in enumerate(self._entries):
+        for i, (tape, cache, _) in enumerate(self._entries):
             n = _common_prefix(tape, prompt)
             shared = shared or min(n, len(prompt) - 1) > 0
             n = reusable_prefix(n, len(tape), len(prompt), can_trim_prompt_cache(cache))
@@ -52,20 +53,20 @@ class TokenTape:
                 self.not_reusable += 1
             else:
                 self.misses += 1
-            return None, 0
-        tape, stored = self._entries[best]
+            return None, 0, ""
+        tape, stored, sid = self._entries[best]
         cache = copy.deepcopy(stored)
         if trim_prompt_cache(cache, len(tape) - best_len) != len(tape) - best_len:
             self.not_reusable += 1
-            return None, 0
+            return None, 0, ""
         del self._entries[best]
-        self._entries.append((tape, stored))
+        self._entries.append((tape, stored, sid))
         self.hits += 1
-        return cache, best_len
+        return cache, best_len, sid
 
-    def store(self, tape: tuple[int, ...], cache: list) -> None:
-        self._entries = deque((t, c) for t, c in self._entries if _common_prefix(t, tape) < len(t))
-        self._entries.append((tape, cache))
+    def store(self, tape: tuple[int, ...], cache: list, sid: str = "") -> None:
+        self._entries = deque(e for e in self._entries if _common_prefix(e[0], tape) < len(e[0]))
+        self._entries.append((tape, cache, sid))
         while len(self._entries) > self.capacity:
             self._entries.popleft()
 

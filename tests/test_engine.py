@@ -25,7 +25,7 @@ def test_tape_returns_the_longest_stored_prefix_trimmed_to_what_is_shared():
     tape = TokenTape(capacity=4)
     tape.store((1, 2, 3, 4), cache_of(4))
     tape.store((9, 9), cache_of(2))
-    cache, n = tape.take((1, 2, 3, 7, 8))
+    cache, n, _ = tape.take((1, 2, 3, 7, 8))
     assert n == 3
     assert cache[0].offset == 3
     assert cache[0].state[0][0, 0, :3, 0].tolist() == [0, 1, 2]
@@ -34,26 +34,26 @@ def test_tape_returns_the_longest_stored_prefix_trimmed_to_what_is_shared():
 def test_tape_leaves_at_least_one_token_to_prefill():
     tape = TokenTape()
     tape.store((1, 2, 3), cache_of(3))
-    cache, n = tape.take((1, 2, 3))
+    cache, n, _ = tape.take((1, 2, 3))
     assert n == 2 and cache[0].offset == 2
 
 
 def test_tape_take_copies_so_the_stored_entry_survives():
     tape = TokenTape()
     tape.store((1, 2, 3, 4), cache_of(4))
-    first, _ = tape.take((1, 2, 5))
-    second, n = tape.take((1, 2, 3, 4, 5))
+    first, _, _ = tape.take((1, 2, 5))
+    second, n, _ = tape.take((1, 2, 3, 4, 5))
     assert first[0].offset == 2 and n == 4 and second[0].offset == 4
 
 
 def test_tape_miss_and_eviction():
     tape = TokenTape(capacity=2)
-    assert tape.take((1, 2)) == (None, 0)
+    assert tape.take((1, 2)) == (None, 0, "")
     tape.store((1, 1), cache_of(2))
     tape.store((2, 2), cache_of(2))
     tape.store((3, 3), cache_of(2))
     assert len(tape) == 2
-    assert tape.take((1, 1, 1)) == (None, 0)
+    assert tape.take((1, 1, 1)) == (None, 0, "")
 
 
 def test_extending_tape_replaces_its_prefix():
