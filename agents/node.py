@@ -87,6 +87,17 @@ def model_fingerprint(model_dir: str) -> dict:
             "bytes": sum(size for _, size in sizes), "weight_files": len(sizes)}
 
 
+def tree_bytes(root: Path) -> int:
+    """The bytes of the files under `root` (0 when it does not exist)."""
+    total = 0
+    for path in root.rglob("*"):
+        try:
+            total += path.stat().st_size if path.is_file() else 0
+        except OSError:
+            continue
+    return total
+
+
 def parse_ibv_devices(output: str) -> list[str]:
     """Device names from `ibv_devices` (a two-line header, then name + GUID)."""
     names = []

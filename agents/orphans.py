@@ -5,7 +5,9 @@ Debris is: a process of this agent (MESHD_AGENT, its state directory, in the
 process's environment: several agents may share a host, and none may touch
 another's ranks) carrying the
 meshd generation marker (on its command line or in MESHD_GENERATION) whose
-generation is not the current one; a
+generation is not the current one; a standby rank of this agent
+(STANDBY_MARKER on its command line: it carries no generation, and keeps its
+command line when it becomes a rank) that the agent does not hold; a
 manifest entry of a retired generation that is still alive; an `ibv_devinfo`
 / `ibv_devices` that has run longer than a limit (hung in the RDMA driver).
 """
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import psutil
 
 MARKER = re.compile(r"(?:--meshd-generation[= ]|meshd-generation=)(\d+)")
+STANDBY_MARKER = "--meshd-standby"
 IBV_TOOLS = ("ibv_devinfo", "ibv_devices")
 
 
@@ -30,6 +33,7 @@ class ProcInfo:
     create_time: float
     env_generation: int | None = None
     agent: str | None = None  # MESHD_AGENT of the process, when readable
+    standby: bool = False  # a standby rank (runtime/standby.py), or a rank one became
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,8 @@ def select_orphans(procs: list[ProcInfo], *, agent: str, current: int | None, ke
         gen = marker_generation(p)
         if gen is not None and gen != current and p.agent == agent:
             out[p.pid] = Orphan(p.pid, p.create_time, f"generation {gen} is not the current one ({current})", what)
+        elif p.standby and p.agent == agent:
+            out[p.pid] = Orphan(p.pid, p.create_time, "a standby rank this agent does not hold", what)
         elif any(p.name == t or (p.cmdline and p.cmdline[0].endswith("/" + t)) or
                  (p.cmdline and p.cmdline[0] == t) for t in IBV_TOOLS) and now - p.create_time > ibv_limit:
             out[p.pid] = Orphan(p.pid, p.create_time,
@@ -89,8 +95,9 @@ def scan() -> list[ProcInfo]:
             env = {}
         raw = env.get("MESHD_GENERATION")
         env_gen = int(raw) if raw and raw.isdigit() else None
-        if not (MARKER.search(joined) or env_gen is not None or ibv):
+        standby = STANDBY_MARKER in cmdline
+        if not (MARKER.search(joined) or env_gen is not None or ibv or standby):
             continue
         out.append(ProcInfo(info["pid"], info["name"] or "", cmdline, info["create_time"], env_gen,
-                            env.get("MESHD_AGENT")))
+                            env.get("MESHD_AGENT"), standby))
     return out

@@ -208,6 +208,7 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
         model, package = request.query.get("model"), request.query.get("package")
         return web.json_response({"node": cfg.node, **await node_facts.facts(model, cfg.node, package),
                                   "state_dir": str(cfg.state_dir), "state_free_bytes": free_bytes(cfg.state_dir),
+                                  "snapshots_bytes": node_facts.tree_bytes(cfg.state_dir / "snapshots"),
                                   "wired_limit_applied": sup.wired_limit,
                                   "reboot_required": sup.reboot_required, "allow_reboot": cfg.allow_reboot,
                                   "launch": {"profiles": {p.name: sorted(p.args) for p in cfg.profiles.values()},
@@ -215,7 +216,7 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
 
     async def list_ranks(request):
         return web.json_response({"node": cfg.node, "generation": sup.current_generation(),
-                                  "ranks": [r.view() for r in sup.records.values()]})
+                                  "ranks": [r.view() for r in sup.records.values()], "standby": sup.standby.pid})
 
     async def start_rank(request):
         spec = parse_spec(await read_json(request))
@@ -332,6 +333,7 @@ async def serve(cfg: agent_config.AgentConfig, log_file: Path | None = None) -> 
     await until_stopped(f"agent {cfg.node} on {cfg.host}:{cfg.port}")
     log.info("agent stopping; ranks keep running and will be adopted", node=cfg.node)
     await runner.cleanup()
+    await sup.standby.close()
 
 
 def load_checked(path: str) -> agent_config.AgentConfig:

@@ -1,6 +1,8 @@
 """What an agent does to its node's ranks: start, stop, adopt, sweep.
 
-One live generation at a time. The launch manifest (generation, rank, pid,
+One live generation at a time: a start waits for a stopping generation's processes to be gone (their
+memory released) before its rank starts, and that rank is the agent's standby (agents/standby.py)
+when one can take it, else a cold spawn. The launch manifest (generation, rank, pid,
 create time) is written before a start returns, so an agent that is killed
 and started again adopts the ranks that are still running instead of killing
 them, and can tell retired generations' leftovers from the live one.
@@ -20,25 +22,35 @@ from pathlib import Path
 from agents import orphans
 from agents.config import AgentConfig, Profile
 from agents.events import EventLog
+from agents.standby import Keeper, early_env
 from agents.stall import blocked_on_peer
 from agents.watch import RankRecord, RankWatcher
 from common import procs
 from common.hostfile import MLX_BACKEND, HostfileError, launch_env
 from common.modelref import ModelNotFound, resolve
-from common.protocol import (OrphansSwept, RankExited, RankSignature, RankSpec, RankStarted, RebootRequired,
-                             StopResult)
-from common.states import StopMode
+from common.protocol import (OrphansSwept, RankExited, RankSignature, RankSpec, RankStarted, RankStateChanged,
+                             RebootRequired, StopResult)
+from common.states import RankState, StopMode
 from common.statusfile import write_atomic
 
 
 # In a kill, a rank blocked in a collective on a dead peer (it runs no signal
 # handler) gets this long after SIGTERM before its SIGKILL.
 BLOCKED_GRACE = 0.5
+# A start waits this long for a stopping generation's processes to be gone before it is refused (409):
+# below the controller's timeout for a start.
+RELEASE_WAIT = 20.0
 
 
 def generations_to_prune(existing: list[int], keep: int, live: set[int]) -> list[int]:
     """The generations past the newest `keep`, less any that still runs."""
     return sorted(g for g in sorted(existing, reverse=True)[keep:] if g not in live)
+
+
+async def _until(done, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
 
 
 class Conflict(Exception):
@@ -73,6 +85,8 @@ class Supervisor:
         self.counters = Counters(exits={}, signatures={})
         self._lock = asyncio.Lock()
         self._manifest_path = self.state_dir / "manifest.json"
+        self.standby = Keeper(self.state_dir, config.python, config.standby)
+        self._early = early_env(dict(os.environ), config.env_allowlist)  # the last rank's, for its standby
 
     # --- manifest ---------------------------------------------------------------
     def _read_manifest(self) -> list[dict]:
@@ -102,6 +116,8 @@ class Supervisor:
         if isinstance(event, RebootRequired):
             self.reboot_required = event.reason
         await self.events.emit(event)
+        if isinstance(event, RankStateChanged) and event.state == RankState.READY:
+            await self.standby.ensure(self._early)  # while this rank serves, ready for the next generation
 
     def _watch(self, rec: RankRecord) -> None:
         RankWatcher(rec, self.emit, self.config.node, self.config.stall, self.config.log_max_bytes).start()
@@ -156,6 +172,9 @@ class Supervisor:
             if existing is not None and not existing.done:
                 return existing, False
             others = [r for r in self.live() if (r.generation, r.rank) != (spec.generation, spec.rank)]
+            if others and all(o.stopping for o in others):
+                await self._gone(others, RELEASE_WAIT)
+                others = [o for o in others if not o.done]
             if others:
                 o = others[0]
                 raise Conflict(f"generation {o.generation} rank {o.rank} is running here (pid {o.pid}); "
@@ -200,7 +219,12 @@ class Supervisor:
                 env["MESHD_RANK_SECRET"] = spec.secret
             argv = self._argv(profile, spec, model, status_path)
             log_path = rundir / "rank.log"
-            proc = await procs.spawn(argv, log_path, env=env, cwd=rundir)
+            early = early_env(env, self.config.env_allowlist)
+            proc = await self.standby.take(argv, env, rundir, log_path, early)
+            warm = proc is not None
+            if proc is None:
+                proc = await procs.spawn(argv, log_path, env=env, cwd=rundir)
+            self._early = early
             target = procs.identify(proc.pid)
             rec = RankRecord(spec.generation, spec.rank, proc.pid, target.create_time if target else time.time(),
                              time.time(), log_path, status_path if profile.status_file else None, spec.port,
@@ -208,7 +232,7 @@ class Supervisor:
             self.records[(rec.generation, rec.rank)] = rec
             self._record_in_manifest(rec)
             await self.emit(RankStarted(node=self.config.node, generation=rec.generation, rank=rec.rank,
-                                        at=time.time(), pid=rec.pid))
+                                        at=time.time(), pid=rec.pid, warm=warm))
             self._watch(rec)
             self.prune()
             return rec, True
@@ -247,9 +271,12 @@ class Supervisor:
 
     async def _settle(self, recs: list[RankRecord], timeout: float = 5.0) -> None:
         """Wait until the watchers have reported the exits (so events precede the answer)."""
-        deadline = time.monotonic() + timeout
-        while any(not r.done and not procs.alive(r.target) for r in recs) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await _until(lambda: not any(not r.done and not procs.alive(r.target) for r in recs), timeout)
+
+    @staticmethod
+    async def _gone(recs: list[RankRecord], timeout: float) -> None:
+        """Wait until these ranks' processes are gone and reaped, their memory released."""
+        await _until(lambda: all(r.done for r in recs), timeout)
 
     # --- sweep ------------------------------------------------------------------
     async def sweep(self, grace: float = 5.0, current: int | None | str = "live") -> dict:
@@ -260,7 +287,7 @@ class Supervisor:
             current = self.current_generation()
         for g in sorted({r.generation for r in self.live() if r.generation != current}):
             await self.stop(g, StopMode.KILL, grace)
-        keep = {r.pid for r in self.live()} | {os.getpid()}
+        keep = {r.pid for r in self.live()} | {os.getpid(), self.standby.pid}
         debris = orphans.select_orphans(orphans.scan(), agent=str(self.state_dir.resolve()), current=current,
                                         keep_pids=keep, manifest=self._read_manifest(), now=time.time(),
                                         ibv_limit=self.config.ibv_hang_seconds)

@@ -84,17 +84,19 @@ def send(t: Target, sig: int) -> None:
         pass
 
 
-def _detached(log_path: Path) -> dict:
+def _detached(log_path: Path, stdin: bool = False) -> dict:
     """Popen options of a child that outlives its parent: its own session
-    (its group can be signalled as one), stdin closed, output appended to a file only its user reads."""
-    return {"stdin": subprocess.DEVNULL, "stdout": open_appending(log_path), "stderr": subprocess.STDOUT,
-            "start_new_session": True}
+    (its group can be signalled as one), stdin closed (or a pipe from the parent), output appended to a
+    file only its user reads."""
+    return {"stdin": subprocess.PIPE if stdin else subprocess.DEVNULL, "stdout": open_appending(log_path),
+            "stderr": subprocess.STDOUT, "start_new_session": True}
 
 
 async def spawn(argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,
-                cwd: Path | None = None) -> asyncio.subprocess.Process:
-    """A detached child whose exit the event loop learns of at once (SIGCHLD)."""
-    opts = _detached(log_path)
+                cwd: Path | None = None, stdin: bool = False) -> asyncio.subprocess.Process:
+    """A detached child whose exit the event loop learns of at once (SIGCHLD); `stdin`: it reads a
+    pipe the caller writes (`proc.stdin`), whose end it sees when the caller is gone."""
+    opts = _detached(log_path, stdin)
     try:
         return await asyncio.create_subprocess_exec(*argv, env=env, cwd=str(cwd) if cwd else None, **opts)
     finally:

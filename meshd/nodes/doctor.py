@@ -165,6 +165,20 @@ def judge_space(node: str, what: str, path: str, free: int | None) -> list[Check
                   "one loses records and logs; the mesh is still recovered)", warn=True)]
 
 
+def judge_snapshots(node: str, path: str, used: int | None, free: int | None) -> list[Check]:
+    """What the ranks' prefix snapshots take in `path` (in the agent's state directory), warned of when the
+    disk has less free than twice that: they could not be written again beside what they hold. Nothing
+    while there are none (or the agent does not report them)."""
+    if not used:
+        return []
+    detail = f"{used / 2**20:.0f} MiB in {path}"
+    if free is None or free >= 2 * used:
+        return [Check("snapshots", node, True, detail + ("" if free is None else f", {free / 2**20:.0f} MiB free"))]
+    return [Check("snapshots", node, True, f"{detail}, only {free / 2**20:.0f} MiB free beside them",
+                  f"lower the ranks' snapshot budget (meshd-rank --snapshot-budget-mb) or free space on that "
+                  "disk: a full one stops new snapshots, and the next generation restores fewer prefixes", warn=True)]
+
+
 def judge_hostfile(cfg: MeshConfig) -> Check:
     try:
         hosts = provision.check_hostfile(hostfile_for(cfg), cfg)
@@ -221,7 +235,9 @@ async def agent_checks(cfg: MeshConfig, current: int | None) -> list[Check]:
     out = [c for checks, _ in answers for c in checks]
     facts = {n.name: f for n, (_, f) in zip(cfg.nodes, answers) if f is not None}
     spaces = [c for node, f in facts.items() for c in
-              judge_space(node, "the agent's state directory", f.get("state_dir", "?"), f.get("state_free_bytes"))]
+              judge_space(node, "the agent's state directory", f.get("state_dir", "?"), f.get("state_free_bytes"))
+              + judge_snapshots(node, f"{f.get('state_dir', '?')}/snapshots", f.get("snapshots_bytes"),
+                                f.get("state_free_bytes"))]
     return (out + judge_start(cfg, facts) + judge_memory(facts, len(cfg.nodes)) + spaces
             + judge_space("mesh", "the controller's state directory", str(cfg.state_dir), _free(cfg.state_dir)))
 

@@ -1,0 +1,202 @@
+"""The agent's standby rank on a real agent (a mesh of one, real meshd-rank processes): the next
+generation starts on it, no sooner than the generation before is gone, and it holds no weights; one
+that crashed or went stale is replaced, never used; it ends with its agent. What the snapshots take
+on each node, as the agent reports it and doctor judges it. And the pure decisions, as tables."""
+
+import json
+import os
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agents.orphans import ProcInfo, select_orphans
+from agents.standby import RESPAWN_AFTER, Standby, early_env, rank_args, refusal, wanted
+from common.buildinfo import newest_change
+from common.procs import Target
+from kit.agents import make_agents, start_generation, stop_generation, wait_mesh_ready
+from kit.waiting import wait_for
+from meshd.meshctl.background import pids_below
+from meshd.nodes.doctor import judge_snapshots
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    """One agent whose ranks import runtime/ and common/ from a copy of their own: the stale test
+    changes that copy, never the checkout."""
+    tmp = tmp_path_factory.mktemp("standby")
+    for package in ("runtime", "common"):
+        shutil.copytree(ROOT / package, tmp / "code" / package, ignore=shutil.ignore_patterns("__pycache__"))
+    (a,) = make_agents(tmp, 1)
+    a.start(env={"PYTHONPATH": f"{tmp / 'code'}{os.pathsep}{ROOT}"})
+    a.code = tmp / "code"
+    a.generation = 0
+    yield a
+    a.kill()
+    for pid in pids_below(tmp):  # a rank outlives its agent
+        os.kill(pid, signal.SIGKILL)
+
+
+def started(a, generation: int) -> dict:
+    return next(e for e in a.events() if e["kind"] == "RankStarted" and e["generation"] == generation)
+
+
+def serve_next(a, model) -> dict:
+    """Stop the generation that runs (if any), start the next and wait until it serves and a standby
+    is ready beside it; returns the next one's RankStarted."""
+    if a.generation:
+        stop_generation([a], a.generation, mode="drain", grace=10)
+    a.generation += 1
+    wait_mesh_ready(start_generation([a], a.generation, model))
+    return started(a, a.generation)
+
+
+def standby_report(a) -> dict:
+    """The standby the agent holds, once it reported ready."""
+    def ready():
+        pid = a.get("/v1/ranks").json()["standby"]
+        path = a.dir / "state" / "standby" / "report.json"
+        report = json.loads(path.read_text()) if path.exists() else None
+        return report if pid and report and report["pid"] == pid else None
+    return wait_for(ready, 120, "the agent's standby to be ready")
+
+
+def test_the_next_generation_starts_on_the_standby_once_the_last_is_gone(agent, demo_model):
+    assert serve_next(agent, demo_model)["warm"] is False, "an agent's first rank has no standby to take"
+    standby = standby_report(agent)
+    rank = next(r for r in agent.ranks() if r["generation"] == agent.generation)
+    assert standby["mlx_active_bytes"] * 1000 < rank["status"]["mlx_active_bytes"], "the standby holds no weights"
+    assert psutil.Process(standby["pid"]).memory_info().rss < rank["rss_bytes"]
+
+    g = agent.generation
+    stopping = threading.Thread(target=stop_generation, args=([agent], g), kwargs={"mode": "drain", "grace": 10})
+    stopping.start()
+    wait_for(lambda: next(r for r in agent.ranks() if r["generation"] == g)["expected"], 30, "the stop to begin")
+    port = start_generation([agent], g + 1, demo_model)  # while generation g still drains: it waits, then starts
+    stopping.join()
+    agent.generation = g + 1
+    wait_mesh_ready(port)
+    exited = next(e for e in agent.events() if e["kind"] == "RankExited" and e["generation"] == g)
+    took = started(agent, g + 1)
+    assert (took["warm"], took["pid"]) == (True, standby["pid"])
+    assert took["at"] >= exited["at"], "the next rank starts once the last one's process is gone"
+
+
+def test_a_standby_that_died_is_replaced_and_never_blamed(agent, demo_model):
+    dead = standby_report(agent)["pid"]
+    os.kill(dead, signal.SIGKILL)
+    took = serve_next(agent, demo_model)
+    assert took["warm"] is False and took["pid"] != dead
+    assert not [e for e in agent.events() if e.get("pid") == dead], "a standby's death is no rank's"
+    assert standby_report(agent)["pid"] not in (dead, took["pid"]), "a new standby once the rank serves"
+
+
+def test_a_stale_standby_is_replaced(agent, demo_model):
+    stale = standby_report(agent)["pid"]
+    os.utime(agent.code / "runtime" / "engine.py")  # the code on disk changed after the standby imported it
+    took = serve_next(agent, demo_model)
+    assert took["warm"] is False and not psutil.pid_exists(stale)
+    assert "the standby is stale" in (agent.dir / "agent.log").read_text()
+    standby_report(agent)
+    assert serve_next(agent, demo_model)["warm"] is True, "its replacement, started after the change, is used"
+
+
+def test_the_agent_reports_what_the_snapshots_take(agent):
+    before = agent.get("/v1/node").json()["snapshots_bytes"]  # what its ranks wrote
+    extra = agent.dir / "state" / "snapshots" / "test"
+    extra.mkdir(parents=True)
+    (extra / "a.safetensors").write_bytes(b"x" * 3000)
+    (extra / "index.json").write_bytes(b"{}")
+    assert agent.get("/v1/node").json()["snapshots_bytes"] == before + 3002
+
+
+def test_a_waiting_standby_ends_with_its_agent(agent):
+    standby = standby_report(agent)["pid"]
+    agent.kill()
+    wait_for(lambda: not psutil.pid_exists(standby) or psutil.Process(standby).status() == psutil.STATUS_ZOMBIE,
+             30, "the standby to end with its agent")
+
+
+# --- the pure decisions ---------------------------------------------------------------------------------
+STANDBY = Standby(Target(40, 1000.0), {"OMP_NUM_THREADS": "2"}, Path("report.json"), 1000.0)
+READY = {"pid": 40, "roots": ["/venv/runtime"]}
+REFUSALS = [
+    ("current", STANDBY, True, READY, 900.0, {"OMP_NUM_THREADS": "2"}, None),
+    ("none held", None, False, None, 0.0, {}, "no standby"),
+    ("crashed", STANDBY, False, READY, 900.0, {"OMP_NUM_THREADS": "2"}, "exited"),
+    ("still importing", STANDBY, True, None, 900.0, {"OMP_NUM_THREADS": "2"}, "not ready"),
+    ("a report of an earlier standby", STANDBY, True, {**READY, "pid": 39}, 900.0, {"OMP_NUM_THREADS": "2"},
+     "not ready"),
+    ("code changed after it started", STANDBY, True, READY, 1000.5, {"OMP_NUM_THREADS": "2"}, "stale"),
+    ("another environment", STANDBY, True, READY, 900.0, {"OMP_NUM_THREADS": "4"}, "another environment"),
+    ("other GPUs", STANDBY, True, READY, 900.0, {"OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "1"},
+     "another environment"),
+]
+
+
+@pytest.mark.parametrize("name, standby, alive, report, changed_at, early, why", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_when_a_standby_may_take_a_rank(name, standby, alive, report, changed_at, early, why):
+    said = refusal(standby, alive=alive, report=report, changed_at=changed_at, early=early)
+    assert said is None if why is None else why in said
+
+
+@pytest.mark.parametrize("enabled, held, failed_at, now, start", [
+    (True, False, None, 0.0, True),
+    (False, False, None, 0.0, False),  # standby = false in agent.toml
+    (True, True, None, 0.0, False),
+    (True, False, 100.0, 100.0 + RESPAWN_AFTER - 1, False),  # the last one died before it was ready
+    (True, False, 100.0, 100.0 + RESPAWN_AFTER, True),
+])
+def test_when_a_standby_is_started(enabled, held, failed_at, now, start):
+    assert wanted(enabled=enabled, held=held, failed_at=failed_at, now=now) is start
+
+
+@pytest.mark.parametrize("argv, args", [
+    (["/venv/python", "-m", "runtime.rank", "--model", "/m"], ["--model", "/m"]),
+    (["/other/python", "-m", "runtime.rank", "--model", "/m"], None),  # another interpreter than the standby's
+    (["/venv/python", "-m", "mlx_lm.server", "--model", "/m"], None),
+    (["/venv/python", "-X", "x", "-m", "runtime.rank"], None),
+])
+def test_which_launches_a_standby_can_become(argv, args):
+    assert rank_args(argv, "/venv/python") == args
+
+
+def test_the_early_environment_is_what_imports_and_device_init_read():
+    env = {"PATH": "/bin", "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "0", "MLX_RANK": "1"}
+    assert early_env(env, ("OMP_NUM_THREADS", "NCCL_DEBUG")) == {"CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "2"}
+
+
+def test_a_change_under_the_code_roots_moves_their_newest_change(tmp_path):
+    (tmp_path / "pkg" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "pkg" / "mod.py").write_text("x = 1\n")
+    before = newest_change([str(tmp_path / "pkg")])
+    (tmp_path / "pkg" / "__pycache__" / "mod.pyc").write_bytes(b"cache")
+    assert newest_change([str(tmp_path / "pkg")]) == before, "bytecode an import writes is no change"
+    os.utime(tmp_path / "pkg" / "mod.py", (0, 0))  # an installer may set mtimes back; ctime moves all the same
+    assert newest_change([str(tmp_path / "pkg")]) > before
+
+
+def test_a_sweep_ends_a_standby_only_when_its_agent_does_not_hold_it():
+    standby = "python -m runtime.standby --report /s/standby/report.json --meshd-standby"
+    procs = [ProcInfo(30, "python", tuple(standby.split()), 1.0, agent="/s"),
+             ProcInfo(31, "python", tuple(standby.split()), 1.0, agent="/s", standby=True),
+             ProcInfo(32, "python", tuple(standby.split()), 1.0, agent="/s", standby=True),
+             ProcInfo(33, "python", tuple(standby.split()), 1.0, agent="/other", standby=True)]
+    orphans = select_orphans(procs, agent="/s", current=None, keep_pids={31}, manifest=[], now=10.0, ibv_limit=30)
+    assert [(o.pid, o.reason) for o in orphans] == [(32, "a standby rank this agent does not hold")]
+
+
+@pytest.mark.parametrize("used, free, line", [
+    (0, 10 << 30, None),
+    (None, 10 << 30, None),
+    (3 << 30, 10 << 30, "ok   snapshots    node0      3072 MiB in /srv/agent/snapshots, 10240 MiB free"),
+    (3 << 30, 5 << 30, "WARN snapshots    node0      3072 MiB in /srv/agent/snapshots, only 5120 MiB free beside them"),
+])
+def test_doctor_says_what_the_snapshots_take_and_warns_near_the_free_space(used, free, line):
+    checks = judge_snapshots("node0", "/srv/agent/snapshots", used, free)
+    assert [c.line().splitlines()[0] for c in checks] == ([line] if line else []) and all(c.ok for c in checks)
