@@ -38,15 +38,16 @@ class Recovery:
 class Recycle:
     """Planned recycling ([recycle] in mesh.toml): the next generation starts on purpose before a
     long-lived one wears out, once the mesh has had no request in flight for `idle_for` seconds.
-    Off unless `after` or `window` is set."""
+    Off unless `after`, `steps` or `window` is set."""
 
     after: float = 0.0  # seconds since the generation became ready (0: never by age)
     window: str = ""  # "HH:MM-HH:MM", local time: once a day inside it ("": never by the clock)
     idle_for: float = 60.0
+    steps: int = 0  # rank 0's lockstep steps, each collectives over the transport (0: never by count)
 
     @property
     def enabled(self) -> bool:
-        return self.after > 0 or bool(self.window)
+        return self.after > 0 or self.steps > 0 or bool(self.window)
 
     @property
     def minutes(self) -> tuple[int, int]:
@@ -417,7 +418,7 @@ def _recovery(raw, base: Path) -> Recovery:
 
 def _recycle(raw, base: Path) -> Recycle:
     recycle = table(Recycle, raw, "recycle", base, {"after": "86400.0", "window": '"03:00-04:00"',
-                                                     "idle_for": "60.0"})
+                                                     "idle_for": "60.0", "steps": "50000000"})
     if recycle.window:
         try:
             start, end = recycle.minutes
