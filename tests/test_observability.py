@@ -1,6 +1,7 @@
 """Metrics for real: promtool on every /metrics, a real Prometheus server
 scraping the demo mesh, the Grafana dashboard's queries, and the status page
-rendered by headless Chromium."""
+rendered by headless Chromium, its charts drawn from real traffic and a real
+incident (a rank SIGKILLed once, for the whole file)."""
 
 import json
 import os
@@ -30,6 +31,14 @@ def demo(tmp_path_factory):
     d = Demo(home)
     yield d
     demo_meshctl(home, "down", "--force", check=False)
+
+
+@pytest.fixture(scope="module")
+def recovered(demo):
+    """The demo mesh after one of its ranks was SIGKILLed and the next generation serves."""
+    before = demo.wait_ready()
+    os.kill(demo.rank_pid(3), signal.SIGKILL)
+    return demo.wait_ready(after=before["generation"])
 
 
 def metrics_urls(demo) -> list[str]:
@@ -91,17 +100,13 @@ def query(prom: str, expr: str) -> list[dict]:
     return r["data"]["result"]
 
 
-def test_a_real_prometheus_scrapes_the_demo_mesh(demo, prometheus):
+def test_a_real_prometheus_scrapes_the_demo_mesh(demo, prometheus, recovered):
     wait_for(lambda: len(query(prometheus, "up == 1")) == 6, 30, "all six targets up")
     ready = query(prometheus, 'meshd_fleet_state{phase="ready"}')
     assert [float(r["value"][1]) for r in ready] == [1.0]
     ranks = query(prometheus, "meshd_agent_rank_up")
     assert sorted(r["metric"]["rank"] for r in ranks) == ["0", "1", "2", "3"]
     assert len(query(prometheus, "meshd_agent_rank_resident_memory_bytes > 0")) == 4
-
-    before = demo.wait_ready()
-    os.kill(demo.rank_pid(3), signal.SIGKILL)
-    demo.wait_ready(after=before["generation"])
     moved = wait_for(lambda: query(prometheus, 'meshd_restarts_total{reason="exit"} > 0'), 30,
                      "the restart counter to move in Prometheus")
     assert float(moved[0]["value"][1]) >= 1
@@ -134,20 +139,55 @@ def test_the_dashboard_queries_only_metrics_that_exist(demo, prometheus):
         assert r["status"] == "success", (e, r)
 
 
-def test_status_page_renders_in_headless_chromium(demo, tmp_path):
+def charted_tokens(page: str) -> int:
+    """The completion tokens the page's tokens/s chart accounts for: the sum over its bars' tooltips."""
+    return sum(int(n) for n in re.findall(r'<rect class="rate"[^>]*><title>[^<]*: (\d+) tokens in', page))
+
+
+def incident_steps(page: str) -> list[list[str]]:
+    """The steps drawn on each incident's timeline, newest incident first."""
+    return [re.findall(r'<g class="step" data-step="([^"]+)"', svg)
+            for svg in re.findall(r'<svg class="incident".*?</svg>', page, re.S)]
+
+
+def test_status_page_draws_tokens_and_the_incident_in_headless_chromium(demo, recovered, tmp_path):
     chromium = shutil.which("chromium")
     assert chromium, "chromium is installed by .ci/run"
-    demo.wait_ready()
-    demo.chat()
-    page = demo.status()["urls"]["control"] + "/"
+    urls = demo.status()["urls"]
+    page = urls["control"] + "/"
+    before = charted_tokens(requests.get(page, timeout=10).text)
+    answer = demo.chat()
+    assert answer.status_code == 200, answer.text
+    served = answer.json()["usage"]["completion_tokens"]
+
+    def drawn():  # the next sample of the proxy's counter, and the first request the new generation answered
+        html = requests.get(page, timeout=10).text
+        return charted_tokens(html) == before + served and "served" in incident_steps(html)[0]
+
+    wait_for(drawn, 60, f"the chart to account for the {served} tokens just served, and the incident for its "
+                        "first served request", interval=0.5)
     profile = tmp_path / "profile"
     dom = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", page],
                          capture_output=True, text=True, timeout=120).stdout
     for node in ("node0", "node1", "node2", "node3"):
         assert f"<td>{node}</td>" in dom
     assert "ready" in dom and "generation" in dom and "Incidents" in dom
+    meshes = requests.get(f"{urls['proxy']}/meshes", timeout=10)
+    if meshes.status_code == 200:  # a proxy that fronts meshes lists them, each a row of the page
+        names = [m["name"] for m in meshes.json()["meshes"]]
+        assert re.findall(r'<tr class="mesh"><td>([^<]*)</td>', dom) == names and names
+    else:
+        assert "<h2>Meshes</h2>" not in dom
+    assert charted_tokens(dom) == before + served
+    for label in ("60 min ago", "now", "tokens/s"):
+        assert f">{label}</text>" in dom
+    newest = demo.incidents()[0]
+    assert newest["generation"] == recovered["generation"] - 1
+    assert incident_steps(dom)[0] == [s["step"] for s in sorted(newest["timeline"], key=lambda s: s["at"])]
+    assert {"detected", "stopped", "started", "loaded", "ready", "served"} <= set(incident_steps(dom)[0])
+    assert 'data-stretch="loading"' in dom
     shot = tmp_path / "status.png"
-    subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--window-size=1280,720",
+    subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--window-size=1280,1000",
                     f"--screenshot={shot}", page], capture_output=True, timeout=120)
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

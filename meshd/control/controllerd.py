@@ -18,6 +18,7 @@ import sqlite3
 import ssl
 import time
 from pathlib import Path
+from typing import Awaitable, Callable
 
 import structlog
 from aiohttp import web
@@ -76,6 +77,7 @@ def urls(cfg: MeshConfig) -> dict:
 PAGE_COOKIE = "meshd_page"
 USER_HEADER = "X-Meshd-User"  # who an authenticated caller says it is (meshctl sends user@host)
 STORE_PROBE = 5.0  # seconds between the writes that prove the store takes writes (and retry those waiting)
+TOKENS_EVERY = 10.0  # seconds between the status page's samples of the proxy's token counter
 
 
 def accepted(ctl: Controller, request: web.Request, action: str) -> None:
@@ -96,6 +98,18 @@ def store_health(ctl: Controller) -> list[str]:
         problems.append(f"controller epoch {fence.newer} has taken this mesh over; this one (epoch {fence.epoch}) "
                         "acts on nothing more")
     return problems
+
+
+def while_serving(loop: Callable[[], Awaitable[None]]):
+    """An aiohttp cleanup context that runs `loop` as a task for as long as the application serves."""
+    async def context(app):
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return context
 
 
 def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | None = None) -> web.Application:
@@ -131,20 +145,13 @@ def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | 
         """Into the tally; a remote's first refusal of a window, and the summaries due, into the trail."""
         trail(refusals.note(request.remote or "", action, reason, time.time()))
 
-    async def keep_store(app):
-        async def probe():
-            while True:
-                await asyncio.sleep(STORE_PROBE)
-                ctl.store.put("controller", {"pid": os.getpid(), "at": time.time()})
-                trail(refusals.due(time.time()))
+    async def keep_store():
+        while True:
+            await asyncio.sleep(STORE_PROBE)
+            ctl.store.put("controller", {"pid": os.getpid(), "at": time.time()})
+            trail(refusals.due(time.time()))
 
-        task = asyncio.create_task(probe())
-        yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    app.cleanup_ctx.append(keep_store)
+    app.cleanup_ctx.append(while_serving(keep_store))
 
     async def healthz(request):
         problems = store_health(ctl)
@@ -235,11 +242,21 @@ def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | 
                                              "logs to its service's journal: `journalctl -u meshd`)")
 
     rates = statuspage.Rates()
+    history = statuspage.TokenHistory(TOKENS_EVERY)
+
+    async def sample_tokens():
+        while True:
+            history.note(time.time(), await statuspage.proxy_samples(ctl.session, ctl.cfg.proxy.url))
+            await asyncio.sleep(history.every)
+
+    app.cleanup_ctx.append(while_serving(sample_tokens))
 
     async def page(request):
-        rates.update(await statuspage.proxy_samples(ctl.session, ctl.cfg.proxy.url))
+        samples, meshes = await asyncio.gather(statuspage.proxy_samples(ctl.session, ctl.cfg.proxy.url),
+                                               statuspage.proxy_meshes(ctl.session, ctl.cfg.proxy.url))
+        rates.update(samples)
         status = await survey.status(ctl.cfg, ctl.state, ctl.agents, ctl.store)
-        body = statuspage.render({**status, "urls": urls(ctl.cfg)}, ctl.store.incidents(12), rates)
+        body = statuspage.render({**status, "urls": urls(ctl.cfg)}, ctl.store.incidents(12), rates, history, meshes)
         return web.Response(text=body, content_type="text/html")
 
     async def login(request):

@@ -1,16 +1,21 @@
 """The read-only status page an operator leaves open on a screen: fleet state,
-generation, each node's rank with its load progress, the incident timeline,
-live tokens/s and time to first token. Server-rendered HTML that reloads
-itself every two seconds; no script, no external asset."""
+generation, each node's rank with its load progress, live tokens/s and time to
+first token, tokens/s over the last hour, each incident's steps on a timeline,
+and the proxy's meshes when it fronts several. Server-rendered HTML that
+reloads itself every two seconds; no script, no external asset (the drawings
+are meshd/control/charts.py's)."""
 
 from __future__ import annotations
 
 import asyncio
 import html
 import time
+from collections import deque
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from meshd.control import charts
 
 PHASE_COLOURS = {"ready": "#1f9d55", "starting": "#d69e2e", "recovering": "#dd6b20", "draining": "#718096",
                  "failed": "#e53e3e", "stopped": "#718096"}
@@ -21,10 +26,62 @@ async def proxy_samples(session: aiohttp.ClientSession, proxy_url: str) -> dict[
     try:
         async with session.get(f"{proxy_url}/metrics", timeout=aiohttp.ClientTimeout(total=1)) as r:
             text = await r.text() if r.status == 200 else ""
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if not s.labels}
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):  # ValueError: not Prometheus text
         return {}
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if not s.labels}
+
+
+TOKENS = "meshd_proxy_tokens_total"
+
+
+class TokenHistory:
+    """The proxy's token counter every `every` seconds over the last hour, kept in the controller's
+    memory only: a restarted controller starts with none."""
+
+    def __init__(self, every: float = 10.0):
+        self.every = every
+        self.samples: deque[charts.Sample] = deque(maxlen=int(charts.HOUR / every) + 1)
+
+    def note(self, at: float, samples: dict[str, float]) -> None:
+        self.samples.append(charts.Sample(at, samples.get(TOKENS)))
+
+
+async def proxy_meshes(session: aiohttp.ClientSession, proxy_url: str) -> dict | None:
+    """meshd-proxy's meshes ({"meshes": [...], "fallback": ...}) from its /v1/meshes; None when it does not
+    answer that (a proxy from before it fronted several meshes, or one that is down)."""
+    try:
+        async with session.get(f"{proxy_url}/v1/meshes", timeout=aiohttp.ClientTimeout(total=1)) as r:
+            data = await r.json(content_type=None) if r.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("meshes"), list) else None
+
+
+def meshes_section(data: dict | None) -> str:
+    """A row per mesh the proxy fronts: what it serves, its state, and where the proxy's requests went and
+    why; "" when the proxy did not say."""
+    if data is None:
+        return ""
+    e = html.escape
+    rows = []
+    for m in data["meshes"]:
+        m = m if isinstance(m, dict) else {}
+        routed = m.get("routed") if isinstance(m.get("routed"), dict) else {}
+        phase, healthy = str(m.get("phase", "-")), bool(m.get("healthy"))
+        rows.append(f"<tr class='mesh'><td>{e(str(m.get('name', '-')))}</td><td>{e(str(m.get('model', '-')))}</td>"
+                    f"<td><code>{e(str(m.get('fingerprint') or '-')[:12])}</code></td>"
+                    f"<td><span class='phase' style='background:{PHASE_COLOURS.get(phase, '#718096')}'>{e(phase)}"
+                    f"</span></td><td>{e(str(m.get('generation', '-')))}</td>"
+                    f"<td class='{'ok' if healthy else 'bad'}'>{'healthy' if healthy else 'NOT HEALTHY'}</td>"
+                    f"<td>{e(str(m.get('queue', '-')))}</td><td>{e(str(m.get('in_flight', '-')))}</td>"
+                    f"<td>{e(', '.join(f'{why}: {n}' for why, n in routed.items()) or '-')}</td></tr>")
+    fallback = data.get("fallback")
+    note = (f"<p>fallback model when no mesh of the requested one is up: <b>{e(str(fallback))}</b></p>" if fallback
+            else "<p>no fallback model</p>")
+    return (f"<h2>Meshes</h2><table class='meshes'><tr><th>mesh</th><th>model</th><th>fingerprint</th><th>phase</th>"
+            f"<th>generation</th><th>health</th><th>queue</th><th>in flight</th><th>requests routed here, by reason"
+            f"</th></tr>{''.join(rows)}</table>{note}")
 
 
 class Rates:
@@ -71,8 +128,9 @@ def login(mesh: str, wrong: bool) -> str:
 <button type="submit">open the status page</button></form></body></html>"""
 
 
-def render(status: dict, incidents: list[dict], rates: Rates) -> str:
+def render(status: dict, incidents: list[dict], rates: Rates, history: TokenHistory, meshes: dict | None) -> str:
     e = html.escape
+    now = time.time()
     phase = status["phase"]
     rows = []
     for n in status["nodes"]:
@@ -89,12 +147,16 @@ def render(status: dict, incidents: list[dict], rates: Rates) -> str:
             f"<td>{e(str(r.get('pid', '-')))}</td><td>{(r.get('rss_bytes') or 0) / 2**20:.0f} MB</td>"
             f"<td>{st.get('tokens', 0)}</td></tr>")
     timeline = []
-    for i in incidents[:12]:
+    for n, i in enumerate(incidents[:12]):
         back = (f"serving again after {i['recovery_seconds']:.1f}s" if i["serving_back_at"] else "not recovered")
-        timeline.append(f"<li><b>{e(time.strftime('%H:%M:%S', time.localtime(i['opened_at'])))}</b> "
+        recovering = n == 0 and not i["serving_back_at"] and phase in ("recovering", "starting")
+        drawing = charts.incident([(s["step"], s["at"]) for s in i["timeline"]], now, recovering)
+        timeline.append(f"<li class='incident'><b>{e(time.strftime('%H:%M:%S', time.localtime(i['opened_at'])))}</b> "
                         f"g{i['generation']} <span class='cause'>{e(i['cause'])}</span> on {e(i['node'])} "
                         f"rank {i['rank']}: {e(i['detail'][:160])} &mdash; {e(' → '.join(i['steps']) or '-')}; "
-                        f"{e(back)}</li>")
+                        f"{e(back)}<br>{drawing}</li>")
+    since = (f"since {time.strftime('%H:%M', time.localtime(history.samples[0].at))}" if history.samples
+             else "from its start")
     ttft = f"{rates.ttft:.3f} s" if rates.ttft is not None else "-"
     reason = f"<p class='reason'>{e(status['reason'])}</p>" if status.get("reason") else ""
     return f"""<!doctype html>
@@ -114,7 +176,9 @@ td, th {{ padding: 8px 14px; text-align: left; border-bottom: 1px solid #edf2f7;
 .bar {{ display: inline-block; width: 90px; height: 8px; background: #edf2f7; border-radius: 4px; vertical-align: middle; }}
 .bar div {{ height: 8px; background: #3182ce; border-radius: 4px; }}
 .cause {{ color: #dd6b20; font-weight: bold; }} .reason {{ color: #e53e3e; }}
-li {{ margin: 4px 0; }}
+li {{ margin: 4px 0; }} li.incident {{ margin: 10px 0; }}
+h2 {{ font-size: 17px; margin: 20px 0 8px; }} svg {{ background: white; border-radius: 6px; }}
+.note {{ color: #718096; font-size: 13px; margin: 4px 0 16px; }} ul {{ padding-left: 18px; }}
 </style></head><body>
 <h1>meshd &middot; {e(status['mesh'])} <span class="phase">{e(phase)}</span></h1>
 {reason}
@@ -128,7 +192,12 @@ li {{ margin: 4px 0; }}
 <table><tr><th>node</th><th>agent</th><th>rank</th><th>state</th><th>load</th><th>pid</th><th>memory</th><th>tokens</th></tr>
 {''.join(rows)}
 </table>
+<h2>Tokens/s over the last hour</h2>
+{charts.throughput(list(history.samples), now, history.every)}
+<p class="note">meshd-proxy's token counter, sampled every {history.every:g} s by this controller {since}; kept in its
+memory only, so a restarted controller starts the chart again.</p>
 <h2>Incidents</h2>
 <ul>{''.join(timeline) or '<li>none</li>'}</ul>
+{meshes_section(meshes)}
 <p>proxy {e(status['urls']['proxy'])} &middot; updated {time.strftime('%H:%M:%S')}</p>
 </body></html>"""
