@@ -454,3 +454,42 @@ def test_a_generation_is_recycled_once_in_the_daily_window(window, ready, tick, 
     s, a = run([(ready - 1, f.UpRequested()), (ready, f.MeshReady(1)), (tick, f.Tick())], policy)
     assert (s.phase == "recovering") == recycled
     assert [x.planned for x in a if isinstance(x, f.OpenIncident)] == (["window"] if recycled else [])
+
+
+COUNTED = f.Policy(nodes=NODES, recycle=f.Recycle(steps=1000, idle_for=10.0))
+
+
+@pytest.mark.parametrize("events, recycled", [
+    ([(12, f.StepsCounted(1, 999)), (30, f.Tick())], False),  # not yet its count
+    ([(12, f.StepsCounted(1, 1000)), (30, f.Tick())], True),
+    ([(12, f.StepsCounted(1, 1000)), (15, f.Tick())], False),  # its count, but idle only 5s
+    ([(12, f.StepsCounted(0, 5000)), (30, f.Tick())], False),  # an older generation's rank 0
+    ([busy(11), (12, f.StepsCounted(1, 1000)), (30, f.Tick())], False),  # its count, a request in flight
+])
+def test_a_generation_is_recycled_at_its_count_of_rank_0s_steps_once_idle(events, recycled):
+    s, a = run(ready_at() + events, COUNTED)
+    assert [x.planned for x in a if isinstance(x, f.OpenIncident)] == (["steps"] if recycled else [])
+    if recycled:
+        assert "rank 0 made 1000 steps (recycle.steps 1000)" in s.incident.detail
+
+
+def test_the_next_generations_steps_count_from_zero():
+    s, _ = run(ready_at() + [(12, f.StepsCounted(1, 1000)), (30, f.Tick()), (31, f.GenerationStopped(1)),
+                             (35, f.MeshReady(2)), (60, f.Tick())], COUNTED)
+    assert (s.phase, s.generation, s.steps) == ("ready", 2, 0)
+
+
+def test_meshctl_restart_is_a_planned_incident_like_a_recycle():
+    s, a = run(ready_at() + [(20, f.RestartRequested())])
+    opened = next(x for x in a if isinstance(x, f.OpenIncident))
+    assert (opened.planned, opened.incident.cause, opened.incident.steps) == ("restart", "recycle", ("recycle",))
+    assert f.StopGeneration(1, "drain", P.drain_grace) in a
+    s, a = run([(22, f.GenerationStopped(1)), (30, f.MeshReady(2))], state=s)
+    closed = next(x.incident for x in a if isinstance(x, f.CloseIncident))
+    assert closed.generation == 1 and s.failures == () and s.ladder_step == 0
+
+
+def test_a_restart_while_a_failure_recovers_keeps_the_failures_incident():
+    s, a = run(ready_at() + [death(1, 20), (21, f.GenerationStopped(1)), (22, f.RestartRequested())])
+    assert not [x for x in a if isinstance(x, f.OpenIncident) and x.planned]
+    assert s.incident.cause == "exit"

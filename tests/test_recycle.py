@@ -1,8 +1,10 @@
 """Planned recycling on a real 2-rank mesh: a generation past its [recycle] age is
 not drained while streams are in flight; once the mesh is idle it is, and the
 next generation serves the request that waited for it. It is a planned incident
-in `meshctl events` and meshd_recycles_total, never a failure. And the
-[recycle] keys that `meshctl config check` refuses, each named."""
+in `meshctl events` and meshd_recycles_total, never a failure. `meshctl restart`
+under 4 streaming clients takes the same path onto the agents' standby ranks and
+costs no client an error or a refusal. And the [recycle] keys that `meshctl
+config check` refuses, each named."""
 
 import json
 import threading
@@ -39,19 +41,24 @@ def samples(url: str, name: str) -> list:
             for s in family.samples if s.name == name]
 
 
-def streams_until(proxy: str, body: dict, until: float, out: list) -> None:
-    """Streamed answers back to back until `until`; each one's status, events and end into `out`."""
-    while time.time() < until:
+def streams_until(proxy: str, body: dict, until, out: list) -> None:
+    """Streamed answers back to back until `until()`; each one's status, events and end into `out`."""
+    while not until():
         r = requests.post(f"{proxy}/chat/completions", json={**body, "stream": True}, stream=True, timeout=300)
         out.append({"status": r.status_code, "events": sse_events(r.iter_lines(decode_unicode=True)),
                     "ended": time.time()})
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory, demo_model):
+def meshes(tmp_path_factory, demo_model):
     with mesh_up(tmp_path_factory.mktemp("recycle"), demo_model, recycle={"after": AFTER, "idle_for": IDLE_FOR},
-                 runtime={"args": {"model_name": "demo", "max_tokens_limit": 4096}}) as (config, _):
-        yield config
+                 runtime={"args": {"model_name": "demo", "max_tokens_limit": 4096}}) as (config, agents):
+        yield config, agents
+
+
+@pytest.fixture(scope="module")
+def mesh(meshes):
+    return meshes[0]
 
 
 def test_an_idle_generation_past_its_age_is_recycled_without_cutting_a_stream(mesh, demo_model):
@@ -60,19 +67,15 @@ def test_an_idle_generation_past_its_age_is_recycled_without_cutting_a_stream(me
     body = {"messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 48,
             "temperature": 0, **endless(demo_model)}
     answers = [[] for _ in range(4)]
-    clients = [threading.Thread(target=streams_until, args=(where["proxy"], body, ready + AFTER + IDLE_FOR, out))
+    clients = [threading.Thread(target=streams_until,
+                                args=(where["proxy"], body, lambda: time.time() >= ready + AFTER + IDLE_FOR, out))
                for out in answers]
     for c in clients:
         c.start()
     for c in clients:
         c.join(timeout=300)
     answers = [a for out in answers for a in out]
-    for a in answers:
-        assert a["status"] == 200 and a["events"][-1] == "[DONE]"
-        assert not [e for e in a["events"] if isinstance(e, dict) and "error" in e]
-        finish = [c["finish_reason"] for e in a["events"] if isinstance(e, dict) for c in e.get("choices", [])
-                  if c.get("finish_reason")]
-        assert finish == ["length"], "each stream ran to its max_tokens"
+    assert_whole(answers)
     busy_until = max(a["ended"] for a in answers)
 
     planned = wait_for(lambda: recycles(mesh), 60, "a planned recycle once the mesh is idle", interval=0.2)[0]
@@ -90,6 +93,50 @@ def test_an_idle_generation_past_its_age_is_recycled_without_cutting_a_stream(me
     counted = samples(where["metrics"], "meshd_recycles_total")
     assert [s.labels for s in counted] == [{"reason": "age"}] and counted[0].value >= 1
     assert samples(where["metrics"], "meshd_restarts_total") == [], "a recycle is no failure"
+
+
+def assert_whole(answers: list[dict]) -> None:
+    """Every answer streamed to its max_tokens: no error, no refusal, no cut."""
+    for a in answers:
+        assert a["status"] == 200 and a["events"][-1] == "[DONE]"
+        assert not [e for e in a["events"] if isinstance(e, dict) and "error" in e]
+        finish = [c["finish_reason"] for e in a["events"] if isinstance(e, dict) for c in e.get("choices", [])
+                  if c.get("finish_reason")]
+        assert finish == ["length"], "each stream ran to its max_tokens"
+
+
+def test_meshctl_restart_under_streaming_clients_is_planned_warm_and_costs_no_answer(meshes, demo_model):
+    mesh, agents = meshes
+    where = urls(load(mesh))
+    wait_for(lambda: all(a.get("/v1/ranks").json()["standby"] for a in agents), 120, "a standby rank on every agent",
+             interval=0.2)
+    before = status(mesh)["generation"]
+    body = {"messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 48,
+            "temperature": 0, **endless(demo_model)}
+    answers = [[] for _ in range(4)]
+    done = threading.Event()
+    clients = [threading.Thread(target=streams_until, args=(where["proxy"], body, done.is_set, out))
+               for out in answers]
+    for c in clients:
+        c.start()
+    wait_for(lambda: all(answers), 120, "every client to have had an answer", interval=0.1)
+    restart = meshctl(mesh, "restart", "--wait")
+    assert restart.returncode == 0, restart.stdout + restart.stderr
+    served = [len(out) for out in answers]  # the next generation serves: each client's next answers are its
+    wait_for(lambda: all(len(out) >= n + 2 for out, n in zip(answers, served)), 120, "answers of the next generation")
+    done.set()
+    for c in clients:
+        c.join(timeout=300)
+    assert_whole([a for out in answers for a in out])
+
+    assert status(mesh)["failures_in_window"] == 0
+    planned = next(i for i in recycles(mesh) if i["generation"] == before)  # (idle, the mesh recycles by age on)
+    assert planned["steps"] == ["recycle"] and "meshctl restart" in planned["detail"] and planned["serving_back_at"]
+    assert {s.labels["reason"] for s in samples(where["metrics"], "meshd_recycles_total")} >= {"restart"}
+    assert samples(where["metrics"], "meshd_restarts_total") == [], "a restart is no failure"
+    for a in agents:
+        assert [e["warm"] for e in a.events() if e["kind"] == "RankStarted" and e["generation"] == before + 1] \
+            == [True], "the next generation's ranks are the standbys"
 
 
 @pytest.mark.parametrize("profile, recycle, named", [

@@ -2,7 +2,8 @@
 
 Inputs: what the agents' events mean (`intake.Intake`), rank 0's readiness
 while starting (probed by `upstream.probe_ready`, judged by `evidence`), what
-the proxy observes (through `FleetView.report`), and a clock tick. Outputs:
+the proxy observes (through `FleetView.report`), a clock tick, and rank 0's
+step count while [recycle] steps asks for it (`survey`). Outputs:
 start and stop generations through the agents, sweeps, incidents in the store,
 metrics. The fleet's state changes in `feed` and nowhere else.
 """
@@ -67,6 +68,8 @@ class Controller:
         for loop in intake.loops():
             self._spawn(loop)
         self._spawn(self._tick_loop())
+        if self.policy.recycle.steps:
+            self._spawn(self._count_steps())
 
     async def close(self) -> None:
         for t in list(self._tasks):
@@ -244,6 +247,16 @@ class Controller:
         while True:
             await asyncio.sleep(0.25)
             await self.feed(fleet.Tick())
+
+    async def _count_steps(self) -> None:
+        """Rank 0's step count into the fleet every second while a generation serves."""
+        while True:
+            await asyncio.sleep(1.0)
+            g = self.state.generation
+            if self.state.phase == Phase.READY:
+                steps = await survey.rank0_steps(self.agents[self.cfg.nodes[0].name], g)
+                if steps is not None:
+                    await self.feed(fleet.StepsCounted(g, steps))
 
     async def _adopt(self) -> None:
         """A restarted controller keeps a healthy running generation. It waits (bounded) for every

@@ -38,10 +38,10 @@ Judgement:
 - Each incident keeps a timeline: detected, stopped, swept, backoff, started,
   loaded, ready, and served (the first request answered after it).
 
-Planned recycling ([recycle]): a generation that reached its age or the daily
-window, with no rank busy for `idle_for`, is drained and the next one starts,
-as `meshctl restart` does; its incident (cause "recycle") is planned: no
-failure, no ladder step, no backoff.
+Planned recycling ([recycle]): a generation that reached its age, its count of
+rank 0's steps or the daily window, with no rank busy for `idle_for`, is
+drained and the next one starts; `meshctl restart` does the same at once. Its
+incident (cause "recycle") is planned: no failure, no ladder step, no backoff.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ class FleetState:
     ranks: tuple[RankView, ...] = ()
     last_load_failure: str = ""  # what the previous generation said when it died before serving
     closing: Incident | None = None  # closed at ready, waiting for its first served request
+    steps: int = 0  # rank 0's lockstep steps in this generation, as last counted
 
 
 # --- events (past tense) -------------------------------------------------------
@@ -144,6 +145,13 @@ class RankReported:
     load_done: int = 0
     load_total: int = 0
     at: float | None = None
+
+
+@dataclass(frozen=True)
+class StepsCounted:
+    """Rank 0 of generation G has made `steps` lockstep steps (its status file, through its agent)."""
+    generation: int
+    steps: int
 
 
 @dataclass(frozen=True)
@@ -290,7 +298,7 @@ def _mark(state: FleetState, step: str, when: float) -> Result:
 def _start_next(state: FleetState, now: float, policy: Policy) -> Result:
     g = state.generation + 1
     new = replace(state, phase=Phase.STARTING, generation=g, backoff_until=None, started_at=now,
-                  ranks=tuple(RankView(n) for n in policy.nodes), reason="", restart_requested=False)
+                  ranks=tuple(RankView(n) for n in policy.nodes), reason="", restart_requested=False, steps=0)
     new, actions = _mark(new, "started", now)
     return new, [StartGeneration(g), NoteGeneration(g, "started"), *actions]
 
@@ -458,10 +466,20 @@ def _end_on_purpose(state: FleetState, policy: Policy, why: str) -> Result:
              NoteGeneration(state.generation, "ended", why)])
 
 
+def _planned(state: FleetState, now: float, policy: Policy, trigger: str, detail: str) -> Result:
+    """End the generation on purpose as a planned incident (a recycle), unless a failure's is open."""
+    new, actions = _end_on_purpose(state, policy, f"{RECYCLE}: {detail}")
+    if state.incident is not None:
+        return new, actions
+    incident = Incident(now, RECYCLE, "-", -1, state.generation, f"planned: {detail}", steps=(RECYCLE,),
+                        timeline=(("planned", now),))
+    return replace(new, incident=incident), [OpenIncident(incident, planned=trigger), *actions]
+
+
 def _on_restart(state: FleetState, ev: RestartRequested, now: float, policy: Policy) -> Result:
     if state.phase not in (Phase.READY, Phase.STARTING):
         return state, []
-    return _end_on_purpose(state, policy, "restart requested")
+    return _planned(state, now, policy, "restart", f"`meshctl restart` of generation {state.generation}")
 
 
 def _on_adopted(state: FleetState, ev: Adopted, now: float, policy: Policy) -> Result:
@@ -551,6 +569,12 @@ def _last_start(incident: Incident) -> int:
     return starts[-1] if starts else len(incident.timeline)
 
 
+def _on_steps_counted(state: FleetState, ev: StepsCounted, now: float, policy: Policy) -> Result:
+    if ev.generation != state.generation or state.phase != Phase.READY:
+        return state, []
+    return replace(state, steps=ev.steps), []
+
+
 def _on_rank_died(state: FleetState, ev: RankDied, now: float, policy: Policy) -> Result:
     if ev.generation == state.generation and state.phase in (Phase.STARTING, Phase.READY):
         return _fail(state, now, policy, ev)
@@ -632,14 +656,17 @@ def window_opened(recycle: Recycle, now: float) -> float | None:
 
 def recycle_due(state: FleetState, now: float, recycle: Recycle) -> tuple[str, str] | None:
     """(trigger, what it saw) when the serving generation is to be recycled now, else None: it has served
-    `after` seconds, or it is inside the daily window and was ready before the window opened; and no rank
-    has been busy for `idle_for` seconds."""
+    `after` seconds, or its rank 0 made `steps` steps, or it is inside the daily window and was ready
+    before the window opened; and no rank has been busy for `idle_for` seconds."""
     if not recycle.enabled or state.phase != Phase.READY or state.ready_since is None or state.idle_since is None \
             or now - state.idle_since < recycle.idle_for:
         return None
     age, idle = now - state.ready_since, f"no request in flight for {now - state.idle_since:.0f}s"
     if recycle.after and age >= recycle.after:
         return "age", f"generation {state.generation} served {age:.0f}s (recycle.after {recycle.after:g}s), {idle}"
+    if recycle.steps and state.steps >= recycle.steps:
+        return "steps", (f"generation {state.generation}'s rank 0 made {state.steps} steps (recycle.steps "
+                         f"{recycle.steps}), {idle}")
     opened = window_opened(recycle, now) if recycle.window else None
     if opened is not None and state.ready_since < opened:
         return "window", f"generation {state.generation} in the daily window {recycle.window}, {idle}"
@@ -650,11 +677,7 @@ def _recycle_due(state: FleetState, now: float, policy: Policy) -> Result | None
     due = recycle_due(state, now, policy.recycle)
     if due is None:
         return None
-    trigger, detail = due
-    incident = Incident(now, RECYCLE, "-", -1, state.generation, f"planned: {detail}", steps=(RECYCLE,),
-                        timeline=(("planned", now),))
-    new, actions = _end_on_purpose(state, policy, f"recycle: {detail}")
-    return replace(new, incident=incident), [OpenIncident(incident, planned=trigger), *actions]
+    return _planned(state, now, policy, *due)
 
 
 TICK_RULES = (_backoff_over, _healthy_long_enough, _start_overdue, _recycle_due)
@@ -670,9 +693,9 @@ def _on_tick(state: FleetState, ev: Tick, now: float, policy: Policy) -> Result:
 
 HANDLERS = {UpRequested: _on_up, DownRequested: _on_down, RestartRequested: _on_restart, Adopted: _on_adopted,
             LeftoversFound: _on_leftovers, DiedUnwatched: _on_died_unwatched, MeshReady: _on_mesh_ready,
-            RankReported: _on_rank_reported, RankDied: _on_rank_died, StartRefused: _on_start_refused,
-            GenerationStopped: _on_generation_stopped, StepDone: _on_step_done, RequestServed: _on_request_served, RequestMigrated: _on_request_migrated,
-            Tick: _on_tick}
+            RankReported: _on_rank_reported, StepsCounted: _on_steps_counted, RankDied: _on_rank_died,
+            StartRefused: _on_start_refused, GenerationStopped: _on_generation_stopped, StepDone: _on_step_done,
+            RequestServed: _on_request_served, RequestMigrated: _on_request_migrated, Tick: _on_tick}
 
 
 def step(state: FleetState, event, now: float, policy: Policy) -> Result:

@@ -1,6 +1,6 @@
 """What the agents say runs, asked of every agent at once: each node's rank
 records (a restarted controller adopts by them) and the mesh's status as the
-control API answers it."""
+control API answers it; and rank 0's step count, asked of its agent."""
 
 from __future__ import annotations
 
@@ -24,6 +24,17 @@ async def rank_views(agents: dict[str, AgentClient], errors: dict[str, str]) -> 
             return None
 
     return dict(zip(agents, await asyncio.gather(*(view(n, c) for n, c in agents.items()))))
+
+
+async def rank0_steps(agent: AgentClient, generation: int) -> int | None:
+    """The lockstep steps rank 0 of `generation` has made, from its status file as its agent reads it;
+    None when the agent does not answer or has no status of that rank."""
+    try:
+        ranks = (await agent.call("GET", "/v1/ranks", timeout=5))["ranks"]
+    except AgentError:
+        return None
+    status = next((r["status"] for r in ranks if r["generation"] == generation and r["rank"] == 0), None)
+    return status["step"] if status else None
 
 
 async def status(cfg: MeshConfig, s: fleet.FleetState, agents: dict[str, AgentClient], store: Store) -> dict:
