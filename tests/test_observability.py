@@ -166,8 +166,9 @@ def test_status_page_draws_tokens_and_the_incident_in_headless_chromium(demo, re
 
     wait_for(drawn, 60, f"the chart to account for the {served} tokens just served, and the incident for its "
                         "first served request", interval=0.5)
-    profile = tmp_path / "profile"
-    dom = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", page],
+    shot = tmp_path / "status.png"  # the page as checked below, in the same run of Chromium
+    dom = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
+                          "--window-size=1280,1000", f"--screenshot={shot}", "--dump-dom", page],
                          capture_output=True, text=True, timeout=120).stdout
     for node in ("node0", "node1", "node2", "node3"):
         assert f"<td>{node}</td>" in dom
@@ -186,9 +187,6 @@ def test_status_page_draws_tokens_and_the_incident_in_headless_chromium(demo, re
     assert incident_steps(dom)[0] == [s["step"] for s in sorted(newest["timeline"], key=lambda s: s["at"])]
     assert {"detected", "stopped", "started", "loaded", "ready", "served"} <= set(incident_steps(dom)[0])
     assert 'data-stretch="loading"' in dom
-    shot = tmp_path / "status.png"
-    subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--window-size=1280,1000",
-                    f"--screenshot={shot}", page], capture_output=True, timeout=120)
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     if os.environ.get("MESHD_WRITE_SCREENSHOT"):
