@@ -1,8 +1,10 @@
 """The agent's standby rank on a real agent (a mesh of one, real meshd-rank processes): the next
 generation starts on it, no sooner than the generation before is gone, and it holds no weights; one
 that crashed or went stale is replaced, never used; it ends with its agent. What the snapshots take
-on each node, as the agent reports it and doctor judges it. And the pure decisions, as tables."""
+on each node, as the agent reports it and doctor judges it, and rank 0's step count as the controller
+surveys it ([recycle] steps). And the pure decisions, as tables."""
 
+import asyncio
 import json
 import os
 import shutil
@@ -10,6 +12,7 @@ import signal
 import threading
 from pathlib import Path
 
+import aiohttp
 import psutil
 import pytest
 
@@ -19,7 +22,10 @@ from common.buildinfo import newest_change
 from common.procs import Target
 from kit.agents import make_agents, start_generation, stop_generation, wait_mesh_ready
 from kit.waiting import wait_for
+from meshd.config import Node
+from meshd.control.survey import rank0_steps
 from meshd.meshctl.background import pids_below
+from meshd.nodes.agentclient import AgentClient
 from meshd.nodes.doctor import judge_snapshots
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +119,16 @@ def test_the_agent_reports_what_the_snapshots_take(agent):
     (extra / "a.safetensors").write_bytes(b"x" * 3000)
     (extra / "index.json").write_bytes(b"{}")
     assert agent.get("/v1/node").json()["snapshots_bytes"] == before + 3002
+
+
+def test_rank_0s_step_count_reaches_the_controller_through_its_agent(agent):
+    async def count(generation: int) -> int | None:
+        async with aiohttp.ClientSession() as session:
+            return await rank0_steps(AgentClient(Node(agent.node, agent.url, agent.dir / "token"), session), generation)
+
+    first = asyncio.run(count(agent.generation))
+    assert first > 0 and asyncio.run(count(agent.generation + 1)) is None
+    wait_for(lambda: asyncio.run(count(agent.generation)) > first, 30, "rank 0's idle exchanges to count")
 
 
 def test_a_waiting_standby_ends_with_its_agent(agent):
