@@ -116,7 +116,8 @@ def label_rows(spans: list[tuple[float, float]], gap: float = 8) -> list[int]:
         row = next((r for r, end in enumerate(ends) if end + gap <= x0), len(ends))
         if row == len(ends):
             ends.append(x1)
-        ends[row] = x1
+        else:
+            ends[row] = x1
         rows.append(row)
     return rows
 
@@ -137,7 +138,7 @@ def incident(timeline: list[tuple[str, float]], now: float, recovering: bool) ->
     def x(t: float) -> float:
         return left + (t - first) / total * pw
 
-    ends = [(s, at) for s, at in steps[1:]] + ([("now", end)] if recovering and end > steps[-1][1] else [])
+    ends = steps[1:] + ([("now", end)] if recovering and end > steps[-1][1] else [])
     stretches = []
     for (step, at), (then, until) in zip(steps, ends):
         name = STRETCHES.get(step, step)
