@@ -74,6 +74,11 @@ class ProxyMetrics:
         self.migrations = Counter("meshd_proxy_migrations_total",
                                   "Streams cut by a generation's death and resumed on the next one", registry=r)
         self.retries = Counter("meshd_proxy_retries_total", "Requests retried on the next generation", registry=r)
+        self.routed = Counter("meshd_proxy_routed_total", "Attempts sent to a mesh, by mesh and why: model (the one "
+                              "mesh of it), affinity (its tape holds the conversation), queue (the least loaded), "
+                              "failover (after an attempt failed), fallback (no mesh of the model served)",
+                              ["mesh", "reason"], registry=r)
+        self.mesh_ready = Gauge("meshd_proxy_mesh_ready", "1 while the mesh serves a generation", ["mesh"], registry=r)
         self.connections = Gauge("meshd_proxy_connections", "Client connections open", registry=r)
         self.refused = Counter("meshd_proxy_refused_connections_total", "Client connections the listener's limits "
                                "ended, by reason (slow_headers: closed, its headers not in within header_timeout; "
