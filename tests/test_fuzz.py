@@ -32,6 +32,7 @@ from meshd.control.controller import Controller
 from meshd.control.controllerd import control_app
 from meshd.metrics import Metrics, ProxyMetrics
 from meshd.dataplane.proxy import Proxy
+from meshd.dataplane.proxyconfig import single
 from meshd.seam import rank_key, rank_secret
 from meshd.store import Store
 from runtime.openai_api import Limits
@@ -272,7 +273,7 @@ def test_the_openapi_descriptions_list_exactly_the_routes_the_servers_serve(tmp_
     metrics = Metrics(cfg.name)
     ctl = Controller(cfg, Store(tmp_path / "state" / "meshd.sqlite"), metrics)
     assert routes(control_app(ctl, metrics, "t" * 32)) == described(control_schema)
-    assert routes(Proxy(cfg, ctl, ProxyMetrics(cfg.name)).app()) == described(proxy_schema)
+    assert routes(Proxy(single(cfg), {cfg.name: ctl}, ProxyMetrics(cfg.name)).app()) == described(proxy_schema)
     rank0 = Frontend(SimpleNamespace(eos_token_ids=[0]), Limits("m", 8, 8), generation=1, context_length=64,
                      host="127.0.0.1", port=8100, secret="s" * 32)
     assert routes(rank0.app()) == described(rank_schema)

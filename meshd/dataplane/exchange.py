@@ -2,16 +2,18 @@
 
 An exchange knows the proxy only through a `Gate`: the rank 0 to send to (waited
 for), what to tell the fleet, the settings and the metrics. Each attempt goes
-to the `Rank0` the gate hands it.
+to the `Rank0` the gate hands it, which may be another mesh's (routing.py).
 
 - Holds the request while the fleet starts or recovers, up to `queue_wait`,
   then 503 with Retry-After; a client already streaming gets keep-alives.
 - Retries a request whose upstream failed before any data reached the client
   on the next generation. A stream cut after data is resumed on the next
-  generation (up to `migration_limit` times): rank 0 reports the token ids
-  behind each chunk in SSE comments, the exchange keeps what it delivered and
+  generation, or on another mesh with the same weights (up to `migration_limit`
+  times): rank 0 reports the token ids behind each chunk in SSE comments, the
+  exchange keeps what it delivered and
   sends the same request with those ids to continue from, and the client sees
-  one stream. Past that, the stream ends with an SSE error event and `data: [DONE]`.
+  one stream (an SSE comment names the mesh and generation it resumes on).
+  Past that, the stream ends with an SSE error event and `data: [DONE]`.
 - A request that was in flight when `poison_after` generations died is refused
   with 502 (and so is the same request for a while after): it may be what kills them.
 - Sends SSE keep-alive comments while rank 0 is silent (long prefills); a
@@ -36,6 +38,7 @@ from aiohttp import web
 from common.errors import error_body
 from common.http import json_error
 from meshd.config import Proxy as ProxyConfig
+from meshd.config import rank0_body
 from meshd.metrics import ProxyMetrics
 from meshd.seam import Observation
 from meshd.upstream import Upstream, UpstreamError
@@ -53,15 +56,32 @@ log = structlog.get_logger("meshd.proxy")
 
 @dataclass(frozen=True)
 class Rank0:
-    """Where one attempt goes: a generation's rank 0, over the proxy's connections to it."""
+    """Where one attempt goes: a generation's rank 0 of mesh `mesh`, over the proxy's connections to it.
+    It serves `model` with runtime `profile`; `window`: how long it may stay silent (None: the agents
+    judge)."""
 
+    mesh: str
     generation: int
     url: str
+    model: str
+    profile: str
+    window: float | None
     auth: dict[str, str] = field(repr=False)
     connections: Upstream = field(repr=False)
 
+    @property
+    def resumable(self) -> bool:
+        """meshd-rank reports the token ids behind each chunk, which a resumption needs."""
+        return self.profile == "meshd-rank"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What the client is told of who wrote its answer."""
+        return {"X-Meshd-Model": self.model, "X-Meshd-Mesh": self.mesh}
+
     def post(self, path: str, body: dict):
-        return self.connections.post(self.url + path, body, self.auth)
+        return self.connections.post(self.url + path, rank0_body(self.profile, {**body, "model": self.model}),
+                                     self.auth)
 
 
 class Gate(Protocol):
@@ -70,9 +90,10 @@ class Gate(Protocol):
     settings: ProxyConfig
     metrics: ProxyMetrics
 
-    async def rank0(self, after: int, deadline: float) -> Rank0 | None:
-        """Rank 0 of a serving generation newer than `after`; None when the fleet is down or failed, or
-        not back by `deadline` (a monotonic time)."""
+    async def rank0(self, after: Rank0 | None, deadline: float) -> Rank0 | None:
+        """Where the next attempt goes, never to `after` (the attempt that failed) again: a serving
+        generation's rank 0; None when nothing serves and none comes by waiting, or none by `deadline`
+        (a monotonic time). QueueFull when no mesh has room for a request that holds none yet."""
 
     def hopeless(self) -> bool:
         """No generation comes by waiting: the fleet failed, stopped or drains."""
@@ -84,7 +105,7 @@ class Gate(Protocol):
         """Tell the fleet what this exchange saw."""
 
     async def served(self, generation: int) -> None:
-        """A generation answered a request."""
+        """The last attempt's generation answered the request."""
 
     def quarantine(self, digest: str) -> None:
         """Refuse the request with this digest for a while: it was in flight as generations died."""
@@ -135,15 +156,14 @@ def upstream_failure(e: UpstreamError) -> UpstreamFailed:
 
 
 class Exchange:
-    """`body` is what rank 0 gets, `client_body` what the client sent (what a quarantine recognises);
-    `window` how long rank 0 may stay silent (None: the agents judge); `resumable` when rank 0 reports
-    the token ids a resumption needs (meshd-rank)."""
+    """`body` is what rank 0 gets (its "model" set by each attempt's `Rank0`), `client_body` what the
+    client sent (what a quarantine recognises)."""
 
     def __init__(self, gate: Gate, request: web.Request, req: oa.CompletionRequest, body: dict, client_body: dict,
-                 window: float | None, resumable: bool, deadline: float):
+                 deadline: float):
         self.gate, self.request, self.req, self.deadline = gate, request, req, deadline
         self.body, self.client_body = body, client_body
-        self.window, self.resumable = window, resumable
+        self.headers: dict[str, str] = {}  # the attempt's, for the response
         self.killed: list[int] = []  # generations that died with this request in flight
         self.resp: web.StreamResponse | None = None  # prepared once anything reached the client
         self.sent_data = False
@@ -160,12 +180,15 @@ class Exchange:
 
     async def run(self) -> web.StreamResponse:
         p = self.gate.settings
-        after = -1
+        after: Rank0 | None = None
         while True:
             rank0 = await self._next_rank0(after)
             if rank0 is None:
                 return await self._give_up(self.gate.why_unavailable())
             g = rank0.generation
+            self.headers = rank0.headers
+            if self.resp is not None:  # the client hears where its answer goes on (clients skip comments)
+                await self.resp.write(f": resuming on mesh {rank0.mesh}, generation {g}\n\n".encode())
             try:
                 resp = await (self._stream(rank0) if self.req.stream else self._whole(rank0))
             except UpstreamFailed as e:
@@ -188,15 +211,15 @@ class Exchange:
                     await self.gate.report(Observation(g, "migrated"))
                 else:
                     self.gate.metrics.retries.inc()
-                after = g
+                after = rank0
                 self.deadline = time.monotonic() + p.queue_wait
                 continue
             if resp.status == 200:
                 await self.gate.served(g)
             return resp
 
-    async def _next_rank0(self, after: int) -> Rank0 | None:
-        """Wait for a generation newer than `after`; a client already streaming gets keep-alives."""
+    async def _next_rank0(self, after: Rank0 | None) -> Rank0 | None:
+        """Wait for somewhere to send to other than `after`; a client already streaming gets keep-alives."""
         while True:
             step = min(self.deadline, time.monotonic() + self.gate.settings.keepalive_interval) \
                 if self.resp is not None else self.deadline
@@ -221,23 +244,23 @@ class Exchange:
 
     async def _whole(self, rank0: Rank0) -> web.Response:
         try:
-            async with asyncio.timeout(self.window) if self.window else contextlib.nullcontext():
+            async with asyncio.timeout(rank0.window) if rank0.window else contextlib.nullcontext():
                 async with rank0.post(self.request.path, self.body) as r:
                     data = await r.read()
         except TimeoutError:
-            raise UpstreamFailed(f"no answer within {self.window:.0f}s")
+            raise UpstreamFailed(f"no answer within {rank0.window:.0f}s")
         except UpstreamError as e:
             raise upstream_failure(e)
         if r.status >= 500:
             raise answered_failure(r.status, data)
         if r.status == 200 and (m := COMPLETION_TOKENS.search(data)):
             self.gate.metrics.tokens.inc(int(m.group(1)))
-        return web.Response(body=data, status=r.status, content_type="application/json")
+        return web.Response(body=data, status=r.status, content_type="application/json", headers=self.headers)
 
     async def _prepare(self) -> web.StreamResponse:
         if self.resp is None:
             self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                    "X-Accel-Buffering": "no"})
+                                                    "X-Accel-Buffering": "no", **self.headers})
             self.resp.enable_chunked_encoding()
             await self.resp.prepare(self.request)
         return self.resp
@@ -253,18 +276,19 @@ class Exchange:
         silent_since = time.monotonic()
 
         async def idle() -> None:
-            if self.window is not None and time.monotonic() - silent_since > self.window:
-                raise UpstreamFailed(f"no token for {self.window:.0f}s")
+            if rank0.window is not None and time.monotonic() - silent_since > rank0.window:
+                raise UpstreamFailed(f"no token for {rank0.window:.0f}s")
             await (await self._prepare()).write(b": keep-alive\n\n")
 
-        body = self._stream_body() if self.resumable else self.body
+        body = self._stream_body() if rank0.resumable else self.body
         try:
             async with rank0.post(self.request.path, body) as r:
                 if r.status >= 500:
                     raise answered_failure(r.status, await r.read())
                 if r.status != 200:
                     if self.resp is None:
-                        return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+                        return web.Response(body=await r.read(), status=r.status, content_type="application/json",
+                                            headers=self.headers)
                     return await self._end_stream_with_error(f"rank 0 refused to resume the answer ({r.status})")
                 async for lines in sse_blocks(r, self.gate.settings.keepalive_interval, idle):
                     out, confirmed, end = self._relay(lines)

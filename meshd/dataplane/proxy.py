@@ -1,17 +1,19 @@
-"""The OpenAI endpoint in front of rank 0: routes, API keys, admission, the idle probe.
+"""The OpenAI endpoint in front of one mesh's rank 0, or several meshes': routes, API keys, admission,
+routing, the idle probe.
 
 - Validates requests itself (the same rules as the runtime), so bad input is a
   4xx JSON error even while no generation runs.
-- Admits through a FIFO with a concurrency limit (1 when decoding is
+- Admits per mesh, through a FIFO with a concurrency limit (1 when decoding is
   speculative); a full queue is 429.
-- Hands each admitted request to an `Exchange` (exchange.py), through itself
-  as the exchange's `Gate`: the rank 0 to send to, what to tell the fleet.
+- Hands each request to an `Exchange` (exchange.py) through a `Routed`, the
+  exchange's `Gate`: each attempt's mesh as routing.py decides it (model,
+  affinity, queue, failover, fallback), counted by mesh and reason.
 - For runtimes that keep no status file (the stock profile): asks the mesh for
   one token when no request has run for a while (the idle probe), and judges
   hangs from the time rank 0 stays silent, scaled by the prompt.
 
-It knows the fleet only through `seam.FleetView`: what serves now, a wait for
-that to change, and `report()` for what it saw.
+It knows each mesh only through its `seam.FleetView`: what serves now, a wait
+for that to change, and `report()` for what it saw.
 """
 
 from __future__ import annotations
@@ -26,14 +28,15 @@ from prometheus_client import generate_latest
 
 from common.errors import ApiError
 from common.http import bearer_matches, json_error, json_errors, read_json
-from common.modelref import served_name
 from common.states import Phase
 from common.tomlcheck import loopback
-from meshd.config import MeshConfig, ping_body, rank0_body
+from meshd.config import MeshConfig, ping_body
 from meshd.config import Proxy as ProxyConfig
 from meshd.dataplane.admission import Admission, QueueFull
 from meshd.dataplane.cors import cors
 from meshd.dataplane.exchange import RETRY_AFTER, Exchange, Rank0, quarantined, request_digest, unavailable
+from meshd.dataplane.proxyconfig import Front, Mesh, served_names, weights_fingerprint
+from meshd.dataplane.routing import REASONS, Failed, MeshSeen, PrefixMemory, Route, prefix_keys, route
 from meshd.metrics import ProxyMetrics
 from meshd.seam import FleetView, Observation, Serving
 from meshd.upstream import Upstream, UpstreamError
@@ -60,29 +63,66 @@ def prompt_chars(req: oa.CompletionRequest) -> int:
 GONE = (Phase.FAILED, Phase.STOPPED, Phase.DRAINING)  # phases no generation comes back from by waiting
 
 
-class Proxy:
-    """The endpoint: routes, API keys, admission and the idle probe. It is the `Gate` its exchanges go
-    through to one mesh's rank 0."""
+class MeshLink:
+    """One mesh the proxy fronts: its fleet view, what it serves, its admission, where requests went."""
 
-    def __init__(self, cfg: MeshConfig, fleet: FleetView, metrics: ProxyMetrics):
-        self.cfg = cfg
-        self.settings: ProxyConfig = cfg.proxy
-        self.fleet = fleet
-        self.metrics = metrics
-        p = cfg.proxy
-        name = served_name(cfg.runtime.model, cfg.runtime.args.get("model_name"))
-        self.limits = oa.Limits(name, default_max_tokens=int(cfg.runtime.args.get("max_tokens", 0)),
-                                max_tokens_limit=int(cfg.runtime.args.get("max_tokens_limit", 8192)),
-                                aliases=tuple(a for a in dict.fromkeys((cfg.runtime.model, Path(cfg.runtime.model).name,
-                                                                        *cfg.runtime.aliases)) if a != name))
-        self.admission = Admission(1 if cfg.speculative else p.concurrency, p.queue_limit)
-        metrics.queue_limit.set(p.queue_limit)
-        self.api_keys = self._load_keys(p.api_keys_file)
-        self.connections = Upstream()  # to rank 0
-        self.last_request_at = time.monotonic()  # when the last request ended (or the last probe ran)
-        self.quarantined_until: dict[str, float] = {}  # by request digest
+    def __init__(self, mesh: Mesh, fleet: FleetView, connections: Upstream):
+        self.name, self.cfg, self.fleet, self.connections = mesh.name, mesh.cfg, fleet, connections
+        rt, p = mesh.cfg.runtime, mesh.cfg.proxy
+        self.limits_names = served_names(mesh.cfg)
+        self.limits = oa.Limits(self.limits_names[0], default_max_tokens=int(rt.args.get("max_tokens", 0)),
+                                max_tokens_limit=int(rt.args.get("max_tokens_limit", 8192)),
+                                aliases=self.limits_names[1:])
+        self.fingerprint = weights_fingerprint(mesh.cfg)
+        self.admission = Admission(1 if mesh.cfg.speculative else p.concurrency, p.queue_limit)
+        self.routed = dict.fromkeys(REASONS, 0)
         self.served_generation = -1
         self.probed_generation = -1
+        self.last_request_at = time.monotonic()  # when the last request ended (or the last probe ran)
+
+    def seen(self) -> MeshSeen:
+        s = self.fleet.serving()
+        a = self.admission
+        return MeshSeen(self.name, self.limits_names, self.fingerprint, s.ready, s.phase in GONE, s.generation,
+                        a.depth + a.running, a.depth >= a.queue_limit)
+
+    def rank0(self, s: Serving, window: float | None = None) -> Rank0:
+        return Rank0(self.name, s.generation, s.rank0_url, self.limits.model_name, self.cfg.runtime.profile, window,
+                     s.rank0_auth, self.connections)
+
+    def wire(self) -> dict:
+        """This mesh in GET /v1/meshes."""
+        s = self.fleet.serving()
+        return {"name": self.name, "model": self.limits.model_name, "fingerprint": self.fingerprint,
+                "phase": str(s.phase), "generation": s.generation, "healthy": s.ready,
+                "queue": self.admission.depth, "in_flight": self.admission.running, "routed": dict(self.routed)}
+
+    def why_unavailable(self) -> str:
+        s = self.fleet.serving()
+        if s.phase == Phase.FAILED:
+            return f"The mesh has failed and waits for an operator: {s.reason}"
+        if s.phase in (Phase.STOPPED, Phase.DRAINING):
+            return "The mesh is not running; start it with `meshctl up`"
+        why = f": {s.reason}" if s.reason else ""
+        return f"The mesh is {s.phase} (generation {s.generation}){why} and did not come back in time; retry shortly"
+
+
+class Proxy:
+    """The endpoint: routes, API keys, routing and the idle probe over the meshes of `front`, each seen
+    through its own `FleetView` (`fleets`, by mesh name)."""
+
+    def __init__(self, front: Front, fleets: dict[str, FleetView], metrics: ProxyMetrics):
+        self.front = front
+        self.settings: ProxyConfig = front.proxy
+        self.metrics = metrics
+        self.connections = Upstream()  # to every rank 0
+        self.links = {m.name: MeshLink(m, fleets[m.name], self.connections) for m in front.meshes}
+        self.memory = PrefixMemory(front.affinity_entries)
+        metrics.queue_limit.set(sum(link.admission.queue_limit for link in self.links.values()))
+        for link in self.links.values():
+            metrics.mesh_ready.labels(mesh=link.name).set_function(lambda f=link.fleet: float(f.serving().ready))
+        self.api_keys = self._load_keys(self.settings.api_keys_file)
+        self.quarantined_until: dict[str, float] = {}  # by request digest
         self.admitted = 0  # requests admitted since start (a probe that overlapped one is not judged)
 
     @staticmethod
@@ -96,6 +136,7 @@ class Proxy:
                               client_max_size=self.settings.max_body_bytes)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/meshes", self._meshes)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._text)
@@ -122,58 +163,61 @@ class Proxy:
         return json_error(401, "Invalid or missing API key; send 'Authorization: Bearer <key>' with a key "
                                "from the proxy's api_keys_file", code="invalid_api_key")
 
+    def _operator(self, request: web.Request) -> bool:
+        """/metrics and /v1/meshes: open on loopback (the controller's status page reads them there);
+        elsewhere they want an API key like every other route, when there are keys."""
+        return loopback(request.remote) or self._authorized(request)
+
     async def _models(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return self._unauthorized()
-        return web.json_response(oa.models_body(self.limits.model_name, aliases=self.limits.aliases))
+        models = [oa.models_body(link.limits.model_name, aliases=link.limits.aliases)["data"]
+                  for link in self.links.values()]
+        unique = {m["id"]: m for ms in models for m in ms}
+        return web.json_response({"object": "list", "data": list(unique.values())})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        """Prometheus': open on loopback (the controller's status page reads it there); elsewhere it
-        wants an API key like every other route, when there are keys."""
-        if not loopback(request.remote) and not self._authorized(request):
+        if not self._operator(request):
             return self._unauthorized()
         return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
 
+    async def _meshes(self, request: web.Request) -> web.Response:
+        """Every mesh: what it serves, its state, its queue, where requests went and why."""
+        if not self._operator(request):
+            return self._unauthorized()
+        return web.json_response({"meshes": [link.wire() for link in self.links.values()],
+                                  "fallback": self.front.fallback or None})
+
     async def _health(self, request: web.Request) -> web.Response:
-        """200 only while a generation serves: what a load balancer in front of the mesh asks."""
-        s = self.fleet.serving()
-        if not s.ready:
-            return unavailable(self.why_unavailable())
-        return web.json_response({"status": "ok", "generation": s.generation})
+        """200 while a mesh serves: what a load balancer in front of the endpoint asks."""
+        ready = [(link.name, s) for link in self.links.values() if (s := link.fleet.serving()).ready]
+        if not ready:
+            return unavailable(self.why_unavailable(list(self.links.values())))
+        body = {"status": "ok", "generation": ready[0][1].generation}
+        return web.json_response({**body, "meshes": [name for name, _ in ready]} if self.front.several else body)
 
-    # --- the Gate -----------------------------------------------------------------------
-    async def rank0(self, after: int, deadline: float) -> Rank0 | None:
-        def usable(s: Serving) -> bool:
-            return (s.ready and s.generation > after) or s.phase in GONE
-        s = await self.fleet.wait_serving(usable, max(0.0, deadline - time.monotonic()))
-        return self._rank0_of(s) if s.ready and s.generation > after else None
-
-    def _rank0_of(self, s: Serving) -> Rank0:
-        return Rank0(s.generation, s.rank0_url, s.rank0_auth, self.connections)
-
-    def hopeless(self) -> bool:
-        return self.fleet.serving().phase in GONE
-
-    def why_unavailable(self) -> str:
-        s = self.fleet.serving()
-        if s.phase == Phase.FAILED:
-            return f"The mesh has failed and waits for an operator: {s.reason}"
-        if s.phase in (Phase.STOPPED, Phase.DRAINING):
-            return "The mesh is not running; start it with `meshctl up`"
-        why = f": {s.reason}" if s.reason else ""
-        return f"The mesh is {s.phase} (generation {s.generation}){why} and did not come back in time; retry shortly"
-
-    async def report(self, observation: Observation) -> None:
-        await self.fleet.report(observation)
-
-    async def served(self, generation: int) -> None:
-        """Tell the controller once per generation that it answers requests (its incident's last step)."""
-        if generation != self.served_generation:
-            self.served_generation = generation
-            await self.fleet.report(Observation(generation, "served"))
+    def why_unavailable(self, links: list[MeshLink]) -> str:
+        """What a client is told when none of `links` serves it."""
+        if len(links) == 1:
+            return links[0].why_unavailable()
+        states = ", ".join(f"{link.name} {link.fleet.serving().phase}" for link in links)
+        return f"No mesh serves this model now ({states}) and none came back in time; retry shortly"
 
     def quarantine(self, digest: str) -> None:
         self.quarantined_until[digest] = time.monotonic() + self.settings.quarantine_seconds
+
+    def _limits_for(self, body) -> oa.Limits:
+        """The limits of the model the request names: the first mesh's when it names none (or, fronting one
+        mesh, any it does not serve: the runtime's own error says so)."""
+        model = body.get("model") if isinstance(body, dict) else None
+        for link in self.links.values():
+            if model in link.limits_names:
+                return link.limits
+        if self.front.several and isinstance(model, str) and model not in ("", "default"):
+            names = ", ".join(f"'{link.limits.model_name}'" for link in self.links.values())
+            raise ApiError(404, f"The model '{model}' does not exist; this endpoint serves {names} (GET /v1/models)",
+                           param="model", code="model_not_found")
+        return next(iter(self.links.values())).limits
 
     # --- a completion -------------------------------------------------------------------
 
@@ -181,8 +225,15 @@ class Proxy:
         route = request.path
         status = 500
         t0 = time.monotonic()
+        gate: Routed | None = None
         try:
-            resp = await self._serve(request, kind)
+            if not self._authorized(request):
+                return self._unauthorized()
+            body = await read_json(request)
+            limits = self._limits_for(body)
+            req = oa.parse_request(kind, body, limits)
+            gate = Routed(self, limits.model_name, prefix_keys(body["messages"]) if kind == "chat" else [], req)
+            resp = await self._serve(request, gate, req, body)
             status = resp.status
             return resp
         except ApiError as e:
@@ -194,68 +245,57 @@ class Proxy:
         finally:
             self.metrics.requests.labels(route=route, status=str(status)).inc()
             if status != 200 or self.settings.access_log:  # metrics count them all; the log has what failed
-                log.info("request", route=route, status=status, generation=self.fleet.serving().generation,
+                where = gate.link if gate else None
+                log.info("request", route=route, status=status, mesh=where.name if where else None,
+                         generation=where.fleet.serving().generation if where else None,
                          seconds=round(time.monotonic() - t0, 4))
 
-    async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
-        if not self._authorized(request):
-            return self._unauthorized()
-        body = await read_json(request)
-        req = oa.parse_request(kind, body, self.limits)
+    async def _serve(self, request: web.Request, gate: "Routed", req: oa.CompletionRequest,
+                     body: dict) -> web.StreamResponse:
         p = self.settings
         if self.quarantined_until.get(request_digest(request.path, body), 0) > time.monotonic():
             return quarantined(p)
-        t0 = time.monotonic()
-        deadline = t0 + p.queue_wait
         try:
-            self.metrics.queue_depth.set(self.admission.depth + 1)
-            await self.admission.acquire(timeout=p.queue_wait)
+            return await Exchange(gate, request, req, body, body, time.monotonic() + p.queue_wait).run()
         except QueueFull:
-            return json_error(429, f"The proxy queue is full ({p.queue_limit} waiting); retry later",
+            return json_error(429, f"The proxy queue is full ({gate.full_at} waiting); retry later",
                               code="queue_full", type_="rate_limit_error", headers={"Retry-After": RETRY_AFTER})
-        except asyncio.TimeoutError:
-            return unavailable(f"No slot freed within {p.queue_wait:.0f}s; retry later")
         finally:
-            self.metrics.queue_depth.set(self.admission.depth)
-        self.metrics.queue_wait.observe(time.monotonic() - t0)
-        self.metrics.in_flight.inc()
-        self.admitted += 1
-        try:
-            profile = self.cfg.runtime.profile
-            return await Exchange(self, request, req, rank0_body(profile, {**body, "model": self.limits.model_name}),
-                                  body, stall_window(p, profile, prompt_chars(req), req.params.max_tokens, req.stream),
-                                  profile == "meshd-rank", deadline).run()
-        finally:
-            self.metrics.in_flight.dec()
-            self.admission.release()
-            self.last_request_at = time.monotonic()
+            if gate.slot is not None:
+                gate.slot.admission.release()
+                self.metrics.in_flight.dec()
+                gate.slot.last_request_at = time.monotonic()
+            self._gauge_queue()
+
+    def _gauge_queue(self) -> None:
+        self.metrics.queue_depth.set(sum(link.admission.depth for link in self.links.values()))
 
     # --- the idle probe ---------------------------------------------------------------
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(0.25)
-            await self._maybe_probe()
+            for link in self.links.values():
+                await self._maybe_probe(link)
 
-    async def _maybe_probe(self) -> None:
-        """When no request has run for a while, ask the mesh for one token. Only runtimes without a
+    async def _maybe_probe(self, link: MeshLink) -> None:
+        """When no request has run on a mesh for a while, ask it for one token. Only runtimes without a
         status file: meshd-rank's idle ranks move their progress at every liveness exchange, which the
         agents watch, and a probe's latency would only measure the engine's speed."""
         p = self.settings
-        if self.cfg.runtime.profile == "meshd-rank":
+        if link.cfg.runtime.profile == "meshd-rank":
             return
-        s = self.fleet.serving()
-        if s.ready and s.generation != self.probed_generation:  # idle from when it is first seen serving
-            self.probed_generation, self.last_request_at = s.generation, time.monotonic()
-        if not s.ready or self.admission.running or self.admission.depth \
-                or time.monotonic() - self.last_request_at < p.probe_idle:
+        s = link.fleet.serving()
+        if s.ready and s.generation != link.probed_generation:  # idle from when it is first seen serving
+            link.probed_generation, link.last_request_at = s.generation, time.monotonic()
+        if not s.ready or link.admission.running or link.admission.depth \
+                or time.monotonic() - link.last_request_at < p.probe_idle:
             return
-        self.last_request_at = time.monotonic()
+        link.last_request_at = time.monotonic()
         admitted = self.admitted
-        body = ping_body(self.cfg.runtime.profile)
         status = None
         try:
             async with asyncio.timeout(p.probe_timeout):
-                async with self._rank0_of(s).post("/v1/chat/completions", body) as r:
+                async with link.rank0(s).post("/v1/chat/completions", ping_body(link.cfg.runtime.profile)) as r:
                     answer = await r.read()
             if r.status == 200:
                 self.metrics.probes.labels(result="ok").inc()
@@ -269,4 +309,116 @@ class Proxy:
         except UpstreamError as e:
             detail = f"probe failed: {e}"
         self.metrics.probes.labels(result="failed").inc()
-        await self.fleet.report(Observation(s.generation, "probe", detail, status))
+        await link.fleet.report(Observation(s.generation, "probe", detail, status))
+
+
+class Routed:
+    """One request's way through the meshes, the `Gate` its exchange goes through: each attempt's mesh as
+    routing.route decides it, a place in that mesh's admission (moved with the request), what to tell
+    that mesh's fleet."""
+
+    def __init__(self, proxy: Proxy, model: str, keys: list[str], req: oa.CompletionRequest):
+        self.proxy, self.model, self.keys, self.req = proxy, model, keys, req
+        self.settings, self.metrics = proxy.settings, proxy.metrics
+        self.slot: MeshLink | None = None  # the mesh whose admission holds this request's place
+        self.link: MeshLink | None = None  # where the last attempt went
+        self.failed: Failed | None = None
+        self.why = ""  # why the last wait ended without a mesh, when it was not the fleets
+        self.full_at = 0
+
+    def _route(self, affinity: tuple[str, int] | None = None) -> Route:
+        seen = [link.seen() for link in self.proxy.links.values()]
+        return route(seen, self.model, affinity=affinity, failed=self.failed, fallback=self.proxy.front.fallback)
+
+    async def rank0(self, after: Rank0 | None, deadline: float) -> Rank0 | None:
+        links = self.proxy.links
+        self.failed = Failed(after.mesh, after.generation, links[after.mesh].fingerprint) if after else None
+        affinity = self.proxy.memory.find(self.keys) if after is None and self.keys else None
+        while True:
+            r = self._route(affinity)
+            if r.kind == "gone":
+                return None
+            if r.kind == "full" and self.slot is None:
+                self.full_at = sum(link.admission.depth for link in links.values())
+                raise QueueFull()
+            target = links[r.mesh] if r.mesh else self.slot
+            if target is not self.slot and (r.kind == "send" or self.slot is None):
+                if not await self._admit(target, deadline):
+                    return None
+            if r.kind == "send" and (s := target.fleet.serving()).ready:
+                target.routed[r.reason] += 1
+                self.metrics.routed.labels(mesh=target.name, reason=r.reason).inc()
+                self.link = target
+                return target.rank0(s, stall_window(self.settings, target.cfg.runtime.profile,
+                                                    prompt_chars(self.req), self.req.params.max_tokens,
+                                                    self.req.stream))
+            if r.kind != "send" and not await self._changed(deadline):
+                return None
+
+    async def _admit(self, target: MeshLink, deadline: float) -> bool:
+        """A place in `target`'s admission, given up where the request held one before; False when none
+        freed by `deadline`. QueueFull when its queue is full and the request holds no place yet."""
+        t0 = time.monotonic()
+        try:
+            self.metrics.queue_depth.set(sum(link.admission.depth for link in self.proxy.links.values()) + 1)
+            await target.admission.acquire(timeout=max(0.0, deadline - t0))
+        except QueueFull:
+            if self.slot is None:
+                self.full_at = sum(link.admission.depth for link in self.proxy.links.values())
+                raise
+            return True  # it stays queued where it is
+        except asyncio.TimeoutError:
+            self.why = f"No slot freed within {self.settings.queue_wait:.0f}s; retry later"
+            return False
+        finally:
+            self.proxy._gauge_queue()
+        self.metrics.queue_wait.observe(time.monotonic() - t0)
+        if self.slot is None:
+            self.metrics.in_flight.inc()
+            self.proxy.admitted += 1
+        else:
+            self.slot.admission.release()
+        self.slot = target
+        return True
+
+    async def _changed(self, deadline: float) -> bool:
+        """Wait until some mesh's phase or generation changes; False once `deadline` passed."""
+        timeout = deadline - time.monotonic()
+        if timeout <= 0:
+            return False
+        waits = []
+        for link in self.proxy.links.values():
+            now = link.fleet.serving()
+            waits.append(asyncio.ensure_future(link.fleet.wait_serving(
+                lambda s, was=(now.phase, now.generation): (s.phase, s.generation) != was, timeout)))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        return time.monotonic() < deadline
+
+    def hopeless(self) -> bool:
+        return self._route().kind == "gone"
+
+    def why_unavailable(self) -> str:
+        if self.why:
+            return self.why
+        links = self.proxy.links.values()
+        return self.proxy.why_unavailable([link for link in links if self.model in link.limits_names] or list(links))
+
+    async def report(self, observation: Observation) -> None:
+        await self.link.fleet.report(observation)
+
+    async def served(self, generation: int) -> None:
+        """Tell the mesh's controller once per generation that it answers requests (its incident's last
+        step); remember where this conversation's prefix is now."""
+        link = self.link
+        if self.keys:
+            self.proxy.memory.remember(self.keys[0], link.name, generation)
+        if generation != link.served_generation:
+            link.served_generation = generation
+            await link.fleet.report(Observation(generation, "served"))
+
+    def quarantine(self, digest: str) -> None:
+        self.proxy.quarantine(digest)

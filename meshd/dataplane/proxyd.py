@@ -1,7 +1,8 @@
-"""`meshd-proxy`: the OpenAI endpoint as its own process, beside the controller.
+"""`meshd-proxy`: the OpenAI endpoint as its own process, beside the controller (or the controllers:
+with a proxy config it fronts several meshes, proxyconfig.py).
 
-It follows the fleet through the control API (meshd/dataplane/fleetlink.py), so it keeps
-serving while the controller restarts or is away.
+It follows each mesh's fleet through its control API (meshd/dataplane/fleetlink.py), so it keeps
+serving while a controller restarts or is away.
 
 Its listening socket, in order of preference: one handed over by the proxy it
 replaces, systemd's (socket activation: LISTEN_FDS), launchd's (the plist's
@@ -31,8 +32,8 @@ import structlog
 from common import procs
 from common.http import Listener, ListenerLimits, default_max_connections, run_daemon, until_stopped
 from common.tomlcheck import split_listen
-from meshd.config import MeshConfig, load
 from meshd.dataplane.fleetlink import RemoteFleet, remembered
+from meshd.dataplane.proxyconfig import Front, check_twins, load_front
 from meshd.metrics import ProxyMetrics
 from meshd.dataplane.proxy import Proxy
 from meshd.seam import Serving
@@ -72,22 +73,25 @@ def given_socket() -> tuple[socket.socket | None, str]:
     return None, ""
 
 
-def handed_view() -> Serving | None:
-    """The fleet as the proxy this one replaces last knew it: a successor serves from it at once, even
-    while the controller is away."""
+def handed_views() -> dict[str, Serving]:
+    """Each mesh's fleet as the proxy this one replaces last knew it: a successor serves from it at once,
+    even while a controller is away."""
     fd = os.environ.pop(VIEW_FD, None)
     if fd is None:
-        return None
+        return {}
     with os.fdopen(int(fd), "rb") as f:
         data = f.read()
-    return Serving.from_wire(json.loads(data)) if data else None
+    views = json.loads(data) if data else {}
+    if "phase" in views:  # from a proxy of one mesh before proxy configs: its one view
+        return {"": Serving.from_wire(views)}
+    return {name: Serving.from_wire(view) for name, view in views.items()}
 
 
-def listening_socket(cfg: MeshConfig) -> tuple[socket.socket, str]:
+def listening_socket(front: Front) -> tuple[socket.socket, str]:
     sock, source = given_socket()
     if sock is not None:
         return sock, source
-    host, port = split_listen("proxy.listen", cfg.proxy.listen)
+    host, port = split_listen("proxy.listen", front.proxy.listen)
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -97,19 +101,20 @@ def listening_socket(cfg: MeshConfig) -> tuple[socket.socket, str]:
 
 
 class ProxyDaemon:
-    def __init__(self, cfg: MeshConfig, argv: list[str], pidfile: Path | None):
-        self.cfg, self.argv, self.pidfile = cfg, argv, pidfile
-        handed = handed_view()
-        self.view = "the proxy it replaces" if handed else "the controller's store"
-        self.fleet = RemoteFleet(cfg, handed or remembered(cfg))
-        self.proxy = Proxy(cfg, self.fleet, ProxyMetrics(cfg.name))
-        self.sock, self.source = listening_socket(cfg)
+    def __init__(self, front: Front, argv: list[str], pidfile: Path | None):
+        self.front, self.argv, self.pidfile = front, argv, pidfile
+        handed = handed_views()
+        self.view = "the proxy it replaces" if handed else "the controllers' stores"
+        self.fleets = {m.name: RemoteFleet(m.cfg, handed.get(m.name) or handed.get("") or remembered(m.cfg))
+                       for m in front.meshes}
+        self.proxy = Proxy(front, self.fleets, ProxyMetrics(front.name))
+        self.sock, self.source = listening_socket(front)
         self.stop = asyncio.Event()
         self.handing_over = False
 
     async def run(self) -> None:
-        follow = asyncio.create_task(self.fleet.follow())
-        p = self.cfg.proxy
+        follow = [asyncio.create_task(fleet.follow()) for fleet in self.fleets.values()]
+        p = self.front.proxy
         limits = ListenerLimits(p.header_timeout, p.body_timeout, p.max_connections or default_max_connections())
         listener = Listener(self.proxy.app(), limits, shutdown_timeout=p.drain_timeout,
                             on_refusal=lambda why: self.proxy.metrics.refused.labels(reason=why).inc())
@@ -117,35 +122,39 @@ class ProxyDaemon:
         await listener.start(sock=self.sock)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.hand_over()))
-        if self.cfg.proxy.open_off_loopback:
+        if p.open_off_loopback:
             log.warning("the proxy serves off loopback without API keys (proxy.allow_open = true): anyone who "
-                        "reaches it may use the mesh", listen=self.cfg.proxy.listen)
+                        "reaches it may use the mesh", listen=p.listen)
         if self.pidfile is not None:
             me = procs.identify(os.getpid())
             self.pidfile.write_text(f"{me.pid} {me.create_time}\n")
-        log.info("meshd-proxy serving", mesh=self.cfg.name, listen=self.cfg.proxy.listen, socket=self.source,
-                 controller=self.cfg.control.url, first_view=self.view if self.fleet.told else "none yet")
+        log.info("meshd-proxy serving", meshes=[m.name for m in self.front.meshes], listen=p.listen,
+                 socket=self.source, controllers=[m.cfg.control.url for m in self.front.meshes],
+                 first_view=self.view if any(f.told for f in self.fleets.values()) else "none yet")
         # Runs once until_stopped has told systemd (MAINPID too: after a reload the successor is the
         # service's main process), so the predecessor stops only after that.
         told = asyncio.create_task(self._tell_predecessor())
-        await until_stopped(f"mesh {self.cfg.name}: OpenAI endpoint on {self.cfg.proxy.listen}", self.stop,
-                            main_pid=True)
+        what = f"mesh {self.front.name}" if not self.front.several else \
+            f"meshes {', '.join(m.name for m in self.front.meshes)}"
+        await until_stopped(f"{what}: OpenAI endpoint on {p.listen}", self.stop, main_pid=True)
+        links = self.proxy.links.values()
         log.info("meshd-proxy draining: no new connections; the requests in flight finish",
-                 in_flight=self.proxy.admission.running, waiting=self.proxy.admission.depth,
-                 drain_timeout=self.cfg.proxy.drain_timeout)
+                 in_flight=sum(link.admission.running for link in links),
+                 waiting=sum(link.admission.depth for link in links), drain_timeout=p.drain_timeout)
         await listener.cleanup()  # stops accepting, then waits for the handlers (drain_timeout at most)
-        for task in (follow, told):
+        for task in (*follow, told):
             task.cancel()
-        await asyncio.gather(follow, told, return_exceptions=True)
+        await asyncio.gather(*follow, told, return_exceptions=True)
         log.info("meshd-proxy stopped")
 
     async def _tell_predecessor(self) -> None:
-        """A successor says it serves to the proxy it replaces, once the controller (or the predecessor's
+        """A successor says it serves to the proxy it replaces, once every controller (or the predecessor's
         view) has named a generation, or after FIRST_VIEW."""
         ready_fd = os.environ.pop(READY_FD, None)
         if ready_fd is None:
             return
-        await self.fleet.wait_serving(lambda s: self.fleet.told is not None, FIRST_VIEW)
+        await asyncio.wait([asyncio.ensure_future(fleet.wait_serving(lambda s, f=fleet: f.told is not None, FIRST_VIEW))
+                            for fleet in self.fleets.values()])
         with contextlib.suppress(OSError):
             os.write(int(ready_fd), b"ready\n")
         os.close(int(ready_fd))
@@ -157,7 +166,8 @@ class ProxyDaemon:
         self.handing_over = True
         read, write = os.pipe()
         view_read, view_write = os.pipe()  # a pipe's buffer holds the view: written before the successor runs
-        os.write(view_write, json.dumps(self.fleet.told.wire()).encode() if self.fleet.told else b"")
+        views = {name: fleet.told.wire() for name, fleet in self.fleets.items() if fleet.told}
+        os.write(view_write, json.dumps(views).encode() if views else b"")
         os.close(view_write)
         env = {**os.environ, HANDED_FD: str(self.sock.fileno()), READY_FD: str(write), VIEW_FD: str(view_read)}
         env.pop("WATCHDOG_PID", None)  # the successor pings systemd's watchdog as the new main process
@@ -192,20 +202,22 @@ def event_loop_factory():
     return uvloop.new_event_loop
 
 
-async def serve(cfg: MeshConfig, log_file: Path | None, pidfile: Path | None) -> None:
-    await ProxyDaemon(cfg, [sys.executable, "-m", "meshd.dataplane.proxyd", *sys.argv[1:]], pidfile).run()
+async def serve(front: Front, log_file: Path | None, pidfile: Path | None) -> None:
+    await ProxyDaemon(front, [sys.executable, "-m", "meshd.dataplane.proxyd", *sys.argv[1:]], pidfile).run()
 
 
-def load_checked(path: str) -> MeshConfig:
-    cfg = load(path)
-    if cfg.control.tls:
-        cfg.client_tls()  # ConfigError now when there is no mesh CA to check the controller against
-    return cfg
+def load_checked(path: str) -> Front:
+    front = load_front(path)
+    for m in front.meshes:
+        if m.cfg.control.tls:
+            m.cfg.client_tls()  # ConfigError now when there is no mesh CA to check the controller against
+    check_twins(front)
+    return front
 
 
 def main() -> None:
-    run_daemon("meshd-proxy", "meshd's OpenAI endpoint (beside the controller)", "mesh.toml", load_checked, serve,
-               "change proxy.listen", pidfile=True, loop_factory=event_loop_factory())
+    run_daemon("meshd-proxy", "meshd's OpenAI endpoint (beside the controller)", "mesh.toml or a proxy config",
+               load_checked, serve, "change proxy.listen", pidfile=True, loop_factory=event_loop_factory())
 
 
 if __name__ == "__main__":

@@ -29,9 +29,10 @@ from pathlib import Path
 
 from agents.config import DEFAULT_ENV_ALLOWLIST, DEFAULT_PROFILES
 from common.states import Phase
-from common.tomlcheck import ConfigError, listen_host, split_listen
+from common.tomlcheck import ConfigError, listen_host, read_toml, split_listen
 from meshd.meshctl import background, demo, service
 from meshd.config import MeshConfig, hostfile_for, load
+from meshd.dataplane.proxyconfig import Front, is_proxy_config, load_front
 from meshd.meshctl.progress import Display
 from meshd.store import read_value
 
@@ -186,8 +187,19 @@ def find_config(arg: str | None) -> Path | None:
     return next((p for p in config_places() if p.is_file()), None)
 
 
+def proxy_config(arg: str | None) -> Front | None:
+    """The proxy config the config names (it lists [[meshes]]), or None when it is a mesh.toml or none."""
+    path = find_config(arg)
+    if path is None or not is_proxy_config(read_toml(path, "pass --config with your mesh.toml")):
+        return None
+    return load_front(path)
+
+
 def resolve_config(arg: str | None, *, for_up: bool = False, opts: demo.DemoOptions | None = None) -> MeshConfig:
     path = find_config(arg)
+    if path and is_proxy_config(read_toml(path, "pass --config with your mesh.toml")):
+        raise CliError(f"{path} is a proxy config (it lists [[meshes]]): `meshctl status` reads it; for this "
+                       "command pass one mesh's mesh.toml")
     if path:
         return load(path)
     root = demo.home()
@@ -374,7 +386,49 @@ def cmd_proxy_restart(args) -> int:
     return 0
 
 
+def meshes_status(front: Front) -> dict:
+    """What the proxy says of its meshes (GET /v1/meshes), with each controller's word beside it."""
+    url = front.proxy.url
+    try:
+        with urllib.request.urlopen(f"{url}/v1/meshes", timeout=10) as r:
+            seen = {m["name"]: m for m in json.loads(r.read())["meshes"]}
+        proxy = "answers"
+    except (OSError, ValueError) as e:
+        seen, proxy = {}, f"does not answer ({type(e).__name__}): start it with `meshd-proxy --config {front.path}`"
+    meshes = []
+    for m in front.meshes:
+        try:
+            st = Control(m.cfg).call("GET", "/v1/status", timeout=10)
+            controller = {"phase": st["phase"], "generation": st["generation"], "reason": st["reason"]}
+        except CliError as e:
+            controller = {"error": str(e)}
+        meshes.append({"name": m.name, "config": str(m.cfg.path), **seen.get(m.name, {}), "controller": controller})
+    return {"proxy": {"url": url, "state": proxy}, "fallback": front.fallback or None, "meshes": meshes}
+
+
+def cmd_meshes_status(front: Front, args) -> int:
+    status = meshes_status(front)
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    say(f"meshd-proxy {front.name} on {status['proxy']['url']}: {status['proxy']['state']}; "
+        f"fallback: {status['fallback'] or 'none'}")
+    say(f"{'MESH':<12} {'MODEL':<16} {'CONTROLLER':<22} {'SERVES':<7} {'QUEUE':<6} {'RUNNING':<8} ROUTED")
+    for m in status["meshes"]:
+        c = m["controller"]
+        controller = f"{c['phase']}, generation {c['generation']}" if "phase" in c else "unreachable"
+        routed = ", ".join(f"{why} {n}" for why, n in m.get("routed", {}).items()) or "-"
+        say(f"{m['name']:<12} {m.get('model', '-'):<16} {controller:<22} "
+            f"{('yes' if m['healthy'] else 'no') if 'healthy' in m else '-':<7} {m.get('queue', '-')!s:<6} "
+            f"{m.get('in_flight', '-')!s:<8} {routed}")
+        if "error" in c:
+            say(f"  {m['name']}'s controller: {c['error']}")
+    return 0
+
+
 def cmd_status(args) -> int:
+    if (front := proxy_config(args.config)) is not None:
+        return cmd_meshes_status(front, args)
     cfg = resolve_config(args.config)
     ctl = Control(cfg)
     if args.watch:  # until Ctrl-C
