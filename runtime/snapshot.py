@@ -398,7 +398,9 @@ class Snapshots:
             with self._lock:
                 if self.segments.get(seg.sid) == seg:
                     del self.segments[seg.sid]
-            full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space" in str(e)
+            # mlx's writer says only that it could not write: the free space tells a full disk
+            full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or \
+                shutil.disk_usage(self.folder).free < seg.nbytes + (1 << 16)
             self.skip("disk_full" if full else "write_failed", f"tape {seg.sid}: {e}")
             return
         with self._lock:

@@ -1,0 +1,289 @@
+"""Prefix snapshots (runtime/snapshot.py): the agreement and eviction decisions as tables; the writer on real
+caches, a budget and a full disk; and one real 2-rank ring mesh killed twice: after a SIGKILL the next
+generation answers the next turn and a cut stream exactly, their prefixes from the snapshots, and ignores a
+corrupted, truncated or foreign snapshot on one rank."""
+
+import json
+import os
+import signal
+
+import mlx.core as mx
+import pytest
+import requests
+from mlx_lm.models.cache import KVCache
+
+from kit.demo_answers import endless
+from kit.ranks import start_mesh
+from kit.smallfs import fill, small_filesystem
+from kit.waiting import wait_for
+from runtime.snapshot import (Identity, Segment, Snapshots, agree, due, ends, evict, read_header, tape_id,
+                              whole)
+
+EVERY = 16  # tokens between the snapshots of an answer in flight
+LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~670 tokens: a prefill of seconds on two ranks
+
+
+def seg(sid, parent="", nbytes=10, used_at=0.0, end=1):
+    return Segment(sid, parent, 0, end, nbytes, used_at)
+
+
+@pytest.mark.parametrize("written, have, every, final, expect", [
+    (0, 670, 256, False, True),  # a long prefill ended
+    (0, 40, 256, False, False),  # a short one waits for its answer's end
+    (0, 40, 256, True, True),  # which writes it
+    (670, 700, 16, False, True),  # an answer in flight, every 16 tokens
+    (670, 685, 16, False, False),
+    (700, 700, 16, True, False),  # nothing new at the end
+])
+def test_when_a_tape_is_written(written, have, every, final, expect):
+    assert due(written, have, every, final) is expect
+
+
+@pytest.mark.parametrize("held, expect", [
+    ([["a", "b", "c"], ["c", "b"]], ["b", "c"]),  # rank 0's order, only what every rank holds
+    ([["a"], []], []),  # missing on one rank: nothing
+    ([["a", "b"]], ["a", "b"]),  # a mesh of one
+    ([["a", "b"], ["a", "b"], ["b"]], ["b"]),
+])
+def test_the_ranks_agree_on_the_tapes_they_all_hold(held, expect):
+    assert agree(held) == expect
+
+
+def test_only_tapes_whole_down_to_the_first_token_are_offered_and_only_their_ends_restored():
+    segments = {"a": seg("a", used_at=1), "b": seg("b", "a", used_at=3), "c": seg("c", "gone", used_at=2),
+                "d": seg("d", "c"), "e": seg("e", "a", used_at=2)}
+    assert whole(segments) == ["a", "e", "b"]  # c and d hang off a missing segment; least recently used first
+    assert ends(["a", "e", "b"], {s: g.parent for s, g in segments.items()}) == ["e", "b"]
+
+
+@pytest.mark.parametrize("segments, budget, expect", [
+    ({"a": seg("a", used_at=1), "b": seg("b", used_at=2)}, 20, []),  # fits
+    ({"a": seg("a", used_at=1), "b": seg("b", used_at=2)}, 15, ["a"]),  # least recently used first
+    # a parent goes only once nothing extends it, even when it is older than another tape
+    ({"p": seg("p", used_at=0), "c": seg("c", "p", used_at=5), "x": seg("x", used_at=3)}, 15, ["x", "c"]),
+    ({"p": seg("p", used_at=0), "c": seg("c", "p", used_at=1), "x": seg("x", used_at=3)}, 15, ["c", "p"]),
+    ({"a": seg("a", nbytes=50)}, 10, ["a"]),
+])
+def test_eviction_keeps_the_most_recently_used_tapes_within_the_budget(segments, budget, expect):
+    assert evict(segments, budget) == expect
+
+
+# --- the writer on real caches ------------------------------------------------------------------------------
+
+ME = Identity("model", 1, 0, "layout")
+
+
+def real_cache(n: int, layers: int = 2) -> list:
+    cache = []
+    for i in range(layers):
+        c = KVCache()
+        # a token's keys depend on its position only, as a real prefix's do
+        x = (mx.arange(n)[None, None, :, None] * 100 + mx.arange(2)[None, :, None, None] * 10
+             + mx.arange(4) + i).astype(mx.float32)
+        c.update_and_fetch(x, -x)
+        cache.append(c)
+    mx.eval([c.state[:2] for c in cache])
+    return cache
+
+
+def test_a_follow_up_appends_only_its_new_tokens_and_restores_exactly(tmp_path):
+    snaps = Snapshots(tmp_path, ME, 1 << 20, every=4)
+    first = tuple(range(10))
+    since = snaps.stage(first, real_cache(10), ("", 0), final=True)
+    follow = first + (50, 51, 52)
+    snaps.stage(follow, real_cache(13), snaps.base(since[0], 10), final=True)
+    snaps.close()
+    headers = sorted((int(h["start"]), int(h["end"])) for h in map(read_header, snaps.folder.glob("*.safetensors")))
+    assert headers == [(0, 10), (10, 13)]
+
+    again = Snapshots(tmp_path, ME, 1 << 20, every=4)
+    [(tokens, cache, sid)] = again.restore(ends(again.held(), {s: g.parent for s, g in again.segments.items()}),
+                                           layers=2)
+    assert tokens == follow and sid == tape_id(follow)
+    want = real_cache(13)
+    for got, ref in zip(cache, want):
+        assert got.offset == 13 and mx.array_equal(got.keys, ref.keys[..., :13, :]).item()
+        assert mx.array_equal(got.values, ref.values[..., :13, :]).item()
+    again.close()
+
+
+def test_past_the_budget_the_least_recently_used_tapes_are_deleted(tmp_path):
+    snaps = Snapshots(tmp_path, ME, 6000, every=4)
+    tapes = [tuple(range(first * 100, first * 100 + 10)) for first in range(4)]  # unrelated, ~2 kB on disk each
+    for tape in tapes:
+        snaps.stage(tape, real_cache(10), ("", 0), final=True)
+    snaps.close()
+    kept = {s.sid for s in snaps.segments.values()}
+    assert snaps.written == 4 and snaps.nbytes <= 6000 and 0 < len(kept) < 4
+    assert kept == {tape_id(t) for t in tapes[-len(kept):]}  # the newest
+    assert len(list(snaps.folder.glob("*.safetensors"))) == len(kept)
+
+
+def test_a_full_disk_skips_the_snapshot_and_says_so(tmp_path):
+    with small_filesystem(tmp_path / "small", "1m") as root:
+        snaps = Snapshots(root, ME, 1 << 30, every=4)
+        fill(root)
+        snaps.stage(tuple(range(10)), real_cache(10), ("", 0), final=True)
+        snaps.close()
+        assert snaps.skipped == {"disk_full": 1} and snaps.written == 0
+        assert not list(snaps.folder.iterdir())  # no half-written file left behind
+
+
+# --- the mesh ------------------------------------------------------------------------------------------------
+
+class Gen:
+    """One generation of the 2-rank mesh, every rank's snapshots under `root`."""
+
+    def __init__(self, model, tmp, root, generation):
+        self.mesh = start_mesh(model, 2, tmp / f"g{generation}", "--snapshot-dir", str(root), "--snapshot-every",
+                               str(EVERY), "--heartbeat-interval", "0.05", generation=generation)
+        self.mesh.wait_ready()
+
+    def status(self, rank):
+        return self.mesh.status(rank)
+
+    def chat(self, messages, **kw):
+        r = requests.post(f"{self.mesh.url}/v1/chat/completions", timeout=120,
+                          json={"messages": messages, "max_tokens": 24, "temperature": 0, **kw})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def stream(self, body, resume=None, stop_after=None):
+        """What the proxy does (meshd/dataplane/exchange.py): ask for each chunk's token ids, resume from
+        those delivered. Returns (meshd's header, ids, chars, cached tokens, the response)."""
+        meshd = {"ids": True, **({"resume": resume} if resume else {})}
+        r = requests.post(f"{self.mesh.url}/v1/chat/completions", stream=True, timeout=120,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}, "meshd": meshd})
+        assert r.status_code == 200, r.text
+        head, ids, chars, cached, confirmed = None, list(resume["ids"]) if resume else [], 0, None, None
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith(": meshd "):
+                head = json.loads(line[len(": meshd "):])
+            elif line.startswith(": ids "):
+                c, _, given = line[len(": ids "):].partition(" ")
+                confirmed = (int(c), [int(t) for t in given.split(",") if t])
+            elif line.startswith("data: {"):
+                usage = json.loads(line[len("data: "):]).get("usage")
+                if usage:
+                    cached = usage["prompt_tokens_details"]["cached_tokens"]
+                if confirmed:
+                    chars, got = confirmed
+                    ids += got
+                    confirmed = None
+                if stop_after and len(ids) >= stop_after:
+                    return head, ids, chars, cached, r
+        return head, ids, chars, cached, r
+
+    def kill(self, rank):
+        os.kill(self.mesh.procs[rank].pid, signal.SIGKILL)
+        self.mesh.kill()  # what the agents' stop ladder does to the rest of a dead generation
+
+
+def answer_in_flight(folder, prompt: list[int]) -> bool:
+    """A segment of the answer to `prompt` on disk, past its prefill: one that ends past it, down a chain
+    whose first segment holds the prompt's first tokens."""
+    headers = {p.name.split(".")[0]: (read_header(p), p) for p in folder.glob("*.safetensors")}
+    for sid, (header, _) in headers.items():
+        if int(header["end"]) < len(prompt) - 1 + EVERY or int(header["end"]) > len(prompt) + 4 * EVERY:
+            continue
+        while headers[sid][0]["parent"] in headers:
+            sid = headers[sid][0]["parent"]
+        tokens = mx.load(str(headers[sid][1]))["tokens"].tolist()
+        if headers[sid][0]["parent"] == "" and tokens == prompt[:len(tokens)]:
+            return True
+    return False
+
+
+SPOILED = {"corrupt": "Drain before close. " * 4, "foreign": "Pack my box with five dozen jugs. " * 3,
+           "truncated": "hello world " * 8}
+
+
+def spoil(folder, twin, prompt: list[int], how: str) -> None:
+    """Rank 1's first segment of the tapes that start with `prompt`: bytes flipped, replaced by another
+    rank's (foreign), or cut short."""
+    for path in folder.glob("*.safetensors"):
+        tokens = mx.load(str(path))["tokens"].tolist()
+        n = min(len(tokens), len(prompt))
+        if read_header(path)["parent"] or tokens[:n] != prompt[:n]:
+            continue
+        data = bytearray(path.read_bytes())
+        if how == "corrupt":
+            data[-100] ^= 0xFF
+        elif how == "truncated":
+            data = data[:len(data) // 2]
+        else:
+            data = next(twin.glob(f"{path.name.split('.')[0]}.*.safetensors")).read_bytes()
+        path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def story(demo_model, reference, tmp_path_factory):
+    """Generation 1 answers a long prompt and three short ones and is killed mid-stream; rank 1's snapshots
+    of the short ones are spoiled; generation 2 serves the long one's next turn, the resumed stream and the
+    short ones again."""
+    tmp = tmp_path_factory.mktemp("snapshots")
+    root = tmp / "snapshots"
+    tok = reference.tokenizer
+    convo = [{"role": "user", "content": LONG}]
+    cut = {"messages": [{"role": "user", "content": "What is the answer? " * 4}], "max_tokens": 4 * EVERY,
+           "temperature": 1.0, "seed": 11, **endless(demo_model)}
+    out = {"prompt": tok.apply_chat_template(convo, add_generation_prompt=True),
+           "cut_prompt": tok.apply_chat_template(cut["messages"], add_generation_prompt=True),
+           "short": {how: [{"role": "user", "content": text}] for how, text in SPOILED.items()}}
+
+    g1 = Gen(demo_model, tmp, root, 1)
+    try:
+        out["answer"], _ = g1.chat(convo)
+        out["first"] = {how: g1.chat(msgs)[0] for how, msgs in out["short"].items()}
+        head, ids, chars, _, r = g1.stream(cut, stop_after=2 * EVERY)
+        wait_for(lambda: all(answer_in_flight(folder, out["cut_prompt"]) for folder in root.glob("*-w2-r*")),
+                 60, "the answer in flight to be snapshotted on both ranks")
+        g1.kill(1)
+        r.close()
+    finally:
+        g1.mesh.kill()
+    out["delivered"] = list(ids)
+    for how, msgs in out["short"].items():
+        spoil(next(root.glob("*-w2-r1")), next(root.glob("*-w2-r0")),
+              tok.apply_chat_template(msgs, add_generation_prompt=True), how)
+
+    g2 = Gen(demo_model, tmp, root, 2)
+    try:
+        out["restored"] = [g2.status(r)["snapshots_restored"] for r in range(2)]
+        out["skipped"] = [g2.status(r)["snapshots_skipped"] for r in range(2)]
+        out["turn"] = convo + [{"role": "assistant", "content": out["answer"]}, {"role": "user", "content": "And?"}]
+        out["next"], out["next_cached"] = g2.chat(out["turn"])
+        resume = {"ids": ids, "chars": chars, "id": head["id"], "created": head["created"], "seed": head["seed"]}
+        _, out["resumed"], _, out["resumed_cached"], _ = g2.stream(cut, resume=resume)
+        _, out["uninterrupted"], _, _, _ = g2.stream({**cut, "seed": head["seed"]})
+        out["again"] = {how: g2.chat(msgs) for how, msgs in out["short"].items()}
+    finally:
+        g2.mesh.kill()
+    return out
+
+
+def test_after_a_sigkill_the_next_turn_is_exact_and_its_prefix_comes_from_the_snapshots(story, reference):
+    assert all(n >= 2 for n in story["restored"]), story["restored"]  # the long answer's tape and the cut one's
+    tok = reference.tokenizer
+    ids = tok.apply_chat_template(story["turn"], add_generation_prompt=True)
+    assert story["next"] == reference(ids, 24)  # greedy: what one process decodes from scratch
+    assert story["next_cached"] >= len(story["prompt"])  # the whole first turn came from the restored tape
+
+
+def test_a_cut_stream_resumes_from_its_snapshot_and_matches_the_uninterrupted_answer(story):
+    assert len(story["delivered"]) >= 2 * EVERY
+    assert story["resumed"][:len(story["delivered"])] == story["delivered"]
+    assert story["resumed"] == story["uninterrupted"]  # seeded: the same draws, the same tokens
+    # the prompt and at least one snapshot of the answer in flight were restored, not prefilled again
+    assert story["resumed_cached"] >= len(story["cut_prompt"]) - 1 + EVERY
+
+
+def test_a_corrupted_foreign_or_truncated_snapshot_on_one_rank_is_ignored_and_the_answer_is_still_exact(story):
+    skipped0, skipped1 = story["skipped"]
+    assert all(skipped1.get(how, 0) >= 1 for how in SPOILED), skipped1
+    assert skipped0.get("missing", 0) >= 3, skipped0  # rank 0 held them whole, but not every rank did
+    for how, msgs in story["short"].items():
+        answer, cached = story["again"][how]
+        assert answer == story["first"][how], how
+        assert cached < len(msgs[0]["content"]) // 4, how  # prefilled afresh: at most the template's start shared
