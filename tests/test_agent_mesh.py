@@ -27,7 +27,7 @@ from kit.openai import validate
 from kit.waiting import wait_for
 
 STALL_BASE = 3.0
-MIN_PREFILL_RATE = 10.0  # far below the slowest prefill of these tests seen on a busy 2-core machine (about 22/s)
+MIN_PREFILL_RATE = 10.0  # prompt tokens a second: the short prompts' allowance stays under a second
 
 
 @pytest.fixture(scope="module")
@@ -162,22 +162,29 @@ def test_sigstop_of_a_busy_rank_is_a_stall_after_the_window(agents, demo_model, 
     assert took < 15, f"stopping blocked ranks took {took:.1f}s of a 30 s grace"
 
 
-def test_a_long_prefill_under_its_window_is_not_a_stall(agents, deep_model, generation):
-    pair = agents[:2]
-    port = start_generation(pair, generation, deep_model,
-                            args={"prefill_step_size": 8192, "max_context": 16384})
-    wait_mesh_ready(port)
-    since = [a.seq() for a in pair]
-    t0 = time.time()
-    r = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300,
-                      json={"prompt": "The ranks step in lockstep. " * 120, "max_tokens": 1})
-    took = time.time() - t0
-    assert r.status_code == 200, r.text
-    prompt_tokens = r.json()["usage"]["prompt_tokens"]
-    assert took > STALL_BASE, f"the prefill ({took:.1f}s) must outlast the base window to prove anything"
-    window = STALL_BASE + prompt_tokens / MIN_PREFILL_RATE
-    assert took < window, f"the prefill ({took:.1f}s) outlasted its window ({window:.0f}s): lower MIN_PREFILL_RATE"
-    assert not [e for a, s in zip(pair, since) for e in a.events(s) if e["kind"] == "RankStalled"]
+def test_a_long_prefill_under_its_window_is_not_a_stall(deep_model, tmp_path):
+    """A prefill that outlasts the base window, on agents that allow a prompt token a second: whatever the
+    machine's load, the prompt's allowance (its 800-odd tokens at that rate) is past the request's timeout,
+    so any stall said is the allowance ignored."""
+    pair = make_agents(tmp_path, 2, stall={"base": STALL_BASE, "min_prefill_rate": 1.0})
+    for a in pair:
+        a.start()
+    try:
+        port = start_generation(pair, 1, deep_model, args={"prefill_step_size": 8192, "max_context": 16384})
+        wait_mesh_ready(port)
+        since = [a.seq() for a in pair]
+        t0 = time.time()
+        r = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300,
+                          json={"prompt": "The ranks step in lockstep. " * 120, "max_tokens": 1})
+        took = time.time() - t0
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 300
+        assert took > STALL_BASE, f"the prefill ({took:.1f}s) must outlast the base window to prove anything"
+        assert not [e for a, s in zip(pair, since) for e in a.events(s) if e["kind"] == "RankStalled"]
+    finally:
+        stop_generation(pair, 1)
+        for a in pair:
+            a.kill()
 
 
 def test_every_fatal_line_a_dying_rank_prints_is_its_signature(agents):
