@@ -5,15 +5,17 @@ corrupted, truncated or foreign snapshot on one rank."""
 
 import json
 import os
+import re
 import signal
 
 import mlx.core as mx
 import pytest
 import requests
 from mlx_lm.models.cache import KVCache
+from prometheus_client.parser import text_string_to_metric_families
 
 from kit.demo_answers import endless
-from kit.ranks import start_mesh
+from kit.agents import make_agents, pid_of, start_generation, stop_generation, wait_mesh_ready
 from kit.smallfs import fill, small_filesystem
 from kit.waiting import wait_for
 from runtime.snapshot import (Identity, Segment, Snapshots, agree, due, ends, evict, read_header, tape_id,
@@ -132,18 +134,22 @@ def test_a_full_disk_skips_the_snapshot_and_says_so(tmp_path):
 # --- the mesh ------------------------------------------------------------------------------------------------
 
 class Gen:
-    """One generation of the 2-rank mesh, every rank's snapshots under `root`."""
+    """One generation of the 2-rank mesh, each rank started by its node's agent (its snapshots in the agent's
+    state_dir/snapshots/)."""
 
-    def __init__(self, model, tmp, root, generation):
-        self.mesh = start_mesh(model, 2, tmp / f"g{generation}", "--snapshot-dir", str(root), "--snapshot-every",
-                               str(EVERY), "--heartbeat-interval", "0.05", generation=generation)
-        self.mesh.wait_ready()
+    def __init__(self, agents, model, generation):
+        self.agents, self.generation = agents, generation
+        self.port = start_generation(agents, generation, model,
+                                     args={"snapshot_every": EVERY, "heartbeat_interval": 0.05})
+        self.url = f"http://127.0.0.1:{self.port}"
+        wait_mesh_ready(self.port)
 
     def status(self, rank):
-        return self.mesh.status(rank)
+        (rec,) = [r for r in self.agents[rank].ranks() if r["generation"] == self.generation]
+        return rec["status"]
 
     def chat(self, messages, **kw):
-        r = requests.post(f"{self.mesh.url}/v1/chat/completions", timeout=120,
+        r = requests.post(f"{self.url}/v1/chat/completions", timeout=120,
                           json={"messages": messages, "max_tokens": 24, "temperature": 0, **kw})
         assert r.status_code == 200, r.text
         body = r.json()
@@ -153,7 +159,7 @@ class Gen:
         """What the proxy does (meshd/dataplane/exchange.py): ask for each chunk's token ids, resume from
         those delivered. Returns (meshd's header, ids, chars, cached tokens, the response)."""
         meshd = {"ids": True, **({"resume": resume} if resume else {})}
-        r = requests.post(f"{self.mesh.url}/v1/chat/completions", stream=True, timeout=120,
+        r = requests.post(f"{self.url}/v1/chat/completions", stream=True, timeout=120,
                           json={**body, "stream": True, "stream_options": {"include_usage": True}, "meshd": meshd})
         assert r.status_code == 200, r.text
         head, ids, chars, cached, confirmed = None, list(resume["ids"]) if resume else [], 0, None, None
@@ -175,9 +181,19 @@ class Gen:
                     return head, ids, chars, cached, r
         return head, ids, chars, cached, r
 
-    def kill(self, rank):
-        os.kill(self.mesh.procs[rank].pid, signal.SIGKILL)
-        self.mesh.kill()  # what the agents' stop ladder does to the rest of a dead generation
+    def sigkill(self, rank):
+        os.kill(pid_of(self.agents[rank], self.generation), signal.SIGKILL)
+
+    def stop(self):
+        stop_generation(self.agents, self.generation)  # as the controller ends a generation
+
+
+def metric(agent, name: str, **labels) -> float:
+    for family in text_string_to_metric_families(agent.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
 
 
 def answer_in_flight(folder, prompt: list[int]) -> bool:
@@ -222,49 +238,69 @@ def story(demo_model, reference, tmp_path_factory):
     """Generation 1 answers a long prompt and three short ones and is killed mid-stream; rank 1's snapshots
     of the short ones are spoiled; generation 2 serves the long one's next turn, the resumed stream and the
     short ones again."""
-    tmp = tmp_path_factory.mktemp("snapshots")
-    root = tmp / "snapshots"
+    agents = make_agents(tmp_path_factory.mktemp("snapshots"), 2)
+    for agent in agents:
+        agent.start()
+    folders = [a.dir / "state" / "snapshots" for a in agents]
     tok = reference.tokenizer
-    convo = [{"role": "user", "content": LONG}]
     cut = {"messages": [{"role": "user", "content": "What is the answer? " * 4}], "max_tokens": 4 * EVERY,
            "temperature": 1.0, "seed": 11, **endless(demo_model)}
-    out = {"prompt": tok.apply_chat_template(convo, add_generation_prompt=True),
+    convo = [{"role": "user", "content": LONG}]
+    out = {"convo": convo, "prompt": tok.apply_chat_template(convo, add_generation_prompt=True),
            "cut_prompt": tok.apply_chat_template(cut["messages"], add_generation_prompt=True),
            "short": {how: [{"role": "user", "content": text}] for how, text in SPOILED.items()}}
 
-    g1 = Gen(demo_model, tmp, root, 1)
     try:
-        out["answer"], _ = g1.chat(convo)
+        generation_1(agents, demo_model, folders, cut, out)
+        for how, msgs in out["short"].items():
+            spoil(next(folders[1].glob("*-w2-r1")), next(folders[0].glob("*-w2-r0")),
+                  tok.apply_chat_template(msgs, add_generation_prompt=True), how)
+        generation_2(agents, demo_model, cut, out)
+    finally:
+        for agent in agents:
+            agent.kill()
+    return out
+
+
+def generation_1(agents, model, folders, cut, out):
+    """The long prompt's first turn and the short ones answered; rank 1 SIGKILLed while `cut` streams."""
+    g1 = Gen(agents, model, 1)
+    try:
+        out["answer"], _ = g1.chat(out["convo"])
         out["first"] = {how: g1.chat(msgs)[0] for how, msgs in out["short"].items()}
-        head, ids, chars, _, r = g1.stream(cut, stop_after=2 * EVERY)
-        wait_for(lambda: all(answer_in_flight(folder, out["cut_prompt"]) for folder in root.glob("*-w2-r*")),
+        out["head"], out["delivered"], out["chars"], _, r = g1.stream(cut, stop_after=2 * EVERY)
+        wait_for(lambda: all(answer_in_flight(next(f.glob("*-w2-r*")), out["cut_prompt"]) for f in folders),
                  60, "the answer in flight to be snapshotted on both ranks")
-        g1.kill(1)
+        g1.sigkill(1)
         r.close()
     finally:
-        g1.mesh.kill()
-    out["delivered"] = list(ids)
-    for how, msgs in out["short"].items():
-        spoil(next(root.glob("*-w2-r1")), next(root.glob("*-w2-r0")),
-              tok.apply_chat_template(msgs, add_generation_prompt=True), how)
+        g1.stop()
 
-    g2 = Gen(demo_model, tmp, root, 2)
+
+def generation_2(agents, model, cut, out):
+    g2 = Gen(agents, model, 2)
     try:
         out["restored"] = [g2.status(r)["snapshots_restored"] for r in range(2)]
         out["skipped"] = [g2.status(r)["snapshots_skipped"] for r in range(2)]
-        out["turn"] = convo + [{"role": "assistant", "content": out["answer"]}, {"role": "user", "content": "And?"}]
+        out["turn"] = out["convo"] + [{"role": "assistant", "content": out["answer"]},
+                                      {"role": "user", "content": "And?"}]
         out["next"], out["next_cached"] = g2.chat(out["turn"])
-        resume = {"ids": ids, "chars": chars, "id": head["id"], "created": head["created"], "seed": head["seed"]}
+        head = out["head"]
+        resume = {"ids": out["delivered"], "chars": out["chars"], "id": head["id"], "created": head["created"],
+                  "seed": head["seed"]}
         _, out["resumed"], _, out["resumed_cached"], _ = g2.stream(cut, resume=resume)
         _, out["uninterrupted"], _, _, _ = g2.stream({**cut, "seed": head["seed"]})
         out["again"] = {how: g2.chat(msgs) for how, msgs in out["short"].items()}
+        out["metrics"] = [{"restored": metric(a, "meshd_agent_rank_snapshots_total", outcome="restored"),
+                           "missing": metric(a, "meshd_agent_rank_snapshots_skipped_total", reason="missing"),
+                           "bytes": metric(a, "meshd_agent_rank_snapshot_bytes")} for a in agents]
     finally:
-        g2.mesh.kill()
-    return out
+        g2.stop()
 
 
 def test_after_a_sigkill_the_next_turn_is_exact_and_its_prefix_comes_from_the_snapshots(story, reference):
     assert all(n >= 2 for n in story["restored"]), story["restored"]  # the long answer's tape and the cut one's
+    assert all(m["restored"] >= 2 and m["bytes"] > 0 for m in story["metrics"]), story["metrics"]  # agents' /metrics
     tok = reference.tokenizer
     ids = tok.apply_chat_template(story["turn"], add_generation_prompt=True)
     assert story["next"] == reference(ids, 24)  # greedy: what one process decodes from scratch
@@ -283,6 +319,7 @@ def test_a_corrupted_foreign_or_truncated_snapshot_on_one_rank_is_ignored_and_th
     skipped0, skipped1 = story["skipped"]
     assert all(skipped1.get(how, 0) >= 1 for how in SPOILED), skipped1
     assert skipped0.get("missing", 0) >= 3, skipped0  # rank 0 held them whole, but not every rank did
+    assert story["metrics"][0]["missing"] == skipped0["missing"]
     for how, msgs in story["short"].items():
         answer, cached = story["again"][how]
         assert answer == story["first"][how], how
