@@ -133,6 +133,13 @@ class AgentMetrics:
                                    "outcome: hit (a cache reused exactly), miss (no shared prefix), not_reusable "
                                    "(a shared prefix the cache could not be cut back to)",
                                    labels=["node", "rank", "outcome"])
+        snapshots = CounterMetricFamily("meshd_agent_rank_snapshots", "Prefix snapshots: segments written, tapes "
+                                        "restored at load", labels=["node", "rank", "outcome"])
+        snapshots_skipped = CounterMetricFamily("meshd_agent_rank_snapshots_skipped", "Prefix snapshots not used "
+                                                "or not written, by reason (missing, truncated, corrupt, foreign, "
+                                                "disk_full, budget, write_failed)", labels=["node", "rank", "reason"])
+        snapshot_bytes = GaugeMetricFamily("meshd_agent_rank_snapshot_bytes", "What the rank's snapshot directory "
+                                           "holds on disk", labels=["node", "rank"])
         gen = GaugeMetricFamily("meshd_agent_generation", "Generation of the live rank (-1 when none)",
                                 labels=["node"])
         for rec in self.sup.live():
@@ -153,6 +160,11 @@ class AgentMetrics:
             hidden.add_metric([node, str(rec.rank)], status.kernels_hidden)
             for outcome, field in TAPE_OUTCOMES:
                 tape.add_metric([node, str(rec.rank), outcome], getattr(status, field))
+            snapshots.add_metric([node, str(rec.rank), "written"], status.snapshots_written)
+            snapshots.add_metric([node, str(rec.rank), "restored"], status.snapshots_restored)
+            for reason, n in sorted(status.snapshots_skipped.items()):
+                snapshots_skipped.add_metric([node, str(rec.rank), reason], n)
+            snapshot_bytes.add_metric([node, str(rec.rank)], status.snapshot_bytes)
         current = self.sup.current_generation()
         gen.add_metric([node], -1 if current is None else current)
         exits = CounterMetricFamily("meshd_agent_rank_exits", "Rank exits by kind", labels=["node", "kind"])
@@ -177,8 +189,8 @@ class AgentMetrics:
         memory.add_metric([node, "available"], mem.available)
         events = CounterMetricFamily("meshd_agent_events", "Events emitted", labels=["node"])
         events.add_metric([node], self.sup.events.seq)
-        yield from (up, rss, cpu, mlx, armed, drafts, refusals, hidden, tape, gen, exits, sigs, orphans, survivors,
-                    reboot, memory, events)
+        yield from (up, rss, cpu, mlx, armed, drafts, refusals, hidden, tape, snapshots, snapshots_skipped,
+                    snapshot_bytes, gen, exits, sigs, orphans, survivors, reboot, memory, events)
 
 
 def free_bytes(path: Path) -> int | None:
