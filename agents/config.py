@@ -27,7 +27,9 @@ DEFAULT_PROFILES = {
                  "draft_model": "--draft-model", "num_draft_tokens": "--num-draft-tokens",
                  "prefill_step_size": "--prefill-step-size", "model_name": "--model-name",
                  "heartbeat_interval": "--heartbeat-interval", "drain_deadline": "--drain-deadline",
-                 "max_context": "--max-context", "model_package": "--model-package", "drafter": "--drafter"},
+                 "max_context": "--max-context", "model_package": "--model-package", "drafter": "--drafter",
+                 "snapshots": "--snapshots", "snapshot_budget_mb": "--snapshot-budget-mb",
+                 "snapshot_every": "--snapshot-every"},
         "status_file": True,
     },
     # The transport check `meshctl doctor --canary` runs before a model load.
