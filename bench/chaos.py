@@ -76,8 +76,10 @@ class Tally:
 
 
 class Chaos:
-    def __init__(self, home: Path, seed: int, clients: int, stall_window: float, gap: tuple[float, float] = (4, 12)):
+    def __init__(self, home: Path, seed: int, clients: int, stall_window: float, gap: tuple[float, float] = (4, 12),
+                 nodes: int = demo.WORLD):
         self.home = home
+        self.nodes = nodes
         self.rng = random.Random(seed)
         self.clients = clients
         self.stall_window = stall_window
@@ -163,7 +165,7 @@ class Chaos:
         elif kind == "proxy-restart":
             meshctl(self.home, "proxy", "restart")
         elif kind == "agent-sigkill":
-            os.kill(self.daemon_pid(f"agent-node{self.rng.randrange(4)}"), signal.SIGKILL)
+            os.kill(self.daemon_pid(f"agent-node{self.rng.randrange(self.nodes)}"), signal.SIGKILL)
             time.sleep(1)
             self.restart_daemons()
         else:
@@ -230,9 +232,8 @@ class Chaos:
         t_up = time.time()
         # Faults land every few seconds on purpose: one request may live through several deaths, which
         # outside chaos would mark it poison or use up its migrations; here every death is the fault's.
-        meshctl(self.home, "up", "--stall-window", str(self.stall_window), "--max-failures", "1000",
-                "--backoff-max", "2", "--poison-after", "1000",
-                "--migration-limit", "1000")
+        meshctl(self.home, "up", "--nodes", str(self.nodes), "--stall-window", str(self.stall_window),
+                "--max-failures", "1000", "--backoff-max", "2", "--poison-after", "1000", "--migration-limit", "1000")
         say(f"chaos: demo mesh up in {time.time() - t_up:.1f}s")
         proxy = self.status()["urls"]["proxy"]
         workers = [threading.Thread(target=self.client, args=(i, proxy), daemon=True) for i in range(self.clients)]
@@ -251,9 +252,7 @@ class Chaos:
         served = self.final_request(proxy)
         incidents = json.loads(meshctl(self.home, "events", "--json"))["incidents"]
         meshctl(self.home, "down")
-        time.sleep(1)
-
-        left = background.pids_below(self.home)
+        left = self.left_after_down(10)
         return {"duration": time.time() - start, "faults": dict(self.tally.faults),
                 "detected": dict(self.tally.detected), "replaced": dict(self.tally.replaced),
                 "outcomes": dict(self.tally.outcomes), "examples": self.tally.examples,
@@ -272,6 +271,13 @@ class Chaos:
             time.sleep(0.5)
         return False
 
+    def left_after_down(self, timeout: float) -> list[int]:
+        """The processes of this mesh still alive once they had `timeout` seconds to exit."""
+        deadline = time.time() + timeout
+        while (left := background.pids_below(self.home)) and time.time() < deadline:
+            time.sleep(0.1)
+        return left
+
     def final_request(self, proxy: str) -> bool:
         api = openai.OpenAI(base_url=proxy, api_key="chaos", max_retries=0, timeout=120)
         try:
@@ -285,7 +291,7 @@ class Chaos:
 def report(result: dict, args, write: bool) -> str:
     o = result["outcomes"]
     total = sum(o.values())
-    lines = [f"## Chaos under load ({time.strftime('%Y-%m-%d')}, demo mesh: 4 ranks on the ring backend, "
+    lines = [f"## Chaos under load ({time.strftime('%Y-%m-%d')}, demo mesh: {args.nodes} ranks on the ring backend, "
              f"{os.cpu_count()} CPUs, {args.clients} clients, {result['duration']:.0f} s, seed {args.seed})", "",
              "| fault | injected | its own evidence reached the controller | generation replaced |",
              "|---|---|---|---|"]
@@ -307,7 +313,7 @@ def report(result: dict, args, write: bool) -> str:
         lines += [f"- {k}: `{v}`" for k, v in sorted(result["examples"].items())]
         lines.append("")
     lines += [f"Command: `python bench/chaos.py --duration {args.duration:g} --clients {args.clients} "
-              f"--seed {args.seed} --write`", ""]
+              f"--nodes {args.nodes} --seed {args.seed} --write`", ""]
     text = "\n".join(lines)
     if write:
         docs = ROOT / "docs" / "RELIABILITY.md"
@@ -322,11 +328,12 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=300, help="seconds of faults under load")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--stall-window", type=float, default=3.0)
+    ap.add_argument("--nodes", type=int, default=demo.WORLD, choices=demo.NODES, help="the demo mesh's nodes")
     args = ap.parse_args()
     if shutil.which("gdb") is None:
         raise SystemExit("gdb is not installed (the rank-exit0 fault uses it): apt-get install gdb")
     home = Path(tempfile.mkdtemp(prefix="meshd-chaos-"))
-    result = Chaos(home, args.seed, args.clients, args.stall_window).run(args.duration)
+    result = Chaos(home, args.seed, args.clients, args.stall_window, nodes=args.nodes).run(args.duration)
     print(json.dumps(result, indent=2))
     print(report(result, args, args.write))
 
