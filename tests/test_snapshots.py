@@ -1,27 +1,20 @@
 """Prefix snapshots (runtime/snapshot.py): the agreement and eviction decisions as tables; the writer on real
-caches, a budget and a full disk; and one real 2-rank ring mesh killed twice: after a SIGKILL the next
-generation answers the next turn and a cut stream exactly, their prefixes from the snapshots, and ignores a
+caches, a budget and a full disk; and one real 2-rank ring mesh of agents: after a SIGKILL mid-stream the next
+generation answers the next turn and the cut stream exactly, their prefixes from the snapshots, and ignores a
 corrupted, truncated or foreign snapshot on one rank."""
-
-import json
-import os
-import re
-import signal
 
 import mlx.core as mx
 import pytest
-import requests
 from mlx_lm.models.cache import KVCache
-from prometheus_client.parser import text_string_to_metric_families
 
+from kit.agents import make_agents
 from kit.demo_answers import endless
-from kit.agents import make_agents, pid_of, start_generation, stop_generation, wait_mesh_ready
 from kit.smallfs import fill, small_filesystem
+from kit.snapshots import EVERY, Gen, answer_in_flight, metric
 from kit.waiting import wait_for
 from runtime.snapshot import (Identity, Segment, Snapshots, agree, due, ends, evict, read_header, tape_id,
                               whole)
 
-EVERY = 16  # tokens between the snapshots of an answer in flight
 LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~670 tokens: a prefill of seconds on two ranks
 
 
@@ -132,84 +125,6 @@ def test_a_full_disk_skips_the_snapshot_and_says_so(tmp_path):
 
 
 # --- the mesh ------------------------------------------------------------------------------------------------
-
-class Gen:
-    """One generation of the 2-rank mesh, each rank started by its node's agent (its snapshots in the agent's
-    state_dir/snapshots/)."""
-
-    def __init__(self, agents, model, generation):
-        self.agents, self.generation = agents, generation
-        self.port = start_generation(agents, generation, model,
-                                     args={"snapshot_every": EVERY, "heartbeat_interval": 0.05})
-        self.url = f"http://127.0.0.1:{self.port}"
-        wait_mesh_ready(self.port)
-
-    def status(self, rank):
-        (rec,) = [r for r in self.agents[rank].ranks() if r["generation"] == self.generation]
-        return rec["status"]
-
-    def chat(self, messages, **kw):
-        r = requests.post(f"{self.url}/v1/chat/completions", timeout=120,
-                          json={"messages": messages, "max_tokens": 24, "temperature": 0, **kw})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-    def stream(self, body, resume=None, stop_after=None):
-        """What the proxy does (meshd/dataplane/exchange.py): ask for each chunk's token ids, resume from
-        those delivered. Returns (meshd's header, ids, chars, cached tokens, the response)."""
-        meshd = {"ids": True, **({"resume": resume} if resume else {})}
-        r = requests.post(f"{self.url}/v1/chat/completions", stream=True, timeout=120,
-                          json={**body, "stream": True, "stream_options": {"include_usage": True}, "meshd": meshd})
-        assert r.status_code == 200, r.text
-        head, ids, chars, cached, confirmed = None, list(resume["ids"]) if resume else [], 0, None, None
-        for line in r.iter_lines(decode_unicode=True):
-            if line.startswith(": meshd "):
-                head = json.loads(line[len(": meshd "):])
-            elif line.startswith(": ids "):
-                c, _, given = line[len(": ids "):].partition(" ")
-                confirmed = (int(c), [int(t) for t in given.split(",") if t])
-            elif line.startswith("data: {"):
-                usage = json.loads(line[len("data: "):]).get("usage")
-                if usage:
-                    cached = usage["prompt_tokens_details"]["cached_tokens"]
-                if confirmed:
-                    chars, got = confirmed
-                    ids += got
-                    confirmed = None
-                if stop_after and len(ids) >= stop_after:
-                    return head, ids, chars, cached, r
-        return head, ids, chars, cached, r
-
-    def sigkill(self, rank):
-        os.kill(pid_of(self.agents[rank], self.generation), signal.SIGKILL)
-
-    def stop(self):
-        stop_generation(self.agents, self.generation)  # as the controller ends a generation
-
-
-def metric(agent, name: str, **labels) -> float:
-    for family in text_string_to_metric_families(agent.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
-
-
-def answer_in_flight(folder, prompt: list[int]) -> bool:
-    """A segment of the answer to `prompt` on disk, past its prefill: one that ends past it, down a chain
-    whose first segment holds the prompt's first tokens."""
-    headers = {p.name.split(".")[0]: (read_header(p), p) for p in folder.glob("*.safetensors")}
-    for sid, (header, _) in headers.items():
-        if int(header["end"]) < len(prompt) - 1 + EVERY or int(header["end"]) > len(prompt) + 4 * EVERY:
-            continue
-        while headers[sid][0]["parent"] in headers:
-            sid = headers[sid][0]["parent"]
-        tokens = mx.load(str(headers[sid][1]))["tokens"].tolist()
-        if headers[sid][0]["parent"] == "" and tokens == prompt[:len(tokens)]:
-            return True
-    return False
-
 
 SPOILED = {"corrupt": "Drain before close. " * 4, "foreign": "Pack my box with five dozen jugs. " * 3,
            "truncated": "hello world " * 8}

@@ -1,0 +1,95 @@
+"""A mesh whose ranks its agents start, with prefix snapshots: a generation at a time, asked as the proxy
+asks (token ids per chunk, resumed answers), and what its disk and /metrics say."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import mlx.core as mx
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from kit.agents import pid_of, start_generation, stop_generation, wait_mesh_ready
+from runtime.snapshot import read_header
+
+EVERY = 16  # tokens between the snapshots of an answer in flight
+
+
+class Gen:
+    """One generation of the 2-rank mesh, each rank started by its node's agent (its snapshots in the agent's
+    state_dir/snapshots/)."""
+
+    def __init__(self, agents, model, generation, **args):
+        self.agents, self.generation = agents, generation
+        self.port = start_generation(agents, generation, model,
+                                     args={"snapshot_every": EVERY, "heartbeat_interval": 0.05, **args})
+        self.url = f"http://127.0.0.1:{self.port}"
+        wait_mesh_ready(self.port)
+
+    def status(self, rank):
+        (rec,) = [r for r in self.agents[rank].ranks() if r["generation"] == self.generation]
+        return rec["status"]
+
+    def chat(self, messages, **kw):
+        r = requests.post(f"{self.url}/v1/chat/completions", timeout=120,
+                          json={"messages": messages, "max_tokens": 24, "temperature": 0, **kw})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def stream(self, body, resume=None, stop_after=None):
+        """What the proxy does (meshd/dataplane/exchange.py): ask for each chunk's token ids, resume from
+        those delivered. Returns (meshd's header, ids, chars, cached tokens, the response)."""
+        meshd = {"ids": True, **({"resume": resume} if resume else {})}
+        r = requests.post(f"{self.url}/v1/chat/completions", stream=True, timeout=120,
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}, "meshd": meshd})
+        assert r.status_code == 200, r.text
+        head, ids, chars, cached, confirmed = None, list(resume["ids"]) if resume else [], 0, None, None
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith(": meshd "):
+                head = json.loads(line[len(": meshd "):])
+            elif line.startswith(": ids "):
+                c, _, given = line[len(": ids "):].partition(" ")
+                confirmed = (int(c), [int(t) for t in given.split(",") if t])
+            elif line.startswith("data: {"):
+                usage = json.loads(line[len("data: "):]).get("usage")
+                if usage:
+                    cached = usage["prompt_tokens_details"]["cached_tokens"]
+                if confirmed:
+                    chars, got = confirmed
+                    ids += got
+                    confirmed = None
+                if stop_after and len(ids) >= stop_after:
+                    return head, ids, chars, cached, r
+        return head, ids, chars, cached, r
+
+    def sigkill(self, rank):
+        os.kill(pid_of(self.agents[rank], self.generation), signal.SIGKILL)
+
+    def stop(self):
+        stop_generation(self.agents, self.generation)  # as the controller ends a generation
+
+
+def metric(agent, name: str, **labels) -> float:
+    for family in text_string_to_metric_families(agent.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def answer_in_flight(folder, prompt: list[int]) -> bool:
+    """A segment of the answer to `prompt` on disk, past its prefill: one that ends past it, down a chain
+    whose first segment holds the prompt's first tokens."""
+    headers = {p.name.split(".")[0]: (read_header(p), p) for p in folder.glob("*.safetensors")}
+    for sid, (header, _) in headers.items():
+        if int(header["end"]) < len(prompt) - 1 + EVERY or int(header["end"]) > len(prompt) + 4 * EVERY:
+            continue
+        while headers[sid][0]["parent"] in headers:
+            sid = headers[sid][0]["parent"]
+        tokens = mx.load(str(headers[sid][1]))["tokens"].tolist()
+        if headers[sid][0]["parent"] == "" and tokens == prompt[:len(tokens)]:
+            return True
+    return False
