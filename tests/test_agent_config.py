@@ -29,6 +29,7 @@ BAD = [
      "listen: 0.0.0.0:7701 is off loopback, where the mesh's token would cross the network in clear"),
     ("half a TLS pair", {**BASE, "tls_cert_file": "agent.pem"}, "tls_cert_file, tls_key_file: set both or neither"),
     ("reboot not bool", {**BASE, "allow_reboot": "yes"}, "allow_reboot: expected true or false"),
+    ("standby not bool", {**BASE, "standby": "off"}, "standby: expected true or false"),
 ]
 
 
