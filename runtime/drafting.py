@@ -9,11 +9,13 @@ import sys
 from abc import ABC, abstractmethod
 from collections import deque
 from contextlib import contextmanager
+from dataclasses import replace
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream, speculative_generate_step
+from mlx_lm.generate import generate_step, generation_stream, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from runtime import dspark
 from runtime.jobs import Emission, Job, emission, finish_reason
 from runtime.lockstep import Divergence
 from runtime.sampling import processors_for, sample_at, sampler_for
@@ -23,11 +25,13 @@ class SingleRequestEngine(ABC):
     """The Engine of a drafter: the queue, the active job, its token count and how it ends. A subclass
     decodes the active job (its three abstract methods)."""
 
-    def __init__(self, eos_ids: set[int]):
+    def __init__(self, eos_ids: set[int], log=print):
         self._eos = eos_ids
         self._queue: deque[Job] = deque()
         self._active: Job | None = None
         self._count = 0  # tokens the active job emitted
+        self._log = log
+        self.fallbacks = 0  # requests whose drafted steps were refused, decoded plainly from there
 
     def insert(self, job: Job) -> int:
         self._queue.append(job)
@@ -65,6 +69,12 @@ class SingleRequestEngine(ABC):
     def _finish(self) -> None:
         self._active = None
 
+    def _refused(self, who: str, e: Exception) -> None:
+        """A kernel's refusal of a shape (the same on every rank, so all go on plainly), said and counted."""
+        self.fallbacks += 1
+        self._log(f"{who} refused ({type(e).__name__}: {str(e)[:200]}); request {self._active.rid} "
+                  "goes on without drafts")
+
     def _emit(self, tokens: list[int], logprobs) -> list[Emission]:
         """The active job's next tokens (`logprobs[i]` what token i was drawn from), up to where it ends."""
         job, out = self._active, []
@@ -91,11 +101,13 @@ class SingleRequestEngine(ABC):
 
 
 class SpeculativeEngine(SingleRequestEngine):
-    """A draft model loaded whole on every rank proposes tokens the sharded target verifies."""
+    """A draft model loaded whole on every rank proposes tokens the sharded target verifies. A drafted step
+    that raises (the target refusing a verify's shape) ends drafting for that request: what it said so
+    far goes through the target plainly and it goes on from there."""
 
     def __init__(self, model, draft_model, eos_ids: set[int], *, num_draft_tokens: int = 3,
-                 prefill_step_size: int = 512):
-        super().__init__(eos_ids)
+                 prefill_step_size: int = 512, log=print):
+        super().__init__(eos_ids, log)
         self._model = model
         self._draft = draft_model
         self._num_draft = num_draft_tokens
@@ -109,6 +121,8 @@ class SpeculativeEngine(SingleRequestEngine):
         super()._finish()
 
     def _begin(self, job: Job) -> None:
+        self._said = list(job.prompt)  # the prompt and the tokens emitted
+        self._drafting = True
         self._stream = speculative_generate_step(
             mx.array(job.prompt),
             self._model,
@@ -122,12 +136,26 @@ class SpeculativeEngine(SingleRequestEngine):
 
     def _advance(self) -> list[Emission]:
         try:
-            token, logprobs, _ = next(self._stream)
+            token, logprobs, *_ = next(self._stream)
         except StopIteration:
             rid = self._active.rid
             self._finish()
             return [Emission(rid, None, "length")]
+        except Exception as e:
+            if not self._drafting:
+                raise
+            self._drafting = False
+            self._refused("a drafted step", e)
+            self._stream = self._plain(self._active)
+            return []
+        self._said.append(int(token))
         return self._emit([int(token)], [logprobs])
+
+    def _plain(self, job: Job):
+        """Plain decoding of the job from what it said, each token drawn with the key of its place."""
+        return generate_step(mx.array(self._said), self._model, max_tokens=job.max_tokens - self._count,
+                             sampler=sampler_for(replace(job, offset=job.offset + self._count)),
+                             logits_processors=processors_for(job), prefill_step_size=self._prefill_step_size)
 
     def _prompt_left(self) -> int:
         return len(self._active.prompt) if self._count == 0 else 0
@@ -156,17 +184,17 @@ class MTPEngine(SingleRequestEngine):
     cut back to that place when the samples are read. Every step runs the same collectives whatever it
     keeps, so ranks that disagree meet at the next lockstep exchange, which names the divergence.
 
-    A drafter that refuses a shape (a kernel's layout limit past some prompt length) ends drafting for
-    that request: plain decoding from there, said in the log and counted, the rank alive."""
+    A refusal of a shape anywhere in a drafted step (the target's verify of the drafts, the head: a
+    kernel's layout limit past some prompt length) ends drafting for that request, the target's caches
+    back where the step began: plain decoding from there, said in the log and counted, the rank alive."""
 
     def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 1, prefill_step_size: int = 512,
                  log=print):
-        super().__init__(eos_ids)
+        super().__init__(eos_ids, log)
         self._model = model
         self.num_draft_tokens = num_draft_tokens
         self._chunk = prefill_step_size
-        self._log = log
-        self.proposed = self.accepted = self.fallbacks = 0
+        self.proposed = self.accepted = 0
 
     def stats(self) -> dict:
         return {"drafter": "mtp", "draft_proposed": self.proposed, "draft_accepted": self.accepted,
@@ -203,37 +231,67 @@ class MTPEngine(SingleRequestEngine):
 
     def _verify(self) -> list[Emission]:
         """The places (the prompt's last chunk, or the pending token and the drafts) through the target,
-        sampled from `first` on: the drafts it agrees with and its own next token come out."""
+        sampled from `first` on: the drafts it agrees with and its own next token come out. A target that
+        refuses the drafts gets the step again without them, its caches as the step found them."""
         job = self._active
         if self._todo:
             inputs, first, self._todo = mx.array(self._todo, dtype=mx.uint32), len(self._todo) - 1, []
         else:
             inputs, first = mx.array([self._pending], dtype=mx.uint32), 0
-            if self._drafts is not None:
+        saved = [copy.copy(c) for c in self._cache]
+        verified = None
+        if self._drafts is not None:
+            with self._refusals("the target's verify"):
+                verified = self._target(job, mx.concatenate([inputs, self._drafts]), first)
                 inputs = mx.concatenate([inputs, self._drafts])
-        with mx.stream(generation_stream):
-            hidden = self._model.hidden(inputs[None], self._cache)
-            logprobs = self._logprobs(self._model.head(hidden[0, first:]), inputs[first + 1:])
-            sampled = mx.concatenate([sample_at(job, self._count + p, logprobs[p:p + 1])
-                                      for p in range(logprobs.shape[0])]).astype(mx.uint32)
-        learned = self._learn(hidden, mx.concatenate([inputs[1:first + 1], sampled]))
-        mx.eval([sampled, logprobs, *(learned or ())])
+            if verified is None:
+                self._cache = saved
+                saved = [copy.copy(c) for c in self._cache]
+        if verified is None:
+            verified = self._target(job, inputs, first)
+        learned, logprobs, sampled = verified
         tokens, guessed = sampled.tolist(), inputs[first + 1:].tolist()
-        kept = 0
-        while kept < len(guessed) and guessed[kept] == tokens[kept]:
-            kept += 1
+        kept = next((i for i, (g, t) in enumerate(zip(guessed, tokens)) if g != t), len(guessed))
+        if guessed:
+            self._agree(kept)
         self.proposed += len(guessed)
         self.accepted += kept
         out = self._emit(tokens[:kept + 1], logprobs)
         if self._active is not None:
             at = first + kept  # the place of the last token kept
+            self._cut(saved, inputs[:at + 1], inputs.shape[0])
             self._base += at + 1
-            trim_to(self._cache, self._base)
             if self._said is not None:
                 self._said = mx.concatenate([self._said, sampled[:kept + 1]])
             self._pending = tokens[kept]
-            self._drafts = self._chain(*learned, at) if learned and self._drafting else None
+            self._drafts = self._next_drafts(learned, at, tokens[kept]) if self._drafting else None
         return out
+
+    def _target(self, job: Job, inputs: mx.array, first: int):
+        """The places through the target, sampled from `first` on, and the head's learning of them: what
+        it learned, the log probabilities and the samples, evaluated."""
+        with mx.stream(generation_stream):
+            hidden = self._model.hidden(inputs[None], self._cache)
+            logprobs = self._logprobs(self._model.head(hidden[0, first:]), inputs[first + 1:])
+            sampled = self._sample(job, logprobs)
+        learned = self._learn(hidden, mx.concatenate([inputs[1:first + 1], sampled]))
+        mx.eval([sampled, logprobs, *(learned or ())])
+        return learned, logprobs, sampled
+
+    def _sample(self, job: Job, logprobs: mx.array) -> mx.array:
+        return mx.concatenate([sample_at(job, self._count + p, logprobs[p:p + 1])
+                               for p in range(logprobs.shape[0])]).astype(mx.uint32)
+
+    @staticmethod
+    def _agree(kept: int) -> None:
+        """Nothing to settle here: this step's collectives did not depend on what was kept."""
+
+    def _cut(self, saved: list, kept: mx.array, fed: int) -> None:
+        """The target's caches back to `_base` plus the `kept` places, of the `fed` the step put in."""
+        trim_to(self._cache, self._base + kept.shape[0])
+
+    def _next_drafts(self, learned, at: int, anchor: int) -> mx.array | None:
+        return self._chain(*learned, at) if learned else None
 
     def _logprobs(self, logits: mx.array, drafts: mx.array) -> mx.array:
         """Log probabilities at each place, the request's processors run with what precedes that place:
@@ -274,15 +332,13 @@ class MTPEngine(SingleRequestEngine):
 
     @contextmanager
     def _refusals(self, who: str = "drafter"):
-        """A kernel's refusal of a shape: the same on every rank, so all go on plainly."""
+        """A refusal inside: drafting ends for the request, on every rank alike."""
         try:
             with mx.stream(generation_stream):
                 yield
         except Exception as e:
             self._drafting = False
-            self.fallbacks += 1
-            self._log(f"{who} refused ({type(e).__name__}: {str(e)[:200]}); request {self._active.rid} "
-                      "goes on without drafts")
+            self._refused(who, e)
 
 
 class DraftWhenAlone:
@@ -351,7 +407,7 @@ class DSparkEngine(MTPEngine):
         self._arm = getattr(sys.modules[type(model).__module__], "set_dspark_verify_armed", lambda flag: None)
 
     def stats(self) -> dict:
-        return {**super().stats(), "drafter": "dspark"}
+        return {**super().stats(), "drafter": "dspark", "kernels_hidden": len(dspark.HIDDEN)}
 
     def _prefill(self) -> None:
         chunk, self._todo = self._todo[:self._chunk], self._todo[self._chunk:]
@@ -363,42 +419,6 @@ class DSparkEngine(MTPEngine):
         mx.eval([c.state for c in self._cache])
         self._base += len(chunk)
 
-    def _verify(self) -> list[Emission]:
-        job = self._active
-        if self._todo:
-            inputs, first, self._todo = mx.array(self._todo, dtype=mx.uint32), len(self._todo) - 1, []
-        else:
-            inputs, first = mx.array([self._pending], dtype=mx.uint32), 0
-        saved = [copy.copy(c) for c in self._cache]
-        if self._drafts is None:
-            taps, logprobs, sampled = self._target(job, inputs, first)
-        else:
-            refused = True
-            with self._refusals("the target's verify"):
-                taps, logprobs, sampled = self._target(job, mx.concatenate([inputs, self._drafts]), first)
-                inputs, refused = mx.concatenate([inputs, self._drafts]), False
-            if refused:
-                self._cache = saved
-                saved = [copy.copy(c) for c in self._cache]
-                taps, logprobs, sampled = self._target(job, inputs, first)
-        tokens, guessed = sampled.tolist(), inputs[first + 1:].tolist()
-        kept = next((i for i, (g, t) in enumerate(zip(guessed, tokens)) if g != t), len(guessed))
-        if guessed:
-            self._agree(kept)
-        self.proposed += len(guessed)
-        self.accepted += kept
-        out = self._emit(tokens[:kept + 1], logprobs)
-        if self._active is not None:
-            at = first + kept  # the place of the last token kept
-            if at + 1 < inputs.shape[0]:
-                self._rewind(saved, inputs[:at + 1])
-            self._base += at + 1
-            if self._said is not None:
-                self._said = mx.concatenate([self._said, sampled[:kept + 1]])
-            self._pending = tokens[kept]
-            self._drafts = self._draft(taps[:, :at + 1], tokens[kept]) if self._drafting else None
-        return out
-
     def _target(self, job: Job, inputs: mx.array, first: int):
         """The places through the target (its verify armed for a block of drafts), sampled from `first`
         on: the taps, the log probabilities and the samples, read back."""
@@ -409,8 +429,7 @@ class DSparkEngine(MTPEngine):
             finally:
                 self._arm(False)
             logprobs = self._logprobs(logits[0, first:], inputs[first + 1:])
-            sampled = mx.concatenate([sample_at(job, self._count + p, logprobs[p:p + 1])
-                                      for p in range(logprobs.shape[0])]).astype(mx.uint32)
+            sampled = self._sample(job, logprobs)
         mx.eval(taps, logprobs, sampled)
         return taps, logprobs, sampled
 
@@ -423,8 +442,11 @@ class DSparkEngine(MTPEngine):
             raise Divergence(f"[meshd] divergence: the ranks sampled different tokens or drafted different blocks "
                              f"(drafts kept by rank: {by_rank})")
 
-    def _rewind(self, saved: list, kept: mx.array) -> None:
-        """The target's caches back to `_base` plus the `kept` places."""
+    def _cut(self, saved: list, kept: mx.array, fed: int) -> None:
+        """The target's caches back to `_base` plus the `kept` places: trimmed when every layer can be,
+        else the step's copy with the kept places fed again."""
+        if kept.shape[0] == fed:
+            return
         if all(c.is_trimmable() for c in self._cache):
             trim_to(self._cache, self._base + kept.shape[0])
             return
@@ -432,6 +454,9 @@ class DSparkEngine(MTPEngine):
         with mx.stream(generation_stream):
             self._model(kept[None], self._cache)
         mx.eval([c.state for c in self._cache])
+
+    def _next_drafts(self, taps: mx.array, at: int, anchor: int) -> mx.array | None:
+        return self._draft(taps[:, :at + 1], anchor)
 
     def _draft(self, committed: mx.array, anchor: int) -> mx.array | None:
         """The next block (on the device: it goes into the next verify's graph), the committed places'

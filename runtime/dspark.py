@@ -61,11 +61,11 @@ def _ring_gemm_probe(fn, rank_heads: int, config: dict):
 
 
 KERNELS = {"omlx": (Kernel("omlx.custom_kernels.glm_moe_dsa.fast", "dspark_ring_gemm", _ring_gemm_probe),)}
+HIDDEN: list[str] = []  # the kernels this process hid (a rank loads one model): its status file counts them
 
 
-def gate_kernels(package: str | None, model, config: dict, log) -> list[str]:
-    """Hide each of the overlay's kernels that refuses this rank's head count; the symbols hidden."""
-    hidden = []
+def gate_kernels(package: str | None, model, config: dict, log) -> None:
+    """Hide each of the overlay's kernels that refuses this rank's head count (into HIDDEN)."""
     for kernel in KERNELS.get(package or "", ()):
         try:
             fast = importlib.import_module(kernel.module)
@@ -79,7 +79,6 @@ def gate_kernels(package: str | None, model, config: dict, log) -> list[str]:
         except Exception as e:
             has_symbol = fast.has_symbol
             fast.has_symbol = lambda name, _has=has_symbol, _hide=kernel.symbol: name != _hide and _has(name)
-            hidden.append(kernel.symbol)
+            HIDDEN.append(kernel.symbol)
             log(f"kernel {kernel.symbol} hidden: it refuses {rank_heads} heads per rank "
                 f"({type(e).__name__}: {str(e)[:120]}); the model takes its portable path")
-    return hidden

@@ -8,10 +8,11 @@ block, then the backbone's own final norm and head: it guesses the token after
 next. `shard` splits the head's block exactly as the backbone's layers, as
 DeepSeek's checkpoints need (stock `Model.shard()` leaves `self.mtp` alone and
 TP desynchronises). Two faults for tests, by environment: MESHD_FAULT_MTP_UNREDUCED
-shards the block without its all-reduce (each rank drafts its own guess), and
+shards the block without its all-reduce (each rank drafts its own guess),
 MESHD_FAULT_MTP_REFUSE_AFTER=N makes the head refuse past N positions, as a
 DSpark kernel refuses a layout (`Unsupported DSpark physical-ring GEMM
-layout` near 4k tokens)."""
+layout` near 4k tokens), and MESHD_FAULT_TARGET_REFUSE_AT=N makes the target
+refuse a verify's shape (2 to 8 positions at once) past N positions."""
 
 from __future__ import annotations
 
@@ -42,13 +43,26 @@ class MTP(nn.Module):
         return self.block(x, create_attention_mask(x, cache), cache)
 
 
+def _refuse_a_verify(inputs: mx.array, cache) -> None:
+    limit = int(os.environ.get("MESHD_FAULT_TARGET_REFUSE_AT", "0"))
+    at = (cache[0].offset if cache else 0) + inputs.shape[1]
+    if limit and 1 < inputs.shape[1] <= 8 and at > limit:
+        raise ValueError(f"Unsupported DSpark physical-ring GEMM layout. ({at} positions, "
+                         "MESHD_FAULT_TARGET_REFUSE_AT)")
+
+
 class Model(llama.Model):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         self.mtp = MTP(args)
 
+    def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
+        _refuse_a_verify(inputs, cache)
+        return super().__call__(inputs, cache, **kwargs)
+
     def hidden(self, inputs: mx.array, cache) -> mx.array:
         """The backbone's last hidden states (normed), one per input position."""
+        _refuse_a_verify(inputs, cache)
         return self.model(inputs, cache)
 
     def head(self, hidden: mx.array) -> mx.array:

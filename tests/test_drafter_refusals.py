@@ -1,0 +1,59 @@
+"""A refusal in the target's verify (a kernel that refuses a verify's shape past some length, as omlx's ring
+GEMM refuses a layout) falls back for that request and the engine steps on, for the model's own MTP head
+and for a draft model: the answer is the plain decoder's and the next request drafts again. The engines
+run here on the real demo model with an MTP head (runtime.overlays.demo_mtp's target fault); DSpark's own
+fallback runs at TP4 in tests/test_dspark.py."""
+
+import pytest
+from mlx_lm import load
+
+import runtime.overlays.demo_mtp  # noqa: F401  (registers model type demo_mtp)
+from runtime.demo_model import DemoModelSpec, build_demo_model
+from runtime.drafting import MTPEngine, SpeculativeEngine
+from runtime.engine import BatchEngine, Job
+from runtime.openai_api import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=1).sampling()
+SEEDED = SamplingParams(max_tokens=1, temperature=0.9, seed=7).sampling()
+PROMPT = tuple(range(40, 70))  # one prefill chunk, longer than a verify: only verifies can be refused
+REFUSE_AT = len(PROMPT) + 6  # a few tokens in
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, draft_model):
+    target, tokenizer = load(str(build_demo_model(tmp_path_factory.mktemp("models") / "mtp",
+                                                  DemoModelSpec(mtp=True))))
+    return target, load(str(draft_model))[0], set(tokenizer.eos_token_ids)
+
+
+def answer(engine, job: Job) -> list[int]:
+    engine.insert(job)
+    tokens = []
+    while engine.busy:
+        tokens += [e.token for e in engine.step() if e.token is not None]
+    return tokens
+
+
+def drafter(kind: str, models, log):
+    target, draft, eos = models
+    if kind == "mtp":
+        return MTPEngine(target, eos, num_draft_tokens=2, log=log)
+    return SpeculativeEngine(target, draft, eos, num_draft_tokens=3, log=log)
+
+
+@pytest.mark.parametrize("kind, sampling", [("mtp", GREEDY), ("mtp", SEEDED), ("draft model", GREEDY)])
+def test_a_refusal_in_the_targets_verify_falls_back_for_that_request(models, kind, sampling, monkeypatch):
+    target, _, eos = models
+    job = Job("a", PROMPT, 24, 7, sampling)
+    plain = answer(BatchEngine(target, eos), job)
+    said = []
+    engine = drafter(kind, models, said.append)
+    unrefused = answer(engine, job)
+    monkeypatch.setenv("MESHD_FAULT_TARGET_REFUSE_AT", str(REFUSE_AT))
+    refused = answer(engine, Job("b", PROMPT, 24, 7, sampling))
+    assert len(plain) == 24 and unrefused == refused == plain
+    assert engine.fallbacks == 1 and len(said) == 1, said
+    assert "refused (ValueError: Unsupported DSpark physical-ring GEMM layout." in said[0]
+    assert "request b goes on without drafts" in said[0]
+    monkeypatch.delenv("MESHD_FAULT_TARGET_REFUSE_AT")
+    assert answer(engine, Job("c", PROMPT, 24, 7, sampling)) == plain and engine.fallbacks == 1
