@@ -2,9 +2,9 @@
 
 A package that registers itself on import needs nothing more. One whose patches must be called (omlx's
 `deepseek_v4` + `mlx_lm_mtp`: patch functions, MTP switched on) has an adapter here, which names the calls,
-the entry points a usable version has, the checkpoint tensors that must land in the model and the model
-methods its drafter uses. Every entry point is looked up before any is called, so an old version fails
-naming what it lacks, not half set up.
+the entry points a usable version has, the checkpoint tensors that must land in the model, the model
+methods its drafter uses and whether that drafter batches (the proxy admits by it). Every entry point is
+looked up before any is called, so an old version fails naming what it lacks, not half set up.
 """
 
 from __future__ import annotations
