@@ -93,6 +93,7 @@ class Keeper:
         self.standby: Standby | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self.failed_at: float | None = None  # when a standby was found dead before it was ready
+        self._lock = asyncio.Lock()  # one start or hand-over at a time
 
     @property
     def pid(self) -> int | None:
@@ -101,6 +102,10 @@ class Keeper:
     async def ensure(self, early: dict) -> None:
         """Start a standby for ranks with environment `early`, when one is wanted now. Called while this
         node's rank serves, never beside a loading one, whose CPU and memory it would take."""
+        async with self._lock:
+            await self._ensure(early)
+
+    async def _ensure(self, early: dict) -> None:
         held = self.standby is not None and procs.alive(self.standby.target)
         if self.standby is not None and not held:
             self._lost(self.standby)
@@ -120,6 +125,11 @@ class Keeper:
                    early: dict) -> asyncio.subprocess.Process | None:
         """Hand the rank (`argv` as its profile runs it) to the standby: its process, now that rank; or
         None (the standby, if any, ended) when the rank must be spawned cold."""
+        async with self._lock:
+            return await self._take(argv, env, cwd, log_path, early)
+
+    async def _take(self, argv: list[str], env: dict[str, str], cwd: Path, log_path: Path,
+                    early: dict) -> asyncio.subprocess.Process | None:
         args = rank_args(argv, self.python)
         standby, proc = self.standby, self.proc
         if args is None or standby is None:

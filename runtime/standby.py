@@ -47,7 +47,6 @@ def become(spec: dict) -> list[str]:
     with open_appending(Path(spec["log"])) as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-    sys.argv = ["meshd-rank", *spec["argv"]]
     return spec["argv"]
 
 
