@@ -131,10 +131,10 @@ def test_status_file_shows_load_and_long_prefill_progress(deep_model, tmp_path):
         assert len({s["load_done"] for s in loading}) >= 3, "load progress was not reported step by step"
         assert [s["state"] for s in load.snapshots if s["state"] != "loading"][:1] in (["armed"], ["ready"])
 
-        prompt = "The ranks step in lockstep. " * 120
+        prompt = "The ranks step in lockstep. " * 40  # about 280 tokens: 9 steps of 32
         with StatusTrace(mesh.status_files[1], interval=0.001) as trace:
             r = requests.post(f"{mesh.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2},
-                              timeout=120)
+                              timeout=600)
         assert r.status_code == 200, r.text
         prompt_tokens = r.json()["usage"]["prompt_tokens"]
         prefill = [s for s in trace.snapshots if s["state"] == "busy" and s["prompt_tokens_in_flight"] > 0]
