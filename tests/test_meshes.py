@@ -307,7 +307,8 @@ def test_a_killed_rank_s_streams_go_on_from_the_other_mesh_before_it_is_back(fro
         where, next_chunk = s.resumed()
         assert where.startswith(": resuming on mesh b") and next_chunk < back
     assert meanwhile.headers["X-Meshd-Mesh"] == "b" and answered < back  # no waiting for a
-    assert mesh(front.url, "b")["routed"]["failover"] - before == len(cut)
+    # the cut streams, and the request sent meanwhile when the proxy sent it to a before it knew
+    assert len(cut) <= mesh(front.url, "b")["routed"]["failover"] - before <= len(cut) + 1
 
 
 def test_the_fallback_answers_while_no_mesh_of_the_model_is_up_and_stops_when_one_is_back(front):

@@ -30,7 +30,7 @@ from common.errors import ApiError
 from common.http import bearer_matches, json_error, json_errors, read_json
 from common.states import Phase
 from common.tomlcheck import loopback
-from meshd.config import MeshConfig, ping_body
+from meshd.config import ping_body
 from meshd.config import Proxy as ProxyConfig
 from meshd.dataplane.admission import Admission, QueueFull
 from meshd.dataplane.cors import cors
@@ -69,10 +69,10 @@ class MeshLink:
     def __init__(self, mesh: Mesh, fleet: FleetView, connections: Upstream):
         self.name, self.cfg, self.fleet, self.connections = mesh.name, mesh.cfg, fleet, connections
         rt, p = mesh.cfg.runtime, mesh.cfg.proxy
-        self.limits_names = served_names(mesh.cfg)
-        self.limits = oa.Limits(self.limits_names[0], default_max_tokens=int(rt.args.get("max_tokens", 0)),
+        self.names = served_names(mesh.cfg)
+        self.limits = oa.Limits(self.names[0], default_max_tokens=int(rt.args.get("max_tokens", 0)),
                                 max_tokens_limit=int(rt.args.get("max_tokens_limit", 8192)),
-                                aliases=self.limits_names[1:])
+                                aliases=self.names[1:])
         self.fingerprint = weights_fingerprint(mesh.cfg)
         self.admission = Admission(1 if mesh.cfg.speculative else p.concurrency, p.queue_limit)
         self.routed = dict.fromkeys(REASONS, 0)
@@ -83,7 +83,7 @@ class MeshLink:
     def seen(self) -> MeshSeen:
         s = self.fleet.serving()
         a = self.admission
-        return MeshSeen(self.name, self.limits_names, self.fingerprint, s.ready, s.phase in GONE, s.generation,
+        return MeshSeen(self.name, self.names, self.fingerprint, s.ready, s.phase in GONE, s.generation,
                         a.depth + a.running, a.depth >= a.queue_limit)
 
     def rank0(self, s: Serving, window: float | None = None) -> Rank0:
@@ -211,7 +211,7 @@ class Proxy:
         mesh, any it does not serve: the runtime's own error says so)."""
         model = body.get("model") if isinstance(body, dict) else None
         for link in self.links.values():
-            if model in link.limits_names:
+            if model in link.names:
                 return link.limits
         if self.front.several and isinstance(model, str) and model not in ("", "default"):
             names = ", ".join(f"'{link.limits.model_name}'" for link in self.links.values())
@@ -333,8 +333,10 @@ class Routed:
     async def rank0(self, after: Rank0 | None, deadline: float) -> Rank0 | None:
         links = self.proxy.links
         self.failed = Failed(after.mesh, after.generation, links[after.mesh].fingerprint) if after else None
+        self.why = ""
         affinity = self.proxy.memory.find(self.keys) if after is None and self.keys else None
         while True:
+            was = [link.fleet.serving() for link in links.values()]
             r = self._route(affinity)
             if r.kind == "gone":
                 return None
@@ -342,31 +344,38 @@ class Routed:
                 self.full_at = sum(link.admission.depth for link in links.values())
                 raise QueueFull()
             target = links[r.mesh] if r.mesh else self.slot
-            if target is not self.slot and (r.kind == "send" or self.slot is None):
-                if not await self._admit(target, deadline):
+            if self.slot is None or (r.kind == "send" and target is not self.slot):
+                try:
+                    if not await self._admit(target, deadline):
+                        return None
+                except QueueFull:
+                    if self.slot is None:
+                        raise
+            if r.kind == "send" and target is self.slot:
+                if (s := target.fleet.serving()).ready:
+                    target.routed[r.reason] += 1
+                    self.metrics.routed.labels(mesh=target.name, reason=r.reason).inc()
+                    self.link = target
+                    return target.rank0(s, stall_window(self.settings, target.cfg.runtime.profile,
+                                                        prompt_chars(self.req), self.req.params.max_tokens,
+                                                        self.req.stream))
+                continue  # it changed while the request waited for its place
+            # A full queue frees without a word from any fleet: look again within a second.
+            if not await self._changed(was, deadline if r.kind == "wait" else min(deadline, time.monotonic() + 1)):
+                if time.monotonic() >= deadline:
                     return None
-            if r.kind == "send" and (s := target.fleet.serving()).ready:
-                target.routed[r.reason] += 1
-                self.metrics.routed.labels(mesh=target.name, reason=r.reason).inc()
-                self.link = target
-                return target.rank0(s, stall_window(self.settings, target.cfg.runtime.profile,
-                                                    prompt_chars(self.req), self.req.params.max_tokens,
-                                                    self.req.stream))
-            if r.kind != "send" and not await self._changed(deadline):
-                return None
 
     async def _admit(self, target: MeshLink, deadline: float) -> bool:
         """A place in `target`'s admission, given up where the request held one before; False when none
-        freed by `deadline`. QueueFull when its queue is full and the request holds no place yet."""
+        freed by `deadline`; QueueFull when its queue is full."""
         t0 = time.monotonic()
+        links = self.proxy.links.values()
         try:
-            self.metrics.queue_depth.set(sum(link.admission.depth for link in self.proxy.links.values()) + 1)
+            self.metrics.queue_depth.set(sum(link.admission.depth for link in links) + 1)
             await target.admission.acquire(timeout=max(0.0, deadline - t0))
         except QueueFull:
-            if self.slot is None:
-                self.full_at = sum(link.admission.depth for link in self.proxy.links.values())
-                raise
-            return True  # it stays queued where it is
+            self.full_at = sum(link.admission.depth for link in links)
+            raise
         except asyncio.TimeoutError:
             self.why = f"No slot freed within {self.settings.queue_wait:.0f}s; retry later"
             return False
@@ -381,22 +390,19 @@ class Routed:
         self.slot = target
         return True
 
-    async def _changed(self, deadline: float) -> bool:
-        """Wait until some mesh's phase or generation changes; False once `deadline` passed."""
-        timeout = deadline - time.monotonic()
-        if timeout <= 0:
-            return False
-        waits = []
-        for link in self.proxy.links.values():
-            now = link.fleet.serving()
-            waits.append(asyncio.ensure_future(link.fleet.wait_serving(
-                lambda s, was=(now.phase, now.generation): (s.phase, s.generation) != was, timeout)))
+    async def _changed(self, was: list[Serving], until: float) -> bool:
+        """Wait until some mesh's phase or generation is not what `was` says (at once when it already is
+        not); False when `until` (a monotonic time) came first."""
+        waits = [asyncio.ensure_future(link.fleet.wait_serving(
+            lambda s, w=w: (s.phase, s.generation) != (w.phase, w.generation), max(0.0, until - time.monotonic())))
+            for link, w in zip(self.proxy.links.values(), was)]
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waits:
                 w.cancel()
-        return time.monotonic() < deadline
+        return any((s.phase, s.generation) != (w.phase, w.generation)
+                   for s, w in zip((link.fleet.serving() for link in self.proxy.links.values()), was))
 
     def hopeless(self) -> bool:
         return self._route().kind == "gone"
@@ -405,7 +411,7 @@ class Routed:
         if self.why:
             return self.why
         links = self.proxy.links.values()
-        return self.proxy.why_unavailable([link for link in links if self.model in link.limits_names] or list(links))
+        return self.proxy.why_unavailable([link for link in links if self.model in link.names] or list(links))
 
     async def report(self, observation: Observation) -> None:
         await self.link.fleet.report(observation)

@@ -104,7 +104,8 @@ class ProxyDaemon:
     def __init__(self, front: Front, argv: list[str], pidfile: Path | None):
         self.front, self.argv, self.pidfile = front, argv, pidfile
         handed = handed_views()
-        self.view = "the proxy it replaces" if handed else "the controllers' stores"
+        self.view = "the proxy it replaces" if handed else \
+            ("the controllers' stores" if front.several else "the controller's store")
         self.fleets = {m.name: RemoteFleet(m.cfg, handed.get(m.name) or handed.get("") or remembered(m.cfg))
                        for m in front.meshes}
         self.proxy = Proxy(front, self.fleets, ProxyMetrics(front.name))
