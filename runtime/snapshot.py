@@ -199,15 +199,19 @@ def scan(folder: Path, me: Identity) -> tuple[dict[str, Segment], dict[Path, str
 
 
 def load_segment(seg: Segment, layers: int) -> dict[str, mx.array]:
-    """A segment's arrays, after checking its bytes against the digest in its name ("corrupt") and its
-    contents against its header ("foreign")."""
+    """A segment's arrays, after checking its bytes against the digest in its name and its arrays against
+    its header (Unusable "corrupt" otherwise)."""
     if file_digest(seg.path) != seg.path.name.split(".")[1]:
         raise Unusable("corrupt", f"{seg.path.name}: its bytes do not match its digest")
-    arrays = mx.load(str(seg.path))
-    n = seg.end - seg.start
-    if arrays["tokens"].shape != (n,) or any(arrays[f"{kv}.{i}"].shape[2] != n
-                                             for i in range(layers) for kv in "kv"):
-        raise Unusable("foreign", f"{seg.path.name}: its arrays do not fit its header")
+    try:
+        arrays = mx.load(str(seg.path))
+        n = seg.end - seg.start
+        fits = arrays["tokens"].shape == (n,) and all(arrays[f"{kv}.{i}"].shape[2] == n
+                                                      for i in range(layers) for kv in "kv")
+    except (KeyError, IndexError, RuntimeError, ValueError) as e:
+        raise Unusable("corrupt", f"{seg.path.name}: unreadable ({e})")
+    if not fits:
+        raise Unusable("corrupt", f"{seg.path.name}: its arrays do not fit its header")
     return arrays
 
 
@@ -284,13 +288,14 @@ class Snapshots:
         out = []
         for sid in sids:
             chain, s = [], sid
-            while s:
+            while s in self.segments:
                 chain.append(self.segments[s])
                 s = self.segments[s].parent
-            try:
-                parts = [load_segment(seg, layers) for seg in reversed(chain)]
-            except Unusable as e:
-                self.skip(e.reason, str(e))
+            if s:  # a segment it shares with a tape before it was unusable
+                self.skip("corrupt", f"tape {sid}: a segment of its chain is unusable")
+                continue
+            parts = self._load_chain(chain[::-1], layers)
+            if parts is None:
                 continue
             tokens = tuple(np.concatenate([np.array(p["tokens"]) for p in parts]).tolist())
             if tape_id(tokens) != sid:
@@ -307,6 +312,21 @@ class Snapshots:
             out.append((tokens, cache, sid))
             on_progress()
         return out
+
+    def _load_chain(self, chain: list[Segment], layers: int) -> list[dict] | None:
+        """Each segment's arrays, first to last; None when one is unusable, which is deleted."""
+        parts = []
+        for seg in chain:
+            try:
+                parts.append(load_segment(seg, layers))
+            except Unusable as e:
+                self.skip(e.reason, str(e))
+                with self._lock:
+                    self.segments.pop(seg.sid, None)
+                    seg.path.unlink(missing_ok=True)
+                    self._count_bytes()
+                return None
+        return parts
 
     def restored_as(self, sids: list[str]) -> None:
         """The tapes every rank restored: counted, and their files marked as used now."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import mlx.core as mx
 import requests
@@ -41,8 +42,10 @@ class Gen:
 
     def stream(self, body, resume=None, stop_after=None):
         """What the proxy does (meshd/dataplane/exchange.py): ask for each chunk's token ids, resume from
-        those delivered. Returns (meshd's header, ids, chars, cached tokens, the response)."""
+        those delivered. Returns (meshd's header, ids, chars, cached tokens, the response); `times` holds
+        when each chunk of tokens came, from the request on (perf_counter seconds)."""
         meshd = {"ids": True, **({"resume": resume} if resume else {})}
+        self.times = [time.perf_counter()]
         r = requests.post(f"{self.url}/v1/chat/completions", stream=True, timeout=120,
                           json={**body, "stream": True, "stream_options": {"include_usage": True}, "meshd": meshd})
         assert r.status_code == 200, r.text
@@ -58,6 +61,7 @@ class Gen:
                 if usage:
                     cached = usage["prompt_tokens_details"]["cached_tokens"]
                 if confirmed:
+                    self.times.append(time.perf_counter())
                     chars, got = confirmed
                     ids += got
                     confirmed = None
