@@ -216,3 +216,4 @@ def test_a_sweep_ends_a_standby_only_when_its_agent_does_not_hold_it():
 def test_doctor_says_what_the_snapshots_take_and_warns_near_the_free_space(used, free, line):
     checks = judge_snapshots("node0", "/srv/agent/snapshots", used, free)
     assert [c.line().splitlines()[0] for c in checks] == ([line] if line else []) and all(c.ok for c in checks)
+    assert all("snapshot_budget_mb" in c.fix for c in checks if c.warn)

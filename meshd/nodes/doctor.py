@@ -175,8 +175,9 @@ def judge_snapshots(node: str, path: str, used: int | None, free: int | None) ->
     if free is None or free >= 2 * used:
         return [Check("snapshots", node, True, detail + ("" if free is None else f", {free / 2**20:.0f} MiB free"))]
     return [Check("snapshots", node, True, f"{detail}, only {free / 2**20:.0f} MiB free beside them",
-                  f"lower the ranks' snapshot budget (meshd-rank --snapshot-budget-mb) or free space on that "
-                  "disk: a full one stops new snapshots, and the next generation restores fewer prefixes", warn=True)]
+                  "lower the ranks' snapshot budget ([runtime] args snapshot_budget_mb in mesh.toml) or free space "
+                  "on that disk: a full one stops new snapshots, and the next generation restores fewer prefixes",
+                  warn=True)]
 
 
 def judge_hostfile(cfg: MeshConfig) -> Check:
