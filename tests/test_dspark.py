@@ -1,13 +1,17 @@
 """DeepSeek-V4 with its DSpark drafter through omlx's overlay, on a tiny checkpoint in DSpark's layout built
 here (tests/kit/dspark.py) and omlx's entry points played by the stand-in in tests/standins/omlx: the
 overlay set up before load by meshd's adapter, an omlx that lacks an entry point or stages that did not load
-named at load; a DeepSeek Harness (dsh) turn, reasoning_content and tool calls, through DeepSeek's template;
-at TP4 on the ring, DSpark armed in the lockstep loop with drafted greedy and seeded answers the plain ones
-token for token, the stand-in's 8-head kernel hidden at load (2 heads per rank), a refusal in the target's
-verify falling back for that request with the ranks alive, and stages split without their all-reduce
-caught by the lockstep digests."""
+named at load; a DeepSeek Harness (dsh) turn, reasoning_content and tool calls, through DeepSeek's template.
+One TP4 mesh on the ring under real agents, a controller and meshd-proxy, every request through the proxy:
+DSpark armed in the lockstep loop with drafted greedy and seeded answers the plain ones token for token (the
+same questions at once, batched on the backbone, undrafted), its counts in the agents' /metrics, several
+clients let through at once, the stand-in's 8-head kernel hidden at load (2 heads per rank) and counted, a
+refusal in the target's verify falling back for that request with the ranks alive, a dsh turn through the
+proxy; and at TP2, stages split without their all-reduce caught by the lockstep digests."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -15,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from kit.dspark import build_dspark_model, standin_env
+from kit.dspark import build_dspark_model, omlx_mesh, standin_env
 from agents.signatures import classify
 from kit.demo_answers import endless
+from kit.meshctl import meshctl
 from kit.ranks import start_mesh
 from kit.waiting import wait_for
 from mlx_lm.chat_templates import deepseek_v32
@@ -65,14 +70,16 @@ print(type(model).__module__, len(model.mtp), model._omlx_dspark_decode_enabled)
 """
 
 
-@pytest.mark.parametrize("old, out", [
-    ("", "omlx.patches.deepseek_v4.deepseek_v4_model 3 True"),  # the stand-in's loader, which alone reads it: looked up after setup
-    ("nodspark", "77 checkpoint tensors did not load (mtp.0."),  # built without stages: mtp.* dropped
-])
-def test_the_load_path_sets_up_the_overlay_first_and_names_stages_that_did_not_load(dspark_model, old, out):
-    run = subprocess.run([sys.executable, "-c", LOAD, str(dspark_model)], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, **standin_env(), "OMLX_STUB_OLD": old})
-    assert out in run.stdout + run.stderr, run.stdout + run.stderr
+def test_the_load_path_sets_up_the_overlay_first_and_names_stages_that_did_not_load(dspark_model):
+    # the stand-in's loader, which alone reads it, looked up after setup; an omlx without stages: mtp.* dropped
+    outs = {"": "omlx.patches.deepseek_v4.deepseek_v4_model 3 True",
+            "nodspark": "77 checkpoint tensors did not load (mtp.0."}
+    runs = {old: subprocess.Popen([sys.executable, "-c", LOAD, str(dspark_model)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True,
+                                  env={**os.environ, **standin_env(), "OMLX_STUB_OLD": old}) for old in outs}
+    for old, out in outs.items():
+        said = runs[old].communicate(timeout=300)[0]
+        assert out in said, said
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
@@ -113,88 +120,114 @@ ASKS = {"greedy": {"messages": [{"role": "user", "content": PROMPT}], "max_token
         "long": {"messages": [{"role": "user", "content": PROMPT * 2}], "max_tokens": 16}}  # past REFUSE_AT
 
 
-def answers(url: str, model) -> dict:
-    out = {}
-    for name, body in ASKS.items():
-        r = requests.post(f"{url}/v1/chat/completions", timeout=300, json={**body, **endless(model)})
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        out[name] = (choice["message"]["content"], r.json()["usage"]["completion_tokens"],
-                     [round(t["logprob"], 2) for t in (choice.get("logprobs") or {}).get("content", [])])
-    return out
+def ask(url: str, model, name: str) -> tuple:
+    r = requests.post(f"{url}/chat/completions", timeout=300, json={**ASKS[name], **endless(model)})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return (choice["message"]["content"], r.json()["usage"]["completion_tokens"],
+            [round(t["logprob"], 2) for t in (choice.get("logprobs") or {}).get("content", [])])
+
+
+def metric(agents, name: str) -> list[str]:
+    """Every rank's samples of `name` in its agent's /metrics, as 'labels value'."""
+    text = "".join(a.get("/metrics").text for a in agents)
+    return sorted(re.findall(rf"^{name}\{{([^}}]*)\}} ([0-9.]+)$", text, re.M))
 
 
 @pytest.fixture(scope="module")
-def plain(dspark_model, tmp_path_factory):
-    with start_mesh(dspark_model, 4, tmp_path_factory.mktemp("plain"), *OVERLAY, "--drafter", "off",
-                    env=standin_env()) as mesh:
-        mesh.wait_ready(300)
-        return answers(mesh.url, dspark_model)
+def served(dspark_model, tmp_path_factory):
+    """One TP4 mesh under real agents, a controller and meshd-proxy: each question alone (drafted), a dsh
+    turn, then the three questions at once while a lone request drafts (they wait for it, then run batched
+    on the backbone, undrafted: the plain answers), then one alone again (the drafter re-armed)."""
+    with omlx_mesh(tmp_path_factory.mktemp("mesh"), dspark_model, 4, {"MESHD_FAULT_TARGET_REFUSE_AT": str(REFUSE_AT)},
+                   runtime={"model_package": "omlx", "args": {"prefill_step_size": 16}}) as (mesh, agents):
+        proxy = json.loads(meshctl(mesh, "status", "--json").stdout)["urls"]["proxy"]
 
+        def rank0():
+            return agents[0].ranks()[-1]["status"]
 
-@pytest.fixture(scope="module")
-def drafted(dspark_model, tmp_path_factory):
-    with start_mesh(dspark_model, 4, tmp_path_factory.mktemp("drafted"), *OVERLAY, "--prefill-step-size", "16",
-                    env={**standin_env(), "MESHD_FAULT_TARGET_REFUSE_AT": str(REFUSE_AT)}) as mesh:
-        mesh.wait_ready(300)
-        short = answers(mesh.url, dspark_model)
-        dsh = requests.post(f"{mesh.url}/v1/chat/completions", timeout=300,
+        def idle() -> None:
+            wait_for(lambda: rank0()["state"] == "ready", 60, "rank 0 idle again", interval=0.1)
+
+        drafted = {name: ask(proxy, dspark_model, name) for name in ASKS}
+        dsh = requests.post(f"{proxy}/chat/completions", timeout=300,
                             json={"messages": DSH_TURN, "tools": [WEATHER], "max_tokens": 4,
                                   "chat_template_kwargs": {"enable_thinking": True}})
-        wait_for(lambda: mesh.status(0)["state"] == "ready", 60, "rank 0 idle again")
-        status = [mesh.status(r) for r in range(4)]
-        # B>1: two requests that arrive while the drafter has one wait for it, then run batched together
+        idle()
+        alone = [a.ranks()[-1]["status"] for a in agents]
+        metrics = {name: metric(agents, name) for name in (
+            "meshd_agent_rank_draft_tokens_total", "meshd_agent_rank_draft_fallbacks_total",
+            "meshd_agent_rank_kernels_hidden")}
+        # B>1 through the proxy: a lone request drafts; three arrive meanwhile, the proxy lets them all
+        # through to rank 0, where they wait; the lone one cancelled, the three run batched
+        blocker = requests.post(f"{proxy}/chat/completions", stream=True, timeout=300,
+                                json={**ASKS["greedy"], "max_tokens": 4000, "stream": True, **endless(dspark_model)})
+        lines = blocker.iter_lines(decode_unicode=True)
+        next(line for line in lines if line.startswith("data: "))
         with ThreadPoolExecutor(3) as pool:
-            def ask():
-                return requests.post(f"{mesh.url}/v1/chat/completions", timeout=300,
-                                     json={**ASKS["greedy"], **endless(dspark_model)}).json()
-            first = pool.submit(ask)
-            wait_for(lambda: mesh.status(0)["tokens"] > status[0]["tokens"], 120, "the lone request drafting")
-            pair = [pool.submit(ask), pool.submit(ask)]
-            together = [first.result(), *(f.result() for f in pair)]
-        batched = mesh.status(0)
-        alone = ask()  # the drafter re-armed between requests
-        wait_for(lambda: mesh.status(0)["state"] == "ready", 60, "rank 0 idle again")
-        yield {"answers": short, "dsh": dsh, "status": status, "logs": [mesh.log(r) for r in range(4)],
-               "alive": [p.poll() is None for p in mesh.procs], "together": together, "alone": alone,
-               "before": status[0], "batched": batched, "after": mesh.status(0)}
+            waiting = {name: pool.submit(ask, proxy, dspark_model, name) for name in ASKS}
+            held = wait_for(lambda: (n := rank0()["requests_in_flight"]) == 4 and n, 120,
+                            "rank 0 to hold the lone request and the three", interval=0.1)
+            blocker.close()
+            plain = {name: f.result() for name, f in waiting.items()}
+        idle()
+        batched = rank0()
+        again = requests.post(f"{proxy}/chat/completions", timeout=300, json={**ASKS["greedy"], "max_tokens": 4})
+        idle()
+        yield {"drafted": drafted, "dsh": dsh, "alone": alone, "metrics": metrics, "held": held,
+               "plain": plain, "batched": batched, "again": again, "after": rank0(),
+               "logs": [(a.dir / "state" / "gen-1" / f"rank-{r}" / "rank.log").read_text()
+                        for r, a in enumerate(agents)],
+               "generation": json.loads(meshctl(mesh, "status", "--json").stdout)["generation"]}
 
 
-def test_dspark_drafts_at_tp4_and_its_answers_are_the_plain_ones_token_for_token(drafted, plain):
-    assert drafted["answers"] == plain  # greedy, seeded (and its log probabilities), and the long one
+def test_dspark_drafts_at_tp4_and_its_answers_are_the_plain_ones_token_for_token(served):
+    plain = served["plain"]
+    assert served["drafted"] == plain  # greedy, seeded (and its log probabilities), and the long one
     assert plain["greedy"][1] == 16 and plain["seeded"][2]
-    first = drafted["status"][0]
+    first = served["alone"][0]
     assert first["drafter"] == "dspark" and 0 < first["draft_accepted"] <= first["draft_proposed"]
-    counts = {(s["draft_proposed"], s["draft_accepted"], s["draft_fallbacks"]) for s in drafted["status"]}
+    counts = {(s["draft_proposed"], s["draft_accepted"], s["draft_fallbacks"]) for s in served["alone"]}
     assert len(counts) == 1  # every rank drafted and kept the same
-    assert all("drafter armed: DSpark's 3 stages, blocks of 5 drafts" in log for log in drafted["logs"])
+    assert all("drafter armed: DSpark's 3 stages, blocks of 5 drafts" in log for log in served["logs"])
 
 
-def test_more_than_one_request_runs_batched_and_the_drafter_rearms_between_requests(drafted, plain):
-    texts = [r["choices"][0]["message"]["content"] for r in [*drafted["together"], drafted["alone"]]]
-    assert texts == [plain["greedy"][0]] * 4
-    before, batched, after = drafted["before"], drafted["batched"], drafted["after"]
-    lookups = lambda s: s["tape_hits"] + s["tape_misses"] + s["tape_not_reusable"]
-    assert lookups(batched) - lookups(before) == 2  # the pair went to the batch engine (its tape looked up)
+def test_the_drafters_counts_reach_the_agents_metrics(served):
+    proposed, accepted, fallbacks = (served["alone"][0][k] for k in ("draft_proposed", "draft_accepted",
+                                                                      "draft_fallbacks"))
+    samples = served["metrics"]["meshd_agent_rank_draft_tokens_total"]
+    assert [v for labels, v in samples if 'kind="proposed"' in labels] == [f"{proposed:.1f}"] * 4
+    assert [v for labels, v in samples if 'kind="accepted"' in labels] == [f"{accepted:.1f}"] * 4
+    assert [v for _, v in served["metrics"]["meshd_agent_rank_draft_fallbacks_total"]] == [f"{fallbacks:.1f}"] * 4
+
+
+def test_more_than_one_request_through_the_proxy_runs_batched_and_the_drafter_rearms(served):
+    assert served["held"] == 4  # the proxy admitted them at once: it knows this drafter batches
+    before, batched, after = served["alone"][0], served["batched"], served["after"]
+    lookups = lambda s: s["tape_hits"] + s["tape_misses"] + s["tape_not_reusable"]  # noqa: E731
+    assert lookups(batched) - lookups(before) == 3  # the three went to the batch engine (its tape looked up)
+    assert served["again"].status_code == 200, served["again"].text
     assert after["draft_proposed"] > batched["draft_proposed"] and lookups(after) == lookups(batched)
 
 
-def test_a_kernel_that_refuses_the_heads_per_rank_is_hidden_at_load(drafted):
+def test_a_kernel_that_refuses_the_heads_per_rank_is_hidden_at_load_and_counted(served):
     assert all("kernel dspark_ring_gemm hidden: it refuses 2 heads per rank (ValueError: Unsupported DSpark "
-               "physical-ring GEMM layout.)" in log for log in drafted["logs"])
+               "physical-ring GEMM layout.)" in log for log in served["logs"])
+    assert [s["kernels_hidden"] for s in served["alone"]] == [1] * 4
+    assert [v for _, v in served["metrics"]["meshd_agent_rank_kernels_hidden"]] == ["1.0"] * 4
 
 
-def test_a_refusal_in_the_targets_verify_falls_back_for_that_request_and_the_ranks_live(drafted):
+def test_a_refusal_in_the_targets_verify_falls_back_for_that_request_and_the_ranks_live(served):
     # the long prompt and the dsh turn, both past REFUSE_AT; their answers are the plain ones (the long one above)
-    assert drafted["alive"] == [True] * 4 and drafted["status"][0]["draft_fallbacks"] == 2
-    assert "the target's verify refused (ValueError: Unsupported DSpark physical-ring GEMM layout." in drafted["logs"][0]
+    assert served["alone"][0]["draft_fallbacks"] == 2 and served["generation"] == 1  # no rank died
+    assert "the target's verify refused (ValueError: Unsupported DSpark physical-ring GEMM layout." in served["logs"][0]
 
 
-def test_a_dsh_turn_through_the_mesh_reaches_the_template_with_its_reasoning(drafted, dspark_model):
-    assert drafted["dsh"].status_code == 200, drafted["dsh"].text
+def test_a_dsh_turn_through_the_proxy_reaches_the_template_with_its_reasoning(served, dspark_model):
+    assert served["dsh"].status_code == 200, served["dsh"].text
     said = load_tokenizer(dspark_model).apply_chat_template(
         DSH_TURN, tools=[WEATHER], add_generation_prompt=True, enable_thinking=True)
-    assert drafted["dsh"].json()["usage"]["prompt_tokens"] == len(said)  # the reasoning and the call rendered
+    assert served["dsh"].json()["usage"]["prompt_tokens"] == len(said)  # the reasoning and the call rendered
 
 
 def test_stages_split_without_their_all_reduce_are_caught_by_the_digests(dspark_model, tmp_path):
