@@ -13,8 +13,13 @@ the moment the stand-in sent it (the time is in its text; one clock) to its
 arrival at the client; a round's p50 and p99 over all its tokens, minus
 direct's.
 
+--two-meshes adds a path to the rounds: meshd-proxy with a proxy config fronting
+two meshes (the first and another stand-in mesh beside it), and a table of its
+added latency against the proxy of one mesh.
+
     python bench/proxy_overhead.py --rounds 5 --requests 200 --write
     python bench/proxy_overhead.py --rounds 5 --requests 64 --pace-ms 20 --write
+    python bench/proxy_overhead.py --rounds 5 --requests 64 --pace-ms 20 --two-meshes --write
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pathlib import Path
 import aiohttp
 from benchkit import ROOT, meshctl_for, report, standin_model
 
+from common.tomlcheck import write_toml
 from kit.agents import make_agents
 from kit.configs import write_mesh
 from kit.meshctl import stop_controller
@@ -45,6 +51,7 @@ from meshd.meshctl.ports import free_ports
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 SENT_AT = re.compile(rb'"content": "t\d+ ([0-9.]+) ')
 PATHS = ("direct", "meshd-proxy", "nginx")
+TWO = "two meshes"
 
 
 async def one(session: aiohttp.ClientSession, url: str, stream: bool, latencies: list[float] | None) -> float:
@@ -126,21 +133,28 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--pace-ms", type=float, default=0.0)
+    ap.add_argument("--two-meshes", action="store_true", help="also through meshd-proxy fronting two meshes")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
+    paths = PATHS + ((TWO,) if args.two_meshes else ())
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     if not Path(nginx).exists():
         raise SystemExit("nginx is not installed: apt-get install nginx")
     paced = args.pace_ms > 0
     tmp = Path(tempfile.mkdtemp(prefix="meshd-proxy-bench-"))
-    (agent,) = make_agents(tmp, 1, extra={"profiles": {"standin": {
-        "command": ["{python}", str(ROOT / "bench" / "standin_rank.py"), "--host", "{host}", "--port", "{port}",
-                    "--meshd-generation", "{generation}", "--chunks", str(args.chunks),
-                    "--pace-ms", str(args.pace_ms)], "status_file": False}}})
-    agent.start()
-    mesh = write_mesh(tmp, [agent], standin_model(tmp / "model"), runtime={"profile": "standin"},
-                      proxy={"concurrency": 64, "queue_limit": 256})
-    (nginx_port,) = free_ports(1)
+    def standin_mesh(d: Path):
+        (agent,) = make_agents(d, 1, extra={"profiles": {"standin": {
+            "command": ["{python}", str(ROOT / "bench" / "standin_rank.py"), "--host", "{host}", "--port", "{port}",
+                        "--meshd-generation", "{generation}", "--chunks", str(args.chunks),
+                        "--pace-ms", str(args.pace_ms)], "status_file": False}}})
+        agent.start()
+        return agent, write_mesh(d, [agent], standin_model(tmp / "model"), runtime={"profile": "standin"},
+                                 proxy={"concurrency": 64, "queue_limit": 256})
+
+    agent, mesh = standin_mesh(tmp)
+    other = standin_mesh(tmp / "other") if args.two_meshes else None
+    front = None
+    (nginx_port, front_port) = free_ports(2)
     for sub in ("body", "proxy", "fcgi", "uwsgi", "scgi"):
         (tmp / sub).mkdir()
     rank_port = mesh_config.load(mesh).runtime.port
@@ -155,15 +169,26 @@ def main() -> None:
     try:
         meshctl_for(mesh, "up", "--skip-preflight")  # the stand-in rank loads no model: no memory to check
         status = json.loads(meshctl_for(mesh, "status", "--json"))
+        if other is not None:
+            meshctl_for(other[1], "up", "--skip-preflight")
+            front = subprocess.Popen([sys.executable, "-m", "meshd.dataplane.proxyd", "--config", str(write_toml(
+                tmp / "proxy.toml", {"proxy": {"listen": f"127.0.0.1:{front_port}", "concurrency": 64,
+                                               "queue_limit": 256},
+                                     "meshes": [{"name": "a", "config": str(mesh)},
+                                                {"name": "b", "config": str(other[1])}]}))])
         ng = subprocess.Popen([nginx, "-c", str(nginx_conf(tmp, nginx_port, rank_port)), "-g", "daemon off;"])
         urls = {"direct": f"http://127.0.0.1:{rank_port}/v1/chat/completions",
                 "meshd-proxy": f"{status['urls']['proxy']}/chat/completions",
-                "nginx": f"http://127.0.0.1:{nginx_port}/v1/chat/completions"}
+                "nginx": f"http://127.0.0.1:{nginx_port}/v1/chat/completions",
+                TWO: f"http://127.0.0.1:{front_port}/v1/chat/completions"}
         wait_for(lambda: subprocess.run(["curl", "-sf", f"http://127.0.0.1:{nginx_port}/internal/ready"],
                                         capture_output=True).returncode == 0, 30, "nginx")
+        if front is not None:
+            wait_for(lambda: subprocess.run(["curl", "-sf", f"http://127.0.0.1:{front_port}/health"],
+                                            capture_output=True).returncode == 0, 60, "the proxy of two meshes")
         for concurrency, stream in cells:
             for rnd in range(args.rounds):
-                order = PATHS[rnd % 3:] + PATHS[:rnd % 3]
+                order = paths[rnd % len(paths):] + paths[:rnd % len(paths)]
                 got: dict[str, dict[str, float]] = {}
                 for path in order:
                     times, latencies = asyncio.run(load(urls[path], requests_for(concurrency), concurrency, stream,
@@ -180,11 +205,13 @@ def main() -> None:
                     f"{path} {stat} {v * 1000:.3f} ms" for stat, by_path in got.items() for path, v in by_path.items()),
                     file=sys.stderr)
     finally:
-        if ng is not None:
-            ng.terminate()
-            ng.wait(10)
-        stop_controller(mesh)
-        agent.kill()
+        for proc in (ng, front):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(10)
+        for a, m in (agent, mesh), *((other,) if other else ()):
+            stop_controller(m)
+            a.kill()
 
     today = time.strftime("%Y-%m-%d")
     if paced:
@@ -223,9 +250,29 @@ def main() -> None:
         lines += ["", "A round's added latency is its median through the path minus its median direct, divided by "
                   "the chunks of a stream (plus its end and [DONE]) for the per-chunk rows; the table gives the "
                   "median over rounds and their spread."]
+    if args.two_meshes:
+        lines += ["", *two_meshes_table(results, cells, paced)]
     lines += ["", f"Command: `python bench/proxy_overhead.py --rounds {args.rounds} --requests {args.requests} "
-              f"--chunks {args.chunks}{f' --pace-ms {args.pace_ms:g}' if paced else ''} --write`", ""]
+              f"--chunks {args.chunks}{f' --pace-ms {args.pace_ms:g}' if paced else ''}"
+              f"{' --two-meshes' if args.two_meshes else ''} --write`", ""]
     report(lines, args.write)
+
+
+def two_meshes_table(results: dict, cells: list[tuple], paced: bool) -> list[str]:
+    """meshd-proxy fronting two meshes against meshd-proxy of one, each over direct in the same round."""
+    stat = "p99" if paced else "median"
+    unit = "per token, p99" if paced else "per request or chunk, median"
+    lines = [f"meshd-proxy over two meshes against one mesh ({unit}, added over direct in the same round):", "",
+             "| clients | kind | one mesh added ms (spread) | two meshes added ms (spread) | two - one ms |",
+             "|---|---|---|---|---|"]
+    for concurrency, stream in cells:
+        rounds = results[(concurrency, stream)][stat]
+        one, lo1, hi1 = cell(rounds, "meshd-proxy")
+        two, lo2, hi2 = cell(rounds, TWO)
+        kind = "per token" if paced else ("per chunk" if stream else "per request")
+        lines.append(f"| {concurrency} | {kind} | {one:.3f} ({lo1:.3f} to {hi1:.3f}) | {two:.3f} ({lo2:.3f} to "
+                     f"{hi2:.3f}) | {two - one:.3f} |")
+    return lines
 
 
 if __name__ == "__main__":
