@@ -94,7 +94,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a prefill this long is snapshotted when it ends, an answer in flight every this many tokens")
     p.add_argument("--backend", default="any",
                    help="mx.distributed backend (default: $MESHD_BACKEND, which the agent sets from the hostfile)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag in ("snapshot_every", "snapshot_budget_mb"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)} "
+                    "(to write no snapshots: --snapshots off)")
+    return args
 
 
 def load_sharded(model_path: Path, group, on_progress, overlay=None, log=print):

@@ -239,10 +239,9 @@ class Snapshots:
         self.skipped: dict[str, int] = {}
         self._lock = threading.Lock()  # the segment index, shared with the writer
         self.segments, bad = scan(self.folder, me)
-        for path, reason in bad.items():
+        for path, reason in bad.items():  # none of them can ever serve from this folder
             self.skip(reason, f"{path.name} ({reason})")
-            if reason != "foreign":
-                path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
         self._others = self._trim_others()
         self._count_bytes()
         self._staged: list[tuple[Segment, dict[str, mx.array]]] = []

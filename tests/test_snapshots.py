@@ -3,6 +3,9 @@ caches, a budget and a full disk; and one real 2-rank ring mesh of agents: after
 generation answers the next turn and the cut stream exactly, their prefixes from the snapshots, and ignores a
 corrupted, truncated or foreign snapshot on one rank."""
 
+import subprocess
+import sys
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
@@ -239,3 +242,10 @@ def test_a_corrupted_foreign_or_truncated_snapshot_on_one_rank_is_ignored_and_th
         answer, cached = story["again"][how]
         assert answer == story["first"][how], how
         assert cached < len(msgs[0]["content"]) // 4, how  # prefilled afresh: at most the template's start shared
+
+
+@pytest.mark.parametrize("flag", ["--snapshot-every", "--snapshot-budget-mb"])
+def test_a_snapshot_setting_below_one_is_refused_naming_the_flag_and_the_way_off(demo_model, flag):
+    r = subprocess.run([sys.executable, "-m", "runtime.rank", "--model", str(demo_model), flag, "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"{flag} must be at least 1, got 0" in r.stderr and "--snapshots off" in r.stderr
