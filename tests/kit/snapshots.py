@@ -43,9 +43,10 @@ class Gen:
     def stream(self, body, resume=None, stop_after=None):
         """What the proxy does (meshd/dataplane/exchange.py): ask for each chunk's token ids, resume from
         those delivered. Returns (meshd's header, ids, chars, cached tokens, the response); `times` holds
-        when each chunk of tokens came, from the request on (perf_counter seconds)."""
+        when the request went and when each chunk of tokens came (perf_counter seconds), `counts` how many
+        tokens each chunk brought."""
         meshd = {"ids": True, **({"resume": resume} if resume else {})}
-        self.times = [time.perf_counter()]
+        self.times, self.counts = [time.perf_counter()], [0]
         r = requests.post(f"{self.url}/v1/chat/completions", stream=True, timeout=120,
                           json={**body, "stream": True, "stream_options": {"include_usage": True}, "meshd": meshd})
         assert r.status_code == 200, r.text
@@ -63,6 +64,7 @@ class Gen:
                 if confirmed:
                     self.times.append(time.perf_counter())
                     chars, got = confirmed
+                    self.counts.append(len(got))
                     ids += got
                     confirmed = None
                 if stop_after and len(ids) >= stop_after:
