@@ -244,6 +244,8 @@ def test_meshctl_status_shows_every_mesh_and_where_requests_went(front):
     assert all(line in text for line in ("a ", "b ", "f ", "affinity 1", "fallback: small"))
     refused = meshctl(front.config, "restart")
     assert refused.returncode == 1 and "is a proxy config" in refused.stderr
+    checked = json.loads(meshctl(front.config, "config", "check", "--json").stdout)
+    assert (checked["ok"], checked["meshes"], checked["fallback"]) == (True, ["a", "b", "f"], "small")
 
 
 class Stream(threading.Thread):

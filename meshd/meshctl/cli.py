@@ -32,7 +32,7 @@ from common.states import Phase
 from common.tomlcheck import ConfigError, listen_host, read_toml, split_listen
 from meshd.meshctl import background, demo, service
 from meshd.config import MeshConfig, hostfile_for, load
-from meshd.dataplane.proxyconfig import Front, is_proxy_config, load_front
+from meshd.dataplane.proxyconfig import Front, check_twins, is_proxy_config, load_front
 from meshd.meshctl.progress import Display
 from meshd.store import read_value
 
@@ -187,9 +187,8 @@ def find_config(arg: str | None) -> Path | None:
     return next((p for p in config_places() if p.is_file()), None)
 
 
-def proxy_config(arg: str | None) -> Front | None:
-    """The proxy config the config names (it lists [[meshes]]), or None when it is a mesh.toml or none."""
-    path = find_config(arg)
+def front_at(path: Path | None) -> Front | None:
+    """The proxy config at `path` (it lists [[meshes]]), or None when it is a mesh.toml or there is none."""
     if path is None or not is_proxy_config(read_toml(path, "pass --config with your mesh.toml")):
         return None
     return load_front(path)
@@ -427,7 +426,7 @@ def cmd_meshes_status(front: Front, args) -> int:
 
 
 def cmd_status(args) -> int:
-    if (front := proxy_config(args.config)) is not None:
+    if (front := front_at(find_config(args.config))) is not None:
         return cmd_meshes_status(front, args)
     cfg = resolve_config(args.config)
     ctl = Control(cfg)
@@ -596,12 +595,24 @@ def cmd_config(args) -> int:
         raise CliError(f"no mesh.toml in {', '.join(map(str, config_places()))}; name the file: "
                        f"meshctl config check mesh.toml")
     try:
-        cfg = load(path)
+        if (front := front_at(Path(path))) is not None:
+            check_twins(front)
+        else:
+            cfg = load(path)
     except ConfigError as e:
         if not args.json:
             raise
         print(json.dumps({"path": str(path), "ok": False, "problems": e.problems, "warnings": []}, indent=2))
         return 1
+    if front is not None:
+        meshes = [m.name for m in front.meshes]
+        if args.json:
+            print(json.dumps({"path": str(path), "ok": True, "problems": [], "warnings": [], "name": front.name,
+                              "meshes": meshes, "fallback": front.fallback or None}, indent=2))
+        else:
+            say(f"{path}: ok (proxy config {front.name!r}, meshes {', '.join(meshes)}, fallback "
+                f"{front.fallback or 'none'})")
+        return 0
     warnings = [f"nodes.{n.name}.token_file: {n.token_file} does not exist" for n in cfg.nodes
                 if not n.token_file.exists()]
     warnings += default_profile_refusals(cfg)
