@@ -293,7 +293,7 @@ class Snapshots:
             if s:  # a segment it shares with a tape before it was unusable
                 self.skip("corrupt", f"tape {sid}: a segment of its chain is unusable")
                 continue
-            parts = self._load_chain(chain[::-1], layers)
+            parts = self._load_chain(chain[::-1], layers, on_progress)
             if parts is None:
                 continue
             tokens = tuple(np.concatenate([np.array(p["tokens"]) for p in parts]).tolist())
@@ -309,15 +309,16 @@ class Snapshots:
                 cache.append(c)
             mx.eval([c.state[:2] for c in cache])
             out.append((tokens, cache, sid))
-            on_progress()
         return out
 
-    def _load_chain(self, chain: list[Segment], layers: int) -> list[dict] | None:
-        """Each segment's arrays, first to last; None when one is unusable, which is deleted."""
+    def _load_chain(self, chain: list[Segment], layers: int, on_progress) -> list[dict] | None:
+        """Each segment's arrays, first to last (`on_progress` after each); None when one is unusable, which
+        is deleted."""
         parts = []
         for seg in chain:
             try:
                 parts.append(load_segment(seg, layers))
+                on_progress()
             except Unusable as e:
                 self.skip(e.reason, str(e))
                 with self._lock:

@@ -3,9 +3,6 @@ caches, a budget and a full disk; and one real 2-rank ring mesh of agents: after
 generation answers the next turn and the cut stream exactly, their prefixes from the snapshots, and ignores a
 corrupted, truncated or foreign snapshot on one rank."""
 
-import subprocess
-import sys
-
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
@@ -15,6 +12,7 @@ from kit.demo_answers import endless
 from kit.smallfs import fill, small_filesystem
 from kit.snapshots import EVERY, Gen, answer_in_flight, metric
 from kit.waiting import wait_for
+from runtime.rank import parse_args
 from runtime.snapshot import (Identity, Segment, Snapshots, agree, due, ends, evict, read_header, tape_id,
                               whole)
 
@@ -245,7 +243,8 @@ def test_a_corrupted_foreign_or_truncated_snapshot_on_one_rank_is_ignored_and_th
 
 
 @pytest.mark.parametrize("flag", ["--snapshot-every", "--snapshot-budget-mb"])
-def test_a_snapshot_setting_below_one_is_refused_naming_the_flag_and_the_way_off(demo_model, flag):
-    r = subprocess.run([sys.executable, "-m", "runtime.rank", "--model", str(demo_model), flag, "0"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and f"{flag} must be at least 1, got 0" in r.stderr and "--snapshots off" in r.stderr
+def test_a_snapshot_setting_below_one_is_refused_naming_the_flag_and_the_way_off(flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--model", "m", flag, "0"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"{flag} must be at least 1, got 0" in err and "--snapshots off" in err
