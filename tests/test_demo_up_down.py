@@ -1,0 +1,51 @@
+"""The demo mesh's own life, each test on a demo of its own: `meshctl up` with the default four nodes,
+`meshctl down` leaving no process behind, up again on the same ports; a demo of one node that serves and
+recovers. (tests/test_demo_mesh.py drives one demo through deaths and restarts.)"""
+
+import os
+import signal
+
+import psutil
+
+from kit.meshctl import Demo, demo_home, demo_meshctl
+from meshd.meshctl.demo import WORLD
+
+
+def test_down_drains_and_leaves_no_process_and_up_again_keeps_every_port(tmp_path_factory):
+    home = demo_home(tmp_path_factory, "meshd-home-down")
+    ports = (home / "demo" / "ports.json").read_text()
+    demo_meshctl(home, "up")
+    status = Demo(home).status()
+    assert len(status["nodes"]) == WORLD and Demo(home).chat().status_code == 200
+    pids = [n["rank"]["pid"] for n in status["nodes"]]
+    out = demo_meshctl(home, "down").stdout
+    assert "no process of the mesh remains" in out
+    assert not [p for p in pids if psutil.pid_exists(p)]
+    leftovers = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+                 if any(str(home) in part for part in (p.info["cmdline"] or []))]
+    assert leftovers == []
+    r = demo_meshctl(home, "status", check=False)
+    assert r.returncode == 1 and "meshctl up" in r.stderr
+    # Up again at once, the connections of the mesh that just stopped still in TIME_WAIT: the same ports,
+    # so the URL the README shows (and a client's configuration) goes on working.
+    again = demo_meshctl(home, "up")
+    assert f"OpenAI URL: {status['urls']['proxy']}" in again.stdout, again.stdout
+    assert (home / "demo" / "ports.json").read_text() == ports
+    assert Demo(home).chat().status_code == 200
+    assert "no process of the mesh remains" in demo_meshctl(home, "down").stdout
+
+
+def test_a_demo_of_one_node_is_a_mesh_of_one_that_serves_and_recovers(tmp_path_factory):
+    home = demo_home(tmp_path_factory, "meshd-home-one")
+    up = demo_meshctl(home, "up", "--nodes", "1")
+    assert "demo: starting 1 agent and the controller" in up.stdout and "on 1 rank\n" in up.stdout, up.stdout
+    one = Demo(home)
+    s = one.status()
+    assert [(n["node"], n["rank"]["rank"]) for n in s["nodes"]] == [("node0", 0)]
+    assert one.chat().status_code == 200
+    other = demo_meshctl(home, "up", "--nodes", "2", check=False)
+    assert other.returncode == 1 and "the demo mesh runs with 1 node: `meshctl down`" in other.stderr
+    os.kill(one.rank_pid(0), signal.SIGKILL)
+    one.wait_ready(after=s["generation"])
+    assert one.incidents()[0]["node"] == "node0" and one.chat().status_code == 200
+    assert "no process of the mesh remains" in demo_meshctl(home, "down").stdout
