@@ -4,7 +4,7 @@ cold spawn. One that exited, is not ready, is stale (the code it imported change
 started) or was started for another environment is replaced, never used. It belongs to no generation
 until it takes a spec: its exit is no rank's death, and a sweep ends it only once its agent is gone.
 
-The decisions are pure (`rank_args`, `early_env`, `refusal`, `wanted`); `Keeper` carries them out.
+The decisions are pure (`rank_args`, `early_env`, `refusal`, `respawn_in`); `Keeper` carries them out.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import structlog
 
@@ -70,10 +71,14 @@ def reported(standby: Standby, report: dict | None) -> bool:
     return report is not None and report.get("pid") == standby.target.pid
 
 
-def wanted(*, enabled: bool, held: bool, failed_at: float | None, now: float) -> bool:
-    """Start a standby now (this node's rank serves)? When none is held, and not within RESPAWN_AFTER
-    of finding that the last one died before it was ready (`failed_at`)."""
-    return enabled and not held and (failed_at is None or now - failed_at >= RESPAWN_AFTER)
+def respawn_in(*, enabled: bool, held: bool, failed_at: float | None, now: float,
+               after: float = RESPAWN_AFTER) -> float | None:
+    """When to start a standby (this node's rank serves): None when none is wanted (disabled, or one is
+    held), else in how many seconds: 0 now, or the rest of `after` since the last one died before it was
+    ready (`failed_at`)."""
+    if not enabled or held:
+        return None
+    return 0.0 if failed_at is None else max(0.0, after - (now - failed_at))
 
 
 def read_report(path: Path) -> dict | None:
@@ -86,10 +91,12 @@ def read_report(path: Path) -> dict | None:
 class Keeper:
     """Holds this agent's standby: starts it, hands it a rank, ends it."""
 
-    def __init__(self, state_dir: Path, python: str, enabled: bool):
+    def __init__(self, state_dir: Path, python: str, enabled: bool, respawn_after: float = RESPAWN_AFTER):
         self.dir = state_dir / "standby"
         self.python = python
         self.enabled = enabled
+        self.respawn_after = respawn_after
+        self._again: asyncio.Task | None = None  # a later look, after one died before it was ready
         self.standby: Standby | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self.failed_at: float | None = None  # when a standby was found dead before it was ready
@@ -99,17 +106,24 @@ class Keeper:
     def pid(self) -> int | None:
         return self.standby.target.pid if self.standby else None
 
-    async def ensure(self, early: dict) -> None:
-        """Start a standby for ranks with environment `early`, when one is wanted now. Called while this
-        node's rank serves, never beside a loading one, whose CPU and memory it would take."""
+    async def ensure(self, early: dict, serving: Callable[[], bool]) -> None:
+        """Start a standby for ranks with environment `early`, when one is wanted: now, or once the wait
+        after an unready death is over if this node's rank still serves then (`serving`). Called while
+        this node's rank serves, never beside a loading one, whose CPU and memory it would take."""
         async with self._lock:
-            await self._ensure(early)
+            await self._ensure(early, serving)
 
-    async def _ensure(self, early: dict) -> None:
+    async def _ensure(self, early: dict, serving: Callable[[], bool]) -> None:
         held = self.standby is not None and procs.alive(self.standby.target)
         if self.standby is not None and not held:
             self._lost(self.standby)
-        if not wanted(enabled=self.enabled, held=held, failed_at=self.failed_at, now=time.monotonic()):
+        delay = respawn_in(enabled=self.enabled, held=held, failed_at=self.failed_at, now=time.monotonic(),
+                           after=self.respawn_after)
+        if delay is None:
+            return
+        if delay > 0:
+            if self._again is None or self._again.done():
+                self._again = asyncio.create_task(self._look_again(delay, early, serving))
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         report = self.dir / "report.json"
@@ -151,6 +165,11 @@ class Keeper:
         proc.stdin.close()
         return proc
 
+    async def _look_again(self, delay: float, early: dict, serving: Callable[[], bool]) -> None:
+        await asyncio.sleep(delay)
+        if serving():
+            await self.ensure(early, serving)
+
     def _lost(self, standby: Standby) -> None:
         """`standby` died by itself; before it was ready, its next start waits RESPAWN_AFTER."""
         ready = reported(standby, read_report(standby.report))
@@ -161,6 +180,8 @@ class Keeper:
 
     async def close(self) -> None:
         """End the standby (the agent stops; its ranks stay, a standby does not)."""
+        if self._again is not None:
+            self._again.cancel()
         if self.standby is not None:
             await self._end(self.standby)
             self.standby, self.proc = None, None

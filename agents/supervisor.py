@@ -117,12 +117,16 @@ class Supervisor:
             self.reboot_required = event.reason
         await self.events.emit(event)
         if isinstance(event, RankStateChanged) and event.state == RankState.READY:
-            await self.standby.ensure(self._early)  # while this rank serves, ready for the next generation
+            await self.standby.ensure(self._early, self.serving)  # while this rank serves, for the next generation
 
     def _watch(self, rec: RankRecord) -> None:
         RankWatcher(rec, self.emit, self.config.node, self.config.stall, self.config.log_max_bytes).start()
 
     # --- queries ----------------------------------------------------------------
+    def serving(self) -> bool:
+        """A rank of this node is ready or busy (a standby may start beside it)."""
+        return any(r.state in (RankState.READY, RankState.BUSY) for r in self.live())
+
     def live(self) -> list[RankRecord]:
         return [r for r in self.records.values() if not r.done]
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from agents.orphans import ProcInfo, select_orphans
-from agents.standby import RESPAWN_AFTER, Standby, early_env, rank_args, refusal, wanted
+from agents.standby import RESPAWN_AFTER, Keeper, Standby, early_env, rank_args, refusal, respawn_in
 from common.buildinfo import newest_change
 from common.procs import Target
 from kit.agents import make_agents, start_generation, stop_generation, wait_mesh_ready
@@ -161,15 +161,45 @@ def test_when_a_standby_may_take_a_rank(name, standby, alive, report, changed_at
     assert said is None if why is None else why in said
 
 
-@pytest.mark.parametrize("enabled, held, failed_at, now, start", [
-    (True, False, None, 0.0, True),
-    (False, False, None, 0.0, False),  # standby = false in agent.toml
-    (True, True, None, 0.0, False),
-    (True, False, 100.0, 100.0 + RESPAWN_AFTER - 1, False),  # the last one died before it was ready
-    (True, False, 100.0, 100.0 + RESPAWN_AFTER, True),
+@pytest.mark.parametrize("enabled, held, failed_at, now, delay", [
+    (True, False, None, 0.0, 0.0),
+    (False, False, None, 0.0, None),  # standby = false in agent.toml
+    (True, True, None, 0.0, None),
+    (True, False, 100.0, 101.0, RESPAWN_AFTER - 1),  # the last one died before it was ready: look again then
+    (True, False, 100.0, 100.0 + RESPAWN_AFTER, 0.0),
+    (True, False, 100.0, 100.0 + 2 * RESPAWN_AFTER, 0.0),
 ])
-def test_when_a_standby_is_started(enabled, held, failed_at, now, start):
-    assert wanted(enabled=enabled, held=held, failed_at=failed_at, now=now) is start
+def test_when_a_standby_is_started(enabled, held, failed_at, now, delay):
+    assert respawn_in(enabled=enabled, held=held, failed_at=failed_at, now=now) == delay
+
+
+def test_a_standby_that_died_unready_is_started_again_later_while_the_rank_serves(tmp_path):
+    """The keeper looks again once the wait is over, with no new generation to prompt it; not while the
+    node's rank does not serve."""
+    import sys
+
+    async def scenario():
+        keeper = Keeper(tmp_path, sys.executable, True, respawn_after=1.0)
+        serving = [True]
+        await keeper.ensure({}, lambda: serving[0])
+        first = keeper.standby.target.pid
+        os.kill(first, signal.SIGKILL)  # before it reported ready
+        await keeper.proc.wait()
+        await keeper.ensure({}, lambda: serving[0])
+        assert keeper.standby is None and keeper.failed_at is not None, "an unready death waits"
+        while keeper.standby is None:
+            await asyncio.sleep(0.05)
+        second = keeper.standby.target.pid
+        os.kill(second, signal.SIGKILL)
+        await keeper.proc.wait()
+        serving[0] = False
+        await keeper.ensure({}, lambda: serving[0])
+        await asyncio.sleep(1.5)
+        assert keeper.standby is None, "no standby while the node's rank does not serve"
+        await keeper.close()
+        return first, second
+    first, second = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert first != second
 
 
 @pytest.mark.parametrize("argv, args", [
