@@ -113,11 +113,14 @@ def test_a_dsh_turn_reaches_deepseeks_template_whole_and_reasoning_goes_out_unde
 
 
 PROMPT = "The ranks step in lockstep: each token needs an all-reduce across the ring."
-REFUSE_AT = 100  # the stand-in target's verify refuses past this many positions (MESHD_FAULT_TARGET_REFUSE_AT)
-ASKS = {"greedy": {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16},
-        "seeded": {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "temperature": 0.9,
+# The stand-in target's verify refuses past this many positions (MESHD_FAULT_TARGET_REFUSE_AT): the long
+# question (88 prompt tokens) passes its first verify (6 places) and is refused at its next, mid-answer; the
+# short ones (71) never get there, the dsh turn (350) is refused at its first.
+REFUSE_AT = 94
+ASKS = {"greedy": {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8},
+        "seeded": {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0.9,
                    "seed": 7, "logprobs": True, "top_logprobs": 2},
-        "long": {"messages": [{"role": "user", "content": PROMPT * 2}], "max_tokens": 16}}  # past REFUSE_AT
+        "long": {"messages": [{"role": "user", "content": PROMPT * 2}], "max_tokens": 8}}
 
 
 def ask(url: str, model, name: str) -> tuple:
@@ -184,7 +187,7 @@ def served(dspark_model, tmp_path_factory):
 def test_dspark_drafts_at_tp4_and_its_answers_are_the_plain_ones_token_for_token(served):
     plain = served["plain"]
     assert served["drafted"] == plain  # greedy, seeded (and its log probabilities), and the long one
-    assert plain["greedy"][1] == 16 and plain["seeded"][2]
+    assert plain["greedy"][1] == 8 and plain["seeded"][2]
     first = served["alone"][0]
     assert first["drafter"] == "dspark" and 0 < first["draft_accepted"] <= first["draft_proposed"]
     counts = {(s["draft_proposed"], s["draft_accepted"], s["draft_fallbacks"]) for s in served["alone"]}
