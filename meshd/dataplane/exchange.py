@@ -7,7 +7,8 @@ to the `Rank0` the gate hands it, which may be another mesh's (routing.py).
 - Holds the request while the fleet starts or recovers, up to `queue_wait`,
   then 503 with Retry-After; a client already streaming gets keep-alives.
 - Retries a request whose upstream failed before any data reached the client
-  on the next generation. A stream cut after data is resumed on the next
+  on the next generation; an attempt is cut as soon as its mesh says its
+  generation died. A stream cut after data is resumed on the next
   generation, or on another mesh with the same weights (up to `migration_limit`
   times): rank 0 reports the token ids behind each chunk in SSE comments, the
   exchange keeps what it delivered and
@@ -103,6 +104,9 @@ class Gate(Protocol):
 
     async def report(self, observation: Observation) -> None:
         """Tell the fleet what this exchange saw."""
+
+    async def lost(self, rank0: Rank0) -> None:
+        """Return once rank 0's mesh says its generation died (it recovers from it, or failed)."""
 
     async def served(self, generation: int) -> None:
         """The last attempt's generation answered the request."""
@@ -245,7 +249,7 @@ class Exchange:
     async def _whole(self, rank0: Rank0) -> web.Response:
         try:
             async with asyncio.timeout(rank0.window) if rank0.window else contextlib.nullcontext():
-                async with rank0.post(self.request.path, self.body) as r:
+                async with self._attempt(rank0, self.body) as r:
                     data = await r.read()
         except TimeoutError:
             raise UpstreamFailed(f"no answer within {rank0.window:.0f}s")
@@ -256,6 +260,21 @@ class Exchange:
         if r.status == 200 and (m := COMPLETION_TOKENS.search(data)):
             self.gate.metrics.tokens.inc(int(m.group(1)))
         return web.Response(body=data, status=r.status, content_type="application/json", headers=self.headers)
+
+    @contextlib.asynccontextmanager
+    async def _attempt(self, rank0: Rank0, body: dict):
+        """rank 0's answer to `body`, cut (its next read raises UpstreamFailed) once its mesh says the
+        generation died: a rank 0 whose peer died may wait out the stop ladder before its stream breaks."""
+        async def cut_when_lost() -> None:
+            await self.gate.lost(rank0)
+            r.set_exception(UpstreamFailed(f"mesh {rank0.mesh} says generation {rank0.generation} died"))
+
+        async with rank0.post(self.request.path, body) as r:
+            watch = asyncio.ensure_future(cut_when_lost())
+            try:
+                yield r
+            finally:
+                watch.cancel()
 
     async def _prepare(self) -> web.StreamResponse:
         if self.resp is None:
@@ -282,7 +301,7 @@ class Exchange:
 
         body = self._stream_body() if rank0.resumable else self.body
         try:
-            async with rank0.post(self.request.path, body) as r:
+            async with self._attempt(rank0, body) as r:
                 if r.status >= 500:
                     raise answered_failure(r.status, await r.read())
                 if r.status != 200:
