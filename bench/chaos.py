@@ -194,24 +194,30 @@ class Chaos:
 
     def wait_handled(self, kind: str, node: str, generation: int, pid: int, after: float) -> tuple[bool, bool]:
         """(the controller recorded what this fault must produce: the exit of that pid, a stall or the fatal
-        line of that rank; the controller ended that generation and started the next)."""
+        line of that rank; the controller ended that generation and started the next). The wait ends once the
+        generation is replaced and the evidence is in or can no longer come: the rank's exit is recorded, and
+        its agent reports what a rank printed before its exit (a fault that another verdict, a stall say,
+        overtook is then not waited out to the deadline)."""
         db = self.home / "demo" / "state" / "meshd.sqlite"
         deadline = time.time() + self.stall_window + 60
-        seen = replaced = False
-        while time.time() < deadline and not (seen and replaced):
+        seen = replaced = exited = False
+        while time.time() < deadline and not (replaced and (seen or exited)):
             con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
             try:
                 rows = con.execute("SELECT data FROM events WHERE kind = ? AND node = ? AND generation = ? "
                                    "AND received_at >= ?", (self.EVIDENCE[kind], node, generation, after)).fetchall()
+                exits = con.execute("SELECT data FROM events WHERE kind = 'RankExited' AND node = ? AND "
+                                    "generation = ?", (node, generation)).fetchall()
                 replaced = con.execute("SELECT COUNT(*) FROM generations WHERE generation > ?",
                                        (generation,)).fetchone()[0] > 0
             except sqlite3.Error:
-                rows = []
+                rows = exits = []
             finally:
                 con.close()
             seen = seen or any(json.loads(d).get("pid", pid) == pid and
                                (kind != "rank-jaccl" or json.loads(d)["signature"] == "jaccl_enomem")
                                for (d,) in rows)
+            exited = any(json.loads(d)["pid"] == pid for (d,) in exits)
             time.sleep(0.2)
         return seen, replaced
 
