@@ -61,7 +61,15 @@ def start(agents, model, generation: int, snapshots: str) -> tuple[Gen, float]:
     return g, time.perf_counter() - t0
 
 
-def one_round(agents, model, prompt: list[dict], generation: int, snapshots: str) -> dict:
+def written(g: Gen, kv_bytes: int):
+    """The prompt's snapshot whole on disk: at least its keys and values, and no segment written for a second."""
+    before = g.status(0)["snapshots_written"]
+    time.sleep(1.0)
+    now = g.status(0)
+    return now["snapshot_bytes"] >= kv_bytes and now["snapshots_written"] == before
+
+
+def one_round(agents, model, prompt: list[dict], generation: int, snapshots: str, kv_bytes: int) -> dict:
     agent = agents[0]
     if generation > 1:  # the round's first generation spawns cold: the agent finds its standby dead
         os.kill(wait_for(lambda: ready_standby(agent), 600, "the last round's standby", 0.2), signal.SIGKILL)
@@ -72,8 +80,7 @@ def one_round(agents, model, prompt: list[dict], generation: int, snapshots: str
     cold, _ = first_token(g, prompt)
     cached, cached_tokens = first_token(g, prompt)
     if snapshots == "on":
-        wait_for(lambda: g.status(0)["snapshots_written"] > 0 and g.status(0)["snapshot_bytes"] > 0, 300,
-                 "the prompt's snapshot on disk", 0.2)
+        wait_for(lambda: written(g, kv_bytes), 300, "the prompt's snapshot on disk", 0.2)
     os.kill(pid_of(agent, generation), signal.SIGKILL)
     wait_for(lambda: next(r for r in agent.ranks() if r["generation"] == generation)["state"] == "exited", 60,
              "the rank's death seen", 0.05)
@@ -126,8 +133,10 @@ def main() -> None:
         for n in range(args.rounds):
             mode = ("on", "off")[(n + n // 2) % 2]  # on off off on on off ...: each mode first as often
             prompt = [{"role": "user", "content": f"Round {n}. " + SENTENCE * int(args.prompt_tokens / per)}]
-            r = one_round(agents, model, prompt, 2 * n + 1, mode)
-            r["prompt_tokens"] = len(tok.apply_chat_template(prompt, add_generation_prompt=True))
+            tokens = len(tok.apply_chat_template(prompt, add_generation_prompt=True))
+            kv_bytes = tokens * args.layers * args.kv_heads * (args.hidden // args.heads) * 2 * 2  # k and v, bf16
+            r = one_round(agents, model, prompt, 2 * n + 1, mode, kv_bytes)
+            r["prompt_tokens"] = tokens
             result["rounds"].append(r)
             say(json.dumps(r))
             result["summary"] = summary(result["rounds"])
