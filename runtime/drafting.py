@@ -15,7 +15,6 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from runtime import dspark
 from runtime.jobs import Emission, Job, emission, finish_reason
 from runtime.lockstep import Divergence
 from runtime.sampling import processors_for, sample_at, sampler_for
@@ -407,7 +406,7 @@ class DSparkEngine(MTPEngine):
         self._arm = getattr(sys.modules[type(model).__module__], "set_dspark_verify_armed", lambda flag: None)
 
     def stats(self) -> dict:
-        return {**super().stats(), "drafter": "dspark", "kernels_hidden": len(dspark.HIDDEN)}
+        return {**super().stats(), "drafter": "dspark"}
 
     def _prefill(self) -> None:
         chunk, self._todo = self._todo[:self._chunk], self._todo[self._chunk:]

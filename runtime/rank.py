@@ -328,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     except OverlayError as e:
         sys.exit(f"meshd-rank: {e}")
     log(f"loaded in {time.monotonic() - began:.1f}s")
+    hb.update(kernels_hidden=len(dspark.HIDDEN))  # whichever engine runs the model, drafted or not
 
     eos = set(tokenizer.eos_token_ids)
     if args.draft_model:
