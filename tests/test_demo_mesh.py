@@ -336,5 +336,7 @@ def test_status_watch_redraws_live_on_a_terminal_while_restart_waits_for_the_nex
         os.close(master)
     text = seen.decode(errors="replace")
     assert "\x1b[2K" in text and "\x1b[" in text.split("generation", 2)[-1]  # redrawn in place, not scrolled
-    assert f"generation {s['generation']} draining" in text or f"generation {s['generation'] + 1} starting" in text
+    # Redrawn from one generation to the next; the frames between are the 0.5 s poll's luck (a restart onto
+    # standby ranks can take less).
+    assert text.index(f"generation {s['generation']} ready") < text.index(f"generation {s['generation'] + 1} ready")
     assert "Traceback" not in text
