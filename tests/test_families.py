@@ -124,7 +124,7 @@ def test_drafted_answers_are_the_plain_answers(matrix, family, world):
 
 def test_drafting_over_a_cache_that_cannot_give_back_changes_an_answer_or_fails(matrix):
     """What the drafting refusal spares a client: drafted anyway (alone), each kind of cache it names changed
-    some family's answer or made mlx-lm raise."""
+    some family's answer or made mlx-lm raise (a raise the engine now survives by decoding on undrafted)."""
     assert isinstance(matrix[1], dict), matrix[1]
     shown: dict[str, bool] = {}
     for r in matrix[1].values():

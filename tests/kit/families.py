@@ -211,7 +211,10 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
         if not anyway:
             families.refuse(config, draft=str(draft_path), drafter="off", batch=1)
         e = SpeculativeEngine(model, draft, eos, num_draft_tokens=2)
-        return answer(e, {0: [job("p1", PROMPTS["p1"])]})
+        out = answer(e, {0: [job("p1", PROMPTS["p1"])]})
+        if e.fallbacks:  # mlx-lm raised in a drafted step; the engine went on undrafted (runtime/drafting.py)
+            out["error"] = f"mlx-lm raised in {e.fallbacks} drafted step(s), which fell back to plain decoding"
+        return out
 
     def reference(prompts: dict) -> dict:
         """mlx-lm's own greedy decoding of the unsharded model, as [token, top] like the engines'."""
