@@ -17,6 +17,7 @@ import psutil
 
 from common import procs
 from common.buildinfo import installed
+from common.fingerprint import weights_digest
 from common.modelref import ModelNotFound, resolve
 
 TOOL_TIMEOUT = 5.0
@@ -66,24 +67,18 @@ async def apply_wired_limit(mb: int) -> dict:
 
 
 def model_fingerprint(model_dir: str) -> dict:
-    """What makes two copies of a model the same without reading the weights:
-    the config and weight-index hashes and the names and sizes of the weight files."""
+    """Whether the model is here whole enough to load, and its fingerprint (common/fingerprint.py)."""
     root = Path(model_dir)
     try:
         if not (root / "config.json").is_file():
             return {"present": False, "path": model_dir}
         if not any((root / name).is_file() for name in TOKENIZER_FILES):
             return {"present": False, "path": model_dir, "error": f"no tokenizer ({' / '.join(TOKENIZER_FILES)})"}
-        weights = sorted(p for p in root.iterdir() if p.suffix == ".safetensors")
-        h = hashlib.sha256()
-        for name in ("config.json", "model.safetensors.index.json"):
-            if (root / name).is_file():
-                h.update(name.encode() + b"\0" + hashlib.sha256((root / name).read_bytes()).digest())
-        sizes = [(p.name, p.stat().st_size) for p in weights]
-        h.update(repr(sizes).encode())
+        sizes = [(p.name, p.stat().st_size) for p in root.iterdir() if p.suffix == ".safetensors"]
+        fingerprint = weights_digest(root)
     except (OSError, ValueError) as e:
         return {"present": False, "path": model_dir, "error": str(e)}
-    return {"present": True, "path": model_dir, "fingerprint": h.hexdigest()[:16],
+    return {"present": True, "path": model_dir, "fingerprint": fingerprint,
             "bytes": sum(size for _, size in sizes), "weight_files": len(sizes)}
 
 

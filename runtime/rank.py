@@ -25,6 +25,7 @@ from mlx_lm import load as load_whole
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_config, load_tokenizer
 
+from common.fingerprint import weights_digest
 from common.tomlcheck import loopback
 from common.states import RankState
 from common.statusfile import RankStatus
@@ -34,7 +35,7 @@ from runtime.engine import BatchEngine, Job
 from runtime.join import join_mesh
 from runtime.lockstep import Divergence, Lockstep, fold
 from runtime.overlay import OverlayError, check_loaded, checkpoint_tensors, overlay_for, set_up
-from runtime.snapshot import Identity, Snapshots, model_fingerprint, restore_agreed, shard_layout, snapshottable
+from runtime.snapshot import Identity, Snapshots, restore_agreed, shard_layout, snapshottable
 from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend
 from runtime.status import Heartbeat
@@ -402,7 +403,7 @@ def open_snapshots(args, model_path: Path, model, rank: int, world: int, log) ->
         log(f"snapshots off: this model's caches ({kinds}) cannot be snapshotted exactly, only KVCache")
         return None
     try:
-        me = Identity(model_fingerprint(model_path), world, rank, shard_layout(model))
+        me = Identity(weights_digest(model_path), world, rank, shard_layout(model))
         return Snapshots(Path(args.snapshot_dir), me, args.snapshot_budget_mb << 20, args.snapshot_every, log)
     except OSError as e:
         log(f"snapshots off: {args.snapshot_dir} cannot be used ({e}); check its permissions and free space")

@@ -29,27 +29,11 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import KVCache
 
 FORMAT = "meshd-snapshot/1"
-TAIL_BYTES = 1 << 20  # of each weight file, in the model's fingerprint
 
 
 def tape_id(tokens) -> str:
     """The name of a tape, the same on every rank: a hash of its token ids."""
     return hashlib.blake2b(np.asarray(tokens, dtype=np.uint32).tobytes(), digest_size=12).hexdigest()
-
-
-def model_fingerprint(model_dir: Path) -> str:
-    """What tells two models apart without reading all their weights: the config, and each weight file's
-    name, size, safetensors header and last MiB (a fine-tune of the same shapes differs there)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update((model_dir / "config.json").read_bytes())
-    for path in sorted(model_dir.glob("*.safetensors")):
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            h.update(f"{path.name}:{size}".encode() + f.read(min(n, size)))
-            f.seek(max(0, size - TAIL_BYTES))
-            h.update(f.read())
-    return h.hexdigest()
 
 
 def shard_layout(model) -> str:
