@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -176,8 +177,6 @@ def test_when_a_standby_is_started(enabled, held, failed_at, now, delay):
 def test_a_standby_that_died_unready_is_started_again_later_while_the_rank_serves(tmp_path):
     """The keeper looks again once the wait is over, with no new generation to prompt it; not while the
     node's rank does not serve."""
-    import sys
-
     async def scenario():
         keeper = Keeper(tmp_path, sys.executable, True, respawn_after=1.0)
         serving = [True]
