@@ -124,9 +124,16 @@ def test_sigstop_of_a_busy_rank_is_a_stall_and_the_mesh_recovers(demo):
         except requests.RequestException:
             pass
 
+    status_file = demo.home / "demo" / "agents" / "node1" / "state" / f"gen-{g}" / "rank-1" / "status.json"
+
+    def busy() -> bool:  # the file rank 1's agent reads: a decode of 100 tokens is over between two meshctl polls
+        try:
+            return json.loads(status_file.read_text()).get("state") == "busy"
+        except (OSError, ValueError):
+            return False
+
     threading.Thread(target=long_request, daemon=True).start()
-    wait_for(lambda: (demo.status()["nodes"][1]["rank"]["status"] or {}).get("state") == "busy", 30,
-             "rank 1 to be busy")
+    wait_for(busy, 30, "rank 1 to be busy")
     os.kill(victim, signal.SIGSTOP)
     try:
         demo.wait_ready(after=g, timeout=STALL + 60)

@@ -51,7 +51,7 @@ def streams_until(proxy: str, body: dict, until, out: list) -> None:
 
 @pytest.fixture(scope="module")
 def meshes(tmp_path_factory, demo_model):
-    with mesh_up(tmp_path_factory.mktemp("recycle"), demo_model, recycle={"after": AFTER, "idle_for": IDLE_FOR},
+    with mesh_up(tmp_path_factory.mktemp("recycle"), demo_model, agent={"standby": True}, recycle={"after": AFTER, "idle_for": IDLE_FOR},
                  runtime={"args": {"model_name": "demo", "max_tokens_limit": 4096}}) as (config, agents):
         yield config, agents
 
@@ -108,9 +108,6 @@ def assert_whole(answers: list[dict]) -> None:
 def test_meshctl_restart_under_streaming_clients_is_planned_warm_and_costs_no_answer(meshes, demo_model):
     mesh, agents = meshes
     where = urls(load(mesh))
-    wait_for(lambda: all(a.get("/v1/ranks").json()["standby"] for a in agents), 120, "a standby rank on every agent",
-             interval=0.2)
-    before = status(mesh)["generation"]
     body = {"messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 48,
             "temperature": 0, **endless(demo_model)}
     answers = [[] for _ in range(4)]
@@ -120,6 +117,9 @@ def test_meshctl_restart_under_streaming_clients_is_planned_warm_and_costs_no_an
     for c in clients:
         c.start()
     wait_for(lambda: all(answers), 120, "every client to have had an answer", interval=0.1)
+    wait_for(lambda: all(a.get("/v1/ranks").json()["standby"] for a in agents), 120, "a standby rank on every agent",
+             interval=0.2)
+    before = status(mesh)["generation"]  # read under load: an idle mesh could recycle by age before the restart
     restart = meshctl(mesh, "restart", "--wait")
     assert restart.returncode == 0, restart.stdout + restart.stderr
     served = [len(out) for out in answers]  # the next generation serves: each client's next answers are its
@@ -130,7 +130,7 @@ def test_meshctl_restart_under_streaming_clients_is_planned_warm_and_costs_no_an
     assert_whole([a for out in answers for a in out])
 
     assert status(mesh)["failures_in_window"] == 0
-    planned = next(i for i in recycles(mesh) if i["generation"] == before)  # (idle, the mesh recycles by age on)
+    planned = next(i for i in recycles(mesh) if i["generation"] == before)
     assert planned["steps"] == ["recycle"] and "meshctl restart" in planned["detail"] and planned["serving_back_at"]
     assert {s.labels["reason"] for s in samples(where["metrics"], "meshd_recycles_total")} >= {"restart"}
     assert samples(where["metrics"], "meshd_restarts_total") == [], "a restart is no failure"
