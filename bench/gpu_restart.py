@@ -125,7 +125,7 @@ def main() -> None:
     say(f"model built in {time.perf_counter() - t0:.1f}s")
     tok = load_tokenizer(model)
     per = len(tok.encode(SENTENCE * 8)) / 8
-    agents = make_agents(work, 1)
+    agents = make_agents(work, 1, extra={"standby": True})
     for a in agents:
         a.start()
     result = {"shape": {k: v for k, v in vars(args).items() if k != "out"}, "rounds": []}

@@ -39,7 +39,7 @@ from runtime.openai_api import Limits
 from runtime.server import Frontend
 
 OPENAPI = Path(__file__).resolve().parents[1] / "openapi"
-EXAMPLES = 50
+EXAMPLES = 25
 
 
 def load_schema(name: str):

@@ -20,6 +20,8 @@ from kit.waiting import wait_for
 from meshd.meshctl.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
+NODES = 2  # a demo of two: the default four's ranks load twice as long on a small machine
+TARGETS = NODES + 2  # every agent, the controller, the proxy
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
@@ -27,7 +29,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     home = demo_home(tmp_path_factory, "meshd-home-obs")
-    demo_meshctl(home, "up")
+    demo_meshctl(home, "up", "--nodes", str(NODES))
     d = Demo(home)
     yield d
     demo_meshctl(home, "down", "--force", check=False)
@@ -37,7 +39,7 @@ def demo(tmp_path_factory):
 def recovered(demo):
     """The demo mesh after one of its ranks was SIGKILLed and the next generation serves."""
     before = demo.wait_ready()
-    os.kill(demo.rank_pid(3), signal.SIGKILL)
+    os.kill(demo.rank_pid(NODES - 1), signal.SIGKILL)
     return demo.wait_ready(after=before["generation"])
 
 
@@ -101,12 +103,12 @@ def query(prom: str, expr: str) -> list[dict]:
 
 
 def test_a_real_prometheus_scrapes_the_demo_mesh(demo, prometheus, recovered):
-    wait_for(lambda: len(query(prometheus, "up == 1")) == 6, 30, "all six targets up")
+    wait_for(lambda: len(query(prometheus, "up == 1")) == TARGETS, 30, "every target up")
     ready = query(prometheus, 'meshd_fleet_state{phase="ready"}')
     assert [float(r["value"][1]) for r in ready] == [1.0]
     ranks = query(prometheus, "meshd_agent_rank_up")
-    assert sorted(r["metric"]["rank"] for r in ranks) == ["0", "1", "2", "3"]
-    assert len(query(prometheus, "meshd_agent_rank_resident_memory_bytes > 0")) == 4
+    assert sorted(r["metric"]["rank"] for r in ranks) == [str(i) for i in range(NODES)]
+    assert len(query(prometheus, "meshd_agent_rank_resident_memory_bytes > 0")) == NODES
     moved = wait_for(lambda: query(prometheus, 'meshd_restarts_total{reason="exit"} > 0'), 30,
                      "the restart counter to move in Prometheus")
     assert float(moved[0]["value"][1]) >= 1
@@ -114,16 +116,16 @@ def test_a_real_prometheus_scrapes_the_demo_mesh(demo, prometheus, recovered):
 
 
 def test_processes_report_their_build_and_ranks_their_mlx_memory(demo, prometheus):
-    wait_for(lambda: len(query(prometheus, 'meshd_agent_rank_mlx_memory_bytes{kind="active"} > 0')) == 4, 30,
+    wait_for(lambda: len(query(prometheus, 'meshd_agent_rank_mlx_memory_bytes{kind="active"} > 0')) == NODES, 30,
              "every rank's MLX memory (the loaded weights) in Prometheus")
-    assert len(query(prometheus, 'meshd_agent_rank_mlx_memory_bytes{kind="peak"} > 0')) == 4
+    assert len(query(prometheus, 'meshd_agent_rank_mlx_memory_bytes{kind="peak"} > 0')) == NODES
     builds = query(prometheus, "meshd_build_info")
-    assert sorted(b["metric"]["component"] for b in builds) == ["agent"] * 4 + ["controller", "proxy"]
+    assert sorted(b["metric"]["component"] for b in builds) == ["agent"] * NODES + ["controller", "proxy"]
     assert all(b["metric"]["mlx"] != "not installed" for b in builds)
-    assert len(query(prometheus, 'process_cpu_seconds_total{job=~"meshd-.*"}')) == 6
+    assert len(query(prometheus, 'process_cpu_seconds_total{job=~"meshd-.*"}')) == TARGETS
     assert [float(r["value"][1]) for r in query(prometheus, "meshd_desired_up")] == [1.0]
     assert sorted(r["metric"]["node"] for r in query(prometheus, "meshd_agent_up == 1")) == \
-        ["node0", "node1", "node2", "node3"]
+        [f"node{i}" for i in range(NODES)]
 
 
 def test_the_dashboard_queries_only_metrics_that_exist(demo, prometheus):
@@ -170,7 +172,7 @@ def test_status_page_draws_tokens_and_the_incident_in_headless_chromium(demo, re
     dom = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
                           "--window-size=1280,1000", f"--screenshot={shot}", "--dump-dom", page],
                          capture_output=True, text=True, timeout=120).stdout
-    for node in ("node0", "node1", "node2", "node3"):
+    for node in (f"node{i}" for i in range(NODES)):
         assert f"<td>{node}</td>" in dom
     assert "ready" in dom and "generation" in dom and "Incidents" in dom
     meshes = requests.get(f"{urls['proxy']}/meshes", timeout=10)

@@ -39,7 +39,7 @@ def agent(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("standby")
     for package in ("runtime", "common"):
         shutil.copytree(ROOT / package, tmp / "code" / package, ignore=shutil.ignore_patterns("__pycache__"))
-    (a,) = make_agents(tmp, 1)
+    (a,) = make_agents(tmp, 1, extra={"standby": True})
     a.start(env={"PYTHONPATH": f"{tmp / 'code'}{os.pathsep}{ROOT}"})
     a.code = tmp / "code"
     a.generation = 0

@@ -84,7 +84,7 @@ class Agent:
                 if all(e.get(k) == v for k, v in match.items()):
                     return e
             return None
-        return wait_for(find, timeout, f"{what} on {self.node}", interval=0.02)
+        return wait_for(find, timeout, f"{what} on {self.node}")
 
     def ranks(self) -> list[dict]:
         return self.get("/v1/ranks").json()["ranks"]

@@ -28,7 +28,9 @@ STANDIN_PROFILES = {
 
 def write_agent_config(path: Path, node: str, port: int, *, stall: dict | None = None,
                        extra: dict | None = None) -> str:
-    """An agent.toml (and its 0600 token) in `path`; returns the token."""
+    """An agent.toml (and its 0600 token) in `path`; returns the token. Without a standby rank unless `extra`
+    asks for one: after each generation serves, a standby costs every agent a rank's imports and device init,
+    which only the tests of the standby need."""
     token = secrets.token_hex(16)
     (path / "token").write_text(token + "\n")
     (path / "token").chmod(0o600)
@@ -36,7 +38,7 @@ def write_agent_config(path: Path, node: str, port: int, *, stall: dict | None =
     profiles = {name: {**profile, "status_file": False} for name, profile in STANDIN_PROFILES.items()}
     profiles.update(extra.pop("profiles", {}))
     write_toml(path / "agent.toml", {"node": node, "listen": f"127.0.0.1:{port}", "token_file": "token",
-                                     "state_dir": "state", **extra, "stall": stall or {}, "profiles": profiles})
+                                     "state_dir": "state", "standby": False, **extra, "stall": stall or {}, "profiles": profiles})
     return token
 
 

@@ -45,10 +45,10 @@ def stop_controller(mesh):
 
 
 @contextmanager
-def mesh_up(tmp, model, n: int = 2, **mesh):
-    """`n` agents on loopback and `meshctl up` on a mesh.toml of them (`mesh`: write_mesh's tables); yields
-    (mesh.toml, agents) and leaves no process behind."""
-    agents = make_agents(tmp, n, stall={"base": 10})
+def mesh_up(tmp, model, n: int = 2, agent: dict | None = None, **mesh):
+    """`n` agents on loopback (`agent`: keys for their agent.toml) and `meshctl up` on a mesh.toml of them
+    (`mesh`: write_mesh's tables); yields (mesh.toml, agents) and leaves no process behind."""
+    agents = make_agents(tmp, n, stall={"base": 10}, extra=agent)
     for a in agents:
         a.start()
     path = write_mesh(tmp, agents, model, **mesh)
