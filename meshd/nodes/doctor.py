@@ -191,7 +191,9 @@ def judge_hostfile(cfg: MeshConfig) -> Check:
 # --- gathering ------------------------------------------------------------------------
 
 def ssh_checks(cfg: MeshConfig, *, trust_new: bool = False, timeout: float = 15) -> list[Check]:
-    """SSH reachable with a verified host key; for JACCL also sudo, bridge0 and RDMA. All nodes at once."""
+    """SSH reachable with a verified host key; for JACCL also sudo, bridge0 and RDMA. All nodes at once; a
+    command that takes longer than `timeout` or [ssh] command_timeout, whichever is shorter, hangs."""
+    timeout = min(timeout, cfg.ssh.command_timeout)
     with ThreadPoolExecutor(len(cfg.nodes)) as pool:
         per_node = pool.map(lambda nt: _ssh_node(cfg, *nt, trust_new=trust_new, timeout=timeout),
                             zip(cfg.nodes, provision.targets(cfg)))
