@@ -139,6 +139,19 @@ def complete(script: Path, line: str, cwd: Path) -> list[str]:
     return r.stdout.split()
 
 
+def test_a_reader_that_stopped_reading_ends_meshctl_quietly():
+    """`meshctl completion bash | head -1` where head is gone before meshctl writes: exit 141 as a writer
+    killed by SIGPIPE, no traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run([*MESHCTL, "completion", "bash"], stdout=write, stderr=subprocess.PIPE, text=True,
+                           timeout=60)
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr) == (141, "")
+
+
 def test_bash_completes_commands_options_choices_and_node_names(tmp_path):
     script = tmp_path / "meshctl.bash"
     r = run("completion", "bash")

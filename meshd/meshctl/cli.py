@@ -915,6 +915,9 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as e:
         print(f"meshctl: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `meshctl status | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit's flush)
+        return 141
     except KeyboardInterrupt:
         print("\nmeshctl: interrupted; what it asked of the controller goes on (`meshctl status` shows it, "
               "`meshctl down` stops it)", file=sys.stderr)
