@@ -1,8 +1,8 @@
-"""A refusal in the target's verify (a kernel that refuses a verify's shape past some length, as omlx's ring
-GEMM refuses a layout) falls back for that request and the engine steps on, for the model's own MTP head
-and for a draft model: the answer is the plain decoder's and the next request drafts again. The engines
-run here on the real demo model with an MTP head (runtime.overlays.demo_mtp's target fault); DSpark's own
-fallback runs at TP4 in tests/test_dspark.py."""
+"""A kernel that refuses a shape past some length (as omlx's ring GEMM refuses a layout), in the target's
+verify or in the MTP head's draft, falls back for that request and the engine steps on, for the model's own
+MTP head and for a draft model: the answer is the plain decoder's and the next request drafts again. The
+engines run here on the real demo model with an MTP head (runtime.overlays.demo_mtp's faults); the same
+fallback in lockstep on four ranks runs in tests/test_dspark.py."""
 
 import pytest
 from mlx_lm import load
@@ -41,19 +41,29 @@ def drafter(kind: str, models, log):
     return SpeculativeEngine(target, draft, eos, num_draft_tokens=3, log=log)
 
 
-@pytest.mark.parametrize("kind, sampling", [("mtp", GREEDY), ("mtp", SEEDED), ("draft model", GREEDY)])
-def test_a_refusal_in_the_targets_verify_falls_back_for_that_request(models, kind, sampling, monkeypatch):
+TARGET = ("MESHD_FAULT_TARGET_REFUSE_AT", "ValueError")  # the target refuses a verify's shape
+HEAD = ("MESHD_FAULT_MTP_REFUSE_AFTER", "RuntimeError")  # the MTP head refuses to draft
+
+
+@pytest.mark.parametrize("kind, sampling, fault", [("mtp", GREEDY, TARGET), ("mtp", SEEDED, TARGET),
+                                                   ("draft model", GREEDY, TARGET), ("mtp", GREEDY, HEAD),
+                                                   ("mtp", SEEDED, HEAD)],
+                         ids=["mtp-greedy-target", "mtp-seeded-target", "draft-target", "mtp-greedy-head",
+                              "mtp-seeded-head"])
+def test_a_refusal_in_the_target_or_the_head_falls_back_for_that_request(models, kind, sampling, fault,
+                                                                         monkeypatch):
     target, _, eos = models
+    variable, error = fault
     job = Job("a", PROMPT, 24, 7, sampling)
     plain = answer(BatchEngine(target, eos), job)
     said = []
     engine = drafter(kind, models, said.append)
     unrefused = answer(engine, job)
-    monkeypatch.setenv("MESHD_FAULT_TARGET_REFUSE_AT", str(REFUSE_AT))
+    monkeypatch.setenv(variable, str(REFUSE_AT))
     refused = answer(engine, Job("b", PROMPT, 24, 7, sampling))
     assert len(plain) == 24 and unrefused == refused == plain
     assert engine.fallbacks == 1 and len(said) == 1, said
-    assert "refused (ValueError: Unsupported DSpark physical-ring GEMM layout." in said[0]
+    assert f"refused ({error}: Unsupported DSpark physical-ring GEMM layout" in said[0]
     assert "request b goes on without drafts" in said[0]
-    monkeypatch.delenv("MESHD_FAULT_TARGET_REFUSE_AT")
+    monkeypatch.delenv(variable)
     assert answer(engine, Job("c", PROMPT, 24, 7, sampling)) == plain and engine.fallbacks == 1
