@@ -160,14 +160,17 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def segment_files(folder: Path) -> list[Path]:
+    """The segment files in a rank's folder, not the writer's temporary ones (`.SID.safetensors`)."""
+    return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("."))
+
+
 def scan(folder: Path, me: Identity) -> tuple[dict[str, Segment], dict[Path, str]]:
     """This rank's segments in `folder` (named `SID.DIGEST.safetensors`), and the files that are not usable
     with the reason why."""
     found: dict[str, Segment] = {}
     bad: dict[Path, str] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        if path.name.startswith("."):
-            continue
+    for path in segment_files(folder):
         try:
             meta = read_header(path)
             if {k: meta.get(k) for k in me.tags()} != me.tags():

@@ -10,11 +10,11 @@ from mlx_lm.models.cache import KVCache
 from kit.agents import make_agents
 from kit.demo_answers import endless
 from kit.smallfs import fill, small_filesystem
-from kit.snapshots import EVERY, Gen, answer_in_flight, metric, segments
+from kit.snapshots import EVERY, Gen, answer_in_flight, metric
 from kit.waiting import wait_for
 from runtime.rank import parse_args
-from runtime.snapshot import (Identity, Segment, Snapshots, agree, due, ends, evict, read_header, tape_id,
-                              whole)
+from runtime.snapshot import (Identity, Segment, Snapshots, agree, due, ends, evict, read_header, segment_files,
+                              tape_id, whole)
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~670 tokens: a prefill of seconds on two ranks
 
@@ -134,7 +134,7 @@ SPOILED = {"corrupt": "Drain before close. " * 4, "foreign": "Pack my box with f
 def spoil(folder, twin, prompt: list[int], how: str) -> None:
     """Rank 1's first segment of the tapes that start with `prompt`: bytes flipped, replaced by another
     rank's (foreign), or cut short."""
-    for path in segments(folder):
+    for path in segment_files(folder):
         tokens = mx.load(str(path))["tokens"].tolist()
         n = min(len(tokens), len(prompt))
         if read_header(path)["parent"] or tokens[:n] != prompt[:n]:

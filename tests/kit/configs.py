@@ -38,7 +38,8 @@ def write_agent_config(path: Path, node: str, port: int, *, stall: dict | None =
     profiles = {name: {**profile, "status_file": False} for name, profile in STANDIN_PROFILES.items()}
     profiles.update(extra.pop("profiles", {}))
     write_toml(path / "agent.toml", {"node": node, "listen": f"127.0.0.1:{port}", "token_file": "token",
-                                     "state_dir": "state", "standby": False, **extra, "stall": stall or {}, "profiles": profiles})
+                                     "state_dir": "state", "standby": False, **extra, "stall": stall or {},
+                                     "profiles": profiles})
     return token
 
 

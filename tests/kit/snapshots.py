@@ -13,7 +13,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from kit.agents import pid_of, start_generation, stop_generation, wait_mesh_ready
-from runtime.snapshot import read_header
+from runtime.snapshot import read_header, segment_files
 
 EVERY = 16  # tokens between the snapshots of an answer in flight
 
@@ -86,15 +86,10 @@ def metric(agent, name: str, **labels) -> float:
     return 0.0
 
 
-def segments(folder) -> list:
-    """The segment files in a rank's folder; not the writer's temporary ones (`.SID.safetensors`)."""
-    return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("."))
-
-
 def answer_in_flight(folder, prompt: list[int]) -> bool:
     """A segment of the answer to `prompt` on disk, past its prefill: one that ends past it, down a chain
     whose first segment holds the prompt's first tokens."""
-    headers = {p.name.split(".")[0]: (read_header(p), p) for p in segments(folder)}
+    headers = {p.name.split(".")[0]: (read_header(p), p) for p in segment_files(folder)}
     for sid, (header, _) in headers.items():
         if int(header["end"]) < len(prompt) - 1 + EVERY or int(header["end"]) > len(prompt) + 4 * EVERY:
             continue
