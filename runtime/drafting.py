@@ -4,7 +4,6 @@ subclasses it with how one request begins and advances."""
 
 from __future__ import annotations
 
-import copy
 import sys
 from abc import ABC, abstractmethod
 from collections import deque
@@ -15,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from runtime import dspark, rollback
 from runtime.jobs import Emission, Job, emission, finish_reason
 from runtime.lockstep import Divergence
 from runtime.sampling import processors_for, sample_at, sampler_for
@@ -29,12 +29,14 @@ class SingleRequestEngine(ABC):
         self._queue: deque[Job] = deque()
         self._active: Job | None = None
         self._count = 0  # tokens the active job emitted
+        self._cached = 0  # how much of the active job's prompt its cache held when it began
         self._log = log
         self.fallbacks = 0  # requests whose drafted steps were refused, decoded plainly from there
 
-    def insert(self, job: Job) -> int:
+    def insert(self, job: Job) -> None:
+        """Queued: how much of its prompt a cache holds is known when it begins, and goes out with its first
+        token."""
         self._queue.append(job)
-        return 0
 
     def cancel(self, rid: str) -> None:
         if self._active is not None and self._active.rid == rid:
@@ -68,6 +70,13 @@ class SingleRequestEngine(ABC):
     def _finish(self) -> None:
         self._active = None
 
+    def _ends_after(self, tokens: list[int]) -> int:
+        """How many of `tokens` the active job emits: up to the one that ends it."""
+        job = self._active
+        return next((i + 1 for i, token in enumerate(tokens)
+                     if finish_reason(token, self._count + i + 1, job.max_tokens, self._eos) is not None),
+                    len(tokens))
+
     def _refused(self, who: str, e: Exception) -> None:
         """A kernel's refusal of a shape (the same on every rank, so all go on plainly), said and counted."""
         self.fallbacks += 1
@@ -80,7 +89,8 @@ class SingleRequestEngine(ABC):
         for i, token in enumerate(tokens):
             self._count += 1
             reason = finish_reason(token, self._count, job.max_tokens, self._eos)
-            out.append(emission(job.rid, token, reason, logprobs[i], job.logprobs))
+            e = emission(job.rid, token, reason, logprobs[i], job.logprobs)
+            out.append(replace(e, cached=self._cached) if self._count == 1 else e)
             if reason is not None:
                 self._finish()
                 break
@@ -187,6 +197,8 @@ class MTPEngine(SingleRequestEngine):
     kernel's layout limit past some prompt length) ends drafting for that request, the target's caches
     back where the step began: plain decoding from there, said in the log and counted, the rank alive."""
 
+    _prefixes = None  # the batch engine whose token tape and snapshots the requests share (DSparkEngine's)
+
     def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 1, prefill_step_size: int = 512,
                  log=print):
         super().__init__(eos_ids, log)
@@ -209,10 +221,12 @@ class MTPEngine(SingleRequestEngine):
         return self._verify()
 
     def _begin(self, job: Job) -> None:
-        self._cache = make_prompt_cache(self._model)
+        self._cache, cached = (self._prefixes.take(job) if self._prefixes is not None
+                               else (make_prompt_cache(self._model), 0))
         self._mtp_cache = self._model.make_mtp_cache()
-        self._todo = list(job.prompt)  # the prompt not yet through the target
-        self._base = 0  # positions both caches hold for good
+        self._tape = list(job.prompt)  # the prompt and the tokens emitted: the target's caches hold [:_base]
+        self._todo = list(job.prompt[cached:])  # the prompt not yet through the target
+        self._base = self._cached = cached  # positions the target's caches (and the MTP head's) hold for good
         self._pending: int | None = None  # the last emitted token, not yet through the target
         self._drafts: mx.array | None = None  # the head's drafts after it (on the device)
         self._drafting = True
@@ -227,6 +241,7 @@ class MTPEngine(SingleRequestEngine):
         self._learn(hidden, mx.array(chunk[1:] + self._todo[:1], dtype=mx.uint32))
         mx.eval([c.state for c in self._cache] + ([c.state for c in self._mtp_cache] if self._drafting else []))
         self._base += len(chunk)
+        self._keep(final=False)
 
     def _verify(self) -> list[Emission]:
         """The places (the prompt's last chunk, or the pending token and the drafts) through the target,
@@ -237,15 +252,15 @@ class MTPEngine(SingleRequestEngine):
             inputs, first, self._todo = mx.array(self._todo, dtype=mx.uint32), len(self._todo) - 1, []
         else:
             inputs, first = mx.array([self._pending], dtype=mx.uint32), 0
-        saved = [copy.copy(c) for c in self._cache]
+        ahead = inputs.shape[0] + (0 if self._drafts is None else self._drafts.shape[0])
+        saved = rollback.checkpoint(self._cache, ahead)
         verified = None
         if self._drafts is not None:
             with self._refusals("the target's verify"):
                 verified = self._target(job, mx.concatenate([inputs, self._drafts]), first)
                 inputs = mx.concatenate([inputs, self._drafts])
             if verified is None:
-                self._cache = saved
-                saved = [copy.copy(c) for c in self._cache]
+                saved.undo()
         if verified is None:
             verified = self._target(job, inputs, first)
         learned, logprobs, sampled = verified
@@ -255,16 +270,31 @@ class MTPEngine(SingleRequestEngine):
             self._agree(kept)
         self.proposed += len(guessed)
         self.accepted += kept
-        out = self._emit(tokens[:kept + 1], logprobs)
+        n = self._ends_after(tokens[:kept + 1])  # the tokens that go out; the last of them is not fed
+        at = first + n - 1  # the place of the last token kept
+        self._cut(saved, inputs[:at + 1], inputs.shape[0])
+        self._base += at + 1
+        self._tape += tokens[:n]
+        out = self._emit(tokens[:n], logprobs)
         if self._active is not None:
-            at = first + kept  # the place of the last token kept
-            self._cut(saved, inputs[:at + 1], inputs.shape[0])
-            self._base += at + 1
             if self._said is not None:
-                self._said = mx.concatenate([self._said, sampled[:kept + 1]])
-            self._pending = tokens[kept]
-            self._drafts = self._next_drafts(learned, at, tokens[kept]) if self._drafting else None
+                self._said = mx.concatenate([self._said, sampled[:n]])
+            self._pending = tokens[n - 1]
+            self._drafts = self._next_drafts(learned, at, tokens[n - 1]) if self._drafting else None
+            self._keep(final=False)
         return out
+
+    def _keep(self, final: bool) -> None:
+        """The request's tape so far to the shared token tape's engine: staged for its snapshot when due, at
+        its end stored, so a follow-up turn prefills only its new tokens."""
+        if self._prefixes is not None:
+            self._prefixes.keep(self._active.rid, self._tape[:self._base] if final else self._tape, self._cache,
+                                final)
+
+    def _finish(self) -> None:
+        if self._active is not None:
+            self._keep(final=True)
+        super()._finish()
 
     def _target(self, job: Job, inputs: mx.array, first: int):
         """The places through the target, sampled from `first` on, and the head's learning of them: what
@@ -285,7 +315,7 @@ class MTPEngine(SingleRequestEngine):
     def _agree(kept: int) -> None:
         """Nothing to settle here: this step's collectives did not depend on what was kept."""
 
-    def _cut(self, saved: list, kept: mx.array, fed: int) -> None:
+    def _cut(self, saved: rollback.Checkpoint, kept: mx.array, fed: int) -> None:
         """The target's caches back to `_base` plus the `kept` places, of the `fed` the step put in."""
         trim_to(self._cache, self._base + kept.shape[0])
 
@@ -347,41 +377,47 @@ class DraftWhenAlone:
     takes arrivals while it runs. So the drafter re-arms only between requests."""
 
     def __init__(self, drafter, batch):
-        self._drafter, self._batch = drafter, batch
+        self._drafter, self.batch = drafter, batch
         self._waiting: deque[Job] = deque()
+        self._untold: dict[str, int] = {}  # jobs that waited, then went to the batch: their cached count
 
-    def insert(self, job: Job) -> int:
-        if self._batch.busy:
-            return self._batch.insert(job)
+    def insert(self, job: Job) -> int | None:
+        if self.batch.busy:
+            return self.batch.insert(job)
         self._waiting.append(job)
-        return 0
+        return None  # said with its first token, by whichever engine takes it
 
     def cancel(self, rid: str) -> None:
         self._waiting = deque(j for j in self._waiting if j.rid != rid)
+        self._untold.pop(rid, None)
         self._drafter.cancel(rid)
-        self._batch.cancel(rid)
+        self.batch.cancel(rid)
 
     def step(self) -> list[Emission]:
-        if self._waiting and not (self._drafter.busy or self._batch.busy):
-            engine = self._drafter if len(self._waiting) == 1 else self._batch
+        if self._waiting and not (self._drafter.busy or self.batch.busy):
+            if len(self._waiting) == 1:
+                self._drafter.insert(self._waiting.popleft())
             while self._waiting:
-                engine.insert(self._waiting.popleft())
-        return (self._drafter if self._drafter.busy else self._batch).step()
+                job = self._waiting.popleft()
+                self._untold[job.rid] = self.batch.insert(job)
+        if self._drafter.busy:
+            return self._drafter.step()
+        return [replace(e, cached=self._untold.pop(e.rid)) if e.rid in self._untold else e for e in self.batch.step()]
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting) or self._drafter.busy or self._batch.busy
+        return bool(self._waiting) or self._drafter.busy or self.batch.busy
 
     def prompt_tokens_in_flight(self) -> int:
-        return (self._drafter.prompt_tokens_in_flight() + self._batch.prompt_tokens_in_flight()
+        return (self._drafter.prompt_tokens_in_flight() + self.batch.prompt_tokens_in_flight()
                 + sum(len(j.prompt) for j in self._waiting))
 
     def close(self) -> None:
         self._drafter.close()
-        self._batch.close()
+        self.batch.close()
 
     def stats(self) -> dict:
-        return {**self._batch.stats(), **self._drafter.stats()}
+        return {**self.batch.stats(), **self._drafter.stats()}
 
 
 class DSparkEngine(MTPEngine):
@@ -393,23 +429,42 @@ class DSparkEngine(MTPEngine):
     as MTPEngine's verify does, sampling each place with the request's per-token key, so the answer is
     the plain decoder's token for token.
 
-    The target's caches go back to the kept places by trimming when every layer can, else by restoring
-    the step's copy and feeding the kept places again. A refusal anywhere in a drafted step (the
+    The target's caches go back to the kept places by trimming when a trim undoes every layer exactly,
+    else by undoing the step (runtime/rollback.py: pooled and windowed layers back to their state before
+    it) and feeding the kept places again. A refusal anywhere in a drafted step (the
     target's verify, the stages) ends drafting for that request, the caches restored: plain from there,
-    the rank alive. One request at a time: `DraftWhenAlone` gives it the requests that are alone."""
+    the rank alive. One request at a time: `DraftWhenAlone` gives it the requests that are alone.
+
+    The prompt goes through the target as the plain decoder takes it, and every forward after it in the
+    pieces decoding one position at a time gives (dspark.pieces): omlx's pooled windows make a forward
+    depend on where it starts. A request's cache comes from the batch engine's token tape (`prefixes`) and
+    its tape goes back there when it ends, so the next turn of a conversation prefills only its new tokens."""
 
     def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
-                 log=print):
+                 prefixes=None, log=print):
         block = int(model.args.dspark_block_size)
         super().__init__(model, eos_ids, num_draft_tokens=min(num_draft_tokens or block, block),
                          prefill_step_size=prefill_step_size, log=log)
+        # the stages' context needs no prefix's positions (it drafts from what it is given), so a request's
+        # cache may come from the token tape, where the MTP head's could not
+        self._prefixes = prefixes
         self._arm = getattr(sys.modules[type(model).__module__], "set_dspark_verify_armed", lambda flag: None)
+        self._windows = dspark.overlap_windows(model)
 
     def stats(self) -> dict:
         return {**super().stats(), "drafter": "dspark"}
 
+    def _advance(self) -> list[Emission]:
+        if len(self._todo) > 1:
+            self._prefill()
+            return []
+        return self._verify()
+
     def _prefill(self) -> None:
-        chunk, self._todo = self._todo[:self._chunk], self._todo[self._chunk:]
+        """A chunk of the prompt, as the plain decoder takes it (all but the last token, in chunks): a target
+        whose forward depends on where its chunks start (omlx's pooled windows) answers as plainly."""
+        n = min(self._chunk, len(self._todo) - 1)
+        chunk, self._todo = self._todo[:n], self._todo[n:]
         with mx.stream(generation_stream):
             _, taps = self._model(mx.array(chunk, dtype=mx.uint32)[None], self._cache, return_hidden=True)
         if self._drafting:
@@ -417,16 +472,13 @@ class DSparkEngine(MTPEngine):
                 self._model.dspark_append_context(taps, self._mtp_cache)
         mx.eval([c.state for c in self._cache])
         self._base += len(chunk)
+        self._keep(final=False)
 
     def _target(self, job: Job, inputs: mx.array, first: int):
         """The places through the target (its verify armed for a block of drafts), sampled from `first`
         on: the taps, the log probabilities and the samples, read back."""
         with mx.stream(generation_stream):
-            self._arm(first == 0 and inputs.shape[0] > 1)
-            try:
-                logits, taps = self._model(inputs[None], self._cache, return_hidden=True)
-            finally:
-                self._arm(False)
+            logits, taps = self._forward(inputs, armed=first == 0)
             logprobs = self._logprobs(logits[0, first:], inputs[first + 1:])
             sampled = self._sample(job, logprobs)
         mx.eval(taps, logprobs, sampled)
@@ -441,18 +493,33 @@ class DSparkEngine(MTPEngine):
             raise Divergence(f"[meshd] divergence: the ranks sampled different tokens or drafted different blocks "
                              f"(drafts kept by rank: {by_rank})")
 
-    def _cut(self, saved: list, kept: mx.array, fed: int) -> None:
-        """The target's caches back to `_base` plus the `kept` places: trimmed when every layer can be,
-        else the step's copy with the kept places fed again."""
+    def _cut(self, saved: rollback.Checkpoint, kept: mx.array, fed: int) -> None:
+        """The target's caches back to `_base` plus the `kept` places: trimmed when a trim undoes every
+        layer's step exactly, else undone to where the step began and the kept places fed again."""
         if kept.shape[0] == fed:
             return
-        if all(c.is_trimmable() for c in self._cache):
+        if saved.trims:
             trim_to(self._cache, self._base + kept.shape[0])
             return
-        self._cache = saved
+        saved.undo()
         with mx.stream(generation_stream):
-            self._model(kept[None], self._cache)
+            self._forward(kept, armed=False)
         mx.eval([c.state for c in self._cache])
+
+    def _forward(self, inputs: mx.array, armed: bool) -> tuple[mx.array, mx.array]:
+        """The positions through the target from `_base` on, in the pieces decoding them one at a time would
+        give (dspark.pieces), its verify armed for a piece of drafts when `armed`: the logits and the taps."""
+        outs, at = [], 0
+        for n in dspark.pieces(self._base, inputs.shape[0], self._windows):
+            self._arm(armed and n > 1)
+            try:
+                outs.append(self._model(inputs[None, at:at + n], self._cache, return_hidden=True))
+            finally:
+                self._arm(False)
+            at += n
+        if len(outs) == 1:
+            return outs[0]
+        return tuple(mx.concatenate(parts, axis=1) for parts in zip(*outs))
 
     def _next_drafts(self, taps: mx.array, at: int, anchor: int) -> mx.array | None:
         return self._draft(taps[:, :at + 1], anchor)

@@ -1,4 +1,5 @@
-"""DSpark's stages in tensor parallel, and the model-specific kernels a split breaks.
+"""DSpark's stages in tensor parallel, the model-specific kernels a split breaks, and the forwards its target
+can take at once.
 
 The stages are full decoder layers stored beside the backbone (`model.mtp`), which the model's `shard()`
 leaves whole: they are split here with the backbone's own split (its `shard()` run over a view whose layers
@@ -15,10 +16,15 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 
+from runtime.overlay import OMLX
+
 
 def stages(model) -> list:
-    """The model's DSpark stages (none when it has no drafter or its checkpoint had no stages)."""
-    return list(getattr(model, "mtp", None) or []) if hasattr(model, "dspark_forward") else []
+    """The model's DSpark stages: none when it has no drafter, or its drafter did not arm (a checkpoint whose
+    MTP is not DSpark's, or none)."""
+    if not (hasattr(model, "dspark_forward") and getattr(model, OMLX.armed, False)):
+        return []
+    return list(getattr(model, "mtp", None) or [])
 
 
 def attention(layer):
@@ -29,6 +35,22 @@ def heads(layer) -> int:
     """A layer's query heads on this rank."""
     attn = attention(layer)
     return int(getattr(attn, "num_heads", None) or attn.n_heads)
+
+
+def sinks(model) -> list[tuple[object, mx.array]]:
+    """Before the split: each attention's whole sinks where the model splits its query heads by output group
+    (omlx's DeepSeek-V4: wq_b split in `o_groups` segments), whose `shard()` splits the sinks in one piece
+    instead, giving each rank other heads' sinks (a split answer then differs from one rank's)."""
+    if int(getattr(model.args, "o_groups", 1)) <= 1:
+        return []
+    return [(attention(layer), attention(layer).attn_sink) for layer in list(model.layers) + stages(model)
+            if hasattr(attention(layer), "attn_sink") and hasattr(attention(layer), "wq_b")]
+
+
+def regroup_sinks(held: list, groups: int, group) -> None:
+    """After the split: each rank the sinks of the heads it holds, the same part of every output group."""
+    for attn, whole in held:
+        attn.attn_sink = whole.reshape(groups, group.size(), -1)[:, group.rank()].reshape(-1)
 
 
 def shard_stages(model, group) -> None:
@@ -82,3 +104,31 @@ def gate_kernels(package: str | None, model, config: dict, log) -> None:
             HIDDEN.append(kernel.symbol)
             log(f"kernel {kernel.symbol} hidden: it refuses {rank_heads} heads per rank "
                 f"({type(e).__name__}: {str(e)[:120]}); the model takes its portable path")
+
+
+def overlap_windows(model) -> tuple[int, ...]:
+    """The window sizes of the model's compressors whose pooled row overlaps the window before it (omlx's
+    DeepSeek-V4 at ratio 4, in its attention and its indexer). omlx overlaps only windows that arrive in one
+    forward: the first window of a forward pools alone, as every window of a one-position decode does."""
+    sizes = set()
+    for layer in model.layers:
+        attn = attention(layer)
+        for compressor in (getattr(attn, "compressor", None), getattr(getattr(attn, "indexer", None), "compressor", None)):
+            if getattr(compressor, "overlap", False):
+                sizes.add(int(compressor.compress_ratio))
+    return tuple(sorted(sizes))
+
+
+def pieces(offset: int, length: int, windows: tuple[int, ...]) -> list[int]:
+    """The lengths in which to feed `length` positions from position `offset` so that each forward completes
+    at most one window of each size in `windows`: then each is what decoding its positions one at a time
+    gives (a window completes at position p when p + 1 is a multiple of its size)."""
+    out, start, end = [], offset, offset + length
+    while start < end:
+        stop = end
+        for w in windows:
+            first = -(-(start + 1) // w) * w - 1  # the first completion at or after `start`
+            stop = min(stop, first + w)  # the next one starts the next piece
+        out.append(stop - start)
+        start = stop
+    return out

@@ -122,11 +122,27 @@ class BatchEngine:
         # prefill once it ends and its answer every `snapshots.every` tokens; a batched job's at its end)
         self._since: dict[str, tuple[str, int]] = {}
 
-    def insert(self, job: Job) -> int:
+    def take(self, job: Job) -> tuple[list, int]:
+        """A cache for `job` and how much of its prompt it holds: the token tape's longest reusable prefix,
+        else a fresh cache; the job's snapshot point set from it."""
         cache, cached, sid = self.tape.take(job.prompt)
-        cache = cache if cache is not None else make_prompt_cache(self._model)
         if self.snapshots:
             self._since[job.rid] = self.snapshots.base(sid, cached)
+        return (cache if cache is not None else make_prompt_cache(self._model)), cached
+
+    def keep(self, rid: str, tokens, cache: list, final: bool) -> None:
+        """A job another engine decodes (a drafter's, from `take`), as this engine keeps its own: staged for
+        its snapshot when due (`tokens` the ids its cache holds, or more), and at its end (`tokens` exactly
+        what its cache holds) into the token tape."""
+        if self.snapshots:
+            self.snapshots.pump()
+        if final:
+            self._finished(rid, tuple(tokens), cache)
+        else:
+            self._snapshot(rid, tokens, cache, final=False)
+
+    def insert(self, job: Job) -> int:
+        cache, cached = self.take(job)
         if self._solo is None and not self._uid_by_rid:
             self._solo = SoloDecode(self._model, job, cache, cached, self._eos, self._prefill_step_size)
             return cached

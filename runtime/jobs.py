@@ -34,6 +34,8 @@ class Emission:
     finish_reason: str | None
     logprob: float | None = None  # when the job asked for logprobs
     top: tuple[tuple[int, float], ...] = ()  # its k most likely tokens, most likely first
+    cached: int | None = None  # on a job's first token: how much of its prompt its cache held, when its engine
+    # took the job later than its insert (a drafter)
 
 
 def emission(rid: str, token: int, reason: str | None, logprobs: mx.array | None, k: int) -> Emission:

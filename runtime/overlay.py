@@ -34,7 +34,10 @@ class Overlay:
     methods: tuple[str, ...] = ()  # what the loaded model must have (its drafter's entry points)
     armed: str = ""  # the model attribute that says its drafter is on
     batches: bool = False  # its drafter takes a request alone and more run batched (runtime.drafting.DraftWhenAlone)
+    after_load: tuple[Call, ...] = ()  # once the model is loaded: the overlay's own decoding hooks switched off
+    disarmed: tuple[str, ...] = ()  # model attributes set False after load, for the same
     fix: str = ""  # how to get a version that has everything
+    draft_fix: str = ""  # how to get a checkpoint its drafter drafts with
 
 
 OMLX = Overlay(
@@ -46,7 +49,13 @@ OMLX = Overlay(
     methods=("make_mtp_cache", "dspark_append_context", "dspark_forward", "dspark_markov"),
     armed="_omlx_dspark_decode_enabled",
     batches=True,
+    # omlx drafts a lone row of mlx-lm's batch generator itself (its GenerationBatch.next patch), with no
+    # cross-rank agreement: under meshd the ranks' engines draft, in lockstep, and omlx's path stays off
+    after_load=(Call("omlx.patches.mlx_lm_mtp:set_mtp_active", (False,)),),
+    disarmed=("_omlx_mtp_active", "_omlx_mtp_decode_enabled"),
     fix="install an omlx whose patches/mlx_lm_mtp has DeepSeek-V4 DSpark (github.com/jundot/omlx) on every node",
+    draft_fix="a DeepSeek-V4 DSpark checkpoint (its mtp.* stages: mtp.0.main_proj over the target layers' taps, "
+              "a Markov head in the last) drafts",
 )
 ADAPTERS = {o.package: o for o in (OMLX,)}
 
@@ -106,7 +115,7 @@ def unloaded(prefixes: tuple[str, ...], checkpoint: list[str], parameters: list[
 
 
 def check_loaded(overlay: Overlay | None, model, checkpoint: list[str], parameters: list[str]) -> None:
-    """What the overlay promises of the loaded model: its tensors loaded, its drafter's methods there."""
+    """What the overlay promises of the loaded model: its tensors loaded."""
     if overlay is None:
         return
     dropped = unloaded(overlay.loads, checkpoint, parameters)
@@ -114,8 +123,38 @@ def check_loaded(overlay: Overlay | None, model, checkpoint: list[str], paramete
         shown = ", ".join(dropped[:6]) + (f" and {len(dropped) - 6} more" if len(dropped) > 6 else "")
         raise OverlayError(f"{len(dropped)} checkpoint tensors did not load ({shown}): the model was built "
                            f"without them. The overlay {overlay.package} was set up ({overlay.fix or 'check it'})")
-    if overlay.loads and any(k.startswith(overlay.loads) for k in checkpoint):
-        missing = [m for m in overlay.methods if not hasattr(model, m)]
-        if missing:
-            raise OverlayError(f"the model {overlay.package} loaded lacks {', '.join(missing)}: this version of "
-                               f"{overlay.package} cannot draft with the checkpoint's stages; {overlay.fix}")
+
+
+def _mtp_layout(names: list[str]) -> str:
+    if not names:
+        return "no MTP tensors"
+    if any(".e_proj." in n or ".h_proj." in n for n in names):
+        return "a V3-shaped MTP head (e_proj/h_proj)"
+    return f"{len(names)} MTP tensors in another layout"
+
+
+def drafter_off(overlay: Overlay | None, model, checkpoint: list[str]) -> str | None:
+    """Why the overlay's drafter does not arm on this model, in one line that says how to get one that does;
+    None when it arms (or the overlay has none)."""
+    if overlay is None or not overlay.methods:
+        return None
+    missing = [m for m in overlay.methods if not hasattr(model, m)]
+    if not missing and getattr(model, overlay.armed, False):
+        return None
+    held = _mtp_layout([n for n in checkpoint if n.startswith(overlay.loads)])
+    if missing:
+        why = (f"this {overlay.package} has no drafter for it (it lacks {', '.join(missing)}) and the checkpoint "
+               f"holds {held}; {overlay.fix}, and {overlay.draft_fix}")
+    else:
+        why = f"the checkpoint holds {held}, not DSpark's stages; {overlay.draft_fix}"
+    return f"drafter off, serving undrafted: {why}"
+
+
+def disarm(overlay: Overlay | None, model) -> None:
+    """The overlay's own decoding hooks off for this model (meshd's engines decode it, in lockstep)."""
+    if overlay is None:
+        return
+    for call in overlay.after_load:
+        _resolve(call.target, overlay.fix)(*call.args)
+    for name in overlay.disarmed:
+        setattr(model, name, False)

@@ -34,7 +34,7 @@ from runtime.drafting import DraftWhenAlone, DSparkEngine, MTPEngine, Speculativ
 from runtime.engine import BatchEngine, Job
 from runtime.join import join_mesh
 from runtime.lockstep import Divergence, Lockstep, fold
-from runtime.overlay import OverlayError, check_loaded, checkpoint_tensors, overlay_for, set_up
+from runtime.overlay import OverlayError, check_loaded, checkpoint_tensors, disarm, drafter_off, overlay_for, set_up
 from runtime.snapshot import Identity, Snapshots, restore_agreed, shard_layout, snapshottable
 from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend
@@ -112,14 +112,21 @@ def load_sharded(model_path: Path, group, on_progress, overlay=None, log=print):
     except ValueError as e:
         raise OverlayError(f"the checkpoint at {model_path} does not fit its model: {' '.join(str(e).split())[:800]}"
                            ) from None
-    check_loaded(overlay, model, checkpoint_tensors(model_path), [k for k, _ in tree_flatten(model.parameters())])
+    checkpoint = checkpoint_tensors(model_path)
+    check_loaded(overlay, model, checkpoint, [k for k, _ in tree_flatten(model.parameters())])
+    disarm(overlay, model)
+    off = drafter_off(overlay, model, checkpoint)
+    if off:
+        log(off)
     if group.size() > 1:
         if not hasattr(model, "shard"):
             raise SystemExit(f"meshd-rank: {config.get('model_type')} models cannot be sharded "
                              "(no tensor-parallel support in mlx-lm); run a single rank")
+        held = dspark.sinks(model)
         model.shard(group)
         if dspark.stages(model):
             dspark.shard_stages(model, group)
+        dspark.regroup_sinks(held, int(getattr(model.args, "o_groups", 1)), group)
     dspark.gate_kernels(overlay and overlay.package, model, config, log)
     layers = list(model.layers) + dspark.stages(model)
     total = len(layers) + 1
@@ -191,7 +198,7 @@ class LockstepLoop:
             self.inflight[job.rid] = len(job.prompt)
             if job.rid == WARMUP:
                 self.warming_since = time.monotonic()
-            if self.fe:
+            if self.fe and cached is not None:  # None: the engine says it with the job's first token
                 self.fe.started(job.rid, cached)
         elif op == "cancel":
             if self.inflight.pop(msg["rid"], None) is not None:
@@ -337,10 +344,12 @@ def main(argv: list[str] | None = None) -> None:
         engine = SpeculativeEngine(model, draft, eos, num_draft_tokens=args.num_draft_tokens or 3,
                                    prefill_step_size=args.prefill_step_size)
     elif args.drafter == "auto" and dspark.stages(model):
+        batch = BatchEngine(model, eos, prefill_step_size=args.prefill_step_size,
+                            completion_batch_size=args.completion_batch_size,
+                            snapshots=open_snapshots(args, model_path, model, rank, world, log))
         drafter = DSparkEngine(model, eos, num_draft_tokens=args.num_draft_tokens or 0,
-                               prefill_step_size=args.prefill_step_size, log=log)
-        engine = DraftWhenAlone(drafter, BatchEngine(model, eos, prefill_step_size=args.prefill_step_size,
-                                                     completion_batch_size=args.completion_batch_size))
+                               prefill_step_size=args.prefill_step_size, prefixes=batch, log=log)
+        engine = DraftWhenAlone(drafter, batch)
         hb.update(**engine.stats())
         log(f"drafter armed: DSpark's {len(dspark.stages(model))} stages, blocks of {drafter.num_draft_tokens} "
             "drafts, for a request alone (more run batched, undrafted)")
@@ -356,8 +365,9 @@ def main(argv: list[str] | None = None) -> None:
                              snapshots=open_snapshots(args, model_path, model, rank, world, log))
 
     lockstep = Lockstep(group)
-    if isinstance(engine, BatchEngine):
-        restore(engine, lockstep, len(make_prompt_cache(model)), hb, log)
+    prefixes = engine.batch if isinstance(engine, DraftWhenAlone) else engine
+    if isinstance(prefixes, BatchEngine):
+        restore(prefixes, lockstep, len(make_prompt_cache(model)), hb, log)
     wake, doze = rouse(lockstep, secret, args.generation, log)  # the arm barrier too: all are loaded past it
     hb.update(state=RankState.ARMED)
     log("armed")

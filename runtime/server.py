@@ -312,6 +312,8 @@ class _Run:
         the content alone, and a tool call's text is never content."""
         _, e = event
         token, reason = e.token, e.finish_reason
+        if e.cached is not None:
+            self.cached = e.cached
         if token is not None and not (reason == "stop" and token in self.fe._eos):
             self.completion_tokens += 1
             if e.logprob is not None:
@@ -347,9 +349,10 @@ class _Run:
             elif reason is None:
                 end -= oa.held_back(self.text[c0:end], (start,))
             for a, b in self.spans:
-                if self.sent <= a and b <= end and (call := self._parse(a, b)) is not None:
-                    self.calls.append(call)
-                    closed.append((len(self.calls) - 1, call))
+                if self.sent <= a and b <= end:
+                    for call in self._parse(a, b):
+                        self.calls.append(call)
+                        closed.append((len(self.calls) - 1, call))
             if reason == "stop" and self.calls:
                 reason = "tool_calls"
         thought = self.text[max(self.sent, r0):min(end, r1)]
@@ -357,15 +360,17 @@ class _Run:
         self.sent = max(self.sent, end)
         return thought, piece, closed, reason
 
-    def _parse(self, a: int, b: int) -> dict | None:
-        """A closed call's text as {name, arguments} by the model's own tool parser; a call it cannot
-        read is dropped, as mlx-lm's server drops it."""
+    def _parse(self, a: int, b: int) -> list[dict]:
+        """A closed call block's text as its calls, [{name, arguments}, ...], by the model's own tool parser:
+        one call, or a list where a block holds several (DeepSeek-V4's parallel calls; mlx-lm's server takes
+        both). A block it cannot read is dropped, as mlx-lm's server drops it."""
         start, stop = self.tool_markers
         try:
-            call = self.fe.tokenizer.tool_parser(self.text[a + len(start):b - len(stop)], list(self.req.tools))
+            calls = self.fe.tokenizer.tool_parser(self.text[a + len(start):b - len(stop)], list(self.req.tools))
         except (ValueError, KeyError, TypeError, AttributeError):
-            return None
-        return call if isinstance(call, dict) and isinstance(call.get("name"), str) else None
+            return []
+        return [c for c in (calls if isinstance(calls, list) else [calls])
+                if isinstance(c, dict) and isinstance(c.get("name"), str)]
 
     def reasoning_and_content(self) -> tuple[str, str]:
         r0, r1, c0 = self.regions

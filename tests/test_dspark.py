@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -30,7 +31,7 @@ from mlx_lm.chat_templates import deepseek_v32
 from mlx_lm.utils import load_tokenizer
 
 from runtime import openai_api as oa
-from runtime.overlay import OMLX, overlay_for, unloaded
+from runtime.overlay import OMLX, drafter_off, overlay_for, unloaded
 
 OVERLAY = ("--model-package", "omlx")
 
@@ -47,6 +48,20 @@ def test_tensors_the_model_holds_no_place_for_are_named():
     assert unloaded(("mtp.",), checkpoint[:2], ["lm_head.weight"]) == []  # a checkpoint without stages
     assert overlay_for("omlx") is OMLX and overlay_for("runtime.overlays.demo_mtp").before_load == ()
     assert overlay_for(None) is None
+
+
+def test_a_drafter_that_does_not_arm_says_why_and_how_to_get_one_that_does():
+    methods = {m: None for m in OMLX.methods}
+    armed, unarmed = SimpleNamespace(**methods, _omlx_dspark_decode_enabled=True), SimpleNamespace(**methods)
+    v3, stages = ["mtp.0.e_proj.weight", "mtp.0.h_proj.weight"], ["mtp.0.main_proj.weight"]
+    assert drafter_off(OMLX, armed, stages) is None
+    assert drafter_off(None, unarmed, v3) is None and drafter_off(overlay_for("other"), unarmed, v3) is None
+    assert drafter_off(OMLX, unarmed, v3) == ("drafter off, serving undrafted: the checkpoint holds a V3-shaped "
+                                             f"MTP head (e_proj/h_proj), not DSpark's stages; {OMLX.draft_fix}")
+    assert "the checkpoint holds no MTP tensors, not DSpark's stages" in drafter_off(OMLX, unarmed, [])
+    published = drafter_off(OMLX, SimpleNamespace(make_mtp_cache=None), v3)
+    assert "this omlx has no drafter for it (it lacks dspark_append_context, dspark_forward, dspark_markov)" in published
+    assert OMLX.fix in published and OMLX.draft_fix in published
 
 
 def test_an_omlx_without_an_entry_point_meshd_calls_is_named_before_anything_is_set_up(dspark_model, tmp_path):
@@ -208,9 +223,10 @@ def test_more_than_one_request_through_the_proxy_runs_batched_and_the_drafter_re
     assert served["held"] == 4  # the proxy admitted them at once: it knows this drafter batches
     before, batched, after = served["alone"][0], served["batched"], served["after"]
     lookups = lambda s: s["tape_hits"] + s["tape_misses"] + s["tape_not_reusable"]  # noqa: E731
-    assert lookups(batched) - lookups(before) == 3  # the three went to the batch engine (its tape looked up)
+    # the lone one drafted and the three batched each looked the token tape up, which they share
+    assert lookups(batched) - lookups(before) == 4
     assert served["again"].status_code == 200, served["again"].text
-    assert after["draft_proposed"] > batched["draft_proposed"] and lookups(after) == lookups(batched)
+    assert after["draft_proposed"] > batched["draft_proposed"] and lookups(after) == lookups(batched) + 1
 
 
 def test_a_kernel_that_refuses_the_heads_per_rank_is_hidden_at_load_and_counted(served):

@@ -1,0 +1,57 @@
+"""What undoes a verify's cache writes (runtime/rollback.py) and where a verify is cut (runtime/dspark.py
+`pieces`), at the newest mlx-lm: a trim where a trim gives back exactly what the step wrote, else each cache
+leaf (a CacheList's members, a sliding window past its size, a recurrent state) as the step found it, however
+often it is undone. The same on omlx's own DeepSeek-V4 caches: tests/pinned/test_rollback.py."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+from runtime import rollback
+from runtime.dspark import pieces
+
+
+def kv(n: int, value: float = 0.0):
+    return mx.full((1, 1, n, 2), value), mx.full((1, 1, n, 2), value)
+
+
+@pytest.mark.parametrize("cache, fed, ahead, exact", [
+    (KVCache(), 0, 6, True),
+    (RotatingKVCache(max_size=16), 8, 6, True),  # the step stays inside the window
+    (RotatingKVCache(max_size=16), 12, 6, False),  # it rotates over what a trim would give back
+    (ArraysCache(1), 0, 1, False),  # a recurrent state has no trim
+])
+def test_a_trim_undoes_a_step_only_where_it_gives_back_exactly_what_the_step_wrote(cache, fed, ahead, exact):
+    if fed:
+        cache.update_and_fetch(*kv(fed))
+    assert rollback.trims_exactly(cache, ahead) is exact
+
+
+def test_every_leaf_comes_back_as_the_step_found_it_however_often_it_is_undone():
+    grown, window, state = KVCache(), RotatingKVCache(max_size=4), ArraysCache(1)
+    for c in (grown, window):
+        c.update_and_fetch(*kv(6))
+    state[0] = mx.zeros((1, 2))
+    caches = [grown, CacheList(window, state)]
+    before = (grown.offset, window.offset, window._idx, window.keys.shape)
+    saved = rollback.checkpoint(caches, 2)
+    assert not saved.trims and [leaf for leaf, _ in saved.trimmed] == [grown]
+    for _ in range(2):  # a refused verify's undo, then the cut's
+        for c in (grown, window):
+            c.update_and_fetch(*kv(1, 1.0))  # the window writes in place: a copy of it would see this
+        state[0] = state[0] + 1
+        saved.undo()
+        assert (grown.offset, window.offset, window._idx, window.keys.shape) == before
+        assert float(window.keys.sum()) == float(state[0].sum()) == 0.0
+
+
+@pytest.mark.parametrize("offset, length, windows, expected", [
+    (300, 6, (), [6]),  # nothing pools: one forward
+    (300, 6, (4,), [6]),  # completes one window (at 303): one forward
+    (302, 6, (4,), [5, 1]),  # 303 and 307 complete windows: cut before the second
+    (303, 6, (4,), [4, 2]),
+    (0, 1, (4,), [1]),
+    (120, 12, (4, 128), [7, 4, 1]),  # the smaller window cuts first
+])
+def test_a_verify_is_cut_before_it_would_complete_a_second_window(offset, length, windows, expected):
+    assert pieces(offset, length, windows) == expected
