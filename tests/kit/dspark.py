@@ -59,7 +59,7 @@ def build_dspark_model(path: Path, markov_steps: int = 150, seed: int = 0) -> Pa
     model = v4.Model(v4.ModelArgs.from_dict(config))
     model.model.embed_tokens.weight = model.model.embed_tokens.weight * 4.0  # clear greedy winners
     if markov_steps:
-        _fit_markov(model, markov_steps)
+        fit_markov(model, markov_steps)
     weights = dict(tree_flatten(model.parameters()))
     (path / "model.safetensors").unlink()
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -68,21 +68,23 @@ def build_dspark_model(path: Path, markov_steps: int = 150, seed: int = 0) -> Pa
     return path
 
 
-def _fit_markov(model, steps: int) -> None:
-    """Fit the Markov head to the bigrams of the backbone's greedy text: each bigram once, weighted by how
-    often it occurs (the loss over every position, in a row per bigram)."""
+def fit_markov(model, steps: int, rows: int = 96, prefix: int = 4) -> None:
+    """Fit the Markov head to the bigrams of the backbone's greedy text after `rows` random prefixes of
+    `prefix` tokens: each bigram once, weighted by how often it occurs (the loss over every position, in a
+    row per bigram)."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
     import numpy as np
 
-    tokens, cache = mx.random.randint(0, 500, (96, 4)), model.make_cache()
+    tokens, cache = mx.random.randint(0, 500, (rows, prefix)), model.make_cache()
     logits = model(tokens, cache)
     for _ in range(40):
         tokens = mx.concatenate([tokens, mx.argmax(logits[:, -1:], axis=-1)], axis=1)
         logits = model(tokens[:, -1:], cache)
         mx.eval(logits)
-    pairs, counts = np.unique(np.stack([np.array(tokens[:, 3:-1]).ravel(), np.array(tokens[:, 4:]).ravel()], 1),
+    pairs, counts = np.unique(np.stack([np.array(tokens[:, prefix - 1:-1]).ravel(),
+                                        np.array(tokens[:, prefix:]).ravel()], 1),
                               axis=0, return_counts=True)
     prev, nxt, weight = mx.array(pairs[:, 0]), mx.array(pairs[:, 1]), mx.array(counts / counts.sum())
     head = model.mtp[-1].markov_head

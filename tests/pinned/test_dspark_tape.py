@@ -1,0 +1,86 @@
+"""Drafted requests keep the token tape, on omlx's own DeepSeek-V4 (its compressed layers' caches cannot be cut
+back, so a tape serves only a prompt that extends it, as DeepSeek Harness's next turn does): the next turn
+after a drafted answer prefills only its new tokens, drafted or not, says how many came from the tape, and
+answers as the plain decoder does from the same tape. The engines run in this process on one rank."""
+
+import mlx.core as mx
+import pytest
+
+from pinned.dsv4 import build_v4_checkpoint
+from runtime.drafting import DraftWhenAlone, DSparkEngine
+from runtime.engine import BatchEngine
+from runtime.jobs import Job
+from runtime.openai_api import SamplingParams
+from runtime.overlay import OMLX
+from runtime.rank import load_sharded
+
+GREEDY = SamplingParams(max_tokens=1).sampling()
+SEEDED = SamplingParams(max_tokens=1, temperature=0.9, seed=7).sampling()
+PROMPT = tuple(int(t) for t in mx.random.randint(0, 500, (90,), key=mx.random.key(3)).tolist())
+NEW = (17, 23, 42, 99, 5, 61, 7, 300)  # the next turn's own tokens (a tool's result, say)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = build_v4_checkpoint(tmp_path_factory.mktemp("models") / "v4")
+    return load_sharded(path, mx.distributed.init(), lambda done, total: None, OMLX)
+
+
+class Fed:
+    """Counts the positions the target is fed while in force."""
+
+    def __init__(self, model):
+        self.model, self.positions = model, 0
+
+    def __enter__(self):
+        cls, self._call = type(self.model), type(self.model).__call__
+
+        def call(model, inputs, *args, **kwargs):
+            self.positions += inputs.shape[1]
+            return self._call(model, inputs, *args, **kwargs)
+
+        cls.__call__ = call
+        return self
+
+    def __exit__(self, *exc):
+        type(self.model).__call__ = self._call
+
+
+def answer(engine, job: Job, fed: Fed | None = None) -> tuple[list[int], int | None, int]:
+    """The job's tokens, the cached count its engine said (with its insert, else with its first token) and
+    the positions fed (by `fed`) until its first token came out."""
+    cached, tokens, before_first = engine.insert(job), [], 0
+    while engine.busy:
+        for e in engine.step():
+            cached = e.cached if e.cached is not None else cached
+            if e.token is not None:
+                before_first = before_first or (fed.positions if fed else 0)
+                tokens.append(e.token)
+    return tokens, cached, before_first
+
+
+def engines(model, drafted: bool):
+    batch = BatchEngine(model, {1}, prefill_step_size=32)
+    if not drafted:
+        return batch
+    return DraftWhenAlone(DSparkEngine(model, {1}, prefill_step_size=32, prefixes=batch), batch)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_the_turn_after_a_drafted_answer_prefills_only_its_new_tokens_and_answers_plainly(model, sampling):
+    said = {}
+    for drafted in (False, True):
+        engine = engines(model, drafted)
+        first, _, _ = answer(engine, Job("t1", PROMPT, 48, 3, sampling))
+        turn = Job("t2", PROMPT + tuple(first) + NEW, 48, 4, sampling)
+        with Fed(model) as fed:
+            second, cached, prefilled = answer(engine, turn, fed)
+        said[drafted] = (first, second, cached, prefilled, engine.stats())
+    (p1, p2, p_cached, p_prefilled, _), (d1, d2, d_cached, d_prefilled, stats) = said[False], said[True]
+    assert (d1, d2) == (p1, p2) and len(d2) == 48  # drafted answers are the plain ones, the tape reused
+    assert stats["draft_accepted"] > 0 and stats["tape_hits"] == 1
+    # the tape held the first turn but its last token, which the drafter never fed (the plain loop, which
+    # queues a step ahead, fed it when that token was its end of sequence); the next turn prefills the rest
+    assert d_cached == len(PROMPT) + len(first) - 1 and d_cached <= p_cached <= d_cached + 1
+    assert d_prefilled == len(turn.prompt) - d_cached == len(NEW) + 1
+    assert p_prefilled == len(turn.prompt) - p_cached + 1  # and the next token's step, queued before it reads

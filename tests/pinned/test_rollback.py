@@ -1,0 +1,135 @@
+"""A drafted step's undo on omlx's own DeepSeek-V4 (flyto-mlx's code, at its pins): compressed layers whose
+CacheList holds a sliding window and one or two PoolingCaches that write in place, the sparse path (an
+Indexer past `index_topk`). Greedy decoding that feeds three rejected drafts and undoes them every five
+tokens, or whose verify is refused halfway through the layers, is the plain decoding token for token and
+logprob for logprob; a shallow copy's restore (what meshd did before) is not, which shows the model's
+answer depends on its caches."""
+
+import copy
+
+import mlx.core as mx
+import omlx.patches.deepseek_v4 as omlx_v4
+import pytest
+from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
+
+from runtime import rollback
+
+omlx_v4.apply_deepseek_v4_patch()  # what follows is omlx's, registered by its patch
+from mlx_lm.models import deepseek_v4 as v4
+from mlx_lm.models.cache import PoolingCache
+
+CONFIG = {"model_type": "deepseek_v4", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 64,
+          "moe_intermediate_size": 32, "num_hidden_layers": 5, "num_attention_heads": 8, "head_dim": 16,
+          "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 4, "o_lora_rank": 16, "n_routed_experts": 4,
+          "num_experts_per_tok": 2, "compress_ratios": [0, 4, 128, 4, 0], "hc_mult": 2, "hc_sinkhorn_iters": 3,
+          "sliding_window": 16, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 4, "num_hash_layers": 1,
+          "max_position_embeddings": 4096}
+REJECTED = [7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def model():
+    mx.random.seed(0)
+    m = v4.Model(v4.ModelArgs.from_dict(CONFIG))
+    m.model.embed_tokens.weight = m.model.embed_tokens.weight * 4.0
+    mx.eval(m.parameters())
+    return m
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return mx.random.randint(0, 500, (1, 300), key=mx.random.key(1))  # 75 pooled rows at ratio 4: past index_topk
+
+
+def decode(model, prompt, n: int, undo=None) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log probabilities; every fifth step, `undo(model, cache, token)` feeds that
+    token and three rejected drafts and takes them back."""
+    cache = model.make_cache()
+    logits = model(prompt, cache)[:, -1]
+    tokens, logprobs = [], []
+    for i in range(n):
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = mx.argmax(lp, axis=-1)
+        tokens.append(int(token.item()))
+        logprobs.append(round(float(lp[0, tokens[-1]].item()), 4))
+        if undo is not None and i % 5 == 2:
+            undo(model, cache, tokens[-1])
+        logits = model(token[None], cache)[:, -1]
+    return tokens, logprobs
+
+
+def checkpointed(model, cache, token):
+    saved = rollback.checkpoint(cache, 1 + len(REJECTED))
+    model(mx.array([[token, *REJECTED]]), cache)
+    saved.undo()
+
+
+def refused_midway(model, cache, token):
+    """The verify raises in the fourth layer, after three layers (a pooled one among them) wrote."""
+    saved = rollback.checkpoint(cache, 1 + len(REJECTED))
+    layer = model.model.layers[3]
+    call = type(layer).__call__
+
+    def refuse(self, *args):
+        if self is layer:
+            raise ValueError("refused")
+        return call(self, *args)
+
+    type(layer).__call__ = refuse
+    try:
+        with pytest.raises(ValueError):
+            mx.eval(model(mx.array([[token, *REJECTED]]), cache))
+    finally:
+        type(layer).__call__ = call
+    saved.undo()
+
+
+def shallow(model, cache, token):
+    saved = [copy.copy(c) for c in cache]
+    model(mx.array([[token, *REJECTED]]), cache)
+    cache[:] = saved
+
+
+@pytest.fixture(scope="module")
+def plain(model, prompt):
+    return decode(model, prompt, 40)
+
+
+def test_the_caches_are_omlxs_compressed_ones(model):
+    kinds = [[type(c).__name__ for c in (x.caches if isinstance(x, CacheList) else [x])] for x in model.make_cache()]
+    assert kinds == [["RotatingKVCache"], ["RotatingKVCache", "PoolingCache", "PoolingCache"],
+                     ["RotatingKVCache", "PoolingCache"], ["RotatingKVCache", "PoolingCache", "PoolingCache"],
+                     ["RotatingKVCache"]]
+
+
+@pytest.mark.parametrize("undo", [checkpointed, refused_midway], ids=["rejected", "refused-midway"])
+def test_an_undone_step_leaves_the_answer_the_plain_one(model, prompt, plain, undo):
+    assert decode(model, prompt, 40, undo) == plain
+
+
+def test_a_shallow_copys_restore_keeps_the_rejected_drafts(model, prompt, plain):
+    tokens, _ = decode(model, prompt, 40, shallow)
+    assert tokens != plain[0]  # the pooled layers kept what was rejected: the answer goes elsewhere
+
+
+@pytest.mark.parametrize("cache, ahead, exact", [
+    (KVCache(), 6, True),
+    (RotatingKVCache(max_size=16), 6, True),  # empty: six positions stay inside the window
+    (RotatingKVCache(max_size=4), 6, False),  # the window rotates over what a trim would give back
+    (PoolingCache(4), 1, False),  # a pool has no trim that undoes its windows
+])
+def test_a_trim_undoes_a_step_only_where_it_is_exact(cache, ahead, exact):
+    assert rollback.trims_exactly(cache, ahead) is exact
+
+
+def test_a_checkpoint_of_a_window_past_its_size_holds_it_and_trims_the_rest():
+    grown, window = KVCache(), RotatingKVCache(max_size=4)
+    for c in (grown, window):
+        c.update_and_fetch(mx.zeros((1, 1, 6, 2)), mx.zeros((1, 1, 6, 2)))
+    saved = rollback.checkpoint([grown, CacheList(window, PoolingCache(4))], 1)
+    assert [leaf for leaf, _ in saved.trimmed] == [grown] and not saved.trims
+    assert [type(leaf) for leaf, _ in saved.held] == [RotatingKVCache, PoolingCache]
+    for c in (grown, window):
+        c.update_and_fetch(mx.ones((1, 1, 1, 2)), mx.ones((1, 1, 1, 2)))
+    saved.undo()
+    assert grown.offset == window.offset == 6 and float(window.keys.sum()) == 0.0
