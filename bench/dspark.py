@@ -16,6 +16,7 @@ from the drafted ranks' status files. The target:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -62,7 +63,7 @@ def main() -> None:
                                            lambda url, n: decode(url, model, args.tokens, n))
         stats = drafted.status(0)
     proposed, accepted = stats["draft_proposed"], stats["draft_accepted"]
-    block = 5  # every verify of a drafted step proposes a block of 5 (the checkpoints' dspark_block_size)
+    block = json.loads((model / "config.json").read_text())["dspark_block_size"]  # drafts a drafted verify proposes
     verifies = max(1, proposed // block)
     lines = ["", f"## DeepSeek-V4's DSpark drafter, TP{world} on the ring, {args.target} (`bench/dspark.py`, "
              f"{time.strftime('%Y-%m-%d')})", "",

@@ -37,20 +37,19 @@ def heads(layer) -> int:
     return int(getattr(attn, "num_heads", None) or attn.n_heads)
 
 
-def sinks(model) -> list[tuple[object, mx.array]]:
-    """Before the split: each attention's whole sinks where the model splits its query heads by output group
-    (omlx's DeepSeek-V4: wq_b split in `o_groups` segments), whose `shard()` splits the sinks in one piece
-    instead, giving each rank other heads' sinks (a split answer then differs from one rank's)."""
-    if int(getattr(model.args, "o_groups", 1)) <= 1:
-        return []
-    return [(attention(layer), attention(layer).attn_sink) for layer in list(model.layers) + stages(model)
-            if hasattr(attention(layer), "attn_sink") and hasattr(attention(layer), "wq_b")]
-
-
-def regroup_sinks(held: list, groups: int, group) -> None:
-    """After the split: each rank the sinks of the heads it holds, the same part of every output group."""
-    for attn, whole in held:
-        attn.attn_sink = whole.reshape(groups, group.size(), -1)[:, group.rank()].reshape(-1)
+def shard(model, group) -> None:
+    """The model's own split, its DSpark stages split as its layers, and each rank given its own heads' sinks
+    where the model splits its query heads by output group (omlx's DeepSeek-V4: wq_b in `o_groups`
+    segments) but its `shard()` splits the sinks in one piece, giving each rank other heads' sinks (a split
+    answer then differs from one rank's)."""
+    groups = int(getattr(model.args, "o_groups", 1))
+    whole = [(attention(layer), attention(layer).attn_sink) for layer in list(model.layers) + stages(model)
+             if groups > 1 and hasattr(attention(layer), "attn_sink") and hasattr(attention(layer), "wq_b")]
+    model.shard(group)
+    if stages(model):
+        shard_stages(model, group)
+    for attn, sinks in whole:
+        attn.attn_sink = sinks.reshape(groups, group.size(), -1)[:, group.rank()].reshape(-1)
 
 
 def shard_stages(model, group) -> None:

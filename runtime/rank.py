@@ -122,11 +122,7 @@ def load_sharded(model_path: Path, group, on_progress, overlay=None, log=print):
         if not hasattr(model, "shard"):
             raise SystemExit(f"meshd-rank: {config.get('model_type')} models cannot be sharded "
                              "(no tensor-parallel support in mlx-lm); run a single rank")
-        held = dspark.sinks(model)
-        model.shard(group)
-        if dspark.stages(model):
-            dspark.shard_stages(model, group)
-        dspark.regroup_sinks(held, int(getattr(model.args, "o_groups", 1)), group)
+        dspark.shard(model, group)
     dspark.gate_kernels(overlay and overlay.package, model, config, log)
     layers = list(model.layers) + dspark.stages(model)
     total = len(layers) + 1

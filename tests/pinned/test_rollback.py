@@ -12,18 +12,13 @@ import omlx.patches.deepseek_v4 as omlx_v4
 import pytest
 from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
 
+from pinned.dsv4 import CONFIG
 from runtime import rollback
 
 omlx_v4.apply_deepseek_v4_patch()  # what follows is omlx's, registered by its patch
 from mlx_lm.models import deepseek_v4 as v4
 from mlx_lm.models.cache import PoolingCache
 
-CONFIG = {"model_type": "deepseek_v4", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 64,
-          "moe_intermediate_size": 32, "num_hidden_layers": 5, "num_attention_heads": 8, "head_dim": 16,
-          "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 4, "o_lora_rank": 16, "n_routed_experts": 4,
-          "num_experts_per_tok": 2, "compress_ratios": [0, 4, 128, 4, 0], "hc_mult": 2, "hc_sinkhorn_iters": 3,
-          "sliding_window": 16, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 4, "num_hash_layers": 1,
-          "max_position_embeddings": 4096}
 REJECTED = [7, 8, 9]
 
 

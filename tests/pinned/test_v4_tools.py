@@ -20,7 +20,7 @@ import requests
 from meshd.meshctl.ports import free_ports
 from runtime import openai_api as oa
 from runtime.jobs import Emission
-from runtime.server import Frontend
+from runtime.server import WARMUP, Frontend
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIAL = [BOS, EOS, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
@@ -133,7 +133,7 @@ class ScriptedRanks:
                     continue
                 rid = msg["rid"]
                 self.fe.started(rid, 0)
-                if rid == "meshd-warmup":
+                if rid == WARMUP:
                     self.fe.emit([Emission(rid, self.eos, "length")])
                     continue
                 self.prompts.append(list(msg["prompt"]))
