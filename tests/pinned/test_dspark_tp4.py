@@ -1,11 +1,10 @@
 """DSpark over omlx's own DeepSeek-V4 at TP4 on the ring (the stages split four ways with the backbone's own
-split, each rank given its heads' sinks), drafts often accepted: greedy and seeded answers plain decoding's
-token for token and logprob for logprob. 24 tokens: four ranks on this machine's two cores decode about one
-token a second (TP2's 256-token answers: test_dspark_real.py)."""
+split, each rank given its heads' sinks), drafts often accepted: greedy and seeded answers of 256 tokens, plain
+decoding's token for token and logprob for logprob."""
 
 from pinned.dsv4 import answers, build_v4_checkpoint, check_drafted
 
-TOKENS = 24
+TOKENS = 256
 
 
 def test_drafted_answers_at_tp4_are_plain_decodings_token_for_token(tmp_path):
