@@ -3,7 +3,8 @@
    MLX's ring backend gives each socket a thread that calls recv() on a non-blocking socket in a loop for as long
    as a transfer is pending: a rank waiting for its peer burns a core. With more ranks than cores (the suite's
    4-rank meshes on a 2-core machine) the ranks that have work to do wait for the spinning ones' time slices: a
-   4-rank all_sum of 64 floats took 34 ms here, against 1.2 ms with this library preloaded.
+   4-rank demo mesh decodes about 30 times faster with this library preloaded (bench/ringwait.py,
+   docs/BENCHMARKS.md).
 
    Preloaded by scripts/test into every process of a test run: recv() behaves as libc's, except that when it
    would return EAGAIN it first waits up to 1 ms for the socket to become readable, then returns what libc's
