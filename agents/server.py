@@ -20,14 +20,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from agents import config as agent_config
 from agents import node as node_facts
-from agents.fencing import Fencing, admits
+from agents.fencing import Fencing, command_refusal, promise_refusal
 from agents.supervisor import BadSpec, Conflict, Supervisor
 from common import procs
 from common.buildinfo import register_process_metrics
 from common.errors import ApiError
 from common.http import (bearer_matches, json_error, json_errors, log_answer, read_json, read_object, run_daemon,
                          start_sites, until_stopped)
-from common.protocol import CONTROLLER_EPOCH, RankSpec
+from common.protocol import CONTROLLER_EPOCH, CONTROLLER_ID, Ballot, BallotError, RankSpec
 from common.states import StopMode
 from common.tls import server_context
 
@@ -47,31 +47,42 @@ def auth_middleware(token: str, metrics_token: str | None):
     return check
 
 
-EPOCH_MAX = 2**63 - 1
+EPOCH_ROUTE = "/v1/epoch"
+HELD = web.RequestKey("held", bool)  # the request carried a ballot: its answer names the promised one
 
 
 def fence_middleware(fencing: Fencing, node: str):
-    """After the token: a controller's epoch is kept when it is the newest, and a command (POST) from an
-    older one is refused with 409 naming the newer epoch. Calls without an epoch (doctor, an operator) pass."""
+    """After the token: a command (POST) from a controller other than the one this agent promised is refused
+    with 409, naming the promised ballot; `POST /v1/epoch` asks for the promise itself. Every answer to a call
+    that carries a ballot names the promised one, so a controller learns on any call that another took over
+    or that this agent has not promised it yet. Calls without a ballot (doctor, an operator) pass. Each command
+    let through is logged with whose it was."""
     @web.middleware
     async def check(request: web.Request, handler):
-        raw = request.headers.get(CONTROLLER_EPOCH)
-        if raw is None:
+        try:
+            caller = Ballot.from_headers(request.headers)
+        except BallotError as e:
+            raise ApiError(400, str(e), param=e.header)
+        if caller is not None:
+            request[HELD] = True
+        if request.method != "POST" or request.path == EPOCH_ROUTE:
             return await handler(request)
-        if not (raw.isascii() and raw.isdigit()) or int(raw) > EPOCH_MAX:
-            raise ApiError(400, f"{CONTROLLER_EPOCH} must be a non-negative integer, got {raw[:40]!r}",
-                           param=CONTROLLER_EPOCH)
-        epoch = int(raw)
-        if request.method == "POST" and not admits(fencing.highest, epoch):
-            log.warning("stale controller refused", node=node, epoch=epoch,
-                        newer=fencing.highest, route=request.path)
-            return json_error(409, f"controller epoch {epoch} is older than epoch {fencing.highest}, which has "
-                                   "taken this mesh over: a stale controller's command is refused",
-                              code="stale_controller", param=CONTROLLER_EPOCH,
-                              headers={CONTROLLER_EPOCH: str(fencing.highest)})
-        fencing.see(epoch)
+        refusal = command_refusal(fencing.held, caller) if caller is not None else None
+        if refusal is not None:
+            log.warning("controller refused", node=node, controller=str(caller), promised=str(fencing.held),
+                        route=request.path, code=refusal.code)
+            return json_error(409, refusal.message, code=refusal.code, param=CONTROLLER_EPOCH)
+        log.info("command", node=node, route=request.path, controller=str(caller) if caller else "none (unfenced)")
         return await handler(request)
     return check
+
+
+def held_headers(fencing: Fencing):
+    """Names the promised ballot in the answer to every call that carried one (a stream's too)."""
+    async def name(request: web.Request, response: web.StreamResponse) -> None:
+        if request.get(HELD):
+            response.headers.update(fencing.held.headers())
+    return name
 
 
 def parse_spec(body) -> RankSpec:
@@ -206,9 +217,10 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
     registry = CollectorRegistry()
     registry.register(AgentMetrics(sup))
     register_process_metrics(registry, "agent")
+    fencing = Fencing(cfg.state_dir / "controller_epoch")
     app = web.Application(middlewares=[json_errors, auth_middleware(token, metrics_token),
-                                       fence_middleware(Fencing(cfg.state_dir / "controller_epoch"), cfg.node)],
-                          client_max_size=1 << 20)
+                                       fence_middleware(fencing, cfg.node)], client_max_size=1 << 20)
+    app.on_response_prepare.append(held_headers(fencing))
 
     async def healthz(request):
         return web.json_response({"ok": True, "node": cfg.node, "generation": sup.current_generation()})
@@ -303,6 +315,23 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
                 await resp.write(f"id: {record['seq']}\ndata: {json.dumps(record)}\n\n".encode())
                 since = record["seq"]
 
+    async def epoch(request):
+        return web.json_response({"node": cfg.node, **fencing.view()})
+
+    async def promise(request):
+        asked = Ballot.from_headers(request.headers)
+        if asked is None:
+            raise ApiError(400, f"send the ballot to promise in {CONTROLLER_EPOCH} (and the controller's id in "
+                                f"{CONTROLLER_ID})", param=CONTROLLER_EPOCH)
+        refusal = promise_refusal(fencing.held, asked)
+        if refusal is not None:
+            log.warning("promise refused", node=cfg.node, asked=str(asked), promised=str(fencing.held))
+            return json_error(409, refusal.message, code=refusal.code, param=CONTROLLER_EPOCH)
+        if asked != fencing.held:
+            log.info("promised", node=cfg.node, controller=str(asked), before=str(fencing.held))
+        fencing.promise(asked)
+        return web.json_response({"node": cfg.node, **fencing.view()})
+
     async def reboot(request):
         if not cfg.allow_reboot:
             return json_error(403, f"reboot is not allowed on {cfg.node}; set allow_reboot = true in its "
@@ -324,6 +353,8 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
     app.router.add_get("/v1/log", own_log)
     app.router.add_get("/v1/events", events)
     app.router.add_post("/v1/reboot", reboot)
+    app.router.add_get(EPOCH_ROUTE, epoch)
+    app.router.add_post(EPOCH_ROUTE, promise)
     return app
 
 

@@ -9,14 +9,56 @@ decodes them at its edge with `event_from_dict` and matches them by class.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Mapping, NamedTuple
 
 from common.states import RankState
 
-# The header every controller call to an agent carries: the controller's epoch, which agents check on every
-# command (agents/fencing.py) and name in a refusal's answer (409, code "stale_controller").
+# The headers every controller call to an agent carries: the controller's ballot, its epoch and its id. An agent
+# checks them on every command (agents/fencing.py) and answers every such call with the ballot it has promised.
 CONTROLLER_EPOCH = "X-Meshd-Controller-Epoch"
+CONTROLLER_ID = "X-Meshd-Controller"
+EPOCH_MAX = 2**63 - 1
+CONTROLLER_ID_FORM = re.compile(r"[0-9A-Za-z._-]{1,64}")
+
+
+class BallotError(ValueError):
+    """A malformed ballot header; `header` names it."""
+
+    def __init__(self, header: str, message: str):
+        super().__init__(message)
+        self.header = header
+
+
+class Ballot(NamedTuple):
+    """A controller's claim on the mesh: the epoch it took and its own id (random, one per controller run).
+    Ordered by epoch, then id, the same way on every agent: two controllers that took the same epoch at the
+    same moment are told apart, and the higher one wins everywhere. (0, "") is no controller's."""
+
+    epoch: int
+    controller: str = ""
+
+    def __str__(self) -> str:
+        return f"epoch {self.epoch}" + (f" ({self.controller})" if self.controller else "")
+
+    def headers(self) -> dict[str, str]:
+        return {CONTROLLER_EPOCH: str(self.epoch), **({CONTROLLER_ID: self.controller} if self.controller else {})}
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str]) -> "Ballot | None":
+        """The ballot in these headers; None without an epoch; BallotError for a malformed one."""
+        controller = headers.get(CONTROLLER_ID, "")
+        if controller and not CONTROLLER_ID_FORM.fullmatch(controller):
+            raise BallotError(CONTROLLER_ID, f"{CONTROLLER_ID} must be 1 to 64 letters, digits, '.', '_' or '-', "
+                                             f"got {controller[:40]!r}")
+        raw = headers.get(CONTROLLER_EPOCH)
+        if raw is None:
+            return None
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 19 or int(raw) > EPOCH_MAX:
+            raise BallotError(CONTROLLER_EPOCH, f"{CONTROLLER_EPOCH} must be a non-negative integer, "
+                                                f"got {raw[:40]!r}")
+        return cls(int(raw), controller)
 
 
 @dataclass(frozen=True)

@@ -6,23 +6,25 @@ generation, each agent's last event sequence number).
 A write that fails (a full disk, a quota) never raises into the controller:
 it waits, in order, and is written before the next write or at `retry()`;
 `failing` says why until then. The WAL is checkpointed early and truncated,
-so it stays small on a small disk. Each controller takes the next epoch of
-the store (`take_epoch`); a write by an older one is refused (its `Fence` is
-told), so a controller that was stopped and resumed after another took over
+so it stays small on a small disk. Each controller records the epoch it took
+(`take_epoch`, meshd/epochs.py); a write by an older one is refused (its `Fence`
+is told), so a controller that was stopped and resumed after another took over
 records nothing."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import sqlite3
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import structlog
+
+from common.protocol import Ballot
+from meshd.epochs import Fence
 
 log = structlog.get_logger("meshd.store")
 
@@ -75,24 +77,6 @@ def _connect(path: Path, exclusive: bool = False) -> sqlite3.Connection:
     return db
 
 
-@dataclass
-class Fence:
-    """A controller's epoch, one above its store's last. A newer one met in the store or named by an agent
-    sets `superseded`: this controller is stale, and must act on nothing more."""
-
-    epoch: int
-    newer: int | None = None
-    by: str = ""
-    superseded: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def supersede(self, newer: int, by: str) -> None:
-        if self.newer is None:
-            log.error("a newer controller has taken this mesh over; this one stops", epoch=self.epoch,
-                      newer=newer, by=by)
-        self.newer, self.by = newer, by
-        self.superseded.set()
-
-
 class Superseded(Exception):
     pass
 
@@ -129,11 +113,15 @@ class Store:
         self.dropped = 0  # writes given up: PENDING_KEEP exceeded, or one SQLite can never write
         self.fence: Fence | None = None
 
-    def take_epoch(self) -> Fence:
-        """This controller's epoch, the store's last plus one, recorded: every older controller's writes are
-        refused from now on. Called once, while holding the state directory's lock."""
-        self.fence = Fence((self.get(EPOCH) or 0) + 1)
-        self.put(EPOCH, self.fence.epoch)
+    def last_epoch(self) -> int:
+        """The epoch the newest controller of this store took (0: none yet)."""
+        return self.get(EPOCH) or 0
+
+    def take_epoch(self, ballot: Ballot) -> Fence:
+        """This controller's ballot (its epoch above the store's last and the agents'), recorded: every older
+        controller's writes are refused from now on. Called while holding the state directory's lock."""
+        self.fence = Fence(ballot)
+        self.put(EPOCH, ballot.epoch)
         return self.fence
 
     # --- writes ------------------------------------------------------------------
@@ -160,7 +148,7 @@ class Store:
                 return False
             except Superseded as e:
                 self.pending.clear()
-                self.fence.supersede(e.args[0], "the store")
+                self.fence.supersede(Ballot(e.args[0]), "the store")
                 return False
             except sqlite3.Error as e:  # this write can never succeed: the ones behind it must not wait on it
                 self.dropped += 1

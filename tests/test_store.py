@@ -5,6 +5,7 @@ and the audit trail's tally of refusals."""
 
 import pytest
 
+from common.protocol import Ballot
 from kit.smallfs import fill, free, small_filesystem
 from meshd.control.audit import OTHERS, Refusals, Row
 from meshd.control.fleet import Incident
@@ -53,14 +54,14 @@ def test_the_wal_is_checkpointed_and_stays_small(tmp_path):
 
 def test_a_controller_of_an_older_epoch_writes_nothing_once_a_newer_one_took_the_store(tmp_path):
     old = Store(tmp_path / "meshd.sqlite")
-    stale = old.take_epoch()
+    stale = old.take_epoch(Ballot(old.last_epoch() + 1, "a"))
     old.put("desired", "up")
     new = Store(tmp_path / "meshd.sqlite")
-    fence = new.take_epoch()
+    fence = new.take_epoch(Ballot(new.last_epoch() + 1, "b"))
     assert (stale.epoch, fence.epoch) == (1, 2)
     old.open_incident(Incident(5.0, "exit", "node0", 0, 3, "exit code 1"))
     old.put("desired", "down")
-    assert stale.superseded.is_set() and (stale.newer, stale.by) == (2, "the store")
+    assert stale.superseded.is_set() and (stale.newer, stale.by) == (Ballot(2), "the store")
     assert new.incidents() == [] and new.get("desired") == "up" and not fence.superseded.is_set()
 
 

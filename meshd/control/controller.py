@@ -11,6 +11,7 @@ metrics. The fleet's state changes in `feed` and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import asdict
 from typing import Callable
@@ -18,13 +19,14 @@ from typing import Callable
 import aiohttp
 import structlog
 
-from common.protocol import RankReport, RankSpec, StopResult
+from common.protocol import Ballot, RankReport, RankSpec, StopResult
 from common.states import LadderStep, Phase, StopMode
 from common.tomlcheck import ConfigError
 from meshd.nodes import doctor, provision
 from meshd.control import evidence, fleet, survey
 from meshd.control.intake import Intake
 from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
+from meshd import epochs
 from meshd.config import MeshConfig, hostfile_for
 from meshd.metrics import Metrics
 from meshd.seam import Observation, Serving, rank_key, rank_secret, wait_until
@@ -36,6 +38,11 @@ log = structlog.get_logger("meshd.controller")
 
 def policy_for(cfg: MeshConfig) -> fleet.Policy:
     return fleet.Policy(nodes=tuple(n.name for n in cfg.nodes), recycle=cfg.recycle, **asdict(cfg.recovery))
+
+
+class EpochRefused(Exception):
+    """The agents did not grant this controller an epoch: another took the mesh over as it started, or no
+    majority answered. It has commanded nothing."""
 
 
 class Controller:
@@ -61,8 +68,10 @@ class Controller:
 
     # --- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
+        """Take the epoch (EpochRefused when the agents do not grant it), then adopt, then follow the agents."""
         self.session = agent_session(self.cfg)
-        self.agents = {n.name: AgentClient(n, self.session, self.store.fence) for n in self.cfg.nodes}
+        self.agents = {n.name: AgentClient(n, self.session) for n in self.cfg.nodes}
+        await self._take_epoch()
         intake = Intake(self.agents, self.store, self.metrics, self.agent_errors, lambda: self.state, self.feed)
         await self._adopt()
         for loop in intake.loops():
@@ -78,6 +87,48 @@ class Controller:
         self.rank0.close()
         if self.session:
             await self.session.close()
+
+    async def _take_epoch(self) -> None:
+        """The round (meshd/epochs.py): what every agent promised, an epoch above it all and the store's last,
+        recorded, then promised by a majority. Asked again each second until `adopt_wait` has passed."""
+        deadline = time.monotonic() + self.policy.adopt_wait
+        ballot, heard = None, {}
+        while True:
+            if ballot is None:
+                verdict = epochs.choose_epoch(self.store.last_epoch(), await self._ask(AgentClient.held, self.agents))
+                if isinstance(verdict, int):
+                    ballot = Ballot(verdict, secrets.token_hex(6))
+                    fence = self.store.take_epoch(ballot)
+                    for client in self.agents.values():
+                        client.fence = fence
+                    continue
+            else:
+                heard.update(await self._ask(AgentClient.promise, [n for n in self.agents if heard.get(n) != ballot]))
+                verdict = epochs.judge_round(ballot, heard)
+                match verdict:
+                    case epochs.Granted(missing=missing):
+                        log.info("epoch promised", epoch=str(ballot), promised=len(heard) - len(missing),
+                                 away=missing or None)
+                        return
+                    case epochs.Beaten(newer=newer, node=node):
+                        raise EpochRefused(
+                            f"controller {newer} took this mesh over as this one ({ballot}) started ({node}'s agent "
+                            "promised it): two controllers for one mesh, on two state directories. This one commanded "
+                            "nothing; to have it run the mesh, stop the other, then start this one (it takes over)")
+            if time.monotonic() >= deadline:
+                raise EpochRefused(verdict.reason())
+            await asyncio.sleep(1.0)
+
+    async def _ask(self, question, nodes) -> dict[str, Ballot | str]:
+        """`question(client)` of each node's agent at once: its ballot, or why it did not answer."""
+        async def one(node: str) -> Ballot | str:
+            try:
+                return await question(self.agents[node])
+            except AgentError as e:
+                self.agent_errors[node] = str(e)
+                return str(e).removeprefix(f"{node}: ")
+
+        return dict(zip(nodes, await asyncio.gather(*(one(n) for n in nodes))))
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)

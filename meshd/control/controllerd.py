@@ -42,7 +42,7 @@ from meshd.control import statuspage, survey
 from meshd.control.audit import Refusals, Row
 from meshd.nodes.agentclient import AgentError
 from meshd.config import MeshConfig, load
-from meshd.control.controller import Controller
+from meshd.control.controller import Controller, EpochRefused
 from meshd.metrics import Metrics
 from meshd.seam import Observation
 from meshd.store import Store
@@ -95,8 +95,8 @@ def store_health(ctl: Controller) -> list[str]:
         problems.append(f"the store ({ctl.cfg.store_path}) fails to write since {since}: {store.failing}; "
                         f"{len(store.pending)} writes wait (free space in {ctl.cfg.state_dir})")
     if fence and fence.newer is not None:
-        problems.append(f"controller epoch {fence.newer} has taken this mesh over; this one (epoch {fence.epoch}) "
-                        "acts on nothing more")
+        problems.append(f"controller {fence.newer} has taken this mesh over; this one ({fence.ballot}) acts on "
+                        "nothing more")
     return problems
 
 
@@ -330,24 +330,32 @@ async def serve(cfg: MeshConfig, log_file: Path | None = None) -> None:
         raise SystemExit(f"meshd: cannot open the store {cfg.store_path} ({e}); free space in {cfg.state_dir} or "
                          "check its permissions, then start meshd again (the mesh keeps serving meanwhile)")
     metrics.store_pending.set_function(lambda: len(store.pending))
-    fence = store.take_epoch()
     ctl = Controller(cfg, store, metrics)
-    await ctl.start()  # adopt first: no command may arrive before the controller knows what runs
+    try:
+        await ctl.start()  # the epoch, then adoption: no command may arrive before the controller knows what runs
+    except EpochRefused as e:
+        await ctl.close()
+        store.close()
+        os.close(lock)
+        raise SystemExit(f"meshd: mesh {cfg.name}: {e}")
+    fence = store.fence
     runners = await start_sites([(control_app(ctl, metrics, token, log_file),
                                   *split_listen("control.listen", cfg.control.listen), control_tls(cfg))])
-    log.info("meshd running", mesh=cfg.name, control=cfg.control.listen, epoch=fence.epoch,
+    log.info("meshd running", mesh=cfg.name, control=cfg.control.listen, epoch=str(fence.ballot),
              phase=ctl.state.phase, generation=ctl.state.generation)
     # Until a signal, or a newer controller (fence.newer says which: a signal sets the event too).
     await until_stopped(f"mesh {cfg.name}: control API on {cfg.control.listen}", stop=fence.superseded)
     log.info("meshd stopping; the mesh keeps serving and will be adopted", generation=ctl.state.generation)
-    await ctl.close()
-    for r in runners:
+    for r in runners:  # the API's loops first: they use the controller's session
         await r.cleanup()
+    await ctl.close()
     store.close()
     os.close(lock)
     if fence.newer is not None:
-        raise SystemExit(f"meshd: controller epoch {fence.newer} has taken mesh {cfg.name} over ({fence.by} said "
-                         f"so); this one (epoch {fence.epoch}) stopped and acted on nothing after it")
+        raise SystemExit(f"meshd: controller {fence.newer} has taken mesh {cfg.name} over ({fence.by} said so); "
+                         f"this one ({fence.ballot}) stopped and acted on nothing after it. Two controllers for "
+                         "these nodes (two state directories) take the mesh from each other as each starts: keep "
+                         "one")
 
 
 def load_checked(path: str) -> MeshConfig:

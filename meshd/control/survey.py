@@ -48,7 +48,9 @@ async def status(cfg: MeshConfig, s: fleet.FleetState, agents: dict[str, AgentCl
 
     nodes = await asyncio.gather(*(one(n) for n in cfg.nodes))
     incidents = store.incidents(1)
-    return {"mesh": cfg.name, "phase": s.phase, "generation": s.generation, "reason": s.reason,
+    ballot = store.fence.ballot
+    return {"mesh": cfg.name, "epoch": ballot.epoch, "controller_id": ballot.controller,
+            "phase": s.phase, "generation": s.generation, "reason": s.reason,
             "ready_since": s.ready_since, "failures_in_window": len(s.failures),
             "backoff_until": s.backoff_until, "nodes": list(nodes),
             "load": [asdict(r) for r in s.ranks],

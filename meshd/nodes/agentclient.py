@@ -1,7 +1,9 @@
 """The controller's side of the agent API: one small client per node, and the
 event stream follower that resumes by sequence number after any disconnect.
-A controller's client sends its epoch with every call and learns from a
-refusal that a newer controller has taken the mesh over."""
+A controller's client sends its ballot with every call, asks the agent for its
+promise before the first (and again when the agent has lost it), and learns from
+any answer that a newer controller has taken the mesh over: from then on it
+calls no agent."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
-from common.protocol import CONTROLLER_EPOCH
+from common.protocol import Ballot, BallotError
 from meshd.config import MeshConfig, Node
-from meshd.store import Fence
+from meshd.epochs import Fence, Standing, standing
+
+EPOCH_ROUTE = "/v1/epoch"
 
 
 def agent_session(cfg: MeshConfig) -> aiohttp.ClientSession:
@@ -33,37 +37,92 @@ class AgentError(Exception):
 
 class AgentClient:
     def __init__(self, node: Node, session: aiohttp.ClientSession, fence: Fence | None = None):
-        """`fence`: the controller's (doctor and meshctl call without one)."""
+        """`fence`: the controller's, once it has taken its epoch (doctor and meshctl call without one)."""
         self.node = node
         self.session = session
         self.fence = fence
+        self.promised = False  # this agent holds the fence's ballot, as far as its last answer said
+        self._asking = asyncio.Lock()
         self.token = node.token_file.read_text().strip()
 
     @property
     def headers(self) -> dict:
-        epoch = {CONTROLLER_EPOCH: str(self.fence.epoch)} if self.fence else {}
-        return {"Authorization": f"Bearer {self.token}", **epoch}
+        return {"Authorization": f"Bearer {self.token}", **(self.fence.ballot.headers() if self.fence else {})}
 
     async def call(self, method: str, path: str, body=None, timeout: float = 10.0):
+        """The agent's JSON answer. A controller's call goes only to an agent that promised its ballot (it is
+        asked first), and never once another controller has taken the mesh over; a command the agent refuses
+        because it lost the promise meanwhile (restarted, its state wiped) is sent once more after asking."""
+        if self.fence is not None:
+            await self.ensure_promised()
+        status, data, _ = await self._request(method, path, body, timeout)
+        if status == 409 and self.fence is not None and not self.promised and self.fence.newer is None:
+            await self.ensure_promised()
+            status, data, _ = await self._request(method, path, body, timeout)
+        if status >= 400:
+            raise AgentError(f"{self.node.name}: {method} {path} -> {status}: "
+                             f"{(data or {}).get('error', {}).get('message', data)}", status)
+        return data
+
+    async def _request(self, method: str, path: str, body, timeout: float) -> tuple[int, object, Ballot | None]:
+        """The answer's status, its JSON and the ballot the agent names in it."""
         try:
             async with self.session.request(method, f"{self.node.agent}{path}", json=body, headers=self.headers,
                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                data = await r.json(content_type=None)
-                if r.status == 409 and self.fence and CONTROLLER_EPOCH in r.headers:
-                    self.fence.supersede(int(r.headers[CONTROLLER_EPOCH]), f"{self.node.name}'s agent")
-                if r.status >= 400:
-                    raise AgentError(f"{self.node.name}: {method} {path} -> {r.status}: "
-                                     f"{(data or {}).get('error', {}).get('message', data)}", r.status)
-                return data
+                held = self._heard(r.headers)
+                return r.status, await r.json(content_type=None), held
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             raise AgentError(f"{self.node.name}: {method} {path} failed: {type(e).__name__} {e}") from e
+
+    def _heard(self, headers) -> Ballot | None:
+        """The ballot this agent names in its answer, and what it says of this controller taken in."""
+        try:
+            held = Ballot.from_headers(headers)
+        except BallotError:
+            return None
+        if held is None or self.fence is None:
+            return held
+        match standing(self.fence.ballot, held):
+            case Standing.SUPERSEDED:
+                self.fence.supersede(held, f"{self.node.name}'s agent")
+            case Standing.UNPROMISED:
+                self.promised = False
+            case Standing.PROMISED:
+                self.promised = True
+        return held
+
+    async def held(self) -> Ballot:
+        """The ballot this agent has promised (AgentError when it does not answer)."""
+        data = await self.call("GET", EPOCH_ROUTE, timeout=5)
+        return Ballot(int(data["epoch"]), str(data["controller"]))
+
+    async def promise(self) -> Ballot:
+        """Ask for the promise of this controller's ballot; the ballot the agent holds after it (this one's, or
+        a newer one's that refused it). AgentError when it does not answer."""
+        status, data, held = await self._request("POST", EPOCH_ROUTE, None, 5)
+        if status not in (200, 409) or held is None:
+            raise AgentError(f"{self.node.name}: POST {EPOCH_ROUTE} -> {status}: {data}", status)
+        return held
+
+    async def ensure_promised(self) -> None:
+        """Ask for the promise unless this agent holds it; AgentError when it refuses or does not answer, and
+        at once when another controller has taken the mesh over."""
+        async with self._asking:
+            if not self.promised and self.fence.newer is None:
+                await self.promise()
+        if self.fence.newer is not None:
+            raise AgentError(f"{self.node.name}: not called: controller {self.fence.newer} has taken this mesh "
+                             f"over ({self.fence.by} said so); this one ({self.fence.ballot}) acts on nothing more")
 
     async def follow(self, since: int, epoch: str | None, on_record: Callable[[dict], Awaitable[None]]) -> None:
         """Stream events after `since` of log `epoch` until the connection drops (raises AgentError)."""
         url = f"{self.node.agent}/v1/events?since={since}" + (f"&epoch={epoch}" if epoch else "")
         try:
+            if self.fence is not None:
+                await self.ensure_promised()
             async with self.session.get(url, headers=self.headers,
                                         timeout=aiohttp.ClientTimeout(total=None, sock_read=30)) as r:
+                self._heard(r.headers)
                 if r.status != 200:
                     raise AgentError(f"{self.node.name}: event stream -> {r.status}")
                 async for raw in r.content:
