@@ -11,7 +11,7 @@ from importlib import metadata
 
 import pytest
 
-from common.protocol import RankReport
+from common.protocol import Ballot, RankReport
 from common.states import RankState
 from kit.agents import make_agents
 from kit.configs import write_mesh
@@ -118,6 +118,28 @@ def test_ranks_of_another_generation_are_stale():
     assert doctor.judge_stale("a", ranks, 3).ok
     stale = doctor.judge_stale("a", ranks, 4)
     assert not stale.ok and "generation 3 rank 0 pid 10" in stale.detail
+
+
+RUNS = Ballot(19, "abc123")
+
+
+@pytest.mark.parametrize("held,ours,running,warn,words", [
+    (Ballot(0), None, False, False, "no controller has taken this node yet"),
+    (RUNS, RUNS, True, False, "the running controller's"),
+    (Ballot(19, "other"), Ballot(19), False, False, "this mesh's last controller's"),
+    (Ballot(12, "old"), Ballot(19), False, False, "next controller takes an epoch above it"),
+    (Ballot(18, "old"), RUNS, True, True, "away during the controller's round"),
+    (Ballot(25, "zz"), RUNS, True, True, "has taken the node over"),
+    (Ballot(19, "zzzzzz"), RUNS, True, True, "has taken the node over"),
+    (Ballot(25, "zz"), Ballot(19), False, True, "above this mesh's last controller's (epoch 19)"),
+    (Ballot(18, "zz"), None, False, True, "this mesh's controller has taken no epoch yet"),
+], ids=["fresh", "promised", "last-controller", "behind-stopped", "behind-running", "taken-over",
+        "same-epoch-other-controller", "taken-over-while-stopped", "fresh-state-dir"])
+def test_each_agents_epoch_is_judged_against_the_controllers(held, ours, running, warn, words):
+    check = doctor.judge_epoch("n1", held, ours, running)
+    assert check.ok and check.warn == warn and words in check.detail
+    assert held.epoch == 0 or str(held) in check.detail
+    assert not warn or check.fix
 
 
 # --- the whole gate ---------------------------------------------------------------------

@@ -28,6 +28,15 @@ def _read_pid(pidfile: Path) -> procs.Target | None:
     return target if procs.alive(target) else None
 
 
+def exited(pidfile: Path) -> int | None:
+    """The pid of the daemon a pidfile names when that daemon has exited (None: no pidfile, or it runs)."""
+    try:
+        pid = int(pidfile.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None if running(pidfile) else pid
+
+
 def running(pidfile: Path) -> bool:
     return _read_pid(pidfile) is not None
 

@@ -28,13 +28,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from agents.config import DEFAULT_ENV_ALLOWLIST, DEFAULT_PROFILES
+from common.protocol import Ballot
 from common.states import Phase
 from common.tomlcheck import ConfigError, listen_host, read_toml, split_listen
 from meshd.meshctl import background, demo, service
 from meshd.config import MeshConfig, hostfile_for, load
 from meshd.dataplane.proxyconfig import Front, check_twins, is_proxy_config, load_front
 from meshd.meshctl.progress import Display
-from meshd.store import read_value
+from meshd.store import EPOCH, read_value
 
 # The commands that reach nodes over SSH or the agents' HTTP API import their
 # modules when they run: paramiko, aiohttp and structlog would cost every
@@ -170,8 +171,23 @@ class Control:
         except (OSError, ValueError) as e:
             if timed_out(e):
                 raise CliError(silent_controller(self.cfg.control.listen, *self.process()))
-            raise CliError(f"cannot reach the controller at {self.base} ({type(e).__name__}); "
-                           "is it running? `meshctl up` starts it")
+            raise CliError(exited_controller(self.cfg) or f"cannot reach the controller at {self.base} "
+                           f"({type(e).__name__}); is it running? `meshctl up` starts it")
+
+
+def exited_controller(cfg: MeshConfig) -> str | None:
+    """What the controller meshctl started for this mesh said as it exited (its log's last line: the reason a
+    daemon gives as it exits), with its pid and its log's path; None when meshctl started none, or it runs."""
+    from common import logfile
+
+    run = run_dir(cfg)
+    pid = background.exited(run / "controller.pid")
+    if pid is None:
+        return None
+    log = run / "controller.log"
+    found = logfile.tail(log, 1)
+    said = found[0][-1] if found and found[0] else "it wrote nothing"
+    return f"the controller (pid {pid}) exited: {said} (its log: {log})"
 
 
 def config_places() -> list[Path]:
@@ -261,6 +277,7 @@ def start_controller(cfg: MeshConfig, ctl: Control) -> None:
         if outcome == "silent":
             raise CliError(f"the controller (pid {old}) neither answers nor exits after 60s; its log ({log}) says "
                            f"why; `kill {old}`, then `meshctl up` starts a new one")
+        say(f"{exited_controller(cfg) or f'the controller (pid {old}) exited'}; starting another")
     if cfg.path and demo.is_demo(cfg.path):
         say(f"demo: starting {len(cfg.nodes)} agent{'s' if len(cfg.nodes) > 1 else ''} and the controller on "
             f"127.0.0.1 (logs in {run})")
@@ -271,11 +288,7 @@ def start_controller(cfg: MeshConfig, ctl: Control) -> None:
                          log)
     outcome = settled(ctl, pidfile)
     if outcome == "exited":
-        from common import logfile
-
-        found = logfile.tail(log, 1)
-        said = found[0][-1] if found and found[0] else "it wrote nothing"
-        raise CliError(f"the controller exited as it started ({said}); see {log}")
+        raise CliError(exited_controller(cfg))
     if outcome == "silent":
         raise CliError(f"the controller did not come up within 60s; see {log}")
 
@@ -676,13 +689,16 @@ def cmd_provision(args) -> int:
 def preflight(cfg: MeshConfig, *, canary: bool = False, trust_new: bool = False) -> list:
     from meshd.nodes import doctor
 
-    current, phase = None, "stopped"
+    current, phase, running = None, "stopped", False
+    last = read_value(cfg.store_path, EPOCH)
+    controller = Ballot(last) if last else None
     ctl = Control(cfg)
     if ctl.ours():
         status = ctl.call("GET", "/v1/status")
-        current, phase = status["generation"], status["phase"]
+        current, phase, running = status["generation"], status["phase"], True
+        controller = Ballot(status["epoch"], status["controller_id"])
     checks = doctor.ssh_checks(cfg, trust_new=trust_new)
-    checks += asyncio.run(doctor.agent_checks(cfg, current))
+    checks += asyncio.run(doctor.agent_checks(cfg, current, controller, running))
     if canary and phase not in ("stopped", "failed"):
         checks.append(doctor.Check("canary", "mesh", False, f"the mesh is {phase} (generation {current}): the "
                                    "canary needs the nodes' ranks stopped", "meshctl down, then meshctl doctor --canary"))

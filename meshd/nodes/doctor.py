@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from common.hostfile import HostfileError
 from common.modelref import is_repo_id
-from common.protocol import RankReport
+from common.protocol import Ballot, RankReport
 from common.states import RankState
 from common.tomlcheck import ConfigError
 from meshd.nodes import provision
@@ -154,6 +154,38 @@ def judge_stale(node: str, ranks: list[RankReport], current: int | None) -> Chec
     return Check("stale ranks", node, True, "none")
 
 
+TWO_CONTROLLERS = ("keep one controller for these nodes: stop the other (its machine, or `meshctl down` with its "
+                   "mesh.toml), then `meshctl up`, whose controller takes the nodes over with a higher epoch. Two "
+                   "controllers take the mesh from each other as each starts")
+
+
+def judge_epoch(node: str, held: Ballot, ours: Ballot | None, running: bool) -> Check:
+    """The ballot the agent promised against this mesh's controller's (`ours`: the running one's, else the epoch
+    its store last recorded; None when it has taken none), and what a mismatch means."""
+    if held.epoch == 0:
+        return Check("epoch", node, True, "no controller has taken this node yet")
+    if ours is None or held.epoch > ours.epoch or (running and held > ours):
+        if running:
+            detail = (f"promised {held}, newer than this mesh's running controller ({ours}): another controller "
+                      "(another state directory for these nodes) has taken the node over, and this mesh's is "
+                      "refused there and stops")
+        else:
+            detail = (f"promised {held}, " + (f"above this mesh's last controller's (epoch {ours.epoch})" if ours
+                      else "and this mesh's controller has taken no epoch yet")
+                      + ": a controller of another state directory (another mesh.toml, a restored backup) has "
+                        "commanded the node since")
+        return Check("epoch", node, True, detail, TWO_CONTROLLERS, warn=True)
+    if (held == ours) if running else (held.epoch == ours.epoch):
+        return Check("epoch", node, True, f"promised {held}, " + ("the running controller's" if running else
+                                                                 "this mesh's last controller's"))
+    if not running:
+        return Check("epoch", node, True, f"promised {held}; this mesh's next controller takes an epoch above it")
+    return Check("epoch", node, True, f"promised {held}, older than the running controller's ({ours}): the agent "
+                 "has not promised it yet (it was away during the controller's round, or its state directory was "
+                 "wiped)", "nothing while it passes: the controller asks for the promise before its next call to "
+                 "the agent; if it stays, the controller cannot reach the agent (`meshctl status` says why)", warn=True)
+
+
 def judge_space(node: str, what: str, path: str, free: int | None) -> list[Check]:
     """A state directory with room for its store and logs; a full one is warned of, while it still serves."""
     if free is None:
@@ -229,12 +261,15 @@ def _ssh_fix(message: str) -> str:
     return message.split("; ", 1)[1] if "; " in message else "check the node's address and sshd"
 
 
-async def agent_checks(cfg: MeshConfig, current: int | None) -> list[Check]:
-    """Agent reachable and token accepted; versions, model, launch, memory, stale ranks and free space from
-    what it reports; and the free space in the controller's own state directory."""
+async def agent_checks(cfg: MeshConfig, current: int | None, controller: Ballot | None = None,
+                       running: bool = False) -> list[Check]:
+    """Agent reachable and token accepted; versions, model, launch, memory, stale ranks, the epoch it promised
+    (against `controller`'s: the running controller's when `running`, else the one its store last recorded) and
+    free space from what it reports; and the free space in the controller's own state directory."""
     async with agent_session(cfg) as session:
         clients = {n.name: AgentClient(n, session) for n in cfg.nodes}
-        answers = await asyncio.gather(*(_agent_node(clients[n.name], n, cfg, current) for n in cfg.nodes))
+        answers = await asyncio.gather(*(_agent_node(clients[n.name], n, cfg, current, controller, running)
+                                         for n in cfg.nodes))
     out = [c for checks, _ in answers for c in checks]
     facts = {n.name: f for n, (_, f) in zip(cfg.nodes, answers) if f is not None}
     spaces = [c for node, f in facts.items() for c in
@@ -313,10 +348,12 @@ async def node_facts(cfg: MeshConfig, client: AgentClient) -> dict:
     return await client.call("GET", f"/v1/node?model={cfg.runtime.model}{package}", timeout=30)
 
 
-async def _agent_node(client: AgentClient, n, cfg: MeshConfig, current: int | None) -> tuple[list[Check], dict | None]:
+async def _agent_node(client: AgentClient, n, cfg: MeshConfig, current: int | None, controller: Ballot | None,
+                      running: bool) -> tuple[list[Check], dict | None]:
     try:
         facts = await node_facts(cfg, client)
         ranks = [RankReport.from_dict(r) for r in (await client.call("GET", "/v1/ranks", timeout=10))["ranks"]]
+        held = await client.held()
     except AgentError as e:
         fix = (f"put the token from {n.name}'s agent config into {n.token_file}" if "401" in str(e) else
                f"start the agent at {n.agent}: `meshctl agents install {n.name}` installs and starts it "
@@ -325,7 +362,8 @@ async def _agent_node(client: AgentClient, n, cfg: MeshConfig, current: int | No
     except (OSError, ValueError) as e:  # the token file itself
         return [Check("agent", n.name, False, f"cannot read the token: {e}",
                       f"write {n.name}'s agent token to {n.token_file} (chmod 600)")], None
-    return [Check("agent", n.name, True, f"{n.agent}, token accepted"), judge_stale(n.name, ranks, current)], facts
+    return [Check("agent", n.name, True, f"{n.agent}, token accepted"), judge_stale(n.name, ranks, current),
+            judge_epoch(n.name, held, controller, running)], facts
 
 
 async def canary(cfg: MeshConfig, hostfile: dict, seconds: float = 3.0, timeout: float = 120) -> list[Check]:
