@@ -424,10 +424,11 @@ class DSparkEngine(MTPEngine):
     """One request at a time, drafted by DeepSeek-V4's DSpark stages (omlx's overlay): the target's forward
     gives its logits and the taps of its target layers; the committed positions' taps enter the stages'
     context (never a draft's, so that context needs no trim); a block of drafts comes from one pass of
-    the stages over the anchor (the token the target sampled last) and noise tokens, each row biased by
-    the Markov head from the draft before it and taken greedily. The sharded target verifies the block
-    as MTPEngine's verify does, sampling each place with the request's per-token key, so the answer is
-    the plain decoder's token for token.
+    the stages over the anchor (the token the target sampled last) and noise tokens, the checkpoint's whole
+    block whatever num_draft_tokens keeps of it, each row biased by the Markov head from the draft before it
+    and taken greedily (dspark.draft: DeepSeek's block, as dspark-mlx drafts it). The sharded target
+    verifies the block as MTPEngine's verify does, sampling each place with the request's per-token key, so
+    the answer is the plain decoder's token for token.
 
     The target's caches go back to the kept places by trimming when a trim undoes every layer exactly,
     else by undoing the step (runtime/rollback.py: pooled and windowed layers back to their state before
@@ -525,16 +526,8 @@ class DSparkEngine(MTPEngine):
         return self._draft(taps[:, :at + 1], anchor)
 
     def _draft(self, committed: mx.array, anchor: int) -> mx.array | None:
-        """The next block (on the device: it goes into the next verify's graph), the committed places'
-        taps entering the stages' context first."""
+        """The next block's first num_draft_tokens drafts (on the device: they go into the next verify's
+        graph), the committed places' taps entering the stages' context first (dspark.draft)."""
         with self._refusals():
-            prev = mx.array([anchor], dtype=mx.uint32)
-            logits, _ = self._model.dspark_forward(committed, prev, self._mtp_cache,
-                                                   draft_length=self.num_draft_tokens)
-            drafts = []
-            for i in range(logits.shape[1]):
-                bias, _ = self._model.dspark_markov(prev)
-                prev = mx.argmax(logits[:, i] + bias, axis=-1).astype(mx.uint32)
-                drafts.append(prev)
-            return mx.concatenate(drafts)
+            return dspark.draft(self._model, self._mtp_cache, committed, anchor, self.num_draft_tokens)[0]
         return None

@@ -11,8 +11,8 @@ collect_ignore = ["pinned"]
 # worker alone on a long one.
 SLOW_FIRST = ["test_dspark.py", "test_families.py", "test_demo_mesh.py", "test_chaos.py", "test_agent_mesh.py",
               "test_mtp.py", "test_meshes.py", "test_doctor.py", "test_agents_install.py", "test_controller.py",
-              "test_observability.py", "test_controller_ground.py", "test_provision.py", "test_rank_lifecycle.py",
-              "test_demo_up_down.py", "test_security.py", "test_snapshots.py", "test_standby.py", "test_models.py",
+              "test_observability.py", "test_controller_ground.py", "test_takeover.py", "test_provision.py",
+              "test_rank_lifecycle.py", "test_demo_up_down.py", "test_security.py", "test_snapshots.py", "test_standby.py", "test_models.py",
               "test_proxyd.py", "test_listeners.py", "test_recycle.py"]
 
 

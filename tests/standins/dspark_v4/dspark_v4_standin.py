@@ -7,9 +7,10 @@ imported) wraps `apply_mlx_lm_mtp_patch` so that after the real patch runs, `mlx
 - ModelArgs.from_dict keeping DSpark's keys (the real dataclass drops unknown keys);
 - Model.__init__ building `n_mtp_layers` DSpark stages in `model.mtp` (in place of the real patch's
   V3-shaped MTP head) from omlx's own classes: LocalAttention's projections, RoPE and sinks over a context
-  cache, DeepseekV4MoE, RMSNorms and HyperConnections, with the attribute names (`attn`, `ffn`) the real
-  `Model.shard()` splits; stage 0 holds `main_proj`/`main_norm` over the target layers' taps, the last
-  the `hc_head`/`norm` and the Markov head;
+  cache, DeepseekV4MoE (its shared expert clamped as the routed ones), RMSNorms and HyperConnections, with
+  the attribute names (`attn`, `ffn`) the real `Model.shard()` splits; stage 0 holds `main_proj`/
+  `main_norm` over the target layers' taps, the last the `hc_head`/`norm`, the Markov head and the
+  confidence head, as upstream omlx's converted checkpoint holds them;
 - Model.__call__(inputs, cache=None, return_hidden=False): (logits, taps) when return_hidden on a DSpark
   model, taps the concatenated outputs of `dspark_target_layer_ids` (mean over the hyper-connection
   streams), else the real call;
@@ -19,9 +20,12 @@ imported) wraps `apply_mlx_lm_mtp_patch` so that after the real patch runs, `mlx
 
 A DSpark model is stamped MTP-inactive for omlx's BatchGenerator patch (its V3 MTP cycle would call
 `mtp_forward` on the stages): batched decoding on it is the backbone's, undrafted, as meshd expects.
-Semantics mirror tests/standins/omlx/patches/mlx_lm_mtp/deepseek_v4_dspark.py: the context holds only the
-committed positions' rows (never a draft's, so it needs no trim), the block (anchor + noise tokens)
-attends to that context and to itself without a mask."""
+
+The stages compute DeepSeek-V4-Flash-DSpark's drafter (tests/pinned/test_dspark_xcheck.py holds them to
+dspark-mlx's on the same weights): the context holds the committed positions' rows (never a draft's, so it
+needs no trim), the last `sliding_window` of them, each at its own position; the block (the anchor at the
+position after the context, then noise tokens) attends to that context and to itself without a mask, a
+sink in each head's denominator."""
 
 from __future__ import annotations
 
@@ -126,6 +130,14 @@ def install() -> bool:
             self.markov_w1 = nn.Embedding(vocab, rank)
             self.markov_w2 = nn.Linear(rank, vocab, bias=False)
 
+    class ConfidenceHead(nn.Module):
+        """Each draft's acceptance logit from its hidden and its Markov embedding, loaded as the checkpoint
+        holds it: meshd keeps a fixed number of each block's drafts, so nothing reads it."""
+
+        def __init__(self, width: int):
+            super().__init__()
+            self.proj = nn.Linear(width, 1, bias=False)
+
     class DSparkBlock(nn.Module):
         """A DeepseekV4Block's parts (attn, ffn, attn_norm, ffn_norm, attn_hc, ffn_hc) over the context."""
 
@@ -134,6 +146,7 @@ def install() -> bool:
             layer_idx = config.num_hidden_layers + index
             self.attn = DSparkAttention(config, layer_idx)
             self.ffn = dsv4.DeepseekV4MoE(config, layer_idx)
+            self.ffn.shared_experts.swiglu_limit = config.swiglu_limit
             self.attn_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.ffn_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.attn_hc = dsv4.HyperConnection(config)
@@ -146,6 +159,7 @@ def install() -> bool:
                 self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
                 self.hc_head = dsv4.HyperHead(config)
                 self.markov_head = MarkovHead(config.vocab_size, config.dspark_markov_rank)
+                self.confidence_head = ConfidenceHead(config.hidden_size + config.dspark_markov_rank)
 
         def __call__(self, h, ctx, input_ids):
             residual = h
@@ -244,8 +258,8 @@ def install() -> bool:
         h = mx.contiguous(mx.broadcast_to(h[:, :, None, :], (batch, width, args.hc_mult, args.hidden_size)))
         for stage, c in zip(self.mtp, cache):
             h = stage(h, c, ids)
-        head = self.mtp[-1].norm(self.mtp[-1].hc_head(h))
-        return self.lm_head(head), head
+        head = self.mtp[-1].hc_head(h)
+        return self.lm_head(self.mtp[-1].norm(head)), head
 
     def dspark_markov(self, token_ids):
         emb = self.mtp[-1].markov_head.markov_w1(token_ids)
