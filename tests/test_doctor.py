@@ -185,11 +185,11 @@ def test_a_healthy_mesh_passes_and_each_fault_fails_with_its_fix(macs, tmp_path,
     assert provisioned.returncode == 0, provisioned.stdout + provisioned.stderr
     r = meshctl(mesh, "doctor")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "46 of 46 checks pass: ready to start" in r.stdout and "FAIL" not in r.stdout
+    assert "50 of 50 checks pass: ready to start" in r.stdout and "FAIL" not in r.stdout
     code, failed, checks = doctor_run(mesh)
-    assert {c["name"] for c in checks} == {"ssh", "sudo", "bridge0", "rdma", "agent", "stale ranks", "versions",
-                                          "model", "launch", "memory", "space", "hostfile"}
-    assert len(checks) == 11 * 4 + 2 and code == 0  # free space on each node and in the controller's state dir
+    assert {c["name"] for c in checks} == {"ssh", "sudo", "bridge0", "rdma", "agent", "stale ranks", "epoch",
+                                          "versions", "model", "launch", "memory", "space", "hostfile"}
+    assert len(checks) == 12 * 4 + 2 and code == 0  # free space on each node and in the controller's state dir
 
     (fleet.nodes[1].state / "iogpu.wired_limit_mb").write_text("1\n")  # 0.9 MiB usable: the model cannot fit
     fleet.nodes[3].fault("ibv_hang")
