@@ -462,9 +462,11 @@ class DSparkEngine(MTPEngine):
         return self._verify()
 
     def _prefill(self) -> None:
-        """A chunk of the prompt, as the plain decoder takes it (all but the last token, in chunks): a target
-        whose forward depends on where its chunks start (omlx's pooled windows) answers as plainly."""
-        n = min(self._chunk, len(self._todo) - 1)
+        """A chunk of the prompt, as the plain decoder takes it (all but the last token, in chunks; a resumed
+        answer's tokens in the pieces decoding gives): a target whose forward depends on where its chunks
+        start (omlx's pooled windows) answers as plainly."""
+        job = self._active
+        n = dspark.prompt_piece(self._base, len(job.prompt), job.offset, self._chunk, self._windows)
         chunk, self._todo = self._todo[:n], self._todo[n:]
         with mx.stream(generation_stream):
             _, taps = self._model(mx.array(chunk, dtype=mx.uint32)[None], self._cache, return_hidden=True)

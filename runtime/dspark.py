@@ -28,7 +28,8 @@ def stages(model) -> list:
 
 
 def attention(layer):
-    return getattr(layer, "self_attn", None) or layer.attn
+    """A layer's attention (None for a layer without: a recurrent one)."""
+    return getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
 
 
 def heads(layer) -> int:
@@ -150,3 +151,14 @@ def draft(model, cache: list, committed: mx.array, anchor: int, width: int) -> t
         prev = mx.argmax(rows[-1], axis=-1).astype(mx.uint32)
         drafts.append(prev)
     return mx.concatenate(drafts), mx.concatenate(rows)
+
+
+def prompt_piece(at: int, length: int, said: int, chunk: int, windows: tuple[int, ...]) -> int:
+    """How many positions from `at` of a prompt of `length` tokens its next forward feeds (never its last,
+    left for the step that samples): `chunk` at a time, as the plain decoder prefills, up to a resumed
+    answer's tokens (the `said` its prompt ends with) and the token before them; those, which decoding fed one
+    at a time, in the next of `pieces`, at most `chunk`, so that the caches hold what that decoding's held."""
+    last, answer = length - 1, length - 1 - said
+    if at < answer:
+        return min(chunk, answer - at)
+    return min(chunk, pieces(at, last - at, windows)[0])

@@ -9,6 +9,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
+from runtime import dspark
 from runtime.jobs import Emission, Job, emission, finish_reason
 from runtime.sampling import greedy, processors_for, sampler_for
 from runtime.snapshot import Snapshots
@@ -20,14 +21,18 @@ class SoloDecode:
     device when a token is read back (mlx-lm's generate_step does the same):
     at batch one this is the plain loop's speed, which BatchGenerator's
     per-step bookkeeping does not reach. Each `step` is one prefill chunk or
-    one token."""
+    one token; a resumed answer's tokens are prefilled in the pieces decoding
+    gives (`dspark.prompt_piece`), so that they answer as the decode that said
+    them."""
 
-    def __init__(self, model, job: Job, cache: list, cached: int, eos_ids: set[int], prefill_step_size: int):
+    def __init__(self, model, job: Job, cache: list, cached: int, eos_ids: set[int], prefill_step_size: int,
+                 windows: tuple[int, ...]):
         self.job = job
         self.cache = cache
         self._model = model
         self._eos = eos_ids
         self._chunk = prefill_step_size
+        self._windows = windows
         self._sampler = sampler_for(job)
         self._processors = processors_for(job)
         self._seen = mx.array(job.prompt[:cached], dtype=mx.uint32)  # what the logits processors see
@@ -49,7 +54,8 @@ class SoloDecode:
 
     def step(self) -> Emission | None:
         if len(self.todo) > 1:
-            n = min(self._chunk, len(self.todo) - 1)
+            n = dspark.prompt_piece(len(self.fed), len(self.job.prompt), self.job.offset, self._chunk,
+                                    self._windows)
             chunk = mx.array(self.todo[:n], dtype=mx.uint32)
             with mx.stream(generation_stream):
                 self._model(chunk[None], cache=self.cache)
@@ -110,6 +116,7 @@ class BatchEngine:
         self._model = model
         self._eos = eos_ids
         self._prefill_step_size = prefill_step_size
+        self._windows = dspark.overlap_windows(model)
         self._solo: SoloDecode | None = None
         self._carried: list[Emission] = []  # a handed-over solo job's last token, out at the next step
         self._rid_by_uid: dict[int, str] = {}
@@ -144,7 +151,8 @@ class BatchEngine:
     def insert(self, job: Job) -> int:
         cache, cached = self.take(job)
         if self._solo is None and not self._uid_by_rid:
-            self._solo = SoloDecode(self._model, job, cache, cached, self._eos, self._prefill_step_size)
+            self._solo = SoloDecode(self._model, job, cache, cached, self._eos, self._prefill_step_size,
+                                    self._windows)
             return cached
         if self._solo is not None:
             self._hand_over()

@@ -35,7 +35,7 @@ from runtime.engine import BatchEngine, Job
 from runtime.join import join_mesh
 from runtime.lockstep import Divergence, Lockstep, fold
 from runtime.overlay import OverlayError, check_loaded, checkpoint_tensors, disarm, drafter_off, overlay_for, set_up
-from runtime.snapshot import Identity, Snapshots, restore_agreed, shard_layout, snapshottable
+from runtime.snapshot import LEAVES, Identity, Snapshots, leaf_types, restore_agreed, shard_layout, snapshot_kind
 from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend
 from runtime.status import Heartbeat
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     lockstep = Lockstep(group)
     prefixes = engine.batch if isinstance(engine, DraftWhenAlone) else engine
     if isinstance(prefixes, BatchEngine):
-        restore(prefixes, lockstep, len(make_prompt_cache(model)), hb, log)
+        restore(prefixes, lockstep, lambda: make_prompt_cache(model), hb, log)
     wake, doze = rouse(lockstep, secret, args.generation, log)  # the arm barrier too: all are loaded past it
     hb.update(state=RankState.ARMED)
     log("armed")
@@ -399,14 +399,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def open_snapshots(args, model_path: Path, model, rank: int, world: int, log) -> Snapshots | None:
-    """This rank's snapshots as the args ask, or None (off, a cache type that cannot be appended to exactly,
-    a directory it cannot use: each said in the log)."""
+    """This rank's snapshots as the args ask, or None (off, a cache type whose state is not proven to restore
+    exactly, a directory it cannot use: each said in the log)."""
     if args.snapshots == "off" or not args.snapshot_dir:
         return None
-    cache = make_prompt_cache(model)
-    if not snapshottable(cache):
-        kinds = ", ".join(sorted({type(c).__name__ for c in cache}))
-        log(f"snapshots off: this model's caches ({kinds}) cannot be snapshotted exactly, only KVCache")
+    types = leaf_types(make_prompt_cache(model))
+    if snapshot_kind(types) is None:
+        log(f"snapshots off: this model's caches ({', '.join(sorted(set(types) - set(LEAVES)))}) cannot be "
+            f"snapshotted exactly, only {', '.join(LEAVES)}")
         return None
     try:
         me = Identity(weights_digest(model_path), world, rank, shard_layout(model))
@@ -416,10 +416,11 @@ def open_snapshots(args, model_path: Path, model, rank: int, world: int, log) ->
         return None
 
 
-def restore(engine: BatchEngine, lockstep: Lockstep, layers: int, hb: Heartbeat, log) -> None:
-    """The tapes every rank restored from its snapshots, into the token tape, before serving."""
+def restore(engine: BatchEngine, lockstep: Lockstep, fresh, hb: Heartbeat, log) -> None:
+    """The tapes every rank restored from its snapshots (each into a `fresh()` cache), into the token tape,
+    before serving."""
     began = time.monotonic()
-    tapes = restore_agreed(engine.snapshots, lockstep.gather, engine.tape.capacity, layers,
+    tapes = restore_agreed(engine.snapshots, lockstep.gather, engine.tape.capacity, fresh,
                            on_progress=lambda: hb.update(progress=True))
     for tokens, cache, sid in tapes:
         engine.tape.store(tokens, cache, sid)

@@ -1,11 +1,15 @@
 """Prefix snapshots: each rank's shard of its token-tape caches on local disk, restored by the next generation.
 
-A snapshot is a chain of segments, one safetensors file each: the keys and values of a tape's tokens
-[start, end) for every layer, naming its parent (the same tape's [0, start)), so a follow-up turn writes
-only its new tokens. The lockstep loop only slices and queues; a writer thread writes, and evicts least
-recently used tapes past the disk budget. At load the ranks exchange the tapes each holds whole and restore
-only those every rank has; whatever is missing, truncated, corrupted or of another model, world, rank or
-shard layout is skipped with a log line and a counted reason. Only plain KV caches are snapshotted.
+A snapshot is a chain of segments, one safetensors file each, holding every cache leaf's own state (its
+`state`, and its `meta_state` where mlx-lm has one; a CacheList's members in its place, as runtime/rollback.py
+walks them) at a point of a tape. Plain KV caches grow by appending: a segment holds their tokens
+[start, end) and names its parent (the same tape's [0, start)), so a follow-up turn writes only its new
+tokens. Caches written in place (a sliding window, DeepSeek-V4's pools) have no slice of tokens: each of
+their segments holds the whole state at its end (start 0) and names as parent the snapshot its tape grew
+from, which it does not need. The lockstep loop only slices and queues; a writer thread writes, and evicts
+least recently used tapes past the disk budget. At load the ranks exchange the tapes each holds whole and
+restore only those every rank has; whatever is missing, truncated, corrupted or of another model, world,
+rank, shard layout or file format is skipped with a log line and a counted reason.
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import KVCache
 
-FORMAT = "meshd-snapshot/1"
+from runtime.rollback import leaves
+
+FORMAT = "meshd-snapshot/2"
+# how a cache leaf is snapshotted: by its new tokens, appended to its parent's, or as its whole state
+LEAVES = {"KVCache": "append", "RotatingKVCache": "whole", "PoolingCache": "whole"}
 
 
 def tape_id(tokens) -> str:
@@ -75,13 +82,32 @@ class Segment:
     used_at: float
     path: Path | None = None
 
+    @property
+    def needs(self) -> str:
+        """The segment this one's state is appended to ("" when it holds its tape's state whole)."""
+        return self.parent if self.start else ""
+
 
 # --- the decisions -------------------------------------------------------------------------------------------
 
-def due(written: int, have: int, every: int, final: bool) -> bool:
+def snapshot_kind(leaf_types: list[str]) -> str | None:
+    """How a cache whose leaves are of these types is snapshotted: "append" when all are plain KV caches (they
+    grow by appending and are cut back exactly: a segment is a slice of tokens), "whole" when each is one whose
+    whole state restores it exactly (a sliding window, DeepSeek-V4's pools; plain KV caches beside them), None
+    when any other is among them."""
+    kinds = {LEAVES.get(t) for t in leaf_types}
+    if not kinds or None in kinds:
+        return None
+    return "whole" if "whole" in kinds else "append"
+
+
+def due(written: int, have: int, every: int, final: bool, whole_state: bool) -> bool:
     """Whether a tape whose snapshot covers `written` of the `have` tokens its cache holds is written now: at
-    its end (a finished answer) or once `every` tokens are new (a long prefill, an answer in flight)."""
-    return have > written and (final or have - written >= every)
+    its end (a finished answer) or once `every` tokens are new (a long prefill, an answer in flight). A tape
+    whose `whole_state` is written is written again whole, so it also waits until a quarter of it is new: all
+    its snapshots together then stay within about four times its last one."""
+    new = have - written
+    return new > 0 and (final or (new >= every and (not whole_state or 4 * new >= have)))
 
 
 def agree(held: list[list[str]]) -> list[str]:
@@ -96,6 +122,17 @@ def ends(sids: list[str], parents: dict[str, str]) -> list[str]:
     return [s for s in sids if s not in extended]
 
 
+def serving(sids: list[str], parents: dict[str, str], whole_states: bool) -> list[str]:
+    """The tapes of `sids` to restore, in their order: the ends, which no other of them extends (a plain KV
+    cache's end serves every prefix of it, cut back); of `whole_states`, which serve only the prompts that extend
+    them, each end with the one it grew from too, for a stream resumed with fewer tokens than the end holds
+    (its rank was ahead of its client when it died)."""
+    keep = set(ends(sids, parents))
+    if whole_states:
+        keep |= {parents[s] for s in keep}
+    return [s for s in sids if s in keep]
+
+
 def whole(segments: dict[str, Segment]) -> list[str]:
     """The tapes whose every segment down to the first token is present, least recently used first."""
     ok: dict[str, bool] = {"": True}
@@ -103,7 +140,7 @@ def whole(segments: dict[str, Segment]) -> list[str]:
         chain = []
         while sid not in ok and sid in segments:
             chain.append(sid)
-            sid = segments[sid].parent
+            sid = segments[sid].needs
         verdict = ok.get(sid, False)
         for s in chain:
             ok[s] = verdict
@@ -112,12 +149,12 @@ def whole(segments: dict[str, Segment]) -> list[str]:
 
 def evict(segments: dict[str, Segment], budget: int) -> list[str]:
     """The segments to delete so that the rest fit in `budget` bytes: the least recently used tape ends
-    first; a segment goes only once nothing kept extends it."""
+    first; a segment goes only once nothing kept is appended to it."""
     left = dict(segments)
     total = sum(s.nbytes for s in left.values())
     gone: list[str] = []
     while total > budget and left:
-        children = {s.parent for s in left.values()}
+        children = {s.needs for s in left.values()}
         sid = min((s for s in left if s not in children), key=lambda s: (left[s].used_at, s))
         total -= left.pop(sid).nbytes
         gone.append(sid)
@@ -173,6 +210,9 @@ def scan(folder: Path, me: Identity) -> tuple[dict[str, Segment], dict[Path, str
     for path in segment_files(folder):
         try:
             meta = read_header(path)
+            if meta.get("format") != FORMAT:
+                raise Unusable("foreign", f"{path.name}: of snapshot format {meta.get('format')}, this rank reads "
+                                          f"{FORMAT}")
             if {k: meta.get(k) for k in me.tags()} != me.tags():
                 raise Unusable("foreign", f"{path.name}: of another model, world, rank or shard layout")
             sid = path.name.split(".")[0]
@@ -185,29 +225,57 @@ def scan(folder: Path, me: Identity) -> tuple[dict[str, Segment], dict[Path, str
     return found, bad
 
 
-def load_segment(seg: Segment, layers: int) -> dict[str, mx.array]:
-    """A segment's arrays, after checking its bytes against the digest in its name and its arrays against
-    its header (Unusable "corrupt" otherwise)."""
+def load_segment(seg: Segment, types: list[str]) -> tuple[dict[str, mx.array], list]:
+    """A segment's arrays and its leaves' description (type, meta state, the state's entries that are not
+    arrays), after checking its bytes against the digest in its name (Unusable "corrupt" otherwise), its
+    leaves against this model's caches ("foreign") and its arrays against its header ("corrupt")."""
     if file_digest(seg.path) != seg.path.name.split(".")[1]:
         raise Unusable("corrupt", f"{seg.path.name}: its bytes do not match its digest")
     try:
-        arrays = mx.load(str(seg.path))
+        arrays, meta = mx.load(str(seg.path), return_metadata=True)
+        about = json.loads(meta["leaves"])
+        its = [t for t, _, _ in about]
         n = seg.end - seg.start
-        fits = arrays["tokens"].shape == (n,) and all(arrays[f"{kv}.{i}"].shape[2] == n
-                                                      for i in range(layers) for kv in "kv")
+        fits = arrays["tokens"].shape == (n,) and (snapshot_kind(its) == "whole" or all(
+            a.shape[2] == n for k, a in arrays.items() if k != "tokens"))
     except (KeyError, IndexError, RuntimeError, ValueError) as e:
         raise Unusable("corrupt", f"{seg.path.name}: unreadable ({e})")
+    if its != types:
+        raise Unusable("foreign", f"{seg.path.name}: its caches ({', '.join(sorted(set(its)))}) are not this "
+                                  f"model's ({', '.join(sorted(set(types)))})")
     if not fits:
         raise Unusable("corrupt", f"{seg.path.name}: its arrays do not fit its header")
-    return arrays
+    return arrays, about
+
+
+def leaf_types(cache: list) -> list[str]:
+    return [type(leaf).__name__ for leaf in leaves(cache)]
+
+
+def tokens_held(parts: list) -> int:
+    """The tokens the cache leaves `parts` hold: the offset of those that hold keys (a pool's counts its
+    windows)."""
+    return next((leaf.offset for leaf in parts if hasattr(leaf, "keys")), 0)
+
+
+def rebuilt(cache: list, parts: list[tuple[dict, list]]) -> list:
+    """`cache` (a fresh one) given the state the segments `parts` hold, first to last: each leaf's arrays
+    concatenated along the token axis (one part: a whole state), the rest of its state and its meta state as
+    the last part says."""
+    _, about = parts[-1]
+    for i, leaf in enumerate(leaves(cache)):
+        _, meta, values = about[i]
+        if meta is not None:
+            leaf.meta_state = meta
+        state = []
+        for j in range(len(values)):
+            got = [arrays[f"{i}.{j}"] for arrays, _ in parts if f"{i}.{j}" in arrays]
+            state.append(values[j] if not got else got[0] if len(got) == 1 else mx.concatenate(got, axis=2))
+        leaf.state = tuple(state)
+    return cache
 
 
 # --- the mechanism -------------------------------------------------------------------------------------------
-
-def snapshottable(cache: list) -> bool:
-    """Only plain KV caches grow by appending and are cut back exactly; the others are not snapshotted."""
-    return bool(cache) and all(type(c) is KVCache for c in cache)
-
 
 class Snapshots:
     """One rank's snapshots: stage a tape's new tokens from the loop, written by a thread, restored at load.
@@ -269,42 +337,46 @@ class Snapshots:
         with self._lock:
             return whole(self.segments)
 
-    def restore(self, sids: list[str], layers: int, on_progress=lambda: None) -> list[tuple[tuple, list, str]]:
-        """The tapes `sids` as (tokens, cache, sid); one whose files turn out unusable is left out."""
+    def restore(self, sids: list[str], fresh, on_progress=lambda: None) -> list[tuple[tuple, list, str]]:
+        """The tapes `sids` as (tokens, cache, sid), each cache a `fresh()` one given the state its snapshot
+        holds; one whose files turn out unusable is left out."""
         out = []
+        types = leaf_types(fresh())
         for sid in sids:
             chain, s = [], sid
             while s in self.segments:
                 chain.append(self.segments[s])
-                s = self.segments[s].parent
+                s = self.segments[s].needs
             if s:  # a segment it shares with a tape before it was unusable
                 self.skip("corrupt", f"tape {sid}: a segment of its chain is unusable")
                 continue
-            parts = self._load_chain(chain[::-1], layers, on_progress)
+            parts = self._load_chain(chain[::-1], types, on_progress)
             if parts is None:
                 continue
-            tokens = tuple(np.concatenate([np.array(p["tokens"]) for p in parts]).tolist())
+            tokens = tuple(np.concatenate([np.array(arrays["tokens"]) for arrays, _ in parts]).tolist())
             if tape_id(tokens) != sid:
                 self.skip("corrupt", f"tape {sid}: its tokens do not hash to its name")
                 continue
-            cache = []
-            for i in range(layers):
-                c = KVCache()
-                c.keys = mx.concatenate([p[f"k.{i}"] for p in parts], axis=2)
-                c.values = mx.concatenate([p[f"v.{i}"] for p in parts], axis=2)
-                c.offset = len(tokens)
-                cache.append(c)
-            mx.eval([c.state[:2] for c in cache])
+            try:
+                cache = rebuilt(fresh(), parts)
+                mx.eval([a for leaf in leaves(cache) for a in leaf.state if isinstance(a, mx.array)])
+                fits = tokens_held(leaves(cache)) == len(tokens)
+            except (KeyError, IndexError, TypeError, ValueError) as e:
+                self.skip("corrupt", f"tape {sid}: its state does not fit this model's caches ({e})")
+                continue
+            if not fits:
+                self.skip("corrupt", f"tape {sid}: its caches do not hold its {len(tokens)} tokens")
+                continue
             out.append((tokens, cache, sid))
         return out
 
-    def _load_chain(self, chain: list[Segment], layers: int, on_progress) -> list[dict] | None:
-        """Each segment's arrays, first to last (`on_progress` after each); None when one is unusable, which
-        is deleted."""
+    def _load_chain(self, chain: list[Segment], types: list[str], on_progress) -> list[tuple] | None:
+        """Each segment's arrays and description, first to last (`on_progress` after each); None when one is
+        unusable, which is deleted."""
         parts = []
         for seg in chain:
             try:
-                parts.append(load_segment(seg, layers))
+                parts.append(load_segment(seg, types))
                 on_progress()
             except Unusable as e:
                 self.skip(e.reason, str(e))
@@ -325,7 +397,7 @@ class Snapshots:
                     seg = self.segments[s]
                     os.utime(seg.path, (now, now))
                     self.segments[s] = Segment(seg.sid, seg.parent, seg.start, seg.end, seg.nbytes, now, seg.path)
-                    s = seg.parent
+                    s = seg.needs
         self.restored += len(sids)
 
     # --- write ----------------------------------------------------------------------------------------------
@@ -339,18 +411,27 @@ class Snapshots:
         return (sid, seg.end) if seg else ("", 0)
 
     def stage(self, tokens, cache: list, since: tuple[str, int], final: bool) -> tuple[str, int]:
-        """Slice the tokens a tape's cache holds past `since` (a snapshot id and its length) for the writer,
-        when `due`; returns the tape's snapshot point after it."""
-        have = min(len(tokens), cache[0].offset) if cache and cache[0].keys is not None else 0
-        if not due(since[1], have, self.every, final):
+        """Take the state of a tape's cache for the writer when `due`: its tokens past `since` (a snapshot id
+        and its length) for plain KV caches, its whole state for others; returns the tape's snapshot point
+        after it."""
+        parts = leaves(cache)
+        whole_state = snapshot_kind(leaf_types(cache)) == "whole"
+        have = min(len(tokens), tokens_held(parts))
+        if not due(since[1], have, self.every, final, whole_state):
             return since
-        start = since[1]
+        start = 0 if whole_state else since[1]
         sid = tape_id(tokens[:have])
+        about = []  # per leaf: its type, its meta state, its state's entries with the arrays left out
         with mx.stream(generation_stream):
             arrays = {"tokens": mx.array(tokens[start:have], dtype=mx.uint32)}
-            for i, c in enumerate(cache):
-                arrays[f"k.{i}"] = mx.contiguous(c.keys[..., start:have, :])
-                arrays[f"v.{i}"] = mx.contiguous(c.values[..., start:have, :])
+            for i, leaf in enumerate(parts):
+                values = []
+                for j, value in enumerate(leaf.state):
+                    if isinstance(value, mx.array):
+                        arrays[f"{i}.{j}"] = mx.contiguous(value if whole_state else value[..., start:have, :])
+                        value = None
+                    values.append(value)
+                about.append((type(leaf).__name__, getattr(leaf, "meta_state", None), values))
         nbytes = sum(a.nbytes for a in arrays.values())
         with self._lock:
             if sid in self.segments:  # this very tape is on disk already
@@ -363,7 +444,7 @@ class Snapshots:
             seg = Segment(sid, since[0], start, have, nbytes, time.time())
             self.segments[sid] = seg  # the next segment's parent, before it is written
         mx.async_eval(list(arrays.values()))
-        self._staged.append((seg, arrays))
+        self._staged.append((seg, arrays, json.dumps(about)))
         if final:  # no step may follow to hand it over
             self.pump()
         return sid, have
@@ -371,7 +452,7 @@ class Snapshots:
     def pump(self) -> None:
         if self._staged:
             staged, self._staged = self._staged, []
-            mx.eval([a for _, arrays in staged for a in arrays.values()])
+            mx.eval([a for _, arrays, _ in staged for a in arrays.values()])
             for item in staged:
                 self._queue.put(item)
 
@@ -383,20 +464,20 @@ class Snapshots:
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            seg, arrays = item
+            seg, arrays, about = item
             try:
                 with self._lock:
                     evicted = self.segments.get(seg.sid) is not seg  # before it was written
                 if not evicted:
-                    self._write(seg, arrays)
+                    self._write(seg, arrays, about)
             finally:
                 with self._lock:
                     self._pending -= seg.nbytes
 
-    def _write(self, seg: Segment, arrays: dict[str, mx.array]) -> None:
+    def _write(self, seg: Segment, arrays: dict[str, mx.array], about: str) -> None:
         tmp = self.folder / f".{seg.sid}.safetensors"
         try:
-            mx.save_safetensors(str(tmp), arrays, metadata={**self.me.tags(), "parent": seg.parent,
+            mx.save_safetensors(str(tmp), arrays, metadata={**self.me.tags(), "parent": seg.parent, "leaves": about,
                                                             "start": str(seg.start), "end": str(seg.end)})
             path = self.folder / f"{seg.sid}.{file_digest(tmp)}.safetensors"
             os.replace(tmp, path)
@@ -421,11 +502,11 @@ class Snapshots:
         self.written += 1
 
 
-def restore_agreed(snaps: Snapshots | None, gather, capacity: int, layers: int,
+def restore_agreed(snaps: Snapshots | None, gather, capacity: int, fresh,
                    on_progress=lambda: None) -> list[tuple[tuple, list, str]]:
     """The tapes every rank holds whole and restored, at most `capacity`, least recently used first (by rank
-    0's use), as (tokens, cache, sid) for the token tape. Every rank calls it, with snapshots or without:
-    `gather` (Lockstep.gather) is a collective."""
+    0's use), as (tokens, cache, sid) for the token tape, each cache a `fresh()` one given its snapshot's
+    state. Every rank calls it, with snapshots or without: `gather` (Lockstep.gather) is a collective."""
     mesh, held = (snaps.me.mesh, snaps.held()) if snaps else ("", [])
     offers = [json.loads(b) for b in gather(json.dumps({"mesh": mesh, "tapes": held}).encode())]
     if snaps is None:
@@ -438,7 +519,8 @@ def restore_agreed(snaps: Snapshots | None, gather, capacity: int, layers: int,
     agreed = agree([o["tapes"] for o in offers])
     for sid in ends([s for s in held if s not in set(agreed)], parents):
         snaps.skip("missing", f"tape {sid}: not whole on every rank")
-    got = snaps.restore(ends(agreed, parents)[-capacity:], layers, on_progress)
+    whole_states = snapshot_kind(leaf_types(fresh())) == "whole"
+    got = snaps.restore(serving(agreed, parents, whole_states)[-capacity:], fresh, on_progress)
     everywhere = set(agree([json.loads(b) for b in gather(json.dumps([t[2] for t in got]).encode())]))
     for *_, sid in got:
         if sid not in everywhere:

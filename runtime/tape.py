@@ -4,8 +4,9 @@ A cache is reused only where that is exact. A plain KV cache is cut back to
 the prefix a prompt shares with its tape. Some caches cannot be cut back: a
 sliding window (RotatingKVCache) once past its size, SSM state (ArraysCache)
 always; such a cache serves only a prompt that extends its whole tape, and
-any other prompt is prefilled afresh. Each entry carries the id its snapshot
-was written or restored under (runtime/snapshot.py), "" when it has none.
+any other prompt is prefilled afresh, so a tape that extends it does not
+replace it. Each entry carries the id its snapshot was written or restored
+under (runtime/snapshot.py), "" when it has none.
 """
 
 from __future__ import annotations
@@ -24,11 +25,17 @@ def reusable_prefix(shared: int, stored: int, prompt: int, trimmable: bool) -> i
     return n if trimmable or n == stored else 0
 
 
+def replaces(shared: int, stored: int, new: int, trimmable: bool) -> bool:
+    """Whether a new tape of `new` tokens, sharing `shared` with a stored one of `stored`, serves every prompt
+    that one serves: it is the same tape, or it extends it and its cache (`trimmable`) can be cut back to it."""
+    return shared == stored and (stored == new or trimmable)
+
+
 class TokenTape:
-    """Append-only tapes of post-template token ids with their caches, kept in
-    LRU order up to `capacity`; each `take` counts as a hit, a miss (no tape
-    shares a prefix) or not reusable (one does, but its cache cannot be cut
-    back to it)."""
+    """Tapes of post-template token ids with their caches, kept in LRU order
+    up to `capacity` (one dropped for a new one that `replaces` it); each
+    `take` counts as a hit, a miss (no tape shares a prefix) or not reusable
+    (one does, but its cache cannot be cut back to it)."""
 
     def __init__(self, capacity: int = 8):
         self.capacity = capacity
@@ -65,7 +72,9 @@ class TokenTape:
         return cache, best_len, sid
 
     def store(self, tape: tuple[int, ...], cache: list, sid: str = "") -> None:
-        self._entries = deque(e for e in self._entries if _common_prefix(e[0], tape) < len(e[0]))
+        trimmable = can_trim_prompt_cache(cache)
+        self._entries = deque(e for e in self._entries
+                              if not replaces(_common_prefix(e[0], tape), len(e[0]), len(tape), trimmable))
         self._entries.append((tape, cache, sid))
         while len(self._entries) > self.capacity:
             self._entries.popleft()

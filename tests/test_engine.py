@@ -3,7 +3,7 @@ real mlx caches, arrays and the demo model."""
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from runtime.demo_model import DemoModelSpec, build_demo_model
 from runtime.drafting import MTPEngine
@@ -11,7 +11,7 @@ from runtime.engine import BatchEngine, Job
 from runtime.lockstep import Divergence, Lockstep, PeerLost, fold
 from runtime.openai_api import SamplingParams
 from runtime.sampling import SeededSampler
-from runtime.tape import TokenTape, reusable_prefix
+from runtime.tape import TokenTape, replaces, reusable_prefix
 
 
 def cache_of(n: int) -> list:
@@ -61,6 +61,32 @@ def test_extending_tape_replaces_its_prefix():
     tape.store((1, 2), cache_of(2))
     tape.store((1, 2, 3, 4), cache_of(4))
     assert len(tape) == 1
+
+
+def test_a_tape_whose_cache_cannot_be_cut_back_keeps_the_prefix_it_extends_for_a_prompt_that_branches_off():
+    def window_of(n: int) -> list:  # a sliding window past its size: it cannot give tokens back
+        c, keys = RotatingKVCache(max_size=2), mx.zeros((1, 1, n, 1))
+        c.update_and_fetch(keys, keys)
+        return [c]
+
+    tape = TokenTape()
+    tape.store((1, 2, 3), window_of(3))
+    tape.store((1, 2, 3, 4, 5), window_of(5))
+    assert len(tape) == 2
+    assert tape.take((1, 2, 3, 9, 9))[1] == 3 and tape.take((1, 2, 3, 4, 5, 6))[1] == 5
+    tape.store((1, 2, 3, 4, 5), window_of(5))  # the same tape again replaces it
+    assert len(tape) == 2
+
+
+@pytest.mark.parametrize("shared, stored, new, trimmable, replaced", [
+    (2, 2, 4, True, True),  # extended, and cut back to it when asked
+    (2, 2, 4, False, False),  # extended, but serving only prompts that extend it whole
+    (3, 3, 3, False, True),  # the same tape
+    (2, 3, 4, True, False),  # a branch off it
+    (2, 4, 2, True, False),  # a prefix of it
+])
+def test_when_a_new_tape_replaces_a_stored_one(shared, stored, new, trimmable, replaced):
+    assert replaces(shared, stored, new, trimmable) is replaced
 
 
 SAMPLING = SamplingParams(max_tokens=1, temperature=1.0).sampling()

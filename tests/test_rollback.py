@@ -1,14 +1,15 @@
-"""What undoes a verify's cache writes (runtime/rollback.py) and where a verify is cut (runtime/dspark.py
-`pieces`), at the newest mlx-lm: a trim where a trim gives back exactly what the step wrote, else each cache
-leaf (a CacheList's members, a sliding window past its size, a recurrent state) as the step found it, however
-often it is undone. The same on omlx's own DeepSeek-V4 caches: tests/pinned/test_rollback.py."""
+"""What undoes a verify's cache writes (runtime/rollback.py) and where a verify and a prompt are cut
+(runtime/dspark.py `pieces`, `prompt_piece`), at the newest mlx-lm: a trim where a trim gives back exactly what
+the step wrote, else each cache leaf (a CacheList's members, a sliding window past its size, a recurrent state) as
+the step found it, however often it is undone. The same on omlx's own DeepSeek-V4 caches:
+tests/pinned/test_rollback.py."""
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from runtime import rollback
-from runtime.dspark import pieces
+from runtime.dspark import pieces, prompt_piece
 
 
 def kv(n: int, value: float = 0.0):
@@ -55,3 +56,17 @@ def test_every_leaf_comes_back_as_the_step_found_it_however_often_it_is_undone()
 ])
 def test_a_verify_is_cut_before_it_would_complete_a_second_window(offset, length, windows, expected):
     assert pieces(offset, length, windows) == expected
+
+
+@pytest.mark.parametrize("at, length, said, chunk, windows, expected", [
+    (0, 301, 0, 128, (4,), 128),  # a prompt: chunks, as the plain decoder prefills
+    (256, 301, 0, 128, (4,), 44),  # up to its last token, left for the step that samples
+    (256, 341, 40, 128, (4,), 44),  # a resumed answer's prompt (301 tokens, 40 said): chunks up to its last token
+    (300, 341, 40, 128, (4,), 7),  # from it as decoding fed them: each piece completes one window (at 303)
+    (307, 341, 40, 128, (4,), 4),
+    (300, 341, 40, 128, (), 40),  # nothing pools: the rest of it at once
+    (300, 341, 40, 16, (), 16),  # at most a chunk
+])
+def test_a_prompt_is_cut_in_chunks_and_a_resumed_answers_tokens_as_decoding_fed_them(at, length, said, chunk,
+                                                                                     windows, expected):
+    assert prompt_piece(at, length, said, chunk, windows) == expected

@@ -1,11 +1,12 @@
-"""Prefix snapshots (runtime/snapshot.py): the agreement and eviction decisions as tables; the writer on real
-caches, a budget and a full disk; and one real 2-rank ring mesh of agents: after a SIGKILL mid-stream the next
-generation answers the next turn and the cut stream exactly, their prefixes from the snapshots, and ignores a
-corrupted, truncated or foreign snapshot on one rank."""
+"""Prefix snapshots (runtime/snapshot.py): the agreement, eviction and kind decisions as tables; the writer on
+real caches (chained for plain KV caches, whole for a sliding window), a budget and a full disk; and one real
+2-rank ring mesh of agents: after a SIGKILL mid-stream the next generation answers the next turn and the cut
+stream exactly, their prefixes from the snapshots, and ignores a corrupted, truncated or foreign snapshot on one
+rank. DeepSeek-V4's caches on omlx's own model: tests/pinned/test_v4_snapshots.py."""
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kit.agents import make_agents
 from kit.demo_answers import endless
@@ -14,25 +15,43 @@ from kit.snapshots import EVERY, Gen, answer_in_flight, metric
 from kit.waiting import wait_for
 from runtime.rank import parse_args
 from runtime.snapshot import (Identity, Segment, Snapshots, agree, due, ends, evict, read_header, segment_files,
-                              tape_id, whole)
+                              serving, snapshot_kind, tape_id, whole)
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~670 tokens: a prefill of seconds on two ranks
 
 
-def seg(sid, parent="", nbytes=10, used_at=0.0, end=1):
-    return Segment(sid, parent, 0, end, nbytes, used_at)
+def seg(sid, parent="", nbytes=10, used_at=0.0, end=2, whole_=False):
+    """A segment appended to `parent` (its tokens from 1), or from the first token: with no parent, or `whole_`
+    (its caches' whole state, grown from `parent`)."""
+    return Segment(sid, parent, 0 if whole_ or not parent else 1, end, nbytes, used_at)
 
 
-@pytest.mark.parametrize("written, have, every, final, expect", [
-    (0, 670, 256, False, True),  # a long prefill ended
-    (0, 40, 256, False, False),  # a short one waits for its answer's end
-    (0, 40, 256, True, True),  # which writes it
-    (670, 700, 16, False, True),  # an answer in flight, every 16 tokens
-    (670, 685, 16, False, False),
-    (700, 700, 16, True, False),  # nothing new at the end
+@pytest.mark.parametrize("written, have, every, final, whole_, expect", [
+    (0, 670, 256, False, False, True),  # a long prefill ended
+    (0, 40, 256, False, False, False),  # a short one waits for its answer's end
+    (0, 40, 256, True, False, True),  # which writes it
+    (670, 700, 16, False, False, True),  # an answer in flight, every 16 tokens
+    (670, 685, 16, False, False, False),
+    (700, 700, 16, True, False, False),  # nothing new at the end
+    (0, 159, 16, False, True, True),  # a whole state: its prefill ended
+    (159, 211, 16, False, True, False),  # in flight, it waits for a quarter of it to be new
+    (159, 212, 16, False, True, True),
+    (159, 160, 16, True, True, True),  # its end is written whatever is new
 ])
-def test_when_a_tape_is_written(written, have, every, final, expect):
-    assert due(written, have, every, final) is expect
+def test_when_a_tape_is_written(written, have, every, final, whole_, expect):
+    assert due(written, have, every, final, whole_) is expect
+
+
+@pytest.mark.parametrize("leaf_types, expect", [
+    (["KVCache", "KVCache"], "append"),  # llama, qwen3: a segment is the new tokens
+    (["RotatingKVCache", "KVCache"], "whole"),  # gemma3's windows beside its global layers
+    (["RotatingKVCache", "RotatingKVCache", "PoolingCache", "PoolingCache"], "whole"),  # DeepSeek-V4's (omlx)
+    (["ArraysCache", "KVCache"], None),  # qwen3_next's recurrent state: not proven here
+    (["QuantizedKVCache"], None),
+    ([], None),
+])
+def test_a_cache_is_snapshotted_by_its_new_tokens_or_whole_as_its_leaves_allow(leaf_types, expect):
+    assert snapshot_kind(leaf_types) == expect
 
 
 @pytest.mark.parametrize("held, expect", [
@@ -50,6 +69,26 @@ def test_only_tapes_whole_down_to_the_first_token_are_offered_and_only_their_end
                 "d": seg("d", "c"), "e": seg("e", "a", used_at=2)}
     assert whole(segments) == ["a", "e", "b"]  # c and d hang off a missing segment; least recently used first
     assert ends(["a", "e", "b"], {s: g.parent for s, g in segments.items()}) == ["e", "b"]
+
+
+def test_a_whole_state_needs_no_parent_and_the_one_it_grew_from_is_neither_restored_nor_kept_for_it():
+    # p's state whole (start 0), then w's, grown from p, and o's, grown from a snapshot deleted since
+    segments = {"p": seg("p", end=100, used_at=1), "w": seg("w", "p", end=130, used_at=2, whole_=True),
+                "o": seg("o", "gone", end=50, used_at=3, whole_=True), "x": seg("x", "o", end=60, used_at=4)}
+    assert whole(segments) == ["p", "w", "o", "x"]
+    assert ends(whole(segments), {s: g.parent for s, g in segments.items()}) == ["w", "x"]
+    assert evict(segments, 25) == ["p", "w"]  # o stays while x is appended to it
+
+
+@pytest.mark.parametrize("sids, parents, whole_states, expect", [
+    (["a", "b", "c"], {"a": "", "b": "a", "c": "b"}, False, ["c"]),  # a chain's end, cut back to any prefix
+    (["a", "b", "c"], {"a": "", "b": "a", "c": "b"}, True, ["b", "c"]),  # and the state c grew from
+    (["a", "x", "b", "y"], {"a": "", "x": "", "b": "a", "y": "x"}, True, ["a", "x", "b", "y"]),  # two tapes
+    (["b", "c"], {"b": "gone", "c": "b"}, True, ["b", "c"]),
+])
+def test_the_restore_takes_each_tapes_end_and_of_whole_states_the_one_it_grew_from(sids, parents, whole_states,
+                                                                                  expect):
+    assert serving(sids, parents, whole_states) == expect
 
 
 @pytest.mark.parametrize("segments, budget, expect", [
@@ -94,12 +133,35 @@ def test_a_follow_up_appends_only_its_new_tokens_and_restores_exactly(tmp_path):
 
     again = Snapshots(tmp_path, ME, 1 << 20, every=4)
     [(tokens, cache, sid)] = again.restore(ends(again.held(), {s: g.parent for s, g in again.segments.items()}),
-                                           layers=2)
+                                           fresh=lambda: [KVCache(), KVCache()])
     assert tokens == follow and sid == tape_id(follow)
     want = real_cache(13)
     for got, ref in zip(cache, want):
         assert got.offset == 13 and mx.array_equal(got.keys, ref.keys[..., :13, :]).item()
         assert mx.array_equal(got.values, ref.values[..., :13, :]).item()
+    again.close()
+
+
+def test_a_sliding_window_past_its_size_is_snapshotted_whole_and_restores_as_it_was(tmp_path):
+    cache = [KVCache(), RotatingKVCache(max_size=8)]
+    for c in cache:
+        c.update_and_fetch(*(mx.arange(5 * 4, dtype=mx.float32).reshape(1, 1, 5, 4),) * 2)
+        for t in range(7):  # one at a time: the window rotates over its oldest tokens in place
+            c.update_and_fetch(*(mx.full((1, 1, 1, 4), 100.0 + t),) * 2)
+    snaps = Snapshots(tmp_path, ME, 1 << 20, every=4)
+    snaps.stage(tuple(range(12)), cache, ("", 0), final=True)
+    snaps.close()
+    [header] = map(read_header, snaps.folder.glob("*.safetensors"))
+    assert (header["start"], header["end"], header["parent"]) == ("0", "12", "")
+
+    again = Snapshots(tmp_path, ME, 1 << 20, every=4)
+    [(tokens, restored, _)] = again.restore(again.held(), fresh=lambda: [KVCache(), RotatingKVCache(max_size=8)])
+    assert tokens == tuple(range(12))
+    step = (mx.full((1, 1, 1, 4), -1.0),) * 2
+    for live, back in zip(cache, restored):
+        assert back.offset == live.offset == 12
+        assert all(mx.array_equal(a, b).item() for a, b in zip(back.update_and_fetch(*step),
+                                                                  live.update_and_fetch(*step)))
     again.close()
 
 

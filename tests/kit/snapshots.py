@@ -86,16 +86,18 @@ def metric(agent, name: str, **labels) -> float:
     return 0.0
 
 
-def answer_in_flight(folder, prompt: list[int]) -> bool:
-    """A segment of the answer to `prompt` on disk, past its prefill: one that ends past it, down a chain
-    whose first segment holds the prompt's first tokens."""
+def answer_in_flight(folder, prompt: list[int], least: int = EVERY, most: int = 4 * EVERY) -> bool:
+    """A snapshot of the answer to `prompt` on disk, past its prefill: a tape that holds the prompt but its
+    last token and `least` to `most` tokens more, read down its chain (plain KV caches) or whole."""
     headers = {p.name.split(".")[0]: (read_header(p), p) for p in segment_files(folder)}
     for sid, (header, _) in headers.items():
-        if int(header["end"]) < len(prompt) - 1 + EVERY or int(header["end"]) > len(prompt) + 4 * EVERY:
+        if not len(prompt) - 1 + least <= int(header["end"]) <= len(prompt) + most:
             continue
-        while headers[sid][0]["parent"] in headers:
-            sid = headers[sid][0]["parent"]
-        tokens = mx.load(str(headers[sid][1]))["tokens"].tolist()
-        if headers[sid][0]["parent"] == "" and tokens == prompt[:len(tokens)]:
+        tokens = []
+        while sid in headers:
+            segment, path = headers[sid]
+            tokens = mx.load(str(path))["tokens"].tolist() + tokens
+            sid = segment["parent"] if int(segment["start"]) else ""
+        if len(tokens) == int(header["end"]) and tokens[:len(prompt)] == prompt:
             return True
     return False
