@@ -154,8 +154,9 @@ def judge_stale(node: str, ranks: list[RankReport], current: int | None) -> Chec
     return Check("stale ranks", node, True, "none")
 
 
-TWO_CONTROLLERS = ("keep one controller for these nodes: stop the other (its machine, or `meshctl down` with its "
-                   "mesh.toml), then `meshctl up`, whose controller takes the nodes over with a higher epoch. Two "
+TWO_CONTROLLERS = ("keep one controller for these nodes: stop the other one on its machine (its service: `sudo "
+                   "systemctl stop meshd` or `sudo launchctl bootout system/com.meshd.controller`; else `kill` its "
+                   "pid), then `meshctl up` here, whose controller takes the nodes over with a higher epoch. Two "
                    "controllers take the mesh from each other as each starts")
 
 
