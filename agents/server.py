@@ -315,8 +315,11 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
                 await resp.write(f"id: {record['seq']}\ndata: {json.dumps(record)}\n\n".encode())
                 since = record["seq"]
 
+    def promise_view() -> dict:
+        return {"node": cfg.node, **fencing.view(), "highest_generation": sup.highest_generation()}
+
     async def epoch(request):
-        return web.json_response({"node": cfg.node, **fencing.view()})
+        return web.json_response(promise_view())
 
     async def promise(request):
         asked = Ballot.from_headers(request.headers)
@@ -330,7 +333,7 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
         if asked != fencing.held:
             log.info("promised", node=cfg.node, controller=str(asked), before=str(fencing.held))
         fencing.promise(asked)
-        return web.json_response({"node": cfg.node, **fencing.view()})
+        return web.json_response(promise_view())
 
     async def reboot(request):
         if not cfg.allow_reboot:

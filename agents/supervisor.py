@@ -311,11 +311,20 @@ class Supervisor:
                                            reason=f"{len(survived)} process(es) survived SIGKILL in the sweep"))
         return {"killed": killed, "survived": survived, "steps": list(result.steps)}
 
+    def _generation_dirs(self) -> list[int]:
+        """The generations whose directories (rank logs, status files) this node keeps."""
+        return [int(d.name.removeprefix("gen-")) for d in self.state_dir.glob("gen-*")
+                if d.name.removeprefix("gen-").isdigit()]
+
+    def highest_generation(self) -> int:
+        """The highest generation this node has run or recorded (its ranks, its generation directories),
+        whichever controller numbered it; 0 when none. A starting controller numbers its generations above it."""
+        return max([0, *self._generation_dirs(), *(g for g, _ in self.records)])
+
     def prune(self) -> list[int]:
         """Remove the generation directories retention no longer keeps (never one a live rank uses)."""
-        existing = [int(d.name.removeprefix("gen-")) for d in self.state_dir.glob("gen-*")
-                    if d.name.removeprefix("gen-").isdigit()]
-        gone = generations_to_prune(existing, self.config.keep_generations, {r.generation for r in self.live()})
+        gone = generations_to_prune(self._generation_dirs(), self.config.keep_generations,
+                                    {r.generation for r in self.live()})
         for g in gone:
             shutil.rmtree(self.state_dir / f"gen-{g}", ignore_errors=True)
         return gone

@@ -3,16 +3,19 @@ the ballot every agent has promised, takes an epoch above the highest it found
 (and above its store's last), and asks every agent to promise it: a prepare and
 promise round, as a fencing token from a quorum is. It commands nothing before a
 majority of the mesh's agents promised; an agent that was away promises before
-its first command. The decisions of the round are here, pure: which epoch to
-take, whether a round holds, what an agent's answer says of this controller. The
-round itself runs in the reconciler (meshd/control/controller.py) over the agent
-client, which holds the `Fence`."""
+its first command. The same answers name the highest generation each agent has
+run or recorded, which the controller numbers its generations above. The
+decisions of the round are here, pure: which epoch to take, which generation
+numbers are used, whether a round holds, what an agent's answer says of this
+controller. The round itself runs in the reconciler
+(meshd/control/controller.py) over the agent client, which holds the `Fence`."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import structlog
 
@@ -41,6 +44,14 @@ class Fence:
                       newer=str(newer), by=by)
         self.newer, self.by = newer, by
         self.superseded.set()
+
+
+class Held(NamedTuple):
+    """An agent's answer to a starting controller: the ballot it has promised, and the highest generation it
+    has run or recorded (its ranks, its rank logs), whichever controller numbered it."""
+
+    ballot: Ballot
+    generation: int = 0
 
 
 class Standing(str, Enum):
@@ -95,15 +106,23 @@ class Beaten:
     node: str
 
 
-def choose_epoch(last: int, heard: dict[str, Ballot | str]) -> int | Short:
+def choose_epoch(last: int, heard: dict[str, Held | str]) -> int | Short:
     """The epoch a starting controller takes: one above the store's `last` and above every ballot the agents
-    answered with (`heard`: node -> its promised ballot, or why it did not answer). Only when a majority
+    answered with (`heard`: node -> what it holds, or why it did not answer). Only when a majority
     answered: every epoch a majority ever promised is then known (two majorities share an agent)."""
-    held = [b for b in heard.values() if isinstance(b, Ballot)]
+    held = [h.ballot for h in heard.values() if isinstance(h, Held)]
     need = quorum(len(heard))
     if len(held) < need:
-        return Short("answered", len(held), need, {n: b for n, b in heard.items() if isinstance(b, str)})
+        return Short("answered", len(held), need, {n: h for n, h in heard.items() if isinstance(h, str)})
     return max([last, *(b.epoch for b in held)]) + 1
+
+
+def generations_used(heard: dict[str, Held | str]) -> int:
+    """The highest generation any answering agent has run or recorded (0: none). A generation the controller
+    starts is numbered above it and above its store's, so a fresh or restored state directory never reuses the
+    number of another controller's rank log, status file or record; a generation that runs is adopted under
+    its own number."""
+    return max((h.generation for h in heard.values() if isinstance(h, Held)), default=0)
 
 
 def judge_round(ours: Ballot, heard: dict[str, Ballot | str]) -> Granted | Beaten | Short:

@@ -1,15 +1,20 @@
 """The mesh's authority, its pure parts: the ballot on the wire, what an agent
-promises and admits (agents/fencing.py), and the controller's round
-(meshd/epochs.py): which epoch it takes, whether its round holds, what an
-agent's answer says of it. The round on real processes: tests/test_takeover.py."""
+promises and admits (agents/fencing.py) and the highest generation it reports,
+and the controller's round (meshd/epochs.py): which epoch it takes, which
+generation numbers are used, whether its round holds, what an agent's answer
+says of it. The round on real processes: tests/test_takeover.py."""
 
 import json
 
 import pytest
 
+from agents.config import load
 from agents.fencing import NOT_PROMISED, STALE, Fencing, command_refusal, promise_refusal
+from agents.supervisor import Supervisor
 from common.protocol import CONTROLLER_EPOCH, CONTROLLER_ID, Ballot, BallotError
-from meshd.epochs import Beaten, Granted, Short, Standing, choose_epoch, judge_round, quorum, standing
+from kit.configs import write_agent_config
+from meshd.epochs import (Beaten, Granted, Held, Short, Standing, choose_epoch, generations_used, judge_round, quorum,
+                          standing)
 
 OLD, OURS, TWIN, NEWER = Ballot(18, "c0ffee"), Ballot(19, "abc123"), Ballot(19, "fed321"), Ballot(20, "aaaaaa")
 
@@ -96,17 +101,36 @@ def test_a_majority_of_the_mesh_must_promise(nodes, need):
 
 
 @pytest.mark.parametrize("last,heard,want", [
-    (0, {"a": Ballot(0), "b": Ballot(0)}, 1),
-    (0, {"a": OLD, "b": Ballot(3)}, 19),
-    (30, {"a": OLD, "b": OLD}, 31),
-    (0, {"a": OLD, "b": Ballot(2), "c": "connection refused"}, 19),
+    (0, {"a": Held(Ballot(0)), "b": Held(Ballot(0))}, 1),
+    (0, {"a": Held(OLD, 40), "b": Held(Ballot(3), 2)}, 19),
+    (30, {"a": Held(OLD), "b": Held(OLD)}, 31),
+    (0, {"a": Held(OLD), "b": Held(Ballot(2)), "c": "connection refused"}, 19),
 ], ids=["fresh-mesh", "agents-that-served-another", "store-ahead", "one-of-three-away"])
 def test_a_starting_controller_takes_an_epoch_above_all_it_found(last, heard, want):
     assert choose_epoch(last, heard) == want
 
 
+@pytest.mark.parametrize("heard,want", [
+    ({"a": Held(Ballot(0)), "b": Held(Ballot(0))}, 0),
+    ({"a": Held(OLD, 40), "b": Held(OLD, 39)}, 40),
+    ({"a": Held(OLD, 40), "b": Held(Ballot(0), 0)}, 40),
+    ({"a": Held(OLD, 12), "b": Held(OLD, 12), "c": "connection refused"}, 12),
+], ids=["fresh-mesh", "one-started-before-the-other-died", "one-state-dir-wiped", "one-of-three-away"])
+def test_the_generations_used_are_the_highest_any_answering_agent_ran(heard, want):
+    assert generations_used(heard) == want
+
+
+def test_an_agent_reports_the_highest_generation_its_state_directory_keeps(tmp_path):
+    write_agent_config(tmp_path, "node0", 7701)
+    sup = Supervisor(load(tmp_path / "agent.toml"))
+    assert sup.highest_generation() == 0
+    for name in ("gen-0", "gen-40", "gen-7", "gen-x", "snapshots"):
+        (sup.state_dir / name).mkdir()
+    assert sup.highest_generation() == 40
+
+
 def test_no_epoch_is_taken_before_a_majority_answered():
-    short = choose_epoch(0, {"a": OLD, "b": "connection refused"})
+    short = choose_epoch(0, {"a": Held(OLD), "b": "connection refused"})
     assert short == Short("answered", 1, 2, {"b": "connection refused"})
     reason = short.reason()
     assert "1 of 2 agents answered" in reason and "a majority (2)" in reason and "b: connection refused" in reason

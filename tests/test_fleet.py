@@ -269,6 +269,22 @@ def test_a_death_no_controller_watched_is_an_incident_and_the_next_generation_st
     assert (s.phase, s.generation) == ("starting", 8) and f.StartGeneration(8) in a
 
 
+@pytest.mark.parametrize("stored,found,first", [(0, 0, 1), (0, 40, 41), (30, 40, 41), (50, 40, 51)],
+                         ids=["fresh-mesh", "fresh-store-over-agents-of-another", "restored-backup", "store-ahead"])
+def test_the_first_generation_is_numbered_above_the_stores_and_every_agents(stored, found, first):
+    s, a = run([(0, f.GenerationsFound(found)), (1, f.UpRequested())], state=f.FleetState(generation=stored))
+    assert (s.phase, s.generation) == ("starting", first) and f.StartGeneration(first) in a
+
+
+def test_a_running_generation_of_another_store_is_adopted_under_its_own_number_and_the_next_is_above_all():
+    s, a = run([(0, f.GenerationsFound(40)), (1, f.Adopted(2, ready=True))])
+    assert (s.phase, s.generation, a) == ("ready", 2, [])
+    s, a = run([death(2, 5), (6, f.GenerationStopped(2)), (6, f.Tick())], state=s)
+    assert (s.phase, s.generation) == ("starting", 41) and f.StartGeneration(41) in a
+    s, a = run([(0, f.GenerationsFound(40)), (1, f.LeftoversFound(9, up=True)), (2, f.GenerationStopped(9))])
+    assert f.StopGeneration(9, "kill", 5.0) in a and (s.phase, s.generation) == ("starting", 41)
+
+
 def test_leftovers_with_the_operator_down_are_stopped_and_stay_stopped():
     s, a = run([(0, f.LeftoversFound(3, up=False)), (1, f.GenerationStopped(3))])
     assert (s.phase, s.generation) == ("stopped", 3) and f.StopGeneration(3, "kill", 5.0) in a

@@ -1,8 +1,10 @@
 """The mesh's authority on real processes: epochs the agents grant.
 
-Two agents that served other controllers (their promise far ahead of a fresh
-store) are taken over by a controller with a fresh state directory, which
-serves; the old controller, resumed from SIGSTOP, acts on nothing and exits
+Two agents that served other controllers (their promise and their generations
+far ahead of a fresh store) are served by a controller with a fresh state
+directory from a generation above theirs, then taken over by another, which
+serves from a generation above that one's and shows both older generations'
+rank logs; the old controller, resumed from SIGSTOP, acts on nothing and exits
 saying why, and meshctl tells its words; two controllers started at once on
 two state directories end with one commanding. Three agents without ranks: a
 controller that no majority answers refuses to start and `meshctl up` prints
@@ -29,6 +31,7 @@ from kit.waiting import wait_for
 from meshd.meshctl.ports import free_ports
 
 FAR_AHEAD = 17  # the agents' promise before this module: earlier controllers, another state directory's
+EARLIER = 40  # the newest generation those controllers ran: its rank logs are in the agents' state directories
 
 
 def status(mesh) -> dict:
@@ -62,6 +65,12 @@ def commands_of(agent, ballot: Ballot) -> int:
     return sum("] command " in line and f"controller='{ballot}'" in line for line in agent_log(agent))
 
 
+def rank_log(mesh, node: str, generation: int) -> str:
+    r = meshctl(mesh, "logs", node, "-g", str(generation), "--lines", "10000")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
 def run_pid(mesh, name: str) -> int | None:
     pidfile = mesh.parent / "state" / "run" / f"{name}.pid"
     return int(pidfile.read_text().split()[0]) if pidfile.exists() else None
@@ -81,11 +90,13 @@ def kill(pid: int | None) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, demo_model):
-    """Two agents whose promise is epoch 17, and the mesh they serve by a controller of state directory `a`."""
+    """Two agents whose promise is epoch 17 and whose newest generation is 40, and the mesh they serve by a
+    controller of state directory `a`."""
     tmp = tmp_path_factory.mktemp("takeover")
     agents = make_agents(tmp, 2, stall={"base": 10})
-    for a in agents:
-        (a.dir / "state").mkdir()
+    for rank, a in enumerate(agents):
+        (a.dir / "state" / f"gen-{EARLIER}" / f"rank-{rank}").mkdir(parents=True)
+        (a.dir / "state" / f"gen-{EARLIER}" / f"rank-{rank}" / "rank.log").write_text("an earlier controller's rank\n")
         (a.dir / "state" / "controller_epoch").write_text(f"{FAR_AHEAD}\n")  # kept before ballots had ids
         a.start()
     (tmp / "a").mkdir()
@@ -114,6 +125,7 @@ def test_a_fresh_state_dir_takes_over_agents_far_ahead_and_serves_and_the_old_on
     before = status(a_mesh)
     old, old_ballot = run_pid(a_mesh, "controller"), Ballot(before["epoch"], before["controller_id"])
     assert old_ballot.epoch == FAR_AHEAD + 1 and all(promised(a) == old_ballot for a in agents)
+    assert before["generation"] == EARLIER + 1, "a fresh store numbered its generation below the agents' logs"
     os.kill(old, signal.SIGSTOP)
     try:
         b_mesh = another_state_dir(a_mesh, served["tmp"] / "b")
@@ -123,6 +135,8 @@ def test_a_fresh_state_dir_takes_over_agents_far_ahead_and_serves_and_the_old_on
         taken = status(b_mesh)
         ruling = Ballot(taken["epoch"], taken["controller_id"])
         assert taken["phase"] == "ready" and taken["generation"] > before["generation"]
+        assert "an earlier controller's rank" in rank_log(b_mesh, "node0", EARLIER)
+        assert f"[meshd-rank g{before['generation']} r0] loaded in" in rank_log(b_mesh, "node0", before["generation"])
         assert ruling.epoch == old_ballot.epoch + 1 and all(promised(a) == ruling for a in agents)
         r = requests.post(f"{taken['urls']['proxy']}/chat/completions", timeout=120,
                           json={"messages": [{"role": "user", "content": "who serves?"}], "max_tokens": 3})

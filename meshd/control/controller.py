@@ -71,7 +71,7 @@ class Controller:
         """Take the epoch (EpochRefused when the agents do not grant it), then adopt, then follow the agents."""
         self.session = agent_session(self.cfg)
         self.agents = {n.name: AgentClient(n, self.session) for n in self.cfg.nodes}
-        await self._take_epoch()
+        await self.feed(fleet.GenerationsFound(await self._take_epoch()))
         intake = Intake(self.agents, self.store, self.metrics, self.agent_errors, lambda: self.state, self.feed)
         await self._adopt()
         for loop in intake.loops():
@@ -88,14 +88,16 @@ class Controller:
         if self.session:
             await self.session.close()
 
-    async def _take_epoch(self) -> None:
+    async def _take_epoch(self) -> int:
         """The round (meshd/epochs.py): what every agent promised, an epoch above it all and the store's last,
-        recorded, then promised by a majority. Asked again each second until `adopt_wait` has passed."""
+        recorded, then promised by a majority. Asked again each second until `adopt_wait` has passed. Returns
+        the highest generation the agents that answered have run or recorded."""
         deadline = time.monotonic() + self.policy.adopt_wait
         ballot, heard = None, {}
         while True:
             if ballot is None:
-                verdict = epochs.choose_epoch(self.store.last_epoch(), await self._ask(AgentClient.held, self.agents))
+                found = await self._ask(AgentClient.held, self.agents)
+                verdict = epochs.choose_epoch(self.store.last_epoch(), found)
                 if isinstance(verdict, int):
                     ballot = Ballot(verdict, secrets.token_hex(6))
                     fence = self.store.take_epoch(ballot)
@@ -109,7 +111,7 @@ class Controller:
                     case epochs.Granted(missing=missing):
                         log.info("epoch promised", epoch=str(ballot), promised=len(heard) - len(missing),
                                  away=missing or None)
-                        return
+                        return epochs.generations_used(found)
                     case epochs.Beaten(newer=newer, node=node):
                         raise EpochRefused(
                             f"controller {newer} took this mesh over as this one ({ballot}) started ({node}'s agent "
@@ -119,9 +121,9 @@ class Controller:
                 raise EpochRefused(verdict.reason())
             await asyncio.sleep(1.0)
 
-    async def _ask(self, question, nodes) -> dict[str, Ballot | str]:
-        """`question(client)` of each node's agent at once: its ballot, or why it did not answer."""
-        async def one(node: str) -> Ballot | str:
+    async def _ask(self, question, nodes) -> dict[str, epochs.Held | Ballot | str]:
+        """`question(client)` of each node's agent at once: its answer, or why it did not answer."""
+        async def one(node: str) -> epochs.Held | Ballot | str:
             try:
                 return await question(self.agents[node])
             except AgentError as e:

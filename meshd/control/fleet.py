@@ -38,6 +38,11 @@ Judgement:
 - Each incident keeps a timeline: detected, stopped, swept, backoff, started,
   loaded, ready, and served (the first request answered after it).
 
+Generation numbers are never reused: the next one is above the current one and
+above every number the agents have used (`GenerationsFound`, from the
+controller's round, so a fresh or restored store does not start again at 1); a
+running generation is adopted under its own number.
+
 Planned recycling ([recycle]): a generation that reached its age, its count of
 rank 0's steps or the daily window, with no rank busy for `idle_for`, is
 drained and the next one starts; `meshctl restart` does the same at once. Its
@@ -108,6 +113,7 @@ class FleetState:
     last_load_failure: str = ""  # what the previous generation said when it died before serving
     closing: Incident | None = None  # closed at ready, waiting for its first served request
     steps: int = 0  # rank 0's lockstep steps in this generation, as last counted
+    numbered_to: int = 0  # the highest generation number the agents have used, whichever controller's
 
 
 # --- events (past tense) -------------------------------------------------------
@@ -224,6 +230,13 @@ class DiedUnwatched:
 
 
 @dataclass(frozen=True)
+class GenerationsFound:
+    """A starting controller found generations up to `highest` run or recorded on the agents (rank logs,
+    records), whichever controller numbered them: the next generation it starts is numbered above them."""
+    highest: int
+
+
+@dataclass(frozen=True)
 class LeftoversFound:
     """A restarted controller found ranks that make no whole generation (the
     newest of them is `generation`): they must stop before anything starts, and
@@ -296,7 +309,7 @@ def _mark(state: FleetState, step: str, when: float) -> Result:
 
 
 def _start_next(state: FleetState, now: float, policy: Policy) -> Result:
-    g = state.generation + 1
+    g = max(state.generation, state.numbered_to) + 1
     new = replace(state, phase=Phase.STARTING, generation=g, backoff_until=None, started_at=now,
                   ranks=tuple(RankView(n) for n in policy.nodes), reason="", restart_requested=False, steps=0)
     new, actions = _mark(new, "started", now)
@@ -497,6 +510,10 @@ def _on_adopted(state: FleetState, ev: Adopted, now: float, policy: Policy) -> R
     return new, []
 
 
+def _on_generations_found(state: FleetState, ev: GenerationsFound, now: float, policy: Policy) -> Result:
+    return replace(state, numbered_to=max(state.numbered_to, ev.highest)), []
+
+
 def _on_died_unwatched(state: FleetState, ev: DiedUnwatched, now: float, policy: Policy) -> Result:
     if state.phase != Phase.STOPPED:
         return state, []
@@ -692,10 +709,11 @@ def _on_tick(state: FleetState, ev: Tick, now: float, policy: Policy) -> Result:
 
 
 HANDLERS = {UpRequested: _on_up, DownRequested: _on_down, RestartRequested: _on_restart, Adopted: _on_adopted,
-            LeftoversFound: _on_leftovers, DiedUnwatched: _on_died_unwatched, MeshReady: _on_mesh_ready,
-            RankReported: _on_rank_reported, StepsCounted: _on_steps_counted, RankDied: _on_rank_died,
-            StartRefused: _on_start_refused, GenerationStopped: _on_generation_stopped, StepDone: _on_step_done,
-            RequestServed: _on_request_served, RequestMigrated: _on_request_migrated, Tick: _on_tick}
+            GenerationsFound: _on_generations_found, LeftoversFound: _on_leftovers, DiedUnwatched: _on_died_unwatched,
+            MeshReady: _on_mesh_ready, RankReported: _on_rank_reported, StepsCounted: _on_steps_counted,
+            RankDied: _on_rank_died, StartRefused: _on_start_refused, GenerationStopped: _on_generation_stopped,
+            StepDone: _on_step_done, RequestServed: _on_request_served, RequestMigrated: _on_request_migrated,
+            Tick: _on_tick}
 
 
 def step(state: FleetState, event, now: float, policy: Policy) -> Result:

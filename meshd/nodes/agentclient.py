@@ -15,7 +15,7 @@ import aiohttp
 
 from common.protocol import Ballot, BallotError
 from meshd.config import MeshConfig, Node
-from meshd.epochs import Fence, Standing, standing
+from meshd.epochs import Fence, Held, Standing, standing
 
 EPOCH_ROUTE = "/v1/epoch"
 
@@ -91,10 +91,11 @@ class AgentClient:
                 self.promised = True
         return held
 
-    async def held(self) -> Ballot:
-        """The ballot this agent has promised (AgentError when it does not answer)."""
+    async def held(self) -> Held:
+        """The ballot this agent has promised and the highest generation it has run (AgentError when it does
+        not answer)."""
         data = await self.call("GET", EPOCH_ROUTE, timeout=5)
-        return Ballot(int(data["epoch"]), str(data["controller"]))
+        return Held(Ballot(int(data["epoch"]), str(data["controller"])), int(data["highest_generation"]))
 
     async def promise(self) -> Ballot:
         """Ask for the promise of this controller's ballot; the ballot the agent holds after it (this one's, or

@@ -354,7 +354,7 @@ async def _agent_node(client: AgentClient, n, cfg: MeshConfig, current: int | No
     try:
         facts = await node_facts(cfg, client)
         ranks = [RankReport.from_dict(r) for r in (await client.call("GET", "/v1/ranks", timeout=10))["ranks"]]
-        held = await client.held()
+        held = (await client.held()).ballot
     except AgentError as e:
         fix = (f"put the token from {n.name}'s agent config into {n.token_file}" if "401" in str(e) else
                f"start the agent at {n.agent}: `meshctl agents install {n.name}` installs and starts it "
