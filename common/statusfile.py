@@ -39,6 +39,7 @@ class RankStatus:
     draft_fallbacks: int = 0  # requests the drafter refused (a shape), decoded plainly instead
     kernels_hidden: int = 0  # the model's kernels hidden at load: they refuse this rank's share of the heads
     tape_hits: int = 0  # prompts the token tape served: a cache reused exactly
+    tape_hit_tokens: int = 0  # the tokens it served, not prefilled: a resumed answer's own among them
     tape_misses: int = 0  # prompts no tape shared a prefix with
     tape_not_reusable: int = 0  # prompts that shared one with a tape whose cache could not be cut back to it
     snapshots_written: int = 0  # prefix snapshot segments this rank wrote (runtime/snapshot.py)

@@ -260,5 +260,5 @@ class BatchEngine:
             self.snapshots.close()
 
     def stats(self) -> dict:
-        return {"tape_hits": self.tape.hits, "tape_misses": self.tape.misses,
+        return {"tape_hits": self.tape.hits, "tape_hit_tokens": self.tape.hit_tokens, "tape_misses": self.tape.misses,
                 "tape_not_reusable": self.tape.not_reusable, **(self.snapshots.stats() if self.snapshots else {})}

@@ -457,12 +457,17 @@ def new_id(kind: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(prompt_tokens: int, resumed: int, generated: int, cached: int) -> dict:
+    """One answer's usage as its client sees it. The engine was given the prompt followed by the `resumed`
+    tokens of the answer that a dead generation already sent (none for a fresh answer), took `cached` of
+    those from its cache and generated `generated` more. The answer so far counts once, as completion:
+    only the prompt's share of the cache is `cached_tokens`."""
+    completion_tokens = resumed + generated
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": min(cached, prompt_tokens)},
     }
 
 

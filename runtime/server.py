@@ -298,7 +298,8 @@ class _Run:
             self.detok.add_token(token)
         self.text = self.detok.text
         self.sent = resume.chars if resume else 0
-        self.completion_tokens = len(resume.ids) if resume else 0
+        self.resumed = len(resume.ids) if resume else 0  # tokens of the answer its client already has
+        self.generated = 0
         self.created = resume.created if resume else int(time.time())
         self.unreported: list[int] = []  # token ids not yet reported with a chunk
         self.logprobs: list[oa.TokenLogprob] = []  # when the request asked for them
@@ -315,7 +316,7 @@ class _Run:
         if e.cached is not None:
             self.cached = e.cached
         if token is not None and not (reason == "stop" and token in self.fe._eos):
-            self.completion_tokens += 1
+            self.generated += 1
             if e.logprob is not None:
                 decode = self.fe.tokenizer.decode
                 self.logprobs.append(oa.TokenLogprob(decode([token]), e.logprob, len(self.detok.text),
@@ -383,7 +384,7 @@ class _Run:
         return fresh
 
     def usage(self) -> dict:
-        return oa.usage(self.prompt_tokens, self.completion_tokens, self.cached)
+        return oa.usage(self.prompt_tokens, self.resumed, self.generated, self.cached)
 
     async def _events(self, pending: Pending):
         while True:

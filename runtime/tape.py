@@ -35,12 +35,13 @@ class TokenTape:
     """Tapes of post-template token ids with their caches, kept in LRU order
     up to `capacity` (one dropped for a new one that `replaces` it); each
     `take` counts as a hit, a miss (no tape shares a prefix) or not reusable
-    (one does, but its cache cannot be cut back to it)."""
+    (one does, but its cache cannot be cut back to it); `hit_tokens` sums the
+    prefixes the hits served."""
 
     def __init__(self, capacity: int = 8):
         self.capacity = capacity
         self._entries: deque[tuple[tuple[int, ...], list, str]] = deque()
-        self.hits = self.misses = self.not_reusable = 0
+        self.hits = self.misses = self.not_reusable = self.hit_tokens = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -69,6 +70,7 @@ class TokenTape:
         del self._entries[best]
         self._entries.append((tape, stored, sid))
         self.hits += 1
+        self.hit_tokens += best_len
         return cache, best_len, sid
 
     def store(self, tape: tuple[int, ...], cache: list, sid: str = "") -> None:

@@ -14,16 +14,19 @@ import time
 import psutil
 import pytest
 import requests
+from mlx_lm.utils import load_tokenizer
 from openai import OpenAI
 
 from kit.demo_answers import endless
 from kit.meshctl import Demo, demo_home, demo_meshctl
 from kit.openai import sse_events, validate
+from kit.snapshots import answer_in_flight
 from kit.waiting import wait_for
 from meshd.meshctl import background
 
 STALL = 6.0
 NODES = 2
+ANSWER = 200  # tokens: the stream is still answering when its rank is killed
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +78,32 @@ def test_sigkill_mid_stream_resumes_that_stream_and_the_mesh_recovers(demo):
     before = demo.wait_ready()
     g = before["generation"]
     victim = demo.rank_pid(1)
+    model = demo.home / "demo" / "model"
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": ANSWER, "temperature": 1.0, "seed": 4,
+            **endless(model)}
+    # The same answer once whole, its tape snapshotted on every node: the next generation restores it, so the
+    # resumed prompt (the conversation and the answer so far) comes from cache past the conversation.
+    prompt = load_tokenizer(model).apply_chat_template(body["messages"], add_generation_prompt=True)
+    assert requests.post(f"{demo.proxy}/chat/completions", json=body, timeout=180).status_code == 200
+    folders = [demo.home / "demo" / "agents" / f"node{i}" / "state" / "snapshots" for i in range(NODES)]
+    wait_for(lambda: all(any(answer_in_flight(d, prompt, ANSWER // 2, ANSWER) for d in f.glob("*-r*"))
+                         for f in folders), 60,
+             "the whole answer to be snapshotted on every node")
     r = requests.post(f"{demo.proxy}/chat/completions", stream=True, timeout=180,
-                      json={"messages": [{"role": "user", "content": "go"}], "max_tokens": 30, "stream": True,
-                            "temperature": 1.0, "seed": 4, **endless(demo.home / "demo" / "model")})
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}})
     lines = r.iter_lines(decode_unicode=True)
-    first = next(line for line in lines if line.startswith("data: "))
+    data = (line for line in lines if line.startswith("data: "))
+    first = [next(data) for _ in range(8)]  # the answer's first chunks; then its rank dies
     os.kill(victim, signal.SIGKILL)
     rest = sse_events(lines)
     assert rest[-1] == "[DONE]", rest[-3:]  # the stream resumed on the next generation: no error reached it
-    assert rest[-2]["choices"][0]["finish_reason"] == "length" and not [e for e in rest if "error" in e]
-    assert {e["id"] for e in rest[:-1]} == {json.loads(first[6:])["id"]}
+    assert rest[-3]["choices"][0]["finish_reason"] == "length" and not [e for e in rest if "error" in e]
+    assert {e["id"] for e in rest[:-1]} == {json.loads(first[0][6:])["id"]}
+    # The client's usage counts the conversation as its prompt (all of it restored) and the whole answer once,
+    # as completion, though the next generation was given both as its prompt.
+    usage = rest[-2]["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), ANSWER), usage
+    assert usage["prompt_tokens_details"]["cached_tokens"] == len(prompt), usage
 
     during = demo.chat()  # sent while the mesh recovers: waits, then succeeds
     assert during.status_code == 200, during.text

@@ -222,7 +222,8 @@ def test_a_repeated_prompt_and_a_partial_prefix_answer_as_a_fresh_engine_whateve
     assert ask(engine, "c", partial) == ((30 if trimmable else 0), ask(BatchEngine(model, set()), "c", partial)[1])
     turn = prompt + tuple(first) + (7, 8, 9)  # the tape holds the prompt and the answer but its last token
     assert ask(engine, "d", turn) == (len(prompt) + len(first) - 1, ask(BatchEngine(model, set()), "d", turn)[1])
-    assert engine.stats() == {"tape_hits": 3 if trimmable else 1, "tape_misses": 1,
+    served = len(prompt) + len(first) - 1 + (len(prompt) - 1 + 30 if trimmable else 0)
+    assert engine.stats() == {"tape_hits": 3 if trimmable else 1, "tape_hit_tokens": served, "tape_misses": 1,
                               "tape_not_reusable": 0 if trimmable else 2}
 
 

@@ -85,9 +85,27 @@ def test_stop_strings(name, text, stops, cut, held):
     assert oa.held_back(text, stops) == held
 
 
+# (prompt, resumed, generated, cached by the engine) -> (prompt_tokens, completion_tokens, cached_tokens)
+USAGE = [
+    ("fresh, nothing cached", (119, 0, 30, 0), (119, 30, 0)),
+    ("fresh, a prefix cached", (119, 0, 30, 100), (119, 30, 100)),
+    ("resumed, prompt and answer so far cached", (119, 139, 20, 258), (119, 159, 119)),
+    ("resumed, part of the prompt cached", (119, 139, 20, 50), (119, 159, 50)),
+    ("resumed cold", (119, 139, 20, 0), (119, 159, 0)),
+    ("resumed with every token sent: only the end was lost", (119, 30, 0, 0), (119, 30, 0)),
+]
+
+
+@pytest.mark.parametrize("name,given,seen", USAGE, ids=[u[0] for u in USAGE])
+def test_usage_counts_the_answer_so_far_once_and_never_caches_more_than_the_prompt(name, given, seen):
+    u = oa.usage(*given)
+    assert (u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"]) == seen
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+
+
 def test_bodies_validate_against_the_official_schemas():
     req = oa.parse_request("chat", {"messages": MSG}, LIMITS)
-    u = oa.usage(3, 4, 1)
+    u = oa.usage(3, 0, 4, 1)
     validate(oa.completion_body(req, "id", 1, "x", "stop", u), "CreateChatCompletionResponse")
     validate(oa.chunk_body(req, "id", 1, "x", None, first=True), "CreateChatCompletionStreamResponse")
     validate(oa.chunk_body(req, "id", 1, None, "length"), "CreateChatCompletionStreamResponse")
