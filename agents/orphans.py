@@ -4,10 +4,10 @@ process listing (`scan`, the one impure function here).
 Debris is: a process of this agent (MESHD_AGENT, its state directory, in the
 process's environment: several agents may share a host, and none may touch
 another's ranks) carrying the
-meshd generation marker (on its command line or in MESHD_GENERATION) whose
-generation is not the current one; a standby rank of this agent
-(STANDBY_MARKER on its command line: it carries no generation, and keeps its
-command line when it becomes a rank) that the agent does not hold; a
+meshd generation marker (on its command line, in its rank title, or in
+MESHD_GENERATION) whose generation is not the current one; a standby rank of
+this agent (STANDBY_MARKER on its command line, or its title: it carries no
+generation until the rank it becomes titles itself) that the agent does not hold; a
 manifest entry of a retired generation that is still alive; an `ibv_devinfo`
 / `ibv_devices` that has run longer than a limit (hung in the RDMA driver).
 """
@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import psutil
 
-MARKER = re.compile(r"(?:--meshd-generation[= ]|meshd-generation=)(\d+)")
+from common import proctitle
+
+MARKER = re.compile(rf"(?:--meshd-generation[= ]|meshd-generation=|^{proctitle.RANK} gen=)(\d+)")
 STANDBY_MARKER = "--meshd-standby"
 IBV_TOOLS = ("ibv_devinfo", "ibv_devices")
 
@@ -33,7 +35,7 @@ class ProcInfo:
     create_time: float
     env_generation: int | None = None
     agent: str | None = None  # MESHD_AGENT of the process, when readable
-    standby: bool = False  # a standby rank (runtime/standby.py), or a rank one became
+    standby: bool = False  # a standby rank (runtime/standby.py), or a rank one became that has no title yet
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,11 @@ class Orphan:
     create_time: float
     reason: str
     what: str
+
+
+def marked_standby(cmdline: tuple[str, ...]) -> bool:
+    """A standby by its command line, or by its title once it set it (common/proctitle.py)."""
+    return STANDBY_MARKER in cmdline or cmdline[0].split(" ")[0] == proctitle.STANDBY
 
 
 def marker_generation(p: ProcInfo) -> int | None:
@@ -95,7 +102,7 @@ def scan() -> list[ProcInfo]:
             env = {}
         raw = env.get("MESHD_GENERATION")
         env_gen = int(raw) if raw and raw.isdigit() else None
-        standby = STANDBY_MARKER in cmdline
+        standby = marked_standby(cmdline)
         if not (MARKER.search(joined) or env_gen is not None or ibv or standby):
             continue
         out.append(ProcInfo(info["pid"], info["name"] or "", cmdline, info["create_time"], env_gen,

@@ -389,7 +389,8 @@ def load_checked(path: str) -> agent_config.AgentConfig:
 
 
 def main() -> None:
-    run_daemon("meshd-agent", "meshd node agent", "agent config (TOML)", load_checked, serve, "change 'listen'")
+    run_daemon("meshd-agent", "meshd node agent", "agent config (TOML)", load_checked, serve, "change 'listen'",
+               what=lambda cfg: f"node={cfg.node}")
 
 
 if __name__ == "__main__":

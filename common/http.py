@@ -25,7 +25,7 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from common import logfile, sdnotify
+from common import logfile, proctitle, sdnotify
 from common.errors import ApiError, error_body, error_type
 from common.tomlcheck import ConfigError
 
@@ -318,9 +318,10 @@ async def until_stopped(status: str, stop: asyncio.Event | None = None, main_pid
 
 
 def run_daemon(prog: str, description: str, config_help: str, load, serve, listen_fix: str, *,
-               pidfile: bool = False, loop_factory=None) -> None:
+               what: Callable[..., str], pidfile: bool = False, loop_factory=None) -> None:
     """The daemons' entry point: `--config FILE` (and `--pidfile FILE`, handed to `serve`, when asked for);
-    a config mistake or a port that cannot be bound ends the process with a message saying what to fix."""
+    a config mistake or a port that cannot be bound ends the process with a message saying what to fix.
+    Its process title is `prog`, `what` the loaded config says it serves, and the config."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", required=True, help=config_help)
     p.add_argument("--log-file", type=Path, help="write the log here, rotated by size (launchd has no journal)")
@@ -333,6 +334,7 @@ def run_daemon(prog: str, description: str, config_help: str, load, serve, liste
         cfg = load(args.config)
     except ConfigError as e:
         sys.exit(f"{prog}: {e}")
+    proctitle.set_title(proctitle.daemon(prog, what(cfg), args.config))
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(serve(cfg, args.log_file, *([args.pidfile] if pidfile else [])))

@@ -25,6 +25,7 @@ from mlx_lm import load as load_whole
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_config, load_tokenizer
 
+from common import proctitle
 from common.fingerprint import weights_digest
 from common.tomlcheck import loopback
 from common.states import RankState
@@ -299,12 +300,15 @@ def main(argv: list[str] | None = None) -> None:
     # The heartbeat starts before init: a rank waiting for its peers to connect
     # is loading, not gone.
     rank = int(os.environ.get("MLX_RANK", "0"))
+    node = os.environ.get("MESHD_NODE", "")
+    proctitle.set_title(proctitle.rank(args.generation, rank, None, node))
     hb = Heartbeat(args.status_file, RankStatus(args.generation, rank, 0, os.getpid()),
                    interval=args.heartbeat_interval, sample=mlx_memory).start()
     log = _logger(rank, args.generation)
     began = time.monotonic()
     group = join_mesh(args.backend)
     rank, world = group.rank(), group.size()
+    proctitle.set_title(proctitle.rank(args.generation, rank, world, node))
     hb.update(rank=rank, world=world, flush=True)
     log(f"joined as rank {rank} of {world} in {time.monotonic() - began:.1f}s")
     mx.random.seed(args.seed)
@@ -331,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
         model = load_sharded(model_path, group, progress, overlay, log)
     except OverlayError as e:
         sys.exit(f"meshd-rank: {e}")
-    log(f"loaded in {time.monotonic() - began:.1f}s")
+    log(f"loaded in {time.monotonic() - began:.1f}s from {model_path}")
     hb.update(kernels_hidden=len(dspark.HIDDEN))  # whichever engine runs the model, drafted or not
 
     eos = set(tokenizer.eos_token_ids)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from common import proctitle
 from common.secretfile import open_appending
 from common.statusfile import write_atomic
 from runtime import rank
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--report", required=True, help="where to write this standby's report (JSON)")
     p.add_argument("--meshd-standby", action="store_true", help="the marker the agent's sweep finds standbys by")
     args = p.parse_args(argv)
+    proctitle.set_title(proctitle.standby(os.environ.get("MESHD_NODE", "")))
     mx.eval(mx.zeros(1) + 1)  # the device's first use: its context, allocator and first kernel
     write_atomic(Path(args.report), {"pid": os.getpid(), "roots": code_roots(),
                                      "mlx_active_bytes": mx.get_active_memory()})

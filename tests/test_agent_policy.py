@@ -3,10 +3,11 @@ orphan selection, retention."""
 
 import pytest
 
-from agents.orphans import ProcInfo, select_orphans
+from agents.orphans import ProcInfo, marked_standby, select_orphans
 from agents.signatures import classify
 from agents.stall import StallWindows, stall_verdict
 from agents.supervisor import generations_to_prune
+from common import proctitle
 from common.statusfile import RankStatus, read_status
 from kit.fatal_lines import LINES
 
@@ -96,6 +97,31 @@ def test_orphan_selection():
 def test_orphan_selection_with_no_current_generation_takes_every_marked_process_of_this_node():
     orphans = select_orphans(PROCS, agent="/state/n0", current=None, keep_pids=set(), manifest=[], now=NOW, ibv_limit=30)
     assert {o.pid for o in orphans} == {10, 11, 12, 13, 14, 16}
+
+
+def titled(pid, title, agent="/state/n0"):
+    """A process as psutil lists it once it set its title: the title, then the old command line's room."""
+    return ProcInfo(pid, title[:15], (title, "", ""), 0.0, None, agent)
+
+
+def test_a_titled_rank_is_known_by_the_generation_in_its_title():
+    procs = [titled(20, proctitle.rank(3, 1, 4, "node1")),  # came from a standby: no MESHD_GENERATION either
+             titled(21, proctitle.rank(4, 1, 4, "node1")),
+             titled(22, proctitle.rank(3, 1, None, "node1"), agent="/state/n1"),
+             titled(23, proctitle.daemon("meshd-agent", "node=node1", "/etc/meshd/agent.toml"))]
+    orphans = select_orphans(procs, agent="/state/n0", current=4, keep_pids=set(), manifest=[], now=NOW, ibv_limit=30)
+    assert [(o.pid, o.reason) for o in orphans] == [(20, "generation 3 is not the current one (4)")]
+
+
+@pytest.mark.parametrize("cmdline,standby", [
+    (("python", "-m", "runtime.standby", "--report", "r.json", "--meshd-standby"), True),  # before its title
+    ((proctitle.standby("node1"), "", ""), True),
+    ((proctitle.standby(""), "", ""), True),
+    ((proctitle.rank(3, 1, 4, "node1"), "", ""), False),  # the rank it became
+    (("python", "-m", "runtime.rank", "--meshd-generation", "3"), False),
+])
+def test_a_standby_is_known_by_its_marker_or_its_title(cmdline, standby):
+    assert marked_standby(cmdline) is standby
 
 
 def test_recycled_pid_in_manifest_is_left_alone():

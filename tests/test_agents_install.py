@@ -12,10 +12,10 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import psutil
 import pytest
 import requests
 
+from kit.ps import shown
 from kit.sshd import start_fleet
 from meshd.meshctl.ports import free_ports
 
@@ -49,8 +49,7 @@ def test_agents_install_leaves_a_running_agent_that_answers(tmp_path):
         assert (base / "venv" / "bin" / "python").exists()
         site = next((base / "venv" / "lib").glob("python3*/site-packages"))
         assert (site / "meshd-0.1.0.dist-info").is_dir() and (site / "agents" / "server.py").exists()
-        agent = psutil.Process(int(pidfile.read_text()))
-        assert agent.cmdline()[:3] == [str(base / "venv" / "bin" / "python"), "-m", "agents.server"]
+        assert shown(int(pidfile.read_text())) == f"meshd-agent node=node0 config={base / 'agent' / 'agent.toml'}"
         node_token = base / "agent" / "token"
         assert stat.S_IMODE(node_token.stat().st_mode) == 0o600
         assert stat.S_IMODE(token.stat().st_mode) == 0o600

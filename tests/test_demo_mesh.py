@@ -20,9 +20,11 @@ from openai import OpenAI
 from kit.demo_answers import endless
 from kit.meshctl import Demo, demo_home, demo_meshctl
 from kit.openai import sse_events, validate
+from kit.ps import shown
 from kit.snapshots import answer_in_flight
 from kit.waiting import wait_for
 from meshd.meshctl import background
+from meshd.meshctl.demo import run_dir
 
 STALL = 6.0
 NODES = 2
@@ -53,6 +55,17 @@ def test_up_serves_chat_through_the_proxy_streamed_and_whole(demo):
     status = demo.status()
     assert status["urls"]["metrics"].endswith("/metrics") and len(status["urls"]["agents"]) == NODES
     assert all(n["agent_ok"] and n["rank"]["state"] == "ready" for n in status["nodes"])
+
+
+def test_ps_says_what_each_process_of_the_mesh_is(demo):
+    s = demo.wait_ready()
+    root = demo.home / "demo"
+    for i, node in enumerate(s["nodes"]):
+        assert shown(node["rank"]["pid"]) == f"meshd-rank gen={s['generation']} rank={i}/{NODES} node=node{i}"
+        agent = background.pid_of(run_dir(root) / f"agent-node{i}.pid")
+        assert shown(agent) == f"meshd-agent node=node{i} config={root / 'agents' / f'node{i}' / 'agent.toml'}"
+    assert shown(background.pid_of(run_dir(root) / "controller.pid")) == f"meshd mesh=demo config={root / 'mesh.toml'}"
+    assert shown(background.pid_of(run_dir(root) / "proxy.pid")).startswith("meshd-proxy meshes=demo config=")
 
 
 PROXY_BAD = [

@@ -8,6 +8,7 @@ import signal
 import psutil
 
 from kit.meshctl import Demo, demo_home, demo_meshctl
+from meshd.meshctl import background
 from meshd.meshctl.demo import WORLD
 
 
@@ -21,9 +22,7 @@ def test_down_drains_and_leaves_no_process_and_up_again_keeps_every_port(tmp_pat
     out = demo_meshctl(home, "down").stdout
     assert "no process of the mesh remains" in out
     assert not [p for p in pids if psutil.pid_exists(p)]
-    leftovers = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
-                 if any(str(home) in part for part in (p.info["cmdline"] or []))]
-    assert leftovers == []
+    assert background.pids_below(home) == []
     r = demo_meshctl(home, "status", check=False)
     assert r.returncode == 1 and "meshctl up" in r.stderr
     # Up again at once, the connections of the mesh that just stopped still in TIME_WAIT: the same ports,

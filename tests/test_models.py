@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 
-import psutil
 import pytest
 import requests
 
@@ -83,7 +82,8 @@ def test_model_pull_copies_a_repo_to_every_node_and_the_mesh_serves_it_by_name(f
                              json={"model": REPO, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert chat.status_code == 200 and chat.json()["model"] == REPO
         (rank,) = [r for r in agents[1].ranks() if r["state"] != "exited"]
-        assert str(hub(fleet.nodes[1])) in " ".join(psutil.Process(rank["pid"]).cmdline())  # node1's own copy
+        log = agents[1].dir / "state" / f"gen-{rank['generation']}" / f"rank-{rank['rank']}" / "rank.log"
+        assert f"from {hub(fleet.nodes[1])}" in log.read_text()  # node1's own copy
     finally:
         stop_controller(mesh)
         for a in agents:

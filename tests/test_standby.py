@@ -17,11 +17,12 @@ import aiohttp
 import psutil
 import pytest
 
-from agents.orphans import ProcInfo, select_orphans
+from agents.orphans import ProcInfo, marker_generation, scan, select_orphans
 from agents.standby import RESPAWN_AFTER, Keeper, Standby, early_env, rank_args, refusal, respawn_in
 from common.buildinfo import newest_change
 from common.procs import Target
 from kit.agents import make_agents, start_generation, stop_generation, wait_mesh_ready
+from kit.ps import shown
 from kit.waiting import wait_for
 from meshd.config import Node
 from meshd.control.survey import rank0_steps
@@ -79,8 +80,10 @@ def test_the_next_generation_starts_on_the_standby_once_the_last_is_gone(agent, 
     rank = next(r for r in agent.ranks() if r["generation"] == agent.generation)
     assert standby["mlx_active_bytes"] * 1000 < rank["status"]["mlx_active_bytes"], "the standby holds no weights"
     assert psutil.Process(standby["pid"]).memory_info().rss < rank["rss_bytes"]
-
     g = agent.generation
+    assert shown(standby["pid"]) == f"meshd-standby node={agent.node}"  # ps tells the waiting one from the rank
+    assert shown(rank["pid"]) == f"meshd-rank gen={g} rank=0/1 node={agent.node}"
+
     stopping = threading.Thread(target=stop_generation, args=([agent], g), kwargs={"mode": "drain", "grace": 10})
     stopping.start()
     wait_for(lambda: next(r for r in agent.ranks() if r["generation"] == g)["expected"], 30, "the stop to begin")
@@ -92,6 +95,12 @@ def test_the_next_generation_starts_on_the_standby_once_the_last_is_gone(agent, 
     took = started(agent, g + 1)
     assert (took["warm"], took["pid"]) == (True, standby["pid"])
     assert took["at"] >= exited["at"], "the next rank starts once the last one's process is gone"
+    assert shown(took["pid"]) == f"meshd-rank gen={g + 1} rank=0/1 node={agent.node}"  # it retitled itself
+    beside = standby_report(agent)["pid"]
+    assert shown(beside) == f"meshd-standby node={agent.node}"
+    seen = {p.pid: p for p in scan()}  # what the sweep reads of them: the title, and the environment kept
+    assert marker_generation(seen[took["pid"]]) == g + 1 and seen[beside].standby
+    assert seen[took["pid"]].agent == seen[beside].agent == str((agent.dir / "state").resolve())
 
 
 def test_a_standby_that_died_is_replaced_and_never_blamed(agent, demo_model):
@@ -211,9 +220,10 @@ def test_which_launches_a_standby_can_become(argv, args):
     assert rank_args(argv, "/venv/python") == args
 
 
-def test_the_early_environment_is_what_imports_and_device_init_read():
-    env = {"PATH": "/bin", "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "0", "MLX_RANK": "1"}
-    assert early_env(env, ("OMP_NUM_THREADS", "NCCL_DEBUG")) == {"CUDA_VISIBLE_DEVICES": "0", "OMP_NUM_THREADS": "2"}
+def test_the_early_environment_is_what_imports_device_init_and_the_title_read():
+    env = {"PATH": "/bin", "OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "0", "MLX_RANK": "1", "MESHD_NODE": "n1"}
+    assert early_env(env, ("OMP_NUM_THREADS", "NCCL_DEBUG")) == {"CUDA_VISIBLE_DEVICES": "0", "MESHD_NODE": "n1",
+                                                                 "OMP_NUM_THREADS": "2"}
 
 
 def test_a_change_under_the_code_roots_moves_their_newest_change(tmp_path):

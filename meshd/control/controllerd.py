@@ -370,7 +370,8 @@ def load_checked(path: str) -> MeshConfig:
 
 
 def main() -> None:
-    run_daemon("meshd", "meshd controller", "mesh.toml", load_checked, serve, "change control.listen")
+    run_daemon("meshd", "meshd controller", "mesh.toml", load_checked, serve, "change control.listen",
+               what=lambda cfg: f"mesh={cfg.name}")
 
 
 if __name__ == "__main__":

@@ -218,7 +218,9 @@ def load_checked(path: str) -> Front:
 
 def main() -> None:
     run_daemon("meshd-proxy", "meshd's OpenAI endpoint (beside the controller)", "mesh.toml or a proxy config",
-               load_checked, serve, "change proxy.listen", pidfile=True, loop_factory=event_loop_factory())
+               load_checked, serve, "change proxy.listen",
+               what=lambda front: "meshes=" + ",".join(m.name for m in front.meshes),
+               pidfile=True, loop_factory=event_loop_factory())
 
 
 if __name__ == "__main__":

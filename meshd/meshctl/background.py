@@ -113,10 +113,12 @@ def answers(url: str) -> bool:
 
 
 def pids_below(root: Path) -> list[int]:
-    """Live processes whose command line mentions `root` (what a demo left behind)."""
-    needle = str(root)
+    """Live processes whose command line mentions `root`, or that run in a directory below it (a rank's
+    title names no path): what a demo left behind."""
+    needle, below = str(root), str(root.resolve()) + os.sep
     out = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        if p.info["pid"] != os.getpid() and any(needle in part for part in (p.info["cmdline"] or [])):
+    for p in psutil.process_iter(["pid", "cmdline", "cwd"]):
+        if p.info["pid"] != os.getpid() and (any(needle in part for part in (p.info["cmdline"] or []))
+                                             or (p.info["cwd"] or "").startswith(below)):
             out.append(p.info["pid"])
     return out
