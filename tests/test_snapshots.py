@@ -266,10 +266,9 @@ def generation_2(agents, model, cut, out):
         head = out["head"]
         resume = {"ids": out["delivered"], "chars": out["chars"], "id": head["id"], "created": head["created"],
                   "seed": head["seed"]}
-        served = g2.status(0)["tape_hit_tokens"]  # counted as the turn went in, long before its answer ended
+        served = g2.settled(0)["tape_hit_tokens"]
         _, out["resumed"], _, out["resumed_cached"], _ = g2.stream(cut, resume=resume)
-        out["resumed_from_tape"] = wait_for(lambda: g2.status(0)["tape_hit_tokens"] - served, 10,
-                                            "rank 0's status to count the resumed prompt's tape hit")
+        out["resumed_from_tape"] = g2.settled(0)["tape_hit_tokens"] - served
         _, out["uninterrupted"], _, _, _ = g2.stream({**cut, "seed": head["seed"]})
         out["again"] = {how: g2.chat(msgs) for how, msgs in out["short"].items()}
         out["metrics"] = [{"restored": metric(a, "meshd_agent_rank_snapshots_total", outcome="restored"),

@@ -13,6 +13,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from kit.agents import pid_of, start_generation, stop_generation, wait_mesh_ready
+from kit.waiting import wait_for
 from runtime.snapshot import read_header, segment_files
 
 EVERY = 16  # tokens between the snapshots of an answer in flight
@@ -32,6 +33,12 @@ class Gen:
     def status(self, rank):
         (rec,) = [r for r in self.agents[rank].ranks() if r["generation"] == self.generation]
         return rec["status"]
+
+    def settled(self, rank):
+        """Rank `rank`'s status as a write after this call left it: what the rank counted until now is in it."""
+        asked = time.time()
+        return wait_for(lambda: (s := self.status(rank))["updated_at"] > asked and s, 10,
+                        f"rank {rank}'s next status write")
 
     def chat(self, messages, **kw):
         r = requests.post(f"{self.url}/v1/chat/completions", timeout=120,

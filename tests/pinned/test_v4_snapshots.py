@@ -192,9 +192,9 @@ def test_a_drafted_v4_stream_cut_by_a_sigkill_resumes_from_its_snapshot_as_plain
             restored = [g2.status(rank)["snapshots_restored"] for rank in range(2)]
             resume = {"ids": delivered, "chars": chars, "id": head["id"], "created": head["created"],
                       "seed": head["seed"]}
-            served = g2.status(0)["tape_hit_tokens"]
+            served = g2.settled(0)["tape_hit_tokens"]
             _, resumed, _, cached, _ = g2.stream({**cut, "max_tokens": len(delivered) + 16}, resume=resume)
-            stats = g2.status(0)
+            stats = g2.settled(0)
         finally:
             g2.stop()
     finally:
@@ -206,8 +206,8 @@ def test_a_drafted_v4_stream_cut_by_a_sigkill_resumes_from_its_snapshot_as_plain
                       Job("p", tuple(prompt), len(resumed), 0, sampling))
     assert all(n >= 1 for n in restored) and stats["drafter"] == "dspark", (restored, stats)
     assert resumed == plain  # the ids delivered before the kill, and the rest of it, drafted from the snapshot
-    # the prompt and part of the answer came from a snapshot the answer in flight left (counted as the stream
-    # went in); the client's usage counts that answer once, as completion, and only its prompt as cached
+    # the prompt and part of the answer came from a snapshot the answer in flight left; the client's usage
+    # counts that answer once, as completion, and only its prompt as cached
     served = stats["tape_hit_tokens"] - served
     assert len(prompt) < served < len(prompt) + len(delivered), (served, len(prompt), len(delivered))
     assert cached == len(prompt)
