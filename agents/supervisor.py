@@ -244,8 +244,8 @@ class Supervisor:
     # --- stop -------------------------------------------------------------------
     async def stop(self, generation: int, mode: StopMode, grace: float) -> StopResult:
         recs = [r for r in self.records.values() if r.generation == generation and not r.done]
-        for r in recs:
-            r.stopping = True
+        for r in recs:  # one already ending (slow to reap, or its exit not yet seen) died by itself
+            r.stopping = not procs.ending(r.target)
         drain = None
         rank0 = next((r for r in recs if r.rank == 0), None)
         if mode == StopMode.DRAIN and rank0 is not None:

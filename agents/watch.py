@@ -2,7 +2,8 @@
 
 Exit is awaited on the child itself (SIGCHLD-driven, within milliseconds);
 an adopted rank (spawned by an earlier agent) is polled every 20 ms. The log
-and the status file are read every 50 ms.
+and the status file are read every 50 ms. The exit report also carries the
+rank's last heartbeat, which dates the death when the exit is seen late.
 """
 
 from __future__ import annotations
@@ -97,11 +98,12 @@ class RankWatcher:
             while procs.alive(rec.target):
                 await asyncio.sleep(0.02)
         await self._scan_log()  # the last lines often say why
+        last = self._status_file()
         last_state, rec.state = rec.state, RankState.EXITED
         await self.emit(self._event(RankExited, pid=rec.pid, code=rec.exit_code, signal=rec.exit_signal,
                                     expected=rec.stopping, state=last_state,
                                     last_line=(self._partial.decode(errors="replace").strip() or rec.last_line)[-300:],
-                                    peer_lost=rec.peer_lost))
+                                    peer_lost=rec.peer_lost, alive_at=last.updated_at if last else None))
         for t in self._tasks:
             if t is not asyncio.current_task():
                 t.cancel()
@@ -155,13 +157,16 @@ class RankWatcher:
             os.truncate(path, 0)
         self._offset = 0
 
+    def _status_file(self) -> RankStatus | None:
+        """This rank's status file as last written; None without one (yet), or a previous generation's."""
+        status = read_status(self.rec.status_path) if self.rec.status_path else None
+        return status if status is not None and status.generation == self.rec.generation else None
+
     async def _read_status(self) -> None:
         rec = self.rec
         if rec.status_path is None:
             return
-        status = read_status(rec.status_path)
-        if status is not None and status.generation != rec.generation:
-            status = None  # a previous generation's file
+        status = self._status_file()
         previous = rec.status
         rec.status = status
         if status is not None:

@@ -3,7 +3,7 @@
 A process is named by its pid *and* its create time (`Target`), so a recycled
 pid is never signalled. Verbs: `spawn` (a detached child in its own session,
 output to a file: it outlives its parent, and its group can be signalled),
-`alive`, `send`, `stop_ladder` (the one kill ladder: optional drain, SIGTERM
+`alive`, `ending`, `send`, `stop_ladder` (the one kill ladder: optional drain, SIGTERM
 to each process group, one shared deadline, SIGKILL to what is left, a final
 check), and `run` (a command under a timeout that kills its whole group: a hung
 tool's children would otherwise hold the pipe open).
@@ -69,6 +69,19 @@ def alive(t: Target) -> bool:
         return abs(p.create_time() - t.create_time) < 1.0 and p.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
+
+
+def ending(t: Target) -> bool:
+    """Gone, a zombie, or already exiting. Linux shows a process's exit status (field 52 of /proc/PID/stat)
+    from the moment it starts to exit, through its teardown (a CUDA process's: 0.15-0.24 s on an H200), until
+    it is reaped; a stopped process shows its stop signal there. Elsewhere: gone or a zombie."""
+    if not alive(t):
+        return True
+    try:
+        fields = Path(f"/proc/{t.pid}/stat").read_text().rsplit(")", 1)[1].split()  # from field 3, the state
+    except (OSError, IndexError):
+        return False
+    return fields[0] not in ("T", "t") and len(fields) > 49 and fields[49] != "0"
 
 
 def send(t: Target, sig: int) -> None:

@@ -113,12 +113,16 @@ class RankStateChanged(Event):
 
 @dataclass(frozen=True)
 class RankExited(Event):
-    """The process is gone. `expected` when the agent was stopping it; `code`
-    is None when it was not the agent's child (adopted) or was killed by a
-    signal (then `signal` is set). `state` is where it was when it went
-    (loading: it never served), `last_line` the last line it printed (what a
-    crash says), `peer_lost` whether it had printed that it lost a peer (then
-    its death is a consequence of that peer's)."""
+    """The process is gone. `expected` when the agent's stop ended it (not one
+    already exiting when the stop began); `code` is None when it was not the
+    agent's child (adopted) or was killed by a signal (then `signal` is set).
+    `state` is where it was when it went (loading: it never served),
+    `last_line` the last line it printed (what a crash says), `peer_lost`
+    whether it had printed that it lost a peer (then its death is a
+    consequence of that peer's). `at` is when the agent saw the exit, which may
+    be seconds after the death (a process slow to reap, a starved agent);
+    `alive_at` is the rank's last heartbeat in its status file (None without
+    one): it died between the two."""
 
     kind: ClassVar[str] = "RankExited"
     pid: int = 0
@@ -128,6 +132,7 @@ class RankExited(Event):
     state: RankState = RankState.SPAWNED
     last_line: str = ""
     peer_lost: bool = False
+    alive_at: float | None = None
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,11 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import requests
 
+from common import procs
 from kit.agents import (
     make_agents,
     pid_of,
@@ -261,6 +263,23 @@ def test_sweep_kills_stale_ranks_hung_ibv_tools_and_sigterm_ignorers(agents, gen
     assert stop["steps"] == ["SIGTERM", "SIGKILL"]
     e = a.wait_event(0, 5, "the stubborn rank's exit", kind="RankExited", pid=stubborn)
     assert e["signal"] == signal.SIGKILL and e["expected"] is True
+
+
+def test_a_rank_already_ending_when_its_stop_begins_is_not_the_stops():
+    """The stop marks a rank's exit expected only when the rank was not already ending: a live or stopped
+    (SIGSTOP) process is the stop's to end; one exiting or exited and not yet reaped (its agent starved, or
+    a CUDA process's teardown) died by itself."""
+    proc = subprocess.Popen(["sleep", "60"])
+    target = procs.identify(proc.pid)
+    assert not procs.ending(target)
+    proc.send_signal(signal.SIGSTOP)
+    wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED, 5, "the stopped process")
+    assert not procs.ending(target)
+    proc.kill()
+    wait_for(lambda: psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE, 5, "the unreaped process")
+    assert procs.ending(target)
+    proc.wait()
+    assert procs.ending(target)
 
 
 def test_token_is_required_except_on_health_and_metrics(agents):

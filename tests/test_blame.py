@@ -1,13 +1,20 @@
 """A frozen rank (SIGSTOP: its loop and its heartbeat both stopped) is the cause of its incident, and the
 peers that stalled waiting for it, their heartbeats alive, are consequences, in whatever order and however
-late the agents' stall reports reach the controller. The reports go through the controller's own reading of
-agent events (evidence.meaning_of) into the fleet, as they do in the controller."""
+late the agents' stall reports reach the controller. So is a killed rank (SIGKILL) for its peer's closed
+socket, the proxy's cut connection and a stall, whichever arrives first and however late its exit is seen
+(a CUDA process is reaped 0.15-0.24 s after its socket refuses; a starved agent sees it seconds later).
+The reports go through the controller's own reading of agent events and proxy observations
+(evidence.meaning_of, evidence.observed) into the fleet, as they do in the controller."""
+
+from itertools import permutations
 
 import pytest
 
-from common.protocol import RankStalled
+from common.protocol import RankExited, RankSignature, RankStalled
+from common.states import RankState
 from meshd.control import fleet as f
-from meshd.control.evidence import meaning_of
+from meshd.control.evidence import meaning_of, observed
+from meshd.seam import Observation
 
 NODES = ("n0", "n1", "n2", "n3")
 POLICY = f.Policy(nodes=NODES, max_failures=5)  # death_window: the default 2 s
@@ -60,3 +67,67 @@ def test_a_frozen_rank_is_blamed_for_the_peers_that_stalled_waiting_for_it(arriv
         peers = {ev.node for _, ev in arrivals if isinstance(ev, RankStalled) and not ev.frozen}
         assert {c.split(" ")[0] for c in incident.consequences} == peers
         assert all("its heartbeat alive" in c for c in incident.consequences)
+
+
+KILLED = 200.0  # n1's rank is killed (SIGKILL) here; its last heartbeat was 0.3 s before
+REAPS = {  # when its agent sees the exit, the rank's last heartbeat, whether the stop's end waits for it
+    "fast": (KILLED + 0.05, KILLED - 0.3, True),
+    "slow": (KILLED + 6.0, KILLED - 0.3, True),
+    "slow, no status file": (KILLED + 6.0, None, True),  # nothing dates it earlier than when it was seen
+    "seen after the stop ended (its agent starved)": (KILLED + 12.0, KILLED - 0.3, False),
+}
+EVIDENCE = {  # each piece: (the earliest it can reach the controller, what reaches it)
+    "peer's line": (KILLED + 0.15, meaning_of(RankSignature(
+        node="n0", generation=1, rank=0, at=KILLED + 0.1, signature="ring_peer_closed", role="consequence",
+        line="[ring] Socket 12 was closed by the peer"))),
+    "proxy's": (KILLED + 0.1, observed(Observation(1, "proxy", "rank 0 closed the connection"), "n0")),
+    "stall": (KILLED + 10.2, meaning_of(stalled(2, KILLED + 0.05, 10.0, frozen=False))),
+}
+
+
+def arrivals_of(order: tuple[str, ...], reap: str) -> list:
+    """The pieces in this order, each as soon as it can come after the one before; the generation's stop
+    (begun at the first arrival) ends once the killed rank is reaped (unless its agent did not answer the
+    stop), then the next generation starts."""
+    seen, alive, waited = REAPS[reap]
+    pieces = {**EVIDENCE, "exit": (seen + 0.01, meaning_of(RankExited(
+        node="n1", generation=1, rank=1, at=seen, signal=9, state=RankState.BUSY, alive_at=alive)))}
+    now, arrivals = 0.0, []
+    for name in order:
+        earliest, died = pieces[name]
+        now = max(now + 0.3, earliest)
+        arrivals.append((now, died))
+    stopped = max(arrivals[0][0], seen if waited else 0.0) + 0.5
+    return sorted(arrivals + [(stopped, f.GenerationStopped(1, stopped_at=stopped)), (stopped, f.Tick())],
+                  key=lambda a: a[0])
+
+
+KILLS = [(order, reap) for reap in REAPS for order in permutations(["exit", *EVIDENCE])]
+
+
+@pytest.mark.parametrize("order,reap", KILLS, ids=[f"{reap}: {', '.join(order)}" for order, reap in KILLS])
+def test_a_killed_rank_is_blamed_whatever_came_first_and_however_slowly_it_was_reaped(order, reap):
+    state = f.step(f.FleetState(), f.UpRequested(), 0.0, POLICY)[0]
+    state = f.step(state, f.MeshReady(1), 10.0, POLICY)[0]
+    arrivals = arrivals_of(order, reap)
+    for now, ev in arrivals:
+        state = f.step(state, ev, now, POLICY)[0]
+    incident = state.incident
+    assert (state.generation, incident.generation) == (2, 1)
+    assert (incident.cause, incident.node, incident.rank, incident.detail, incident.primary) == \
+        ("exit", "n1", 1, "signal 9", True)
+    first = next(ev for _, ev in arrivals if isinstance(ev, f.RankDied))
+    assert incident.opened_at == arrivals[0][0]
+    assert first.cause == "exit" or first.describe() in incident.consequences
+
+
+def test_a_rank_own_fatal_line_after_the_death_window_does_not_take_over():
+    """Only an exit is this incident's however late it happened: a fatal line past the window is another
+    failure (printed while the generation was being stopped, say), not the cause."""
+    state = f.step(f.FleetState(), f.UpRequested(), 0.0, POLICY)[0]
+    state = f.step(state, f.MeshReady(1), 10.0, POLICY)[0]
+    for now, ev in [(KILLED, EVIDENCE["proxy's"][1]),
+                    (KILLED + 4.0, meaning_of(RankSignature(node="n2", generation=1, rank=2, at=KILLED + 3.9,
+                                                            signature="jaccl_enomem", role="cause", line="-12")))]:
+        state = f.step(state, ev, now, POLICY)[0]
+    assert (state.incident.cause, state.incident.node, state.incident.primary) == ("proxy", "n0", False)

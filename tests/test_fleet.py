@@ -342,15 +342,17 @@ def test_evidence_after_the_death_window_is_not_the_incidents():
     assert s.incident.consequences == () and s.incident.node == "n1"
 
 
-@pytest.mark.parametrize("arrives,happened,takes_over", [
-    (25, 19.9, True),     # died before the peers' lines, its agent's events arrived late (it reconnected)
-    (25, 24.0, False),    # died after the window: another incident's matter, not this one's cause
-    (25, None, False),    # no time of its own: judged by its arrival
+@pytest.mark.parametrize("arrives,happened,stopped,takes_over", [
+    (25, 19.9, [], True),     # died before the peers' lines, its agent's events arrived late (it reconnected)
+    (25, 24.0, [], True),     # seen past the window, before the stop ended: slow to reap, or its agent starved
+    (25, None, [], True),     # no time of its own: judged by its arrival, before the stop ended
+    (25, 24.0, [(22, f.GenerationStopped(1, stopped_at=22))], False),  # after the stop: not this generation's death
+    (25, None, [(22, f.GenerationStopped(1, stopped_at=22))], False),
 ])
-def test_a_cause_is_judged_by_when_it_happened_not_when_it_arrived(arrives, happened, takes_over):
+def test_a_cause_is_judged_by_when_it_happened_not_when_it_arrived(arrives, happened, stopped, takes_over):
     lost = f.RankDied("n0", 0, 1, "signature", "ring_peer_lost", consequence=True, at=20)
     killed = f.RankDied("n1", 1, 1, "exit", "gone (not the agent's child)", at=happened)
-    s, _ = run(ready_at() + [(20, lost), (arrives, killed)])
+    s, _ = run(ready_at() + [(20, lost)] + stopped + [(arrives, killed)])
     assert (s.incident.node == "n1") is takes_over
 
 

@@ -24,12 +24,14 @@ def meaning_of(ev: Event) -> fleet.RankDied | fleet.RankReported | None:
     match ev:
         case RankStateChanged(state=state, load_done=done, load_total=total):
             return fleet.RankReported(ev.node, ev.generation, state, done, total, ev.at)
-        case RankExited(expected=False, signal=sig, code=code, state=state, last_line=last, peer_lost=lost):
+        case RankExited(expected=False, signal=sig, code=code, state=state, last_line=last, peer_lost=lost,
+                        alive_at=alive_at):
             how = f"signal {sig}" if sig else (f"exit code {code}" if code is not None else
                                                "gone (not the agent's child)")
             at_load = state in BEFORE_SERVING and code not in (None, 0) and not lost
+            # A rank died after its last heartbeat, however late its agent saw the exit (a slow reap).
             return fleet.RankDied(*where, "exit", f"{how}: {last}" if last and code else how, consequence=lost,
-                                  load_line=last if at_load else "", at=ev.at)
+                                  load_line=last if at_load else "", at=min(ev.at, alive_at or ev.at))
         case RankSignature(signature=name, severity=severity, role=role, line=line):
             return fleet.RankDied(*where, "signature", f"{name}: {line[-200:]}", reboot=severity == "reboot",
                                   consequence=role == "consequence", at=ev.at)

@@ -34,7 +34,9 @@ Judgement:
   agent that reconnects late still counts, even once the next generation has
   started or served) is listed under it as a
   consequence; a rank that failed by itself within that window takes the
-  incident over from a consequence that happened to arrive first.
+  incident over from a consequence that happened to arrive first. An exit is
+  dated by the rank's last heartbeat, and also belongs to the incident when
+  it happened before the generation's stop ended, however late it arrives.
 - Each incident keeps a timeline: detected, stopped, swept, backoff, started,
   loaded, ready, and served (the first request answered after it).
 
@@ -360,9 +362,7 @@ def _attribute(state: FleetState, now: float, policy: Policy, ev: RankDied) -> R
     delivers its evidence after the next generation has started, or even served."""
     field = "incident" if state.incident is not None and state.incident.generation == ev.generation else "closing"
     incident = getattr(state, field)
-    # Evidence belongs to the incident by when it happened, not by when it arrived.
-    happened = now if ev.at is None else min(ev.at, now)
-    if incident is None or incident.generation != ev.generation or happened - incident.opened_at > policy.death_window:
+    if incident is None or incident.generation != ev.generation or not _belongs(incident, ev, now, policy):
         return state, []
     if not incident.primary and not ev.consequence:
         former = f"{incident.node} rank {incident.rank}: {incident.cause}: {incident.detail}"
@@ -375,6 +375,18 @@ def _attribute(state: FleetState, now: float, policy: Policy, ev: RankDied) -> R
     else:
         return state, []
     return replace(state, **{field: incident}), [IncidentUpdated(incident)]
+
+
+def _belongs(incident: Incident, ev: RankDied, now: float, policy: Policy) -> bool:
+    """Evidence belongs to the incident by when it happened, not by when it arrived: within the death
+    window of its opening. An exit also when it happened before the generation's stop ended: no stop made
+    it (the agent's own are expected), so however late it was seen (a process slow to reap, a starved
+    agent), the generation died of it or with it."""
+    happened = now if ev.at is None else min(ev.at, now)
+    if happened - incident.opened_at <= policy.death_window:
+        return True
+    stopped = next((when for step, when in incident.timeline if step == "stopped"), None)
+    return ev.cause == "exit" and (stopped is None or happened <= stopped)
 
 
 def _with_step(state: FleetState, name: str) -> Result:
