@@ -19,6 +19,7 @@ def test_down_drains_and_leaves_no_process_and_up_again_keeps_every_port(tmp_pat
     status = Demo(home).status()
     assert len(status["nodes"]) == WORLD and Demo(home).chat().status_code == 200
     pids = [n["rank"]["pid"] for n in status["nodes"]]
+    assert set(pids) < set(background.pids_below(home))  # its ranks (titled, no path in ps) and daemons
     out = demo_meshctl(home, "down").stdout
     assert "no process of the mesh remains" in out
     assert not [p for p in pids if psutil.pid_exists(p)]

@@ -113,12 +113,12 @@ def answers(url: str) -> bool:
 
 
 def pids_below(root: Path) -> list[int]:
-    """Live processes whose command line mentions `root`, or that run in a directory below it (a rank's
-    title names no path): what a demo left behind."""
+    """Live processes whose command line mentions `root`, or whose agent's state directory (MESHD_AGENT, as
+    ranks and standbys carry it: their titles name no path) is below it: what a demo left behind."""
     needle, below = str(root), str(root.resolve()) + os.sep
     out = []
-    for p in psutil.process_iter(["pid", "cmdline", "cwd"]):
+    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
         if p.info["pid"] != os.getpid() and (any(needle in part for part in (p.info["cmdline"] or []))
-                                             or (p.info["cwd"] or "").startswith(below)):
+                                             or (p.info["environ"] or {}).get("MESHD_AGENT", "").startswith(below)):
             out.append(p.info["pid"])
     return out
