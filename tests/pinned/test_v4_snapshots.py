@@ -182,7 +182,6 @@ def test_a_drafted_v4_stream_cut_by_a_sigkill_resumes_from_its_snapshot_as_plain
             # a snapshot of the answer in flight within what the client has, on both ranks
             wait_for(lambda: all(answer_in_flight(next(f.glob("*-w2-r*")), prompt, 2, len(delivered) - 1)
                                  for f in folders), 60, "the answer in flight to be snapshotted on both ranks")
-            assert g1.status(0)["requests_in_flight"] == 1  # cut mid-stream
             g1.sigkill(1)
             r.close()
         finally:
