@@ -27,7 +27,7 @@ from common.buildinfo import register_process_metrics
 from common.errors import ApiError
 from common.http import (bearer_matches, json_error, json_errors, log_answer, read_json, read_object, run_daemon,
                          start_sites, until_stopped)
-from common.protocol import CONTROLLER_EPOCH, CONTROLLER_ID, Ballot, BallotError, RankSpec
+from common.protocol import CONTROLLER_EPOCH, CONTROLLER_ID, EPOCH_ROUTE, Ballot, BallotError, RankSpec
 from common.states import StopMode
 from common.tls import server_context
 
@@ -47,7 +47,6 @@ def auth_middleware(token: str, metrics_token: str | None):
     return check
 
 
-EPOCH_ROUTE = "/v1/epoch"
 HELD = web.RequestKey("held", bool)  # the request carried a ballot: its answer names the promised one
 
 

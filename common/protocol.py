@@ -19,6 +19,7 @@ from common.states import RankState
 # checks them on every command (agents/fencing.py) and answers every such call with the ballot it has promised.
 CONTROLLER_EPOCH = "X-Meshd-Controller-Epoch"
 CONTROLLER_ID = "X-Meshd-Controller"
+EPOCH_ROUTE = "/v1/epoch"  # the agent's route for a controller's ballot: GET what it promised, POST to ask
 EPOCH_MAX = 2**63 - 1
 CONTROLLER_ID_FORM = re.compile(r"[0-9A-Za-z._-]{1,64}")
 

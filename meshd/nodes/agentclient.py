@@ -13,11 +13,9 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
-from common.protocol import Ballot, BallotError
+from common.protocol import EPOCH_ROUTE, Ballot, BallotError
 from meshd.config import MeshConfig, Node
 from meshd.epochs import Fence, Held, Standing, standing
-
-EPOCH_ROUTE = "/v1/epoch"
 
 
 def agent_session(cfg: MeshConfig) -> aiohttp.ClientSession:

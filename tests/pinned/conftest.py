@@ -6,9 +6,12 @@ published."""
 
 import importlib.metadata
 
+import mlx.core as mx
 import pytest
 
-from pinned.dsv4 import set_up_omlx
+from pinned.dsv4 import build_v4_checkpoint, set_up_omlx
+from runtime.overlay import OMLX
+from runtime.rank import load_sharded
 
 
 def _pins() -> str:
@@ -24,3 +27,15 @@ if PINS != "mlx==0.32.3 mlx-lm==0.31.3 flyto-mlx==0.7.0":
                             ".venv-omlx/bin/python -m pytest tests/pinned")
 
 set_up_omlx()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The tiny DeepSeek-V4 checkpoint with DSpark's stages (pinned.dsv4), for the module's tests."""
+    return build_v4_checkpoint(tmp_path_factory.mktemp("models") / "v4")
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    """That checkpoint loaded through meshd-rank's load path, on one rank."""
+    return load_sharded(checkpoint, mx.distributed.init(), lambda done, total: None, OMLX)

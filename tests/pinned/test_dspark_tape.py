@@ -6,24 +6,15 @@ answers as the plain decoder does from the same tape. The engines run in this pr
 import mlx.core as mx
 import pytest
 
-from pinned.dsv4 import build_v4_checkpoint
 from runtime.drafting import DraftWhenAlone, DSparkEngine
 from runtime.engine import BatchEngine
 from runtime.jobs import Job
 from runtime.openai_api import SamplingParams
-from runtime.overlay import OMLX
-from runtime.rank import load_sharded
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
 SEEDED = SamplingParams(max_tokens=1, temperature=0.9, seed=7).sampling()
 PROMPT = tuple(int(t) for t in mx.random.randint(0, 500, (90,), key=mx.random.key(3)).tolist())
 NEW = (17, 23, 42, 99, 5, 61, 7, 300)  # the next turn's own tokens (a tool's result, say)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = build_v4_checkpoint(tmp_path_factory.mktemp("models") / "v4")
-    return load_sharded(path, mx.distributed.init(), lambda done, total: None, OMLX)
 
 
 class Fed:

@@ -24,13 +24,10 @@ from dspark_mlx.model.config import DSparkArgs
 from dspark_mlx.model.drafter import DSparkDrafter
 from mlx.utils import tree_flatten
 
-from pinned.dsv4 import build_v4_checkpoint
 from runtime import dspark
 from runtime.drafting import DSparkEngine
 from runtime.jobs import Job
 from runtime.openai_api import SamplingParams
-from runtime.overlay import OMLX
-from runtime.rank import load_sharded
 
 TOL = 2e-5  # the two implementations' float32 logprobs differ by under 1e-5
 TAPS = 48  # positions of target taps the blocks draft from: three windows
@@ -51,12 +48,6 @@ EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 RENAMES = ((r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"), (r"\.hc_head\.(fn|base|scale)$", r".hc_head_\1"),
            (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
            (r"\.shared_experts\.(\w+)\.", lambda m: f".shared_experts.{EXPERT[m[1]]}."))
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = build_v4_checkpoint(tmp_path_factory.mktemp("models") / "v4")
-    return load_sharded(path, mx.distributed.init(), lambda done, total: None, OMLX)
 
 
 @pytest.fixture(scope="module")

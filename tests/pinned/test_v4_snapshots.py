@@ -15,27 +15,15 @@ from kit.agents import make_agents
 from kit.demo_answers import endless
 from kit.snapshots import EVERY, Gen, answer_in_flight
 from kit.waiting import wait_for
-from pinned.dsv4 import PROMPT, build_v4_checkpoint, pinned_env
+from pinned.dsv4 import PROMPT, pinned_env
 from runtime.drafting import DraftWhenAlone, DSparkEngine
 from runtime.engine import BatchEngine
 from runtime.jobs import Job
 from runtime.openai_api import SamplingParams
-from runtime.overlay import OMLX
-from runtime.rank import load_sharded
 from runtime.snapshot import Identity, Snapshots, read_header, segment_files, tape_id
 
 ME = Identity("v4", 1, 0, "layout")
 TOKENS = tuple(int(t) for t in mx.random.randint(0, 500, (150,), key=mx.random.key(5)).tolist())
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_v4_checkpoint(tmp_path_factory.mktemp("models") / "v4")
-
-
-@pytest.fixture(scope="module")
-def model(checkpoint):
-    return load_sharded(checkpoint, mx.distributed.init(), lambda done, total: None, OMLX)
 
 
 def fed(model, tokens, prefill: int) -> list:
