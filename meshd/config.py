@@ -17,6 +17,9 @@ from common.tomlcheck import (ConfigError, Problems, listen_host, loopback, port
 from runtime.overlay import overlay_for
 
 
+PLANNED_RESTARTS = ("drain", "cut")  # what a planned restart does with the streams in flight
+
+
 @dataclass(frozen=True)
 class Recovery:
     """The recovery knobs ([recovery] in mesh.toml)."""
@@ -29,6 +32,9 @@ class Recovery:
     healthy_reset: float = 300.0
     stop_grace: float = 10.0
     drain_grace: float = 30.0
+    # A planned restart (`meshctl restart`, [recycle]): "drain" lets the streams in flight finish on the ending
+    # generation (up to drain_grace) while new requests wait for the next; "cut" resumes them on the next at once.
+    planned_restart: str = "drain"
     start_deadline: float = 900.0
     death_window: float = 2.0  # evidence this soon after an incident belongs to it
     adopt_wait: float = 10.0  # a restarted controller waits this long for every agent to answer
@@ -37,13 +43,15 @@ class Recovery:
 @dataclass(frozen=True)
 class Recycle:
     """Planned recycling ([recycle] in mesh.toml): the next generation starts on purpose before a
-    long-lived one wears out, once the mesh has had no request in flight for `idle_for` seconds.
-    Off unless `after`, `steps` or `window` is set."""
+    long-lived one wears out, once the mesh has had no request in flight for `idle_for` seconds, or
+    `idle_deadline` seconds after it was due when it never has. Off unless `after`, `steps` or `window` is set."""
 
     after: float = 0.0  # seconds since the generation became ready (0: never by age)
     window: str = ""  # "HH:MM-HH:MM", local time: once a day inside it ("": never by the clock)
     idle_for: float = 60.0
     steps: int = 0  # rank 0's lockstep steps, each collectives over the transport (0: never by count)
+    idle_deadline: float = 600.0  # a due recycle waits at most this long for idle_for, then recycles under load
+    #                               (0: waits for idle however long)
 
     @property
     def enabled(self) -> bool:
@@ -413,6 +421,10 @@ def _recovery(raw, base: Path) -> Recovery:
     if bad_steps or not recovery.ladder or recovery.ladder[0] != LadderStep.RESTART:
         raise ConfigError('recovery.ladder: must start with "restart" and use only restart, reprovision, reboot; '
                           'for example ladder = ["restart", "reprovision", "reboot"]')
+    if recovery.planned_restart not in PLANNED_RESTARTS:
+        raise ConfigError(f"recovery.planned_restart: {recovery.planned_restart!r} is neither \"drain\" (the streams in "
+                          "flight finish on the ending generation) nor \"cut\" (they resume on the next at once); for "
+                          'example planned_restart = "drain"')
     return recovery
 
 
@@ -482,6 +494,8 @@ def _schema_of(name: str, default) -> dict:
         return {"type": "array", "items": {"type": "string"}, "default": list(default)}
     if isinstance(default, dict):
         return {"type": "object", "default": default}
+    if name == "planned_restart":
+        return {"enum": list(PLANNED_RESTARTS), "default": default}
     if name == "listen":
         return {"type": "string", "pattern": r"^.+:[0-9]{1,5}$", "default": default}
     return {"type": "string", **({"default": default} if isinstance(default, str) else {})}

@@ -433,6 +433,60 @@ def test_a_generation_is_recycled_at_its_age_only_once_idle_for_long_enough(even
         assert f.StopGeneration(1, "drain", AGED.drain_grace) in a
 
 
+BUSY_DUE = f.Policy(nodes=NODES, recycle=f.Recycle(after=100.0, idle_for=10.0, idle_deadline=60.0))
+
+
+def back_to_back(start, end, every=5.0):
+    """Streams back to back: rank 0 busy, a moment idle between two, busy again; a tick after each."""
+    t, events = start, []
+    while t < end:
+        events += [busy(t), busy(t + 0.1, state="ready"), busy(t + 0.2), (t + 0.3, f.Tick())]
+        t += every
+    return events
+
+
+@pytest.mark.parametrize("policy, until, recycled", [
+    (BUSY_DUE, 150, False),  # due at 110 (its age, the first tick), waiting for idle: 40s of 60
+    (BUSY_DUE, 175, True),  # busy 60s since it was due: recycled under load
+    (f.Policy(nodes=NODES, recycle=f.Recycle(after=100.0, idle_for=10.0, idle_deadline=0.0)), 1000, False),
+])
+def test_a_generation_busy_back_to_back_is_recycled_once_it_waited_idle_deadline(policy, until, recycled):
+    s, a = run(ready_at() + back_to_back(11, until), policy)
+    opened = [x for x in a if isinstance(x, f.OpenIncident)]
+    assert (s.phase == "recovering") == recycled and len(opened) == recycled
+    if recycled:
+        assert opened[0].planned == "age" and "recycle.idle_deadline 60s" in opened[0].incident.detail
+        assert f.StopGeneration(1, "drain", policy.drain_grace) in a
+    else:
+        assert s.phase == "ready" and (s.due_since is not None) == (until > 110)
+
+
+def test_the_wait_for_idle_counts_from_when_the_generation_was_due_and_starts_again_with_the_next():
+    s, _ = run(ready_at() + back_to_back(11, 100), BUSY_DUE)
+    assert s.due_since is None, "not due before its age, however busy"
+    s, _ = run(back_to_back(100, 120), BUSY_DUE, s)
+    assert s.due_since == 110.3, "due from the first tick past its age"
+    s, _ = run([(170.3, f.Tick()), (172, f.GenerationStopped(1)), (180, f.MeshReady(2))], BUSY_DUE, s)
+    assert (s.generation, s.phase, s.due_since) == (2, "ready", None)
+
+
+@pytest.mark.parametrize("planned_restart, finishing", [("drain", True), ("cut", False)])
+def test_a_planned_restart_lets_its_requests_finish_only_when_it_drains(planned_restart, finishing):
+    policy = f.Policy(nodes=NODES, drain_grace=20.0, planned_restart=planned_restart,
+                      recycle=f.Recycle(after=100.0, idle_for=10.0))
+    for ending in ([(20, f.RestartRequested())], [busy(100), busy(105, state="ready"), (116, f.Tick())]):
+        s, a = run(ready_at() + ending, policy)
+        assert (s.phase, s.finishing) == ("recovering", finishing)
+        assert f.StopGeneration(1, "drain", 20.0) in a, "either way the generation drains (cut: nothing is left)"
+        s, _ = run([(30 + ending[-1][0], f.GenerationStopped(1))], policy, s)
+        assert (s.phase, s.generation, s.finishing) == ("starting", 2, False)
+
+
+def test_a_death_is_never_finishing():
+    s, _ = run(ready_at() + [death(1, 20)], f.Policy(nodes=NODES, planned_restart="drain"))
+    assert (s.phase, s.finishing) == ("recovering", False)
+
+
 def test_recycling_is_off_by_default():
     s, a = run([(10 ** 6, f.Tick())], state=run(ready_at())[0])
     assert (s.phase, a) == ("ready", [])

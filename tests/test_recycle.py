@@ -139,14 +139,16 @@ def test_meshctl_restart_under_streaming_clients_is_planned_warm_and_costs_no_an
             == [True], "the next generation's ranks are the standbys"
 
 
-@pytest.mark.parametrize("profile, recycle, named", [
-    ("meshd-rank", {"window": "3-4"}, ("recycle.window",)),
-    ("meshd-rank", {"after": -1, "idle": 60}, ("recycle.after", "recycle.idle")),
-    ("mlx-lm-server", {"after": 3600}, ("recycle: the mlx-lm-server profile", 'profile = "meshd-rank"')),
+@pytest.mark.parametrize("profile, sections, named", [
+    ("meshd-rank", {"recycle": {"window": "3-4"}}, ("recycle.window",)),
+    ("meshd-rank", {"recycle": {"after": -1, "idle": 60, "idle_deadline": "1h"}},
+     ("recycle.after", "recycle.idle", "recycle.idle_deadline")),
+    ("mlx-lm-server", {"recycle": {"after": 3600}}, ("recycle: the mlx-lm-server profile", 'profile = "meshd-rank"')),
+    ("meshd-rank", {"recovery": {"planned_restart": "finish"}}, ("recovery.planned_restart", '"drain"', '"cut"')),
 ])
-def test_config_check_names_the_recycle_key_that_is_wrong(tmp_path, demo_model, profile, recycle, named):
+def test_config_check_names_the_planned_restart_key_that_is_wrong(tmp_path, demo_model, profile, sections, named):
     agents = make_agents(tmp_path, 2)  # never started: the check reads the file
-    mesh = write_mesh(tmp_path, agents, demo_model, recycle=recycle, runtime={"profile": profile})
+    mesh = write_mesh(tmp_path, agents, demo_model, runtime={"profile": profile}, **sections)
     check = meshctl(mesh, "config", "check")
     said = check.stdout + check.stderr
     assert check.returncode != 0 and all(key in said for key in named), said

@@ -344,7 +344,8 @@ class Controller:
     # --- the proxy's view (seam.FleetView) ------------------------------------------
     def serving(self) -> Serving:
         s = self.state
-        return Serving(s.phase, s.generation, s.reason, self.cfg.rank0_url, self.rank_secret(s.generation))
+        return Serving(s.phase, s.generation, s.reason, self.cfg.rank0_url, self.rank_secret(s.generation),
+                       s.finishing)
 
     async def wait_serving(self, predicate: Callable[[Serving], bool], timeout: float) -> Serving:
         return await wait_until(self.changed, self.serving, predicate, timeout)

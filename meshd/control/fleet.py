@@ -46,9 +46,12 @@ controller's round, so a fresh or restored store does not start again at 1); a
 running generation is adopted under its own number.
 
 Planned recycling ([recycle]): a generation that reached its age, its count of
-rank 0's steps or the daily window, with no rank busy for `idle_for`, is
-drained and the next one starts; `meshctl restart` does the same at once. Its
-incident (cause "recycle") is planned: no failure, no ladder step, no backoff.
+rank 0's steps or the daily window, with no rank busy for `idle_for` (or still
+busy `idle_deadline` after it was due), ends and the next one starts; `meshctl
+restart` does the same at once. Its incident (cause "recycle") is planned: no
+failure, no ladder step, no backoff. How it ends is `planned_restart`: "drain"
+lets its requests finish on it (`finishing`: the proxy cuts none of them), "cut"
+has the proxy resume them on the next generation at once.
 """
 
 from __future__ import annotations
@@ -116,6 +119,8 @@ class FleetState:
     closing: Incident | None = None  # closed at ready, waiting for its first served request
     steps: int = 0  # rank 0's lockstep steps in this generation, as last counted
     numbered_to: int = 0  # the highest generation number the agents have used, whichever controller's
+    finishing: bool = False  # a planned drain: the ending generation's requests finish on it, none is cut
+    due_since: float | None = None  # since when the serving generation is due a recycle, waiting for idle
 
 
 # --- events (past tense) -------------------------------------------------------
@@ -313,7 +318,8 @@ def _mark(state: FleetState, step: str, when: float) -> Result:
 def _start_next(state: FleetState, now: float, policy: Policy) -> Result:
     g = max(state.generation, state.numbered_to) + 1
     new = replace(state, phase=Phase.STARTING, generation=g, backoff_until=None, started_at=now,
-                  ranks=tuple(RankView(n) for n in policy.nodes), reason="", restart_requested=False, steps=0)
+                  ranks=tuple(RankView(n) for n in policy.nodes), reason="", restart_requested=False, steps=0,
+                  finishing=False, due_since=None)
     new, actions = _mark(new, "started", now)
     return new, [StartGeneration(g), NoteGeneration(g, "started"), *actions]
 
@@ -484,9 +490,10 @@ def _on_down(state: FleetState, ev: DownRequested, now: float, policy: Policy) -
 
 
 def _end_on_purpose(state: FleetState, policy: Policy, why: str) -> Result:
-    """Drain the generation (its requests finish), then start the next one, counting no failure."""
+    """Drain the generation, then start the next one, counting no failure. Its requests in flight finish on it
+    (planned_restart "drain"), or the proxy resumes them on the next at once ("cut": the drain finds none)."""
     return (replace(state, phase=Phase.RECOVERING, ready_since=None, idle_since=None, backoff_until=None, reason=why,
-                    restart_requested=True),
+                    restart_requested=True, finishing=policy.planned_restart == "drain", due_since=None),
             [StopGeneration(state.generation, StopMode.DRAIN, policy.drain_grace),
              NoteGeneration(state.generation, "ended", why)])
 
@@ -513,7 +520,7 @@ def _on_adopted(state: FleetState, ev: Adopted, now: float, policy: Policy) -> R
         return state, []
     rank_state = RankState.READY if ev.ready else RankState.LOADING
     new = replace(state, phase=Phase.READY if ev.ready else Phase.STARTING, generation=ev.generation,
-                  ready_since=now if ev.ready else None, idle_since=now if ev.ready else None,
+                  ready_since=now if ev.ready else None, idle_since=now if ev.ready else None, due_since=None,
                   started_at=state.started_at or now,
                   ranks=tuple(RankView(n, rank_state) for n in policy.nodes), backoff_until=None)
     if ev.ready and state.incident:  # an incident a restarted controller inherited
@@ -683,30 +690,47 @@ def window_opened(recycle: Recycle, now: float) -> float | None:
     return (day + timedelta(minutes=start)).timestamp()
 
 
-def recycle_due(state: FleetState, now: float, recycle: Recycle) -> tuple[str, str] | None:
-    """(trigger, what it saw) when the serving generation is to be recycled now, else None: it has served
+def worn(state: FleetState, now: float, recycle: Recycle) -> tuple[str, str] | None:
+    """(trigger, what it saw) when the serving generation is due a recycle, idle or not: it has served
     `after` seconds, or its rank 0 made `steps` steps, or it is inside the daily window and was ready
-    before the window opened; and no rank has been busy for `idle_for` seconds."""
-    if not recycle.enabled or state.phase != Phase.READY or state.ready_since is None or state.idle_since is None \
-            or now - state.idle_since < recycle.idle_for:
+    before the window opened; else None."""
+    if not recycle.enabled or state.phase != Phase.READY or state.ready_since is None:
         return None
-    age, idle = now - state.ready_since, f"no request in flight for {now - state.idle_since:.0f}s"
+    age = now - state.ready_since
     if recycle.after and age >= recycle.after:
-        return "age", f"generation {state.generation} served {age:.0f}s (recycle.after {recycle.after:g}s), {idle}"
+        return "age", f"generation {state.generation} served {age:.0f}s (recycle.after {recycle.after:g}s)"
     if recycle.steps and state.steps >= recycle.steps:
-        return "steps", (f"generation {state.generation}'s rank 0 made {state.steps} steps (recycle.steps "
-                         f"{recycle.steps}), {idle}")
+        return "steps", f"generation {state.generation}'s rank 0 made {state.steps} steps (recycle.steps {recycle.steps})"
     opened = window_opened(recycle, now) if recycle.window else None
     if opened is not None and state.ready_since < opened:
-        return "window", f"generation {state.generation} in the daily window {recycle.window}, {idle}"
+        return "window", f"generation {state.generation} in the daily window {recycle.window}"
+    return None
+
+
+def recycle_due(state: FleetState, now: float, recycle: Recycle) -> tuple[str, str] | None:
+    """(trigger, what it saw) when the serving generation is to be recycled now, else None: it is due
+    (`worn`) and no rank has been busy for `idle_for` seconds, or it has waited `idle_deadline` seconds
+    since it was due (`state.due_since`) for that and recycles under load."""
+    due = worn(state, now, recycle)
+    if due is None:
+        return None
+    trigger, seen = due
+    if state.idle_since is not None and now - state.idle_since >= recycle.idle_for:
+        return trigger, f"{seen}, no request in flight for {now - state.idle_since:.0f}s"
+    if recycle.idle_deadline and state.due_since is not None and now - state.due_since >= recycle.idle_deadline:
+        return trigger, (f"{seen}, busy {now - state.due_since:.0f}s since it was due (recycle.idle_deadline "
+                         f"{recycle.idle_deadline:g}s)")
     return None
 
 
 def _recycle_due(state: FleetState, now: float, policy: Policy) -> Result | None:
     due = recycle_due(state, now, policy.recycle)
-    if due is None:
+    if due is not None:
+        return _planned(state, now, policy, *due)
+    waiting = worn(state, now, policy.recycle) is not None
+    if waiting == (state.due_since is not None):
         return None
-    return _planned(state, now, policy, *due)
+    return replace(state, due_since=now if waiting else None), []
 
 
 TICK_RULES = (_backoff_over, _healthy_long_enough, _start_overdue, _recycle_due)

@@ -77,8 +77,8 @@ class Rank0:
 
     @property
     def headers(self) -> dict[str, str]:
-        """What the client is told of who wrote its answer."""
-        return {"X-Meshd-Model": self.model, "X-Meshd-Mesh": self.mesh}
+        """What the client is told of who wrote its answer (a resumed stream names the next in a comment)."""
+        return {"X-Meshd-Model": self.model, "X-Meshd-Mesh": self.mesh, "X-Meshd-Generation": str(self.generation)}
 
     def post(self, path: str, body: dict):
         return self.connections.post(self.url + path, rank0_body(self.profile, {**body, "model": self.model}),

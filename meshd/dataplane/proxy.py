@@ -61,7 +61,7 @@ def prompt_chars(req: oa.CompletionRequest) -> int:
 
 
 GONE = (Phase.FAILED, Phase.STOPPED, Phase.DRAINING)  # phases no generation comes back from by waiting
-DIED = (Phase.RECOVERING, Phase.FAILED)  # of the generation it names: it died (a drain lets its requests finish)
+DIED = (Phase.RECOVERING, Phase.FAILED)  # of the generation it names: it died, unless it is `finishing` on purpose
 
 
 class MeshLink:
@@ -421,7 +421,7 @@ class Routed:
         fleet = self.proxy.links[rank0.mesh].fleet
 
         def died(s: Serving) -> bool:  # a newer generation alone says nothing: a recycle may overlap a drain
-            return s.generation == rank0.generation and s.phase in DIED
+            return s.generation == rank0.generation and s.phase in DIED and not s.finishing
         while not died(await fleet.wait_serving(died, 3600.0)):
             pass
 
