@@ -22,7 +22,7 @@ class Job:
     prompt: tuple[int, ...]
     max_tokens: int
     seed: int
-    sampling: dict  # SamplingParams.sampling(): temperature, top_p, top_k, min_p, penalties, logit_bias
+    sampling: dict  # SamplingParams.sampling(): temperature, top_p, top_k, min_p, penalties, logit_bias, grammar
     offset: int = 0  # the index of the answer's first token this job samples (a resumed answer's is > 0)
     logprobs: int = -1  # -1: none; k >= 0: each token's log probability and its k most likely alternatives
 

@@ -12,10 +12,11 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.errors import ApiError
+from runtime import grammar
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
@@ -35,12 +36,15 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted
     named: bool = True  # the request set max_tokens itself (else the answer may stop at the context's end)
     logprobs: int = -1  # -1: none; k >= 0: each token's log probability and its k most likely alternatives
+    grammar: str = ""  # llguidance's grammar the answer is held to (runtime/grammar.py); "": none
 
     def sampling(self) -> dict:
-        """What every rank needs to sample alike (it travels with the request through the lockstep)."""
+        """What every rank needs to sample alike (it travels with the request through the lockstep; each rank
+        compiles the grammar itself)."""
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "repetition_penalty": self.repetition_penalty, "logit_bias": [list(b) for b in self.logit_bias]}
+                "repetition_penalty": self.repetition_penalty, "logit_bias": [list(b) for b in self.logit_bias],
+                "grammar": self.grammar or None}
 
 
 @dataclass(frozen=True)
@@ -287,9 +291,9 @@ def _history_calls(calls: Any, where: str) -> list[dict]:
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-def _tools(body: dict) -> tuple[dict, ...]:
-    """The request's functions, unless `tool_choice` is "none". "required" or a named function would need
-    decoding constrained to a call, which this server does not do: a 400 that says so."""
+def _tools(body: dict) -> tuple[tuple[dict, ...], str]:
+    """The request's functions (none when `tool_choice` is "none"), and the grammar of the calls it forces
+    ("required": one or more, a named function: one call to it; "" when it forces none)."""
     tools = body.get("tools") or []
     if not isinstance(tools, list):
         raise _bad("tools", "'tools' must be a list of {\"type\": \"function\", \"function\": {...}}")
@@ -307,16 +311,19 @@ def _tools(body: dict) -> tuple[dict, ...]:
     if choice == "none" or not tools:
         if choice not in ("none", "auto", None):
             raise _bad("tool_choice", "'tool_choice' names a function, but the request has no 'tools'")
-        return ()
+        return (), ""
     if choice == "auto":
-        return tuple(tools)
+        return tuple(tools), ""
     if choice == "required" or isinstance(choice, dict):
         named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
         if isinstance(choice, dict) and named not in names:
             raise _bad("tool_choice", f"'tool_choice' names {named!r}, which is not among 'tools' ({', '.join(names)})")
-        raise ApiError(400, "'tool_choice' that forces a call (\"required\" or a named function) needs decoding "
-                            "constrained to a call, which this server does not do; use \"auto\"",
-                       param="tool_choice", code="unsupported_parameter")
+        forced = [t for t in tools if named in (None, t["function"]["name"])]
+        try:
+            return tuple(tools), grammar.tool_call_grammar(forced, several=named is None)
+        except grammar.GrammarError as e:
+            raise ApiError(400, f"'tool_choice' forces a call, but {e}; use \"auto\", or check each function's "
+                                "'parameters'", param="tool_choice", code="unsupported_parameter")
     raise _bad("tool_choice", f"'tool_choice' must be \"none\", \"auto\", \"required\" or "
                               f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}")
 
@@ -353,6 +360,37 @@ def tool_call_body(call: dict, index: int | None = None) -> dict:
     return out if index is None else {"index": index, **out}
 
 
+JSON_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _response_format(body: dict) -> str:
+    """The grammar `response_format` holds the answer to: any JSON object ("json_object"), a document valid
+    against a schema ("json_schema", held to it whether `strict` or not); "" for "text"."""
+    fmt = body.get("response_format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return ""
+    if kind == "json_object":
+        return grammar.json_grammar({"type": "object"})
+    if kind != "json_schema":
+        raise _bad("response_format", "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} "
+                                      "or {\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": "
+                                      f"{{...}}}}}}, got {fmt!r}")
+    spec = fmt.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not JSON_SCHEMA_NAME.match(spec["name"]):
+        raise _bad(where, f"'{where}' must be an object with a 'name' of letters, digits, '_' or '-' (at most 64) "
+                          "and a 'schema'")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise _bad(f"{where}.schema", f"'{where}.schema' must be a JSON Schema object, got {schema!r}")
+    try:
+        return grammar.json_grammar(schema)
+    except grammar.GrammarError as e:
+        raise ApiError(400, f"'{where}.schema' cannot hold an answer: {e}. Leave that part out or rewrite it",
+                       param=f"{where}.schema", code="invalid_value")
+
+
 def _internal(body: dict, internal: bool) -> tuple[bool, Resume | None]:
     """The proxy's `meshd` object: `{"ids": true}` asks for the token ids of each streamed chunk,
     `{"resume": {ids, chars, id, created, seed}}` continues an answer."""
@@ -375,7 +413,7 @@ def _internal(body: dict, internal: bool) -> tuple[bool, Resume | None]:
 HONOURED = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
             "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty", "meshd"}
 HONOURED_BY = {"chat": HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                   "chat_template_kwargs", "tools", "tool_choice"},
+                                   "chat_template_kwargs", "tools", "tool_choice", "response_format"},
                "text": HONOURED | {"prompt", "logprobs"}}
 HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
             "safety_identifier"}
@@ -432,6 +470,10 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False) 
         logprobs=_logprobs(kind, body),
     )
     report_ids, resume = _internal(body, internal)
+    tools, forced = _tools(body) if kind == "chat" else ((), "")
+    if kind == "chat":  # a forced call wins over the answer's format: its turn is the call
+        answer_format = _response_format(body)
+        params = replace(params, grammar=forced or answer_format)
     common = dict(
         kind=kind,
         model=limits.model_name,
@@ -442,7 +484,7 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False) 
         resume=resume,
     )
     if kind == "chat":
-        return CompletionRequest(messages=_messages(body), template_kwargs=_template_kwargs(body), tools=_tools(body),
+        return CompletionRequest(messages=_messages(body), template_kwargs=_template_kwargs(body), tools=tools,
                                  **common)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

@@ -128,7 +128,7 @@ def test_text_stream_chunks_differ_from_the_schema_only_by_a_null_finish_reason(
     validate(oa.models_body("demo", 1), "ListModelsResponse")
 
 
-@pytest.mark.parametrize("field,value", [("response_format", {"type": "json_object"}), ("logprobs", 3),
+@pytest.mark.parametrize("field,value", [("logprobs", 3),
                                          ("functions", []), ("reasoning_effort", "high"), ("frobnicate", 1),
                                          ("meshd", {"ids": True})])
 def test_a_field_this_server_does_not_honour_is_refused_by_name_never_dropped(field, value):
@@ -191,7 +191,6 @@ WEATHER = {"type": "function", "function": {"name": "get_weather",
 @pytest.mark.parametrize("fields,param,says", [
     ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0]", "letters, digits"),
     ({"tools": "get_weather"}, "tools", "must be a list"),
-    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "constrained to a call"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
      "not among 'tools'"),
     ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice", "no 'tools'"),
@@ -216,6 +215,45 @@ def test_tools_reach_the_request_and_a_history_of_calls_reaches_the_template_as_
     assert req.messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert req.messages[1]["content"] == "" and req.messages[2]["tool_call_id"] == "c1"
     assert oa.parse_request("chat", {"messages": MSG, "tools": [WEATHER], "tool_choice": "none"}, LIMITS).tools == ()
+
+
+STRICT = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}, "required": ["kind"],
+          "additionalProperties": False}
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": STRICT, "strict": True}}},
+    {"tools": [WEATHER], "tool_choice": "required"},
+    {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+], ids=["json_object", "json_schema", "required call", "named call"])
+def test_structured_output_travels_as_a_grammar_in_the_sampling_settings(fields):
+    req = oa.parse_request("chat", {"messages": MSG, **fields}, LIMITS)
+    assert req.params.grammar and req.params.sampling()["grammar"] == req.params.grammar
+    assert oa.parse_request("chat", {"messages": MSG}, LIMITS).params.sampling()["grammar"] is None
+
+
+@pytest.mark.parametrize("fields,param,says", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "if": {}}}}},
+     "response_format.json_schema.schema", '"if"'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/nope"}}}},
+     "response_format.json_schema.schema", "nope"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": STRICT}}}, "response_format.json_schema",
+     "'name'"),
+    ({"response_format": {"type": "yaml"}}, "response_format", '"json_object"'),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "if": {}}}}],
+      "tool_choice": "required"}, "tool_choice", '"if"'),
+])
+def test_structured_output_that_cannot_be_held_is_a_400_naming_the_part(fields, param, says):
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_request("chat", {"messages": MSG, **fields}, LIMITS)
+    assert (e.value.status, e.value.param) == (400, param) and says in e.value.message, e.value.message
+
+
+def test_completions_take_no_response_format():
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_request("text", {"prompt": "a", "response_format": {"type": "json_object"}}, LIMITS)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "response_format", "unsupported_parameter")
 
 
 @pytest.mark.parametrize("text,begin,spans,open_at", [

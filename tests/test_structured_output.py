@@ -1,0 +1,163 @@
+"""Structured output on the demo mesh of two ranks (ring backend, loopback), through its proxy: answers held
+to a JSON schema, to any JSON object and to a forced tool call parse and validate, though the demo model's
+own answers (random weights) are far from JSON; greedy answers are those of one process; four at once
+each hold; a rank killed mid-answer leaves a stream that resumes into a valid document. One mesh for all."""
+
+import json
+import os
+import signal
+import threading
+from typing import Literal
+
+import jsonschema
+import pytest
+import requests
+from mlx_lm import load
+from openai import OpenAI
+from pydantic import BaseModel, Field
+
+from kit.meshctl import Demo, demo_home, demo_meshctl
+from kit.openai import sse_events
+from runtime import grammar, openai_api as oa
+from runtime.engine import BatchEngine
+from runtime.jobs import Job
+
+ASK = [{"role": "user", "content": "hi"}]
+ORDER = {"type": "object", "additionalProperties": False, "required": ["customer", "items", "rush"], "properties": {
+    "customer": {"type": "object", "additionalProperties": False, "required": ["name", "tier"],
+                 "properties": {"name": {"type": "string", "maxLength": 10}, "tier": {"enum": ["gold", "silver"]}}},
+    "items": {"type": "array", "minItems": 1, "maxItems": 5, "items": {
+        "type": "object", "additionalProperties": False, "required": ["sku", "qty"],
+        "properties": {"sku": {"enum": ["a1", "b2", "c3"]}, "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}},
+    "rush": {"type": "boolean"}}}
+ROWS = {"type": "object", "additionalProperties": False, "required": ["rows"], "properties": {"rows": {
+    "type": "array", "minItems": 20, "maxItems": 20, "items": {
+        "type": "object", "additionalProperties": False, "required": ["k", "n"],
+        "properties": {"k": {"enum": ["up", "down", "left"]},
+                       "n": {"type": "integer", "minimum": 0, "maximum": 999}}}}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"],
+    "properties": {"city": {"enum": ["Oslo", "Lima", "Pune"]},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+# A seed whose sampled object ends: "any JSON object" lets the demo model write a key until its tokens run out.
+OBJECT_SEED = 2
+
+
+def schema_format(name: str, schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=12)
+    kind: Literal["cat", "dog", "fox"]
+    age: int = Field(ge=0, le=30)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    home = demo_home(tmp_path_factory, "meshd-home")
+    demo_meshctl(home, "up", "--nodes", "2")
+    yield Demo(home)
+    demo_meshctl(home, "down", "--force", check=False)
+
+
+@pytest.fixture(scope="module")
+def client(demo):
+    return OpenAI(base_url=demo.proxy, api_key="unused", max_retries=0, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def one_process(demo):
+    """The answer of one process (world 1, the runtime's batch engine) to a chat body, as its text."""
+    model, tokenizer = load(str(demo.home / "demo" / "model"))
+    grammar.serve(tokenizer)
+    limits = oa.Limits("demo", 0, 4096)
+
+    def answer(body: dict) -> str:
+        req = oa.parse_request("chat", body, limits, internal=True)
+        prompt = tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True,
+                                               tools=list(req.tools) or None)
+        engine, tokens = BatchEngine(model, set(tokenizer.eos_token_ids)), []
+        engine.insert(Job("r", tuple(prompt), req.params.max_tokens, req.params.seed or 0, req.params.sampling()))
+        while engine.busy:
+            tokens += [e.token for e in engine.step() if e.token not in tokenizer.eos_token_ids]
+        return tokenizer.decode(tokens)
+    return answer
+
+
+def not_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return True
+    return False
+
+
+def test_each_format_holds_the_answer_and_greedy_equals_one_process(demo, client, one_process):
+    free = client.chat.completions.create(model="demo", messages=ASK, max_tokens=60).choices[0].message.content
+    assert not_json(free), free  # what the demo model says unheld
+
+    parsed = client.chat.completions.parse(model="demo", messages=ASK, response_format=Pet, max_tokens=200)
+    pet = parsed.choices[0].message
+    assert isinstance(pet.parsed, Pet) and parsed.choices[0].finish_reason == "stop", pet
+    fmt = schema_format("Pet", Pet.model_json_schema() | {"additionalProperties": False})
+    assert one_process({"messages": ASK, "max_tokens": 200, "response_format": fmt}) == pet.content
+
+    order = client.chat.completions.create(model="demo", messages=ASK, max_tokens=300,
+                                           response_format=schema_format("order", ORDER)).choices[0].message.content
+    jsonschema.validate(json.loads(order), ORDER)
+    assert one_process({"messages": ASK, "max_tokens": 300, "response_format": schema_format("order", ORDER)}) == order
+
+    sampled = {"messages": ASK, "max_tokens": 300, "temperature": 1.0, "seed": OBJECT_SEED}
+    assert not_json(client.chat.completions.create(model="demo", **sampled).choices[0].message.content)
+    obj = client.chat.completions.create(model="demo", **sampled, response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    assert one_process({**sampled, "response_format": {"type": "json_object"}}) == obj.choices[0].message.content
+
+    ask = {"messages": [{"role": "user", "content": "weather?"}], "max_tokens": 100, "tools": [WEATHER]}
+    call = client.chat.completions.create(model="demo", **ask, tool_choice="required").choices[0]
+    assert call.finish_reason == "tool_calls" and call.message.tool_calls[0].function.name == "get_weather"
+    arguments = json.loads(call.message.tool_calls[0].function.arguments)
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    said = one_process({**ask, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert json.loads(said.split("<tool_call>\n")[1].split("\n</tool_call>")[0]) == \
+        {"name": "get_weather", "arguments": arguments}
+
+
+def test_four_answers_at_once_each_hold_to_their_own_schema(client):
+    formats = [schema_format("order", ORDER), schema_format("rows", ROWS), {"type": "json_object"},
+               schema_format("order", ORDER)]
+    answers: dict[int, object] = {}
+
+    def ask(i: int) -> None:
+        r = client.chat.completions.create(model="demo", messages=ASK, max_tokens=600, temperature=1.0,
+                                           seed=OBJECT_SEED if i == 2 else 10 + i, response_format=formats[i])
+        answers[i] = r.choices[0]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, choice in sorted(answers.items()):
+        document = json.loads(choice.message.content)
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(document, formats[i]["json_schema"]["schema"] if i != 2 else {"type": "object"})
+    assert len(answers) == 4
+
+
+def test_a_rank_killed_mid_answer_resumes_it_into_a_valid_document(demo):
+    g = demo.wait_ready()["generation"]
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 600, "temperature": 1.0, "seed": 4,
+            "stream": True, "response_format": schema_format("rows", ROWS)}
+    r = requests.post(f"{demo.proxy}/chat/completions", json=body, stream=True, timeout=300)
+    lines = r.iter_lines(decode_unicode=True)
+    data = (line for line in lines if line.startswith("data: "))
+    first = [json.loads(next(data)[6:]) for _ in range(8)]
+    os.kill(demo.rank_pid(1), signal.SIGKILL)
+    rest = sse_events(lines)
+    assert rest[-1] == "[DONE]" and not [e for e in rest if "error" in e], rest[-3:]
+    text = "".join(c["delta"].get("content") or "" for e in first + rest[:-1] for c in e["choices"])
+    jsonschema.validate(json.loads(text), ROWS)
+    assert rest[-2]["choices"][0]["finish_reason"] == "stop"
+    assert demo.wait_ready(after=g)["generation"] == g + 1
