@@ -42,7 +42,8 @@ class Serving:
     reason: str  # why it is not serving, when it is not
     rank0_url: str
     rank0_secret: str = field(default="", repr=False)  # this generation's; rank 0 answers nothing without it
-    finishing: bool = False  # the generation it names ends on purpose and its requests finish on it: cut none
+    planned: str = ""  # the generation it names ends on purpose: "drain" (its requests finish on it, cut
+    #                    none) or "cut" (resume them on the next); "" when it died, or does not end
 
     @property
     def ready(self) -> bool:
@@ -58,7 +59,7 @@ class Serving:
     @classmethod
     def from_wire(cls, d: dict) -> "Serving":
         return cls(Phase(d["phase"]), int(d["generation"]), str(d["reason"]), str(d["rank0_url"]),
-                   str(d.get("rank0_secret", "")), bool(d.get("finishing", False)))
+                   str(d.get("rank0_secret", "")), str(d.get("planned", "")))
 
 
 @dataclass(frozen=True)

@@ -470,21 +470,21 @@ def test_the_wait_for_idle_counts_from_when_the_generation_was_due_and_starts_ag
     assert (s.generation, s.phase, s.due_since) == (2, "ready", None)
 
 
-@pytest.mark.parametrize("planned_restart, finishing", [("drain", True), ("cut", False)])
-def test_a_planned_restart_lets_its_requests_finish_only_when_it_drains(planned_restart, finishing):
+@pytest.mark.parametrize("planned_restart", ["drain", "cut"])
+def test_a_planned_restart_says_how_it_ends_until_the_next_generation_starts(planned_restart):
     policy = f.Policy(nodes=NODES, drain_grace=20.0, planned_restart=planned_restart,
                       recycle=f.Recycle(after=100.0, idle_for=10.0))
     for ending in ([(20, f.RestartRequested())], [busy(100), busy(105, state="ready"), (116, f.Tick())]):
         s, a = run(ready_at() + ending, policy)
-        assert (s.phase, s.finishing) == ("recovering", finishing)
+        assert (s.phase, s.planned) == ("recovering", planned_restart)
         assert f.StopGeneration(1, "drain", 20.0) in a, "either way the generation drains (cut: nothing is left)"
         s, _ = run([(30 + ending[-1][0], f.GenerationStopped(1))], policy, s)
-        assert (s.phase, s.generation, s.finishing) == ("starting", 2, False)
+        assert (s.phase, s.generation, s.planned) == ("starting", 2, "")
 
 
-def test_a_death_is_never_finishing():
+def test_a_death_is_never_planned():
     s, _ = run(ready_at() + [death(1, 20)], f.Policy(nodes=NODES, planned_restart="drain"))
-    assert (s.phase, s.finishing) == ("recovering", False)
+    assert (s.phase, s.planned) == ("recovering", "")
 
 
 def test_recycling_is_off_by_default():

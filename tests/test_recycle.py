@@ -3,8 +3,12 @@ not drained while streams are in flight; once the mesh is idle it is, and the
 next generation serves the request that waited for it. It is a planned incident
 in `meshctl events` and meshd_recycles_total, never a failure. `meshctl restart`
 under 4 streaming clients takes the same path onto the agents' standby ranks and
-costs no client an error or a refusal. And the [recycle] keys that `meshctl
-config check` refuses, each named."""
+costs no client an error or a refusal: each stream in flight finishes on the
+generation it began on (planned_restart "drain", the default). With "cut", a
+mesh kept busy by clients streaming back to back is recycled once it waited
+idle_deadline, and like `meshctl restart` it cuts the streams, which resume on
+the next generation, each answer equal to the one no restart cut. And the keys
+that `meshctl config check` refuses, each named."""
 
 import json
 import threading
@@ -42,16 +46,26 @@ def samples(url: str, name: str) -> list:
 
 
 def streams_until(proxy: str, body: dict, until, out: list) -> None:
-    """Streamed answers back to back until `until()`; each one's status, events and end into `out`."""
+    """Streamed answers back to back until `until()`; into `out` each one's status, events, the generation
+    it began on, where it resumed (the proxy's comments), when it began and ended."""
     while not until():
+        began = time.time()
         r = requests.post(f"{proxy}/chat/completions", json={**body, "stream": True}, stream=True, timeout=300)
-        out.append({"status": r.status_code, "events": sse_events(r.iter_lines(decode_unicode=True)),
-                    "ended": time.time()})
+        lines = list(r.iter_lines(decode_unicode=True))
+        out.append({"status": r.status_code, "events": sse_events(lines), "began": began, "ended": time.time(),
+                    "generation": int(r.headers.get("X-Meshd-Generation", -1)),
+                    "resumed": [line for line in lines if line.startswith(": resuming on mesh ")]})
+
+
+def text(answer: dict) -> str:
+    return "".join(c["delta"].get("content") or "" for e in answer["events"] if isinstance(e, dict)
+                   for c in e.get("choices", []))
 
 
 @pytest.fixture(scope="module")
 def meshes(tmp_path_factory, demo_model):
-    with mesh_up(tmp_path_factory.mktemp("recycle"), demo_model, agent={"standby": True}, recycle={"after": AFTER, "idle_for": IDLE_FOR},
+    with mesh_up(tmp_path_factory.mktemp("recycle"), demo_model, agent={"standby": True},
+                 recycle={"after": AFTER, "idle_for": IDLE_FOR}, recovery={"drain_grace": 60.0},
                  runtime={"args": {"model_name": "demo", "max_tokens_limit": 4096}}) as (config, agents):
         yield config, agents
 
@@ -127,16 +141,70 @@ def test_meshctl_restart_under_streaming_clients_is_planned_warm_and_costs_no_an
     done.set()
     for c in clients:
         c.join(timeout=300)
-    assert_whole([a for out in answers for a in out])
+    answers = [a for out in answers for a in out]
+    assert_whole(answers)
+    assert len({text(a) for a in answers}) == 1
 
     assert status(mesh)["failures_in_window"] == 0
     planned = next(i for i in recycles(mesh) if i["generation"] == before)
     assert planned["steps"] == ["recycle"] and "meshctl restart" in planned["detail"] and planned["serving_back_at"]
+    in_flight = [a for a in answers if a["began"] < planned["opened_at"] < a["ended"]]
+    assert in_flight and all((a["generation"], a["resumed"]) == (before, []) for a in in_flight), \
+        "each stream in flight at the restart finished on the generation it began on, none cut"
+    assert planned["migrated"] == 0
     assert {s.labels["reason"] for s in samples(where["metrics"], "meshd_recycles_total")} >= {"restart"}
     assert samples(where["metrics"], "meshd_restarts_total") == [], "a restart is no failure"
     for a in agents:
         assert [e["warm"] for e in a.events() if e["kind"] == "RankStarted" and e["generation"] == before + 1] \
             == [True], "the next generation's ranks are the standbys"
+
+
+CUT_AFTER, IDLE_DEADLINE = 15.0, 3.0
+
+
+@pytest.fixture(scope="module")
+def cut_mesh(tmp_path_factory, demo_model):
+    with mesh_up(tmp_path_factory.mktemp("cut"), demo_model, agent={"standby": True},
+                 recovery={"planned_restart": "cut"},
+                 recycle={"after": CUT_AFTER, "idle_for": 600, "idle_deadline": IDLE_DEADLINE},
+                 runtime={"args": {"model_name": "demo", "max_tokens_limit": 4096}}) as (config, _):
+        yield config
+
+
+def test_cut_a_busy_generation_is_recycled_past_idle_deadline_and_restarts_resume_every_answer_equal(cut_mesh,
+                                                                                                      demo_model):
+    where = urls(load(cut_mesh))
+    body = {"messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 48,
+            "temperature": 0, **endless(demo_model)}
+    uncut = []
+    streams_until(where["proxy"], body, lambda: uncut, uncut)
+    answers = [[] for _ in range(3)]
+    done = threading.Event()
+    clients = [threading.Thread(target=streams_until, args=(where["proxy"], body, done.is_set, out))
+               for out in answers]
+    for c in clients:
+        c.start()
+    busy = wait_for(lambda: recycles(cut_mesh), 120, "a recycle of the busy generation", interval=0.2)[0]
+    wait_for(lambda: status(cut_mesh)["phase"] == "ready", 120, "the next generation", interval=0.2)
+    restart = meshctl(cut_mesh, "restart", "--wait")
+    assert restart.returncode == 0, restart.stdout + restart.stderr
+    served = [len(out) for out in answers]
+    wait_for(lambda: all(len(out) >= n + 2 for out, n in zip(answers, served)), 120, "answers of the next generation")
+    done.set()
+    for c in clients:
+        c.join(timeout=300)
+    answers = [a for out in answers for a in out]
+    assert_whole(uncut + answers)
+    assert {text(a) for a in answers} == {text(uncut[0])}, "every answer, cut and resumed or not, the uncut one"
+
+    assert busy["generation"] == uncut[0]["generation"]
+    assert any(a["began"] < busy["opened_at"] < a["ended"] for a in answers), "recycled while streams ran"
+    assert f"recycle.idle_deadline {IDLE_DEADLINE:g}s" in busy["detail"], "recycled under load, not once idle"
+    planned = [i for i in recycles(cut_mesh) if i["generation"] <= busy["generation"] + 1]
+    assert len(planned) == 2 and "meshctl restart" in planned[1]["detail"]
+    assert all(i["migrated"] >= 1 for i in planned), "each restart cut streams that resumed on the next generation"
+    assert sum(bool(a["resumed"]) for a in answers) >= 2
+    assert status(cut_mesh)["failures_in_window"] == 0
 
 
 @pytest.mark.parametrize("profile, sections, named", [

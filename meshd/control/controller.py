@@ -345,7 +345,7 @@ class Controller:
     def serving(self) -> Serving:
         s = self.state
         return Serving(s.phase, s.generation, s.reason, self.cfg.rank0_url, self.rank_secret(s.generation),
-                       s.finishing)
+                       s.planned)
 
     async def wait_serving(self, predicate: Callable[[Serving], bool], timeout: float) -> Serving:
         return await wait_until(self.changed, self.serving, predicate, timeout)

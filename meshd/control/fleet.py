@@ -50,8 +50,8 @@ rank 0's steps or the daily window, with no rank busy for `idle_for` (or still
 busy `idle_deadline` after it was due), ends and the next one starts; `meshctl
 restart` does the same at once. Its incident (cause "recycle") is planned: no
 failure, no ladder step, no backoff. How it ends is `planned_restart`: "drain"
-lets its requests finish on it (`finishing`: the proxy cuts none of them), "cut"
-has the proxy resume them on the next generation at once.
+lets its requests finish on it (the proxy cuts none of them), "cut" has the
+proxy resume them on the next generation at once (`planned` says which).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class FleetState:
     closing: Incident | None = None  # closed at ready, waiting for its first served request
     steps: int = 0  # rank 0's lockstep steps in this generation, as last counted
     numbered_to: int = 0  # the highest generation number the agents have used, whichever controller's
-    finishing: bool = False  # a planned drain: the ending generation's requests finish on it, none is cut
+    planned: str = ""  # the generation ends on purpose: its planned_restart ("drain", "cut"); "" otherwise
     due_since: float | None = None  # since when the serving generation is due a recycle, waiting for idle
 
 
@@ -319,7 +319,7 @@ def _start_next(state: FleetState, now: float, policy: Policy) -> Result:
     g = max(state.generation, state.numbered_to) + 1
     new = replace(state, phase=Phase.STARTING, generation=g, backoff_until=None, started_at=now,
                   ranks=tuple(RankView(n) for n in policy.nodes), reason="", restart_requested=False, steps=0,
-                  finishing=False, due_since=None)
+                  planned="", due_since=None)
     new, actions = _mark(new, "started", now)
     return new, [StartGeneration(g), NoteGeneration(g, "started"), *actions]
 
@@ -493,7 +493,7 @@ def _end_on_purpose(state: FleetState, policy: Policy, why: str) -> Result:
     """Drain the generation, then start the next one, counting no failure. Its requests in flight finish on it
     (planned_restart "drain"), or the proxy resumes them on the next at once ("cut": the drain finds none)."""
     return (replace(state, phase=Phase.RECOVERING, ready_since=None, idle_since=None, backoff_until=None, reason=why,
-                    restart_requested=True, finishing=policy.planned_restart == "drain", due_since=None),
+                    restart_requested=True, planned=policy.planned_restart, due_since=None),
             [StopGeneration(state.generation, StopMode.DRAIN, policy.drain_grace),
              NoteGeneration(state.generation, "ended", why)])
 

@@ -105,8 +105,10 @@ class Gate(Protocol):
     async def report(self, observation: Observation) -> None:
         """Tell the fleet what this exchange saw."""
 
-    async def lost(self, rank0: Rank0) -> None:
-        """Return once rank 0's mesh says its generation died (it recovers from it, or failed)."""
+    async def lost(self, rank0: Rank0) -> str:
+        """Return once rank 0's mesh says its generation died (it recovers from it, or failed) or ends on
+        purpose with its streams cut: "cut" for that (no evidence against it), "" for a death. A generation
+        that ends on purpose and lets its requests finish ("drain") is never lost."""
 
     async def served(self, generation: int) -> None:
         """The last attempt's generation answered the request."""
@@ -264,10 +266,14 @@ class Exchange:
     @contextlib.asynccontextmanager
     async def _attempt(self, rank0: Rank0, body: dict):
         """rank 0's answer to `body`, cut (its next read raises UpstreamFailed) once its mesh says the
-        generation died: a rank 0 whose peer died may wait out the stop ladder before its stream breaks."""
+        generation died (a rank 0 whose peer died may wait out the stop ladder before its stream breaks), or
+        that it ends on purpose with its streams cut."""
         async def cut_when_lost() -> None:
-            await self.gate.lost(rank0)
-            r.set_exception(UpstreamFailed(f"mesh {rank0.mesh} says generation {rank0.generation} died"))
+            if await self.gate.lost(rank0) == "cut":
+                r.set_exception(UpstreamFailed(f"mesh {rank0.mesh} restarts generation {rank0.generation} on purpose "
+                                               "(recovery.planned_restart = \"cut\")", evidence=False))
+            else:
+                r.set_exception(UpstreamFailed(f"mesh {rank0.mesh} says generation {rank0.generation} died"))
 
         async with rank0.post(self.request.path, body) as r:
             watch = asyncio.ensure_future(cut_when_lost())

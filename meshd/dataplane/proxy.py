@@ -61,7 +61,7 @@ def prompt_chars(req: oa.CompletionRequest) -> int:
 
 
 GONE = (Phase.FAILED, Phase.STOPPED, Phase.DRAINING)  # phases no generation comes back from by waiting
-DIED = (Phase.RECOVERING, Phase.FAILED)  # of the generation it names: it died, unless it is `finishing` on purpose
+DIED = (Phase.RECOVERING, Phase.FAILED)  # of the generation it names: it died, or ends on purpose
 
 
 class MeshLink:
@@ -417,13 +417,14 @@ class Routed:
     async def report(self, observation: Observation) -> None:
         await self.link.fleet.report(observation)
 
-    async def lost(self, rank0: Rank0) -> None:
+    async def lost(self, rank0: Rank0) -> str:
         fleet = self.proxy.links[rank0.mesh].fleet
 
         def died(s: Serving) -> bool:  # a newer generation alone says nothing: a recycle may overlap a drain
-            return s.generation == rank0.generation and s.phase in DIED and not s.finishing
-        while not died(await fleet.wait_serving(died, 3600.0)):
+            return s.generation == rank0.generation and s.phase in DIED and s.planned != "drain"
+        while not died(seen := await fleet.wait_serving(died, 3600.0)):
             pass
+        return seen.planned
 
     async def served(self, generation: int) -> None:
         """Tell the mesh's controller once per generation that it answers requests (its incident's last
