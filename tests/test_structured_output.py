@@ -10,15 +10,20 @@ import threading
 from typing import Literal
 
 import jsonschema
+import mlx_lm.utils
 import pytest
 import requests
 from mlx_lm import load
+from mlx_lm.utils import load_tokenizer
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
 from kit.meshctl import Demo, demo_home, demo_meshctl
 from kit.openai import sse_events
+import runtime.overlays.demo_mtp  # noqa: F401  (registers the demo model with an MTP head)
 from runtime import grammar, openai_api as oa
+from runtime.demo_model import DemoModelSpec, build_demo_model
+from runtime.drafting import MTPEngine
 from runtime.engine import BatchEngine
 from runtime.jobs import Job
 
@@ -66,23 +71,24 @@ def client(demo):
     return OpenAI(base_url=demo.proxy, api_key="unused", max_retries=0, timeout=180)
 
 
+def tokens_of(engine, tokenizer, body: dict) -> list[int]:
+    """The answer's tokens from one process's engine (world 1), the chat body parsed as rank 0 parses it."""
+    req = oa.parse_request("chat", body, oa.Limits("demo", 0, 4096), internal=True)
+    prompt = tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True,
+                                           tools=list(req.tools) or None)
+    engine.insert(Job("r", tuple(prompt), req.params.max_tokens, req.params.seed or 0, req.params.sampling()))
+    tokens = []
+    while engine.busy:
+        tokens += [e.token for e in engine.step() if e.token not in tokenizer.eos_token_ids]
+    return tokens
+
+
 @pytest.fixture(scope="module")
 def one_process(demo):
-    """The answer of one process (world 1, the runtime's batch engine) to a chat body, as its text."""
+    """The answer of one process (the runtime's batch engine) to a chat body, as its text."""
     model, tokenizer = load(str(demo.home / "demo" / "model"))
     grammar.serve(tokenizer)
-    limits = oa.Limits("demo", 0, 4096)
-
-    def answer(body: dict) -> str:
-        req = oa.parse_request("chat", body, limits, internal=True)
-        prompt = tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True,
-                                               tools=list(req.tools) or None)
-        engine, tokens = BatchEngine(model, set(tokenizer.eos_token_ids)), []
-        engine.insert(Job("r", tuple(prompt), req.params.max_tokens, req.params.seed or 0, req.params.sampling()))
-        while engine.busy:
-            tokens += [e.token for e in engine.step() if e.token not in tokenizer.eos_token_ids]
-        return tokenizer.decode(tokens)
-    return answer
+    return lambda body: tokenizer.decode(tokens_of(BatchEngine(model, set(tokenizer.eos_token_ids)), tokenizer, body))
 
 
 def not_json(text: str) -> bool:
@@ -122,6 +128,20 @@ def test_each_format_holds_the_answer_and_greedy_equals_one_process(demo, client
     said = one_process({**ask, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     assert json.loads(said.split("<tool_call>\n")[1].split("\n</tool_call>")[0]) == \
         {"name": "get_weather", "arguments": arguments}
+
+
+def test_mtp_drafts_keep_only_what_the_grammar_allows_and_the_answer_is_the_plain_one(tmp_path):
+    path = build_demo_model(tmp_path / "mtp", DemoModelSpec(mtp=True, mtp_train_steps=30))
+    model, tokenizer = mlx_lm.utils.load_model(path)[0], load_tokenizer(path)
+    grammar.serve(tokenizer)
+    eos = set(tokenizer.eos_token_ids)
+    for sampling in ({}, {"temperature": 1.0, "seed": 3}):
+        body = {"messages": ASK, "max_tokens": 300, "response_format": schema_format("order", ORDER), **sampling}
+        drafter = MTPEngine(model, eos, num_draft_tokens=2)
+        drafted = tokens_of(drafter, tokenizer, body)
+        assert drafted == tokens_of(BatchEngine(model, eos), tokenizer, body)
+        jsonschema.validate(json.loads(tokenizer.decode(drafted)), ORDER)
+        assert drafter.stats()["draft_proposed"] > 0
 
 
 def test_four_answers_at_once_each_hold_to_their_own_schema(client):
