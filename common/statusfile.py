@@ -43,9 +43,12 @@ class RankStatus:
     tape_misses: int = 0  # prompts no tape shared a prefix with
     tape_not_reusable: int = 0  # prompts that shared one with a tape whose cache could not be cut back to it
     snapshots_written: int = 0  # prefix snapshot segments this rank wrote (runtime/snapshot.py)
-    snapshots_restored: int = 0  # tapes restored from them at load
+    snapshots_restored: int = 0  # tapes restored from them
     snapshots_skipped: dict = field(default_factory=dict)  # by reason: missing, truncated, corrupt, foreign, ...
     snapshot_bytes: int = 0  # what its snapshot directory holds
+    snapshots_pending: int = 0  # segments staged or queued for the writer, not yet on the disk
+    snapshot_pending_bytes: int = 0  # their bytes
+    snapshot_restores_pending: int = 0  # tapes of the last generation still being restored while it serves
     progress_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     started_at: float = field(default_factory=time.time)

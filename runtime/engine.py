@@ -5,6 +5,8 @@ given `snapshots` (runtime/snapshot.py). A request alone runs in `SoloDecode`
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
@@ -12,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from runtime import dspark
 from runtime.jobs import Emission, Job, emission, finish_reason
 from runtime.sampling import greedy, processors_for, sampler_for
+from runtime.restore import Rates
 from runtime.snapshot import Snapshots
 from runtime.tape import TokenTape
 
@@ -39,6 +42,7 @@ class SoloDecode:
         self.fed = list(job.prompt[:cached])  # the tokens whose keys and values the cache holds
         self.todo = list(job.prompt[cached:])
         self.emitted = 0
+        self.prefill_s, self.prefilled = 0.0, 0  # time spent prefilling the prompt in chunks, and its tokens
         self._next: tuple[mx.array, mx.array] | None = None  # sampled on the device, not yet read back
 
     def _forward(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
@@ -56,12 +60,15 @@ class SoloDecode:
         if len(self.todo) > 1:
             n = dspark.prompt_piece(len(self.fed), len(self.job.prompt), self.job.offset, self._chunk,
                                     self._windows)
+            began = time.perf_counter()
             chunk = mx.array(self.todo[:n], dtype=mx.uint32)
             with mx.stream(generation_stream):
                 self._model(chunk[None], cache=self.cache)
             if self._processors:
                 self._seen = mx.concatenate([self._seen, chunk])
             mx.eval([c.state for c in self.cache])
+            self.prefill_s += time.perf_counter() - began
+            self.prefilled += n
             self.fed += self.todo[:n]
             self.todo = self.todo[n:]
             return None
@@ -103,7 +110,8 @@ class SoloDecode:
 
 class BatchEngine:
     def __init__(self, model, eos_ids: set[int], *, prefill_step_size: int = 512,
-                 completion_batch_size: int = 16, tape_capacity: int = 8, snapshots: Snapshots | None = None):
+                 completion_batch_size: int = 16, tape_capacity: int = 8, snapshots: Snapshots | None = None,
+                 rates: Rates | None = None):
         self._gen = BatchGenerator(
             model,
             stop_tokens=[[t] for t in sorted(eos_ids)],
@@ -125,6 +133,8 @@ class BatchEngine:
         self._logprobs: dict[str, int] = {}  # what each job asked for (Job.logprobs)
         self.tape = TokenTape(tape_capacity)
         self.snapshots = snapshots
+        self.rates = rates  # where the speed of prefills is noted (restores weigh it: runtime/restore.py)
+        self._prefilled = (0, 0.0)  # tokens prefilled by solo jobs and the seconds it took
         # each job's snapshot point: the id and length of what its tape has on disk (a solo job's long
         # prefill once it ends and its answer every `snapshots.every` tokens; a batched job's at its end)
         self._since: dict[str, tuple[str, int]] = {}
@@ -235,9 +245,11 @@ class BatchEngine:
         e = solo.step()
         if self.snapshots:
             self.snapshots.pump()  # what was staged a step ago: on the device before the step just queued
-        if e is None:
-            if len(solo.todo) == 1:  # the prefill ended (all but the last token, which starts the answer)
-                self._snapshot(solo.job.rid, solo.fed, solo.cache, final=False)
+        if e is None:  # a prefill chunk: its tape snapshotted when due, so a death loses one chunk at most
+            self._snapshot(solo.job.rid, solo.fed, solo.cache, final=False)
+            if len(solo.todo) == 1 and self.rates:
+                self._prefilled = (self._prefilled[0] + solo.prefilled, self._prefilled[1] + solo.prefill_s)
+                self.rates.note(prefill_tps=self._prefilled[0] / self._prefilled[1])
             return []
         if e.finish_reason is not None:
             self._finished(solo.job.rid, tuple(solo.fed), solo.cache)

@@ -36,7 +36,8 @@ from runtime.engine import BatchEngine, Job
 from runtime.join import join_mesh
 from runtime.lockstep import Divergence, Lockstep, fold
 from runtime.overlay import OverlayError, check_loaded, checkpoint_tensors, disarm, drafter_off, overlay_for, set_up
-from runtime.snapshot import LEAVES, Identity, Snapshots, leaf_types, restore_agreed, shard_layout, snapshot_kind
+from runtime.restore import RESTORE_FIRST, Rates, Restorer
+from runtime.snapshot import LEAVES, Identity, Snapshots, leaf_types, shard_layout, snapshot_kind
 from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend
 from runtime.status import Heartbeat
@@ -85,7 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds between status file writes while nothing changes state")
     p.add_argument("--snapshots", choices=["on", "off"], default="on",
                    help="prefix snapshots: each rank writes its shard of the token tape's caches to local disk, and "
-                        "the next generation restores the tapes every rank holds whole (runtime/snapshot.py)")
+                        "the next generation restores the tapes every rank holds whole while it serves "
+                        "(runtime/snapshot.py, runtime/restore.py)")
     agent = os.environ.get("MESHD_AGENT")
     p.add_argument("--snapshot-dir", default=os.path.join(agent, "snapshots") if agent else "",
                    help="where this rank's snapshots live (default: snapshots/ in its agent's state_dir, "
@@ -93,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--snapshot-budget-mb", type=int, default=8192,
                    help="disk the snapshots of this rank's directory may take; least recently used tapes go first")
     p.add_argument("--snapshot-every", type=int, default=256,
-                   help="a prefill this long is snapshotted when it ends, an answer in flight every this many tokens")
+                   help="tokens between the snapshots of a tape as it grows (a prefill's chunks, an answer in flight)")
     p.add_argument("--backend", default="any",
                    help="mx.distributed backend (default: $MESHD_BACKEND, which the agent sets from the hostfile)")
     args = p.parse_args(argv)
@@ -156,7 +158,8 @@ class LockstepLoop:
     `on_term` is what SIGTERM means to this rank, run by the loop."""
 
     def __init__(self, engine, lockstep, heartbeat: Heartbeat, frontend=None, idle_interval: float = 0.5,
-                 burst: int = 4, on_term=None, on_warm=None, wake=None, doze=time.sleep):
+                 burst: int = 4, on_term=None, on_warm=None, wake=None, doze=time.sleep,
+                 restorer: Restorer | None = None):
         self.signals = Signals(signal.SIGTERM)
         # Armed until the warm-up generation finished on this rank: its first steps compile kernels, which
         # the agent gives the warm-up window, not a serving rank's.
@@ -181,6 +184,7 @@ class LockstepLoop:
         self.burst = burst
         self.wake = wake  # rank 0: rouse the dozing ranks (runtime.wake)
         self.doze = doze  # the others: sleep until the next exchange or until roused
+        self.restorer = restorer  # snapshots restored while serving
         self._active_at = time.monotonic()
 
     def _apply(self, msg: dict) -> None:
@@ -200,6 +204,8 @@ class LockstepLoop:
         elif op == "cancel":
             if self.inflight.pop(msg["rid"], None) is not None:
                 self.engine.cancel(msg["rid"])
+        elif op == RESTORE_FIRST:
+            self.restorer.first(msg["sid"])
         elif op == "drain":
             self.draining = msg["mode"] if self.draining != "cancel" else "cancel"
             if self.draining == "cancel":
@@ -218,8 +224,11 @@ class LockstepLoop:
             if self.signals.take():
                 self.on_term()
             outbox, idle_next, burst = None, 0.0, 1
+            restoring = self.restorer is not None and bool(self.restorer.pending)
             if self.fe:
                 outbox = self.fe.collect(block=not self.engine.busy, timeout=doze)
+                if restoring or (self.restorer and self.restorer.holding):
+                    outbox = self.restorer.screen(outbox, through=WARMUP)
                 if outbox and doze and self.wake:
                     self.wake()  # the others doze until the exchange this work waits for
                 if outbox or self.engine.busy or self.draining:
@@ -229,13 +238,15 @@ class LockstepLoop:
                     # Short dozes right after activity keep a burst of requests
                     # snappy; a mesh idle for long settles at idle_interval.
                     idle_for = time.monotonic() - self._active_at
-                    idle_next = min(self.idle_interval, max(0.01, idle_for / 4))
+                    idle_next = min(self.idle_interval, max(0.01, idle_for / 4), 0.05 if restoring else 1.0)
             try:
                 msgs, doze, steps = self.lockstep.exchange(outbox, idle_next, burst, self.digest)
             except Divergence as e:
                 raise Divergence(f"{e} at step {self.steps}") from None
             for msg in msgs:
                 self._apply(msg)
+            if restoring and not self.draining:
+                self.restorer.adopt(self.lockstep.gather)
             if self.draining and not self.engine.busy:
                 return
             if not self.engine.busy:
@@ -335,7 +346,8 @@ def main(argv: list[str] | None = None) -> None:
         model = load_sharded(model_path, group, progress, overlay, log)
     except OverlayError as e:
         sys.exit(f"meshd-rank: {e}")
-    log(f"loaded in {time.monotonic() - began:.1f}s from {model_path}")
+    loaded_in = time.monotonic() - began
+    log(f"loaded in {loaded_in:.1f}s from {model_path}")
     hb.update(kernels_hidden=len(dspark.HIDDEN))  # whichever engine runs the model, drafted or not
 
     eos = set(tokenizer.eos_token_ids)
@@ -344,9 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         engine = SpeculativeEngine(model, draft, eos, num_draft_tokens=args.num_draft_tokens or 3,
                                    prefill_step_size=args.prefill_step_size)
     elif args.drafter == "auto" and dspark.stages(model):
-        batch = BatchEngine(model, eos, prefill_step_size=args.prefill_step_size,
-                            completion_batch_size=args.completion_batch_size,
-                            snapshots=open_snapshots(args, model_path, model, rank, world, log))
+        batch = batch_engine(args, model_path, model, eos, rank, world, log)
         drafter = DSparkEngine(model, eos, num_draft_tokens=args.num_draft_tokens or 0,
                                prefill_step_size=args.prefill_step_size, prefixes=batch, log=log)
         engine = DraftWhenAlone(drafter, batch)
@@ -360,14 +370,19 @@ def main(argv: list[str] | None = None) -> None:
         log(f"drafter armed: the model's MTP head, {engine.num_draft_tokens} draft token(s) a step, one request "
             "at a time")
     else:
-        engine = BatchEngine(model, eos, prefill_step_size=args.prefill_step_size,
-                             completion_batch_size=args.completion_batch_size,
-                             snapshots=open_snapshots(args, model_path, model, rank, world, log))
+        engine = batch_engine(args, model_path, model, eos, rank, world, log)
 
     lockstep = Lockstep(group)
     prefixes = engine.batch if isinstance(engine, DraftWhenAlone) else engine
+    restorer = None
     if isinstance(prefixes, BatchEngine):
-        restore(prefixes, lockstep, lambda: make_prompt_cache(model), hb, log)
+        if not prefixes.rates.read_bps:  # nothing measured before: what reading the weights took
+            prefixes.rates.note(read_bps=sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+                                         / max(loaded_in, 1e-3))
+        restorer = Restorer.agree(prefixes.snapshots, lockstep.gather, prefixes.tape,
+                                  lambda: make_prompt_cache(model), prefixes.rates, log, rank)
+        if restorer.pending:
+            log(f"restoring {len(restorer.pending)} tape(s) from snapshots while serving, most recent first")
     wake, doze = rouse(lockstep, secret, args.generation, log)  # the arm barrier too: all are loaded past it
     hb.update(state=RankState.ARMED)
     log("armed")
@@ -376,7 +391,8 @@ def main(argv: list[str] | None = None) -> None:
                         burst=args.burst, on_term=_on_term(frontend, args.drain_wait, log),
                         wake=wake, doze=doze,
                         on_warm=lambda seconds: log(f"warmed up (one token through every rank) in {seconds:.1f}s; "
-                                                    f"{ready}"))
+                                                    f"{ready}"),
+                        restorer=restorer)
     if frontend:
         frontend.warm_up(warmup_prompt(tokenizer))
     try:
@@ -402,6 +418,14 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def batch_engine(args, model_path: Path, model, eos: set[int], rank: int, world: int, log) -> BatchEngine:
+    """The batch engine the args ask for, with this rank's snapshots and where its rates are kept."""
+    snaps = open_snapshots(args, model_path, model, rank, world, log)
+    return BatchEngine(model, eos, prefill_step_size=args.prefill_step_size,
+                       completion_batch_size=args.completion_batch_size, snapshots=snaps,
+                       rates=Rates(snaps.folder / "rates.json" if snaps else None))
+
+
 def open_snapshots(args, model_path: Path, model, rank: int, world: int, log) -> Snapshots | None:
     """This rank's snapshots as the args ask, or None (off, a cache type whose state is not proven to restore
     exactly, a directory it cannot use: each said in the log)."""
@@ -418,20 +442,6 @@ def open_snapshots(args, model_path: Path, model, rank: int, world: int, log) ->
     except OSError as e:
         log(f"snapshots off: {args.snapshot_dir} cannot be used ({e}); check its permissions and free space")
         return None
-
-
-def restore(engine: BatchEngine, lockstep: Lockstep, fresh, hb: Heartbeat, log) -> None:
-    """The tapes every rank restored from its snapshots (each into a `fresh()` cache), into the token tape,
-    before serving."""
-    began = time.monotonic()
-    tapes = restore_agreed(engine.snapshots, lockstep.gather, engine.tape.capacity, fresh,
-                           on_progress=lambda: hb.update(progress=True))
-    for tokens, cache, sid in tapes:
-        engine.tape.store(tokens, cache, sid)
-    if engine.snapshots:
-        hb.update(**engine.stats())
-        log(f"restored {len(tapes)} tape(s) ({sum(len(t[0]) for t in tapes)} tokens) from snapshots in "
-            f"{time.monotonic() - began:.1f}s; skipped so far: {engine.snapshots.skipped or 'none'}")
 
 
 def warmup_prompt(tokenizer) -> list[int]:

@@ -6,14 +6,17 @@ walks them) at a point of a tape. Plain KV caches grow by appending: a segment h
 [start, end) and names its parent (the same tape's [0, start)), so a follow-up turn writes only its new
 tokens. Caches written in place (a sliding window, DeepSeek-V4's pools) have no slice of tokens: each of
 their segments holds the whole state at its end (start 0) and names as parent the snapshot its tape grew
-from, which it does not need. The lockstep loop only slices and queues; a writer thread writes, and evicts
-least recently used tapes past the disk budget. At load the ranks exchange the tapes each holds whole and
-restore only those every rank has; whatever is missing, truncated, corrupted or of another model, world,
-rank, shard layout or file format is skipped with a log line and a counted reason.
+from, which it does not need. Segments are written as the tape grows (after each prefill chunk and every
+`every` tokens of an answer), so a death loses at most the last one. The lockstep loop only slices and queues;
+a writer thread writes each segment once (its digest hashed as the bytes go out), flushes it to the disk and
+evicts least recently used tapes past the disk budget. The next generation restores the tapes every rank holds
+whole while it serves (runtime/restore.py); whatever is missing, truncated, corrupted or of another model,
+world, rank, shard layout or file format is skipped with a log line and a counted reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -171,35 +174,106 @@ class Unusable(Exception):
         self.reason = reason
 
 
-def read_header(path: Path) -> dict:
-    """A segment file's safetensors metadata, after checking the file holds all the data its header
-    declares (Unusable "truncated" otherwise)."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n)) if 8 + n <= size else None
-    except (struct.error, ValueError):
-        header = None
-    if not isinstance(header, dict):
-        raise Unusable("truncated", f"{path.name}: its header is cut short")
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    if size != 8 + n + end:
-        raise Unusable("truncated", f"{path.name}: {size} bytes, its header declares {8 + n + end}")
-    return header.get("__metadata__", {})
+# safetensors' dtype names, and how numpy holds each (bfloat16 as its bits)
+DTYPES = {"F32": "float32", "F16": "float16", "BF16": "uint16", "U32": "uint32", "I32": "int32", "U8": "uint8",
+          "U16": "uint16", "I64": "int64", "BOOL": "bool"}
+BY_MLX = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint32": "U32", "int32": "I32", "uint8": "U8",
+          "uint16": "U16", "int64": "I64", "bool": "BOOL"}
 
 
-def file_digest(path: Path) -> str:
+def header_of(arrays: dict[str, mx.array], metadata: dict[str, str]) -> bytes:
+    """The safetensors header of `arrays`, in their order, with `metadata`, padded to 8 bytes."""
+    entries, at = {"__metadata__": metadata}, 0
+    for name, a in arrays.items():
+        entries[name] = {"dtype": BY_MLX[str(a.dtype).rpartition(".")[2]], "shape": list(a.shape),
+                         "data_offsets": [at, at + a.nbytes]}
+        at += a.nbytes
+    text = json.dumps(entries).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def raw(a: mx.array) -> memoryview:
+    """An evaluated array's bytes (bfloat16 as its bits: numpy has no such type)."""
+    flat = np.ascontiguousarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).reshape(-1)
+    return memoryview(flat.view(np.uint8))
+
+
+def write_segment(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str]) -> str:
+    """`arrays` (evaluated) as a safetensors file at `path`, on the disk when it returns; its digest,
+    hashed from the bytes as they are written (never read back)."""
     h = hashlib.blake2b(digest_size=8)
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
+    with open(path, "wb") as f:
+        for chunk in (header_of(arrays, metadata), *(raw(a) for a in arrays.values())):
             h.update(chunk)
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
     return h.hexdigest()
 
 
+def parse_header(name: str, first8: bytes, read, size: int) -> tuple[int, dict]:
+    """A safetensors file's header length and header, given its first 8 bytes, a `read(n)` of what follows
+    and its size; Unusable "truncated" when the header is cut short or malformed, or the file is not the size
+    it declares."""
+    try:
+        (n,) = struct.unpack("<Q", first8)
+        header = json.loads(read(n)) if 8 + n <= size else None
+        if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):
+            raise ValueError("not a safetensors header")
+        spans = {k: t["data_offsets"] for k, t in header.items() if k != "__metadata__"}
+        for k, t in header.items():
+            if k != "__metadata__" and int(np.prod(t["shape"])) * np.dtype(DTYPES[t["dtype"]]).itemsize != \
+                    spans[k][1] - spans[k][0]:
+                raise ValueError(f"{k}: its shape does not fit its offsets")
+        end = max((b for _, b in spans.values()), default=0)
+    except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        raise Unusable("truncated", f"{name}: its header is cut short or malformed") from None
+    if size != 8 + n + end:
+        raise Unusable("truncated", f"{name}: {size} bytes, its header declares {8 + n + end}")
+    return n, header
+
+
+def read_header(path: Path) -> dict:
+    """A segment file's safetensors metadata, its header checked (`parse_header`)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        _, header = parse_header(path.name, f.read(8), f.read, size)
+    return header.get("__metadata__", {})
+
+
+def read_tokens(path: Path) -> list[int]:
+    """A segment file's token ids, read alone."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n, header = parse_header(path.name, f.read(8), f.read, size)
+        a, b = header["tokens"]["data_offsets"]
+        f.seek(8 + n + a)
+        return np.frombuffer(f.read(b - a), dtype=np.uint32).tolist()
+
+
+def read_segment(path: Path) -> tuple[str, dict, dict[str, tuple[np.ndarray, str]]]:
+    """A segment file read once: its digest, its metadata and its arrays (numpy, each with its safetensors
+    dtype). No MLX: a thread may read while the model runs."""
+    data = path.read_bytes()
+    n, header = parse_header(path.name, data[:8], lambda k: data[8:8 + k], len(data))
+    arrays = {}
+    for name, t in header.items():
+        if name != "__metadata__":
+            a, b = t["data_offsets"]
+            arrays[name] = (np.frombuffer(data[8 + n + a:8 + n + b], dtype=DTYPES[t["dtype"]]).reshape(t["shape"]),
+                            t["dtype"])
+    return hashlib.blake2b(data, digest_size=8).hexdigest(), header.get("__metadata__", {}), arrays
+
+
+def to_mx(a: np.ndarray, dtype: str) -> mx.array:
+    return mx.array(a).view(mx.bfloat16) if dtype == "BF16" else mx.array(a)
+
+
 def segment_files(folder: Path) -> list[Path]:
-    """The segment files in a rank's folder, not the writer's temporary ones (`.SID.safetensors`)."""
-    return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith("."))
+    """The segment files in a rank's folder: regular files (a pipe would block its reader), not the writer's
+    temporary ones (`.SID.safetensors`)."""
+    return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith(".") and p.is_file())
 
 
 def scan(folder: Path, me: Identity) -> tuple[dict[str, Segment], dict[Path, str]]:
@@ -220,25 +294,36 @@ def scan(folder: Path, me: Identity) -> tuple[dict[str, Segment], dict[Path, str
                                  path.stat().st_mtime, path)
         except Unusable as e:
             bad[path] = e.reason
-        except (OSError, KeyError, ValueError):
+        except (OSError, KeyError, ValueError, TypeError, AttributeError):  # a header of other shapes
             bad[path] = "truncated"
     return found, bad
 
 
-def load_segment(seg: Segment, types: list[str]) -> tuple[dict[str, mx.array], list]:
+@dataclass(frozen=True)
+class Read:
+    """A tape read from its segment files and checked, not yet in MLX: its tokens and each segment's arrays
+    (numpy, with their dtypes) and leaves' description, first to last."""
+
+    sid: str
+    tokens: tuple
+    parts: list
+    nbytes: int
+
+
+def read_part(seg: Segment, types: list[str]) -> tuple[dict, list]:
     """A segment's arrays and its leaves' description (type, meta state, the state's entries that are not
     arrays), after checking its bytes against the digest in its name (Unusable "corrupt" otherwise), its
     leaves against this model's caches ("foreign") and its arrays against its header ("corrupt")."""
-    if file_digest(seg.path) != seg.path.name.split(".")[1]:
+    digest, meta, arrays = read_segment(seg.path)
+    if digest != seg.path.name.split(".")[1]:
         raise Unusable("corrupt", f"{seg.path.name}: its bytes do not match its digest")
     try:
-        arrays, meta = mx.load(str(seg.path), return_metadata=True)
         about = json.loads(meta["leaves"])
         its = [t for t, _, _ in about]
         n = seg.end - seg.start
-        fits = arrays["tokens"].shape == (n,) and (snapshot_kind(its) == "whole" or all(
-            a.shape[2] == n for k, a in arrays.items() if k != "tokens"))
-    except (KeyError, IndexError, RuntimeError, ValueError) as e:
+        fits = arrays["tokens"][0].shape == (n,) and (snapshot_kind(its) == "whole" or all(
+            a.shape[2] == n for k, (a, _) in arrays.items() if k != "tokens"))
+    except (KeyError, IndexError, TypeError, ValueError) as e:
         raise Unusable("corrupt", f"{seg.path.name}: unreadable ({e})")
     if its != types:
         raise Unusable("foreign", f"{seg.path.name}: its caches ({', '.join(sorted(set(its)))}) are not this "
@@ -259,7 +344,7 @@ def tokens_held(parts: list) -> int:
 
 
 def rebuilt(cache: list, parts: list[tuple[dict, list]]) -> list:
-    """`cache` (a fresh one) given the state the segments `parts` hold, first to last: each leaf's arrays
+    """`cache` (a fresh one) given the state the segments `parts` (`Read.parts`) hold, first to last: each leaf's arrays
     concatenated along the token axis (one part: a whole state), the rest of its state and its meta state as
     the last part says."""
     _, about = parts[-1]
@@ -269,7 +354,7 @@ def rebuilt(cache: list, parts: list[tuple[dict, list]]) -> list:
             leaf.meta_state = meta
         state = []
         for j in range(len(values)):
-            got = [arrays[f"{i}.{j}"] for arrays, _ in parts if f"{i}.{j}" in arrays]
+            got = [to_mx(*arrays[f"{i}.{j}"]) for arrays, _ in parts if f"{i}.{j}" in arrays]
             state.append(values[j] if not got else got[0] if len(got) == 1 else mx.concatenate(got, axis=2))
         leaf.state = tuple(state)
     return cache
@@ -291,6 +376,7 @@ class Snapshots:
         for tmp in self.folder.glob(".*.safetensors"):
             tmp.unlink(missing_ok=True)
         self.written = self.restored = 0
+        self.restores_pending = 0  # tapes the next generation is still restoring (runtime/restore.py)
         self.skipped: dict[str, int] = {}
         self._lock = threading.Lock()  # the segment index, shared with the writer
         self.segments, bad = scan(self.folder, me)
@@ -300,7 +386,7 @@ class Snapshots:
         self._others = self._trim_others()
         self._count_bytes()
         self._staged: list[tuple[Segment, dict[str, mx.array]]] = []
-        self._pending = 0  # bytes staged or queued, not yet written
+        self._pending = self._pending_n = 0  # bytes and segments staged or queued, not yet written
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._write_loop, name="snapshot-writer", daemon=True)
         self._thread.start()
@@ -329,7 +415,9 @@ class Snapshots:
 
     def stats(self) -> dict:
         return {"snapshots_written": self.written, "snapshots_restored": self.restored,
-                "snapshots_skipped": dict(self.skipped), "snapshot_bytes": self.nbytes}
+                "snapshots_skipped": dict(self.skipped), "snapshot_bytes": self.nbytes,
+                "snapshots_pending": self._pending_n, "snapshot_pending_bytes": self._pending,
+                "snapshot_restores_pending": self.restores_pending}
 
     # --- restore --------------------------------------------------------------------------------------------
     def held(self) -> list[str]:
@@ -337,55 +425,76 @@ class Snapshots:
         with self._lock:
             return whole(self.segments)
 
-    def restore(self, sids: list[str], fresh, on_progress=lambda: None) -> list[tuple[tuple, list, str]]:
+    def restore(self, sids: list[str], fresh) -> list[tuple[tuple, list, str]]:
         """The tapes `sids` as (tokens, cache, sid), each cache a `fresh()` one given the state its snapshot
         holds; one whose files turn out unusable is left out."""
-        out = []
         types = leaf_types(fresh())
-        for sid in sids:
-            chain, s = [], sid
+        reads = [r for sid in sids if (r := self.read(sid, types)) is not None]
+        return [t for r in reads if (t := self.build(r, fresh)) is not None]
+
+    def nbytes_of(self, sid: str) -> int:
+        """The bytes of a tape's chain of segments."""
+        total = 0
+        with self._lock:
+            while sid in self.segments:
+                total += self.segments[sid].nbytes
+                sid = self.segments[sid].needs
+        return total
+
+    def tokens_of(self, sid: str) -> tuple | None:
+        """A tape's tokens, read from its segments' token arrays alone; None when a segment cannot tell."""
+        with self._lock:
+            chain = []
+            while sid in self.segments:
+                chain.append(self.segments[sid].path)
+                sid = self.segments[sid].needs
+        try:
+            return tuple(t for path in chain[::-1] for t in read_tokens(path)) if not sid else None
+        except (Unusable, OSError, KeyError, TypeError, ValueError):
+            return None
+
+    def read(self, sid: str, types: list[str]) -> Read | None:
+        """A tape's segments read and checked (no MLX: a thread may call it while the model runs); None when
+        one is missing or unusable (deleted, counted)."""
+        chain, s = [], sid
+        with self._lock:
             while s in self.segments:
                 chain.append(self.segments[s])
                 s = self.segments[s].needs
-            if s:  # a segment it shares with a tape before it was unusable
-                self.skip("corrupt", f"tape {sid}: a segment of its chain is unusable")
-                continue
-            parts = self._load_chain(chain[::-1], types, on_progress)
-            if parts is None:
-                continue
-            tokens = tuple(np.concatenate([np.array(arrays["tokens"]) for arrays, _ in parts]).tolist())
-            if tape_id(tokens) != sid:
-                self.skip("corrupt", f"tape {sid}: its tokens do not hash to its name")
-                continue
-            try:
-                cache = rebuilt(fresh(), parts)
-                mx.eval([a for leaf in leaves(cache) for a in leaf.state if isinstance(a, mx.array)])
-                fits = tokens_held(leaves(cache)) == len(tokens)
-            except (KeyError, IndexError, TypeError, ValueError) as e:
-                self.skip("corrupt", f"tape {sid}: its state does not fit this model's caches ({e})")
-                continue
-            if not fits:
-                self.skip("corrupt", f"tape {sid}: its caches do not hold its {len(tokens)} tokens")
-                continue
-            out.append((tokens, cache, sid))
-        return out
-
-    def _load_chain(self, chain: list[Segment], types: list[str], on_progress) -> list[tuple] | None:
-        """Each segment's arrays and description, first to last (`on_progress` after each); None when one is
-        unusable, which is deleted."""
+        if s:  # a segment it shares with a tape before it was unusable
+            self.skip("corrupt", f"tape {sid}: a segment of its chain is unusable")
+            return None
         parts = []
-        for seg in chain:
+        for seg in chain[::-1]:
             try:
-                parts.append(load_segment(seg, types))
-                on_progress()
-            except Unusable as e:
-                self.skip(e.reason, str(e))
+                parts.append(read_part(seg, types))
+            except (Unusable, OSError) as e:
+                self.skip(getattr(e, "reason", "truncated"), str(e))
                 with self._lock:
                     self.segments.pop(seg.sid, None)
                     seg.path.unlink(missing_ok=True)
                     self._count_bytes()
                 return None
-        return parts
+        tokens = tuple(np.concatenate([arrays["tokens"][0] for arrays, _ in parts]).tolist())
+        if tape_id(tokens) != sid:
+            self.skip("corrupt", f"tape {sid}: its tokens do not hash to its name")
+            return None
+        return Read(sid, tokens, parts, sum(seg.nbytes for seg in chain))
+
+    def build(self, read: Read, fresh) -> tuple[tuple, list, str] | None:
+        """A tape read from its files as (tokens, cache, sid), its cache a `fresh()` one given its state; None
+        when that state does not fit (counted)."""
+        try:
+            cache = rebuilt(fresh(), read.parts)
+            mx.eval([a for leaf in leaves(cache) for a in leaf.state if isinstance(a, mx.array)])
+            fits = tokens_held(leaves(cache)) == len(read.tokens)
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            self.skip("corrupt", f"tape {read.sid}: its state does not fit this model's caches ({e})")
+            return None
+        if not fits:
+            self.skip("corrupt", f"tape {read.sid}: its caches do not hold its {len(read.tokens)} tokens")
+            return None
+        return read.tokens, cache, read.sid
 
     def restored_as(self, sids: list[str]) -> None:
         """The tapes every rank restored: counted, and their files marked as used now."""
@@ -393,9 +502,9 @@ class Snapshots:
         with self._lock:
             for sid in sids:
                 s = sid
-                while s:
-                    seg = self.segments[s]
-                    os.utime(seg.path, (now, now))
+                while (seg := self.segments.get(s)) is not None and seg.path is not None:
+                    with contextlib.suppress(OSError):  # deleted meanwhile: the writer forgets it
+                        os.utime(seg.path, (now, now))
                     self.segments[s] = Segment(seg.sid, seg.parent, seg.start, seg.end, seg.nbytes, now, seg.path)
                     s = seg.needs
         self.restored += len(sids)
@@ -441,6 +550,7 @@ class Snapshots:
                                     f"({self.budget} bytes)")
                 return since
             self._pending += nbytes
+            self._pending_n += 1
             seg = Segment(sid, since[0], start, have, nbytes, time.time())
             self.segments[sid] = seg  # the next segment's parent, before it is written
         mx.async_eval(list(arrays.values()))
@@ -473,22 +583,27 @@ class Snapshots:
             finally:
                 with self._lock:
                     self._pending -= seg.nbytes
+                    self._pending_n -= 1
 
     def _write(self, seg: Segment, arrays: dict[str, mx.array], about: str) -> None:
+        """One segment, durable on its own once its name is in the folder: written to a temporary file whose
+        digest is hashed as it is written, renamed, the folder flushed. A folder deleted under the rank (to
+        free space) is made again, and the segments that went with it are forgotten."""
         tmp = self.folder / f".{seg.sid}.safetensors"
         try:
-            mx.save_safetensors(str(tmp), arrays, metadata={**self.me.tags(), "parent": seg.parent, "leaves": about,
-                                                            "start": str(seg.start), "end": str(seg.end)})
-            path = self.folder / f"{seg.sid}.{file_digest(tmp)}.safetensors"
+            if not self.folder.is_dir():
+                self._lost_folder()
+            digest = write_segment(tmp, arrays, {**self.me.tags(), "parent": seg.parent, "leaves": about,
+                                                 "start": str(seg.start), "end": str(seg.end)})
+            path = self.folder / f"{seg.sid}.{digest}.safetensors"
             os.replace(tmp, path)
-        except Exception as e:  # whatever mlx or the disk raise, the writer goes on and the tape is skipped
+            fsync_folder(self.folder)
+        except Exception as e:  # whatever the disk raises, the writer goes on and the tape is skipped
             tmp.unlink(missing_ok=True)
             with self._lock:
                 if self.segments.get(seg.sid) == seg:
                     del self.segments[seg.sid]
-            # mlx's writer says only that it could not write: the free space tells a full disk
-            full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or \
-                shutil.disk_usage(self.folder).free < seg.nbytes + (1 << 16)
+            full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free_bytes(self.folder) < seg.nbytes
             self.skip("disk_full" if full else "write_failed", f"tape {seg.sid}: {e}")
             return
         with self._lock:
@@ -501,30 +616,28 @@ class Snapshots:
             self._count_bytes()
         self.written += 1
 
+    def _lost_folder(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            gone = [sid for sid, seg in self.segments.items() if seg.path is not None and not seg.path.exists()]
+            for sid in gone:
+                del self.segments[sid]
+            self._count_bytes()
+        self.log(f"snapshot folder {self.folder} was deleted while this rank served: made again, "
+                 f"{len(gone)} segment(s) forgotten")
 
-def restore_agreed(snaps: Snapshots | None, gather, capacity: int, fresh,
-                   on_progress=lambda: None) -> list[tuple[tuple, list, str]]:
-    """The tapes every rank holds whole and restored, at most `capacity`, least recently used first (by rank
-    0's use), as (tokens, cache, sid) for the token tape, each cache a `fresh()` one given its snapshot's
-    state. Every rank calls it, with snapshots or without: `gather` (Lockstep.gather) is a collective."""
-    mesh, held = (snaps.me.mesh, snaps.held()) if snaps else ("", [])
-    offers = [json.loads(b) for b in gather(json.dumps({"mesh": mesh, "tapes": held}).encode())]
-    if snaps is None:
-        return []
-    parents = {s: g.parent for s, g in snaps.segments.items()}
-    if any(o["mesh"] != mesh for o in offers):
-        for sid in ends(held, parents):
-            snaps.skip("foreign", f"tape {sid}: the ranks load other models or worlds ({[o['mesh'] for o in offers]})")
-        return []
-    agreed = agree([o["tapes"] for o in offers])
-    for sid in ends([s for s in held if s not in set(agreed)], parents):
-        snaps.skip("missing", f"tape {sid}: not whole on every rank")
-    whole_states = snapshot_kind(leaf_types(fresh())) == "whole"
-    got = snaps.restore(serving(agreed, parents, whole_states)[-capacity:], fresh, on_progress)
-    everywhere = set(agree([json.loads(b) for b in gather(json.dumps([t[2] for t in got]).encode())]))
-    for *_, sid in got:
-        if sid not in everywhere:
-            snaps.skip("missing", f"tape {sid}: another rank could not restore its part")
-    kept = [t for t in got if t[2] in everywhere]
-    snaps.restored_as([t[2] for t in kept])
-    return kept
+
+def fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def free_bytes(folder: Path) -> int:
+    """The free space where `folder` is (0 when that cannot be told: a full disk is the likely cause)."""
+    try:
+        return shutil.disk_usage(folder).free - (1 << 16)
+    except OSError:
+        return 0

@@ -46,16 +46,26 @@ class TokenTape:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def take(self, prompt: tuple[int, ...]) -> tuple[list | None, int, str]:
-        """A copy of the cache that serves the longest reusable prefix of `prompt`, cut back to it, that
-        prefix's length and the snapshot id of the entry it came from; (None, 0, "") when none does."""
+    def _best(self, prompt: tuple[int, ...]) -> tuple[int | None, int, bool]:
+        """The entry that serves the longest reusable prefix of `prompt`, its length, and whether any entry
+        shares a prefix with it at all."""
         best, best_len, shared = None, 0, False
         for i, (tape, cache, _) in enumerate(self._entries):
-            n = _common_prefix(tape, prompt)
+            n = common_prefix(tape, prompt)
             shared = shared or min(n, len(prompt) - 1) > 0
             n = reusable_prefix(n, len(tape), len(prompt), can_trim_prompt_cache(cache))
             if n > best_len:
                 best, best_len = i, n
+        return best, best_len, shared
+
+    def served(self, prompt: tuple[int, ...]) -> int:
+        """How much of `prompt` a `take` would serve now (nothing counted)."""
+        return self._best(prompt)[1]
+
+    def take(self, prompt: tuple[int, ...]) -> tuple[list | None, int, str]:
+        """A copy of the cache that serves the longest reusable prefix of `prompt`, cut back to it, that
+        prefix's length and the snapshot id of the entry it came from; (None, 0, "") when none does."""
+        best, best_len, shared = self._best(prompt)
         if best is None:
             if shared:
                 self.not_reusable += 1
@@ -76,13 +86,23 @@ class TokenTape:
     def store(self, tape: tuple[int, ...], cache: list, sid: str = "") -> None:
         trimmable = can_trim_prompt_cache(cache)
         self._entries = deque(e for e in self._entries
-                              if not replaces(_common_prefix(e[0], tape), len(e[0]), len(tape), trimmable))
+                              if not replaces(common_prefix(e[0], tape), len(e[0]), len(tape), trimmable))
         self._entries.append((tape, cache, sid))
         while len(self._entries) > self.capacity:
             self._entries.popleft()
 
+    def store_older(self, tape: tuple[int, ...], cache: list, sid: str) -> bool:
+        """A tape older than every one held (restored while serving): kept as the least recently used while
+        there is room and no entry held serves every prompt it serves; whether it was kept."""
+        if len(self._entries) >= self.capacity or any(
+                replaces(common_prefix(e[0], tape), len(tape), len(e[0]), can_trim_prompt_cache(e[1]))
+                for e in self._entries):
+            return False
+        self._entries.appendleft((tape, cache, sid))
+        return True
 
-def _common_prefix(a, b) -> int:
+
+def common_prefix(a, b) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:

@@ -2,20 +2,32 @@
 real caches (chained for plain KV caches, whole for a sliding window), a budget and a full disk; and one real
 2-rank ring mesh of agents: after a SIGKILL mid-stream the next generation answers the next turn and the cut
 stream exactly, their prefixes from the snapshots, and ignores a corrupted, truncated or foreign snapshot on one
-rank. DeepSeek-V4's caches on omlx's own model: tests/pinned/test_v4_snapshots.py."""
+rank; a restarted rank restores while it serves, a request waiting for a tape being restored only when that is
+sooner than prefilling it. DeepSeek-V4's caches on omlx's own model: tests/pinned/test_v4_snapshots.py."""
+
+import hashlib
+import json
+import shutil
+import struct
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm import load
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from kit.agents import make_agents
 from kit.demo_answers import endless
 from kit.smallfs import fill, small_filesystem
 from kit.snapshots import EVERY, Gen, answer_in_flight, metric
 from kit.waiting import wait_for
+from runtime.engine import BatchEngine, Job
+from runtime.openai_api import SamplingParams
 from runtime.rank import parse_args
-from runtime.snapshot import (Identity, Segment, Snapshots, agree, due, ends, evict, read_header, segment_files,
-                              serving, snapshot_kind, tape_id, whole)
+from runtime.server import WARMUP
+from runtime.restore import RESTORE_FIRST, Rates, Restorer, plan, settled, worth_waiting
+from runtime.snapshot import (Identity, Segment, Snapshots, agree, due, ends, evict, read_header, scan,
+                              segment_files, serving, snapshot_kind, tape_id, whole)
+from runtime.tape import TokenTape
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~670 tokens: a prefill of seconds on two ranks
 
@@ -187,6 +199,191 @@ def test_a_full_disk_skips_the_snapshot_and_says_so(tmp_path):
         assert not list(snaps.folder.iterdir())  # no half-written file left behind
 
 
+@pytest.mark.parametrize("agreed, parents, whole_states, capacity, expect", [
+    (["a", "b", "c"], {"a": "", "b": "", "c": ""}, False, 8, ["c", "b", "a"]),  # most recently used first
+    (["a", "b", "c"], {"a": "", "b": "", "c": ""}, False, 2, ["c", "b"]),  # as many as the tape keeps
+    (["a", "b"], {"a": "", "b": "a"}, False, 8, ["b"]),  # b extends a: its end serves a's prompts too
+    (["a", "b"], {"a": "", "b": "a"}, True, 8, ["b", "a"]),  # a whole state serves only what extends it
+    (["a"], {"a": ""}, False, 0, []),
+])
+def test_the_restore_plan_takes_the_most_recent_serving_tapes_first(agreed, parents, whole_states, capacity,
+                                                                    expect):
+    assert plan(agreed, parents, whole_states, capacity) == expect
+
+
+@pytest.mark.parametrize("extra, nbytes, read_bps, prefill_tps, expect", [
+    (12000, 1_800_000_000, 1e9, 5000, True),  # 1.8 s to read against 2.4 s to prefill: wait
+    (12000, 1_800_000_000, 1e9, 8000, False),  # 1.8 s to read against 1.5 s to prefill: prefill
+    (20, 100_000_000, 1e9, 1000, False),  # a short prompt: prefilling 20 tokens beats reading 100 MB
+    (12000, 1_800_000_000, 0, 5000, False),  # no rate measured yet: a request never waits on a guess
+    (12000, 1_800_000_000, 1e9, 0, False),
+    (0, 1, 1e9, 5000, False),  # the tape serves nothing more than the token tape does
+])
+def test_a_request_waits_for_a_tape_being_restored_only_when_that_is_sooner_than_prefilling(
+        extra, nbytes, read_bps, prefill_tps, expect):
+    assert worth_waiting(extra, nbytes, read_bps, prefill_tps) == expect
+
+
+@pytest.mark.parametrize("results, expect", [
+    ([{"a": True}, {"a": True}], {"a": True}),
+    ([{"a": True, "b": True}, {"a": True}], {"a": True}),  # b: rank 1 has not read it yet
+    ([{"a": True}, {"a": False}], {"a": False}),  # rank 1 could not: nobody keeps it
+    ([{"b": True, "a": True}, {"a": True, "b": True}], {"b": True, "a": True}),  # rank 0's order
+    ([{}, {"a": True}], {}),
+])
+def test_a_restored_tape_joins_when_every_rank_is_done_with_it_and_only_if_every_rank_has_it(results, expect):
+    got = settled(results)
+    assert got == expect and list(got) == list(expect)
+
+
+def test_a_tape_restored_behind_serving_never_pushes_out_a_newer_one():
+    tape = TokenTape(capacity=2)
+    new = (1, 2, 3, 4)
+    tape.store(new, real_cache(4), "new")
+    assert not tape.store_older((1, 2, 3), real_cache(3), "old-prefix")  # the newer one serves all it serves
+    assert tape.store_older((7, 8, 9), real_cache(3), "old")
+    assert not tape.store_older((5, 6), real_cache(2), "older")  # no room: the newer ones stay
+    assert tape.served((1, 2, 3, 4, 5)) == 4 and tape.served((7, 8, 9, 10)) == 3
+    tape.store((20, 21), real_cache(2), "newest")
+    assert tape.served((7, 8, 9, 10)) == 0 and tape.served((1, 2, 3, 4, 5)) == 4  # the restored one went first
+    assert (tape.hits, tape.misses) == (0, 0)  # `served` only asks
+
+
+def test_a_segment_is_durable_on_its_own_and_its_name_is_the_digest_of_its_bytes(tmp_path):
+    snaps = Snapshots(tmp_path, ME, 1 << 20, every=4)
+    snaps.stage(tuple(range(10)), real_cache(10), ("", 0), final=True)
+    snaps.close()
+    [path] = segment_files(snaps.folder)
+    assert path.name.split(".")[1] == hashlib.blake2b(path.read_bytes(), digest_size=8).hexdigest()
+    arrays = mx.load(str(path))  # a plain safetensors file: any reader takes it
+    assert arrays["tokens"].tolist() == list(range(10)) and arrays["0.0"].shape == (1, 2, 10, 4)
+
+
+def test_the_writer_reports_what_is_pending_and_the_snapshots_of_a_bfloat16_cache_restore_exactly(tmp_path):
+    cache = real_cache(12)
+    for c in cache:
+        c.keys, c.values = c.keys.astype(mx.bfloat16), c.values.astype(mx.bfloat16)
+    snaps = Snapshots(tmp_path, ME, 1 << 20, every=4)
+    snaps.stage(tuple(range(12)), cache, ("", 0), final=False)
+    assert snaps.stats()["snapshots_pending"] == 1 and snaps.stats()["snapshot_pending_bytes"] > 0
+    snaps.close()
+    assert snaps.stats()["snapshots_pending"] == 0 and snaps.written == 1
+    again = Snapshots(tmp_path, ME, 1 << 20, every=4)
+    [(_, back, _)] = again.restore(again.held(), fresh=lambda: [KVCache(), KVCache()])
+    for b, c in zip(back, cache):
+        assert b.keys.dtype == mx.bfloat16 and mx.array_equal(b.keys[..., :12, :], c.keys[..., :12, :]).item()
+    again.close()
+
+
+@pytest.mark.parametrize("spoil", [
+    lambda h: {**h, "__metadata__": ["a", "list"]},  # the metadata of another shape
+    lambda h: {**h, "tokens": 5},  # an entry that is not a tensor's
+    lambda h: {**h, "tokens": {**h["tokens"], "dtype": "Q7"}},  # a dtype no reader knows
+    lambda h: {**h, "tokens": {**h["tokens"], "shape": [999]}},  # a shape its bytes do not hold
+], ids=["metadata-list", "tokens-int", "unknown-dtype", "shape-past-its-bytes"])
+def test_a_malformed_segment_is_skipped_at_start_and_never_stops_the_rank(tmp_path, spoil):
+    snaps = Snapshots(tmp_path, ME, 1 << 20, every=4)
+    snaps.stage(tuple(range(10)), real_cache(10), ("", 0), final=True)
+    snaps.close()
+    [path] = segment_files(snaps.folder)
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    text = json.dumps(spoil(json.loads(data[8:8 + n]))).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+    assert scan(snaps.folder, ME)[1] == {path: "truncated"}
+    again = Snapshots(tmp_path, ME, 1 << 20, every=4)  # a rank's start: it goes on, the file deleted and counted
+    assert again.skipped == {"truncated": 1} and not path.exists() and again.held() == []
+    again.close()
+
+
+def test_a_snapshot_folder_deleted_while_serving_is_made_again_and_the_writer_goes_on(tmp_path):
+    snaps = Snapshots(tmp_path, ME, 1 << 20, every=4)
+    snaps.stage(tuple(range(10)), real_cache(10), ("", 0), final=True)
+    wait_for(lambda: snaps.written == 1, 10, "the first segment")
+    shutil.rmtree(snaps.folder)  # what an operator does after doctor's space warning
+    snaps.stage(tuple(range(100, 110)), real_cache(10), ("", 0), final=True)
+    snaps.stage(tuple(range(200, 210)), real_cache(10), ("", 0), final=True)
+    snaps.close()
+    assert snaps.written == 3 and snaps.stats()["snapshots_pending"] == 0
+    assert len(segment_files(snaps.folder)) == 2 and snaps.nbytes == sum(p.stat().st_size for p in
+                                                                        segment_files(snaps.folder))
+    assert set(snaps.held()) == {tape_id(range(100, 110)), tape_id(range(200, 210))}  # the deleted one forgotten
+
+
+def restorer_over(tmp_path, tapes: list[tuple], read_bps: float, prefill_tps: float):
+    """A rank of one that served `tapes` in its last generation, now restoring them while it serves, with
+    these rates measured before."""
+    snaps = Snapshots(tmp_path, ME, 1 << 24, every=4)
+    for tape in tapes:
+        snaps.stage(tape, real_cache(len(tape)), ("", 0), final=True)
+    snaps.close()
+    again = Snapshots(tmp_path, ME, 1 << 24, every=4)
+    rates = Rates(None)
+    rates.note(read_bps=read_bps, prefill_tps=prefill_tps)
+    tape = TokenTape(capacity=8)
+    return Restorer.agree(again, lambda b: [b], tape, lambda: [KVCache(), KVCache()], rates, print, rank=0), tape
+
+
+def insert(rid, prompt):
+    return {"op": "insert", "rid": rid, "prompt": list(prompt)}
+
+
+def test_a_request_that_a_pending_tape_serves_waits_for_it_and_a_new_conversation_goes_at_once(tmp_path):
+    old = tuple(range(100, 160))
+    restorer, tape = restorer_over(tmp_path, [old], read_bps=1e9, prefill_tps=100.0)
+    assert restorer.pending == [tape_id(old)] and len(tape) == 0
+    outbox = restorer.screen([insert("turn", old + (7, 8)), insert("new", (1, 2, 3)), insert(WARMUP, old + (9,))],
+                             through=WARMUP)
+    # the next turn of the old conversation waits, its tape first in every rank's queue; the others go
+    assert outbox == [{"op": RESTORE_FIRST, "sid": tape_id(old)}, insert("new", (1, 2, 3)),
+                      insert(WARMUP, old + (9,))] and restorer.holding
+    adopted = wait_for(lambda: restorer.adopt(lambda b: [b]), 10, "the tape read and adopted")  # at loop iterations
+    assert adopted == [tape_id(old)] and not restorer.pending
+    assert restorer.screen([], through=WARMUP) == [insert("turn", old + (7, 8))] and not restorer.holding
+    assert tape.served(old + (7, 8)) == len(old)  # it starts from the restored tape
+
+
+def test_a_request_goes_at_once_when_prefilling_is_sooner_than_reading_or_nothing_was_measured(tmp_path):
+    old = tuple(range(100, 160))
+    for read_bps, prefill_tps in ((1.0, 1e6), (0.0, 1e6), (1e9, 0.0)):
+        restorer, _ = restorer_over(tmp_path / f"{read_bps}-{prefill_tps}", [old], read_bps, prefill_tps)
+        assert restorer.screen([insert("turn", old + (7, 8))], through=WARMUP) == [insert("turn", old + (7, 8))]
+
+
+def test_a_held_request_cancelled_or_drained_is_never_left_behind(tmp_path):
+    old = tuple(range(100, 160))
+    restorer, _ = restorer_over(tmp_path, [old], read_bps=1e9, prefill_tps=100.0)
+    restorer.screen([insert("a", old + (1,)), insert("b", old + (2,))], through=WARMUP)
+    cancel, drain = {"op": "cancel", "rid": "a"}, {"op": "drain", "mode": "finish"}
+    assert restorer.screen([cancel], through=WARMUP) == [cancel]  # "a" is gone for good
+    assert restorer.screen([drain], through=WARMUP) == [insert("b", old + (2,)), drain]  # refused by the drain
+    assert not restorer.holding
+
+
+def test_a_long_prompt_is_snapshotted_chunk_by_chunk_as_it_is_prefilled_so_a_death_loses_one_chunk(
+        demo_model, tmp_path):
+    model, tokenizer = load(str(demo_model))
+    prompt = tuple(tokenizer.encode(LONG))[:200]
+    snaps = Snapshots(tmp_path, ME, 1 << 30, every=16)
+    engine = BatchEngine(model, set(), prefill_step_size=32, snapshots=snaps)
+    engine.insert(Job("long", prompt, 8, 0, SamplingParams(max_tokens=8, temperature=0.0).sampling()))
+    while not engine.step():  # the prefill, chunk by chunk, up to the answer's first token
+        pass
+    snaps.close()  # what was staged by then, written
+    chain = sorted((s.start, s.end) for s in snaps.segments.values())
+    # one segment a chunk, each appended to the one before, all but the last `every` tokens at most
+    assert chain[0][0] == 0 and all(a[1] == b[0] for a, b in zip(chain, chain[1:])), chain
+    assert all(end - start <= 32 for start, end in chain) and chain[-1][1] >= len(prompt) - 1 - 16, chain
+    last = max(snaps.segments.values(), key=lambda s: s.end)
+    last.path.unlink()  # the segment a death would have lost
+    again = Snapshots(tmp_path, ME, 1 << 30, every=16)
+    [(tokens, cache, _)] = again.restore(ends(again.held(), {s: g.parent for s, g in again.segments.items()}),
+                                         fresh=lambda: make_prompt_cache(model))
+    assert tokens == prompt[:last.start] and len(tokens) >= 199 - 2 * 32  # all but the last chunk
+    again.close()
+
+
 # --- the mesh ------------------------------------------------------------------------------------------------
 
 SPOILED = {"corrupt": "Drain before close. " * 4, "foreign": "Pack my box with five dozen jugs. " * 3,
@@ -258,7 +455,7 @@ def generation_1(agents, model, folders, cut, out):
 def generation_2(agents, model, cut, out):
     g2 = Gen(agents, model, 2)
     try:
-        out["restored"] = [g2.status(r)["snapshots_restored"] for r in range(2)]
+        out["restored"] = [g2.restored(r)["snapshots_restored"] for r in range(2)]
         out["skipped"] = [g2.status(r)["snapshots_skipped"] for r in range(2)]
         out["turn"] = out["convo"] + [{"role": "assistant", "content": out["answer"]},
                                       {"role": "user", "content": "And?"}]

@@ -40,6 +40,13 @@ class Gen:
         return wait_for(lambda: (s := self.status(rank))["updated_at"] > asked and s, 10,
                         f"rank {rank}'s next status write")
 
+    def restored(self, rank):
+        """Rank `rank`'s status once it restored what it could from the last generation's snapshots (it
+        serves while it restores)."""
+        asked = time.time()
+        return wait_for(lambda: (s := self.status(rank))["updated_at"] > asked and
+                        not s["snapshot_restores_pending"] and s, 60, f"rank {rank}'s restores")
+
     def chat(self, messages, **kw):
         r = requests.post(f"{self.url}/v1/chat/completions", timeout=120,
                           json={"messages": messages, "max_tokens": 24, "temperature": 0, **kw})

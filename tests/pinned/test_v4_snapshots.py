@@ -176,7 +176,7 @@ def test_a_drafted_v4_stream_cut_by_a_sigkill_resumes_from_its_snapshot_as_plain
             g1.stop()
         g2 = Gen(agents, checkpoint, 2, **args)
         try:
-            restored = [g2.status(rank)["snapshots_restored"] for rank in range(2)]
+            restored = [g2.restored(rank)["snapshots_restored"] for rank in range(2)]
             resume = {"ids": delivered, "chars": chars, "id": head["id"], "created": head["created"],
                       "seed": head["seed"]}
             served = g2.settled(0)["tape_hit_tokens"]

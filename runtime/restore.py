@@ -1,0 +1,228 @@
+"""Serve first, restore behind: a restarted generation is ready as soon as its weights are, and the tapes
+its ranks hold in their prefix snapshots (runtime/snapshot.py) join the token tape while it serves.
+
+At load the ranks exchange what each holds whole and agree on a plan: the tapes every rank has, most
+recently used first, as many as the token tape keeps. A thread on each rank reads and checks them in that
+order (no MLX: the model runs meanwhile); at each loop iteration while any is pending, every rank builds the
+caches its thread finished and the ranks exchange which they have, and a tape every rank has ready joins
+the token tape at that same iteration on all of them (one that any rank could not restore is dropped by
+all). Rank 0 holds back a request whose prompt a pending tape serves further than the token tape, and moves
+that tape to the front of every rank's queue, only when reading it is sooner than prefilling what it adds
+(`worth_waiting`, from the rates this mesh measured); a new conversation never waits for old ones.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from common.statusfile import write_atomic
+from runtime.snapshot import Snapshots, agree, ends, leaf_types, serving, snapshot_kind
+from runtime.tape import TokenTape, common_prefix, reusable_prefix
+
+RESTORE_FIRST = "restore_first"  # the lockstep message that moves a pending tape to the front
+
+
+# --- the decisions -------------------------------------------------------------------------------------------
+
+def plan(agreed: list[str], parents: dict[str, str], whole_states: bool, capacity: int) -> list[str]:
+    """The tapes to restore, most recently used first: of those every rank holds (`agreed`, least recently
+    used first), the ones that serve (`serving`), at most `capacity`."""
+    return serving(agreed, parents, whole_states)[-capacity:][::-1] if capacity else []
+
+
+def worth_waiting(extra: int, nbytes: int, read_bps: float, prefill_tps: float) -> bool:
+    """Whether a request should wait for a tape still being restored, which serves `extra` more tokens of
+    its prompt than the token tape does and takes `nbytes` on disk: when reading it is sooner than
+    prefilling those tokens, by the rates measured (0: not measured yet, and it does not wait)."""
+    return extra > 0 and read_bps > 0 and prefill_tps > 0 and nbytes / read_bps < extra / prefill_tps
+
+
+def settled(results: list[dict[str, bool]]) -> dict[str, bool]:
+    """The tapes every rank is done with (`results` by rank: tape -> whether its part is ready), in rank 0's
+    order, each with whether every rank's part is ready."""
+    common = set(results[0]).intersection(*results[1:])
+    return {sid: all(r[sid] for r in results) for sid in results[0] if sid in common}
+
+
+# --- the mechanism -------------------------------------------------------------------------------------------
+
+class Rates:
+    """What restoring and prefilling cost on this rank (bytes read a second, tokens prefilled a second),
+    kept beside its snapshots for the next generation, which has measured nothing yet when it starts."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        try:
+            saved = json.loads(path.read_text()) if path else {}
+        except (OSError, ValueError):
+            saved = {}
+        self.read_bps = float(saved.get("read_bps", 0.0)) if isinstance(saved, dict) else 0.0
+        self.prefill_tps = float(saved.get("prefill_tps", 0.0)) if isinstance(saved, dict) else 0.0
+
+    def note(self, **rates: float) -> None:
+        for name, value in rates.items():
+            setattr(self, name, value)
+        if self.path is not None:
+            try:
+                write_atomic(self.path, {"read_bps": self.read_bps, "prefill_tps": self.prefill_tps})
+            except OSError:
+                pass  # the next generation measures afresh
+
+
+class Restorer:
+    """One rank's restores behind serving. `pending` (the plan's tapes not yet joined or dropped) is the same
+    on every rank: it changes only at `adopt`, from what every rank said."""
+
+    def __init__(self, snaps: Snapshots | None, tape: TokenTape, plan_: list[str], fresh, rates: Rates, log):
+        self.snaps, self.tape, self.fresh, self.rates, self.log = snaps, tape, fresh, rates, log
+        self.pending = list(plan_)
+        self.tokens: dict[str, tuple] = {}  # rank 0's view of what each pending tape holds
+        self.trimmable = bool(snaps) and snapshot_kind(leaf_types(fresh())) == "append"
+        self.restored_tokens = 0
+        self._began = time.monotonic()
+        self._held: dict[str, list[dict]] = {}  # rank 0: inserts waiting for a tape
+        self._queue = list(plan_)
+        self._read: dict = {}  # by the thread: tape -> Read, or None when it could not be read
+        self._built: dict[str, tuple | None] = {}
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="snapshot-reader", daemon=True)
+        if self.pending:
+            self._thread.start()
+        if snaps is not None:
+            snaps.restores_pending = len(self.pending)
+
+    @classmethod
+    def agree(cls, snaps: Snapshots | None, gather, tape: TokenTape, fresh, rates: Rates, log,
+              rank: int) -> "Restorer":
+        """The plan every rank makes from what every rank holds; every rank calls it, with snapshots or
+        without: `gather` (Lockstep.gather) is a collective."""
+        mesh, held = (snaps.me.mesh, snaps.held()) if snaps else ("", [])
+        offers = [json.loads(b) for b in gather(json.dumps({"mesh": mesh, "tapes": held}).encode())]
+        if snaps is None:
+            return cls(None, tape, [], fresh, rates, log)
+        parents = {s: g.parent for s, g in snaps.segments.items()}
+        if any(o["mesh"] != mesh for o in offers):
+            for sid in ends(held, parents):
+                snaps.skip("foreign", f"tape {sid}: the ranks load other models or worlds "
+                                      f"({[o['mesh'] for o in offers]})")
+            return cls(snaps, tape, [], fresh, rates, log)
+        agreed = agree([o["tapes"] for o in offers])
+        everywhere = set(agreed)
+        for sid in ends([s for s in held if s not in everywhere], parents):
+            snaps.skip("missing", f"tape {sid}: not whole on every rank")
+        whole_states = snapshot_kind(leaf_types(fresh())) == "whole"
+        restorer = cls(snaps, tape, plan(agreed, parents, whole_states, tape.capacity), fresh, rates, log)
+        if rank == 0:
+            restorer.tokens = {sid: t for sid in restorer.pending if (t := snaps.tokens_of(sid)) is not None}
+        return restorer
+
+    def _run(self) -> None:
+        types = leaf_types(self.fresh())
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                sid = self._queue.pop(0)
+            began = time.monotonic()
+            got = self.snaps.read(sid, types)
+            if got is not None:
+                self.rates.note(read_bps=got.nbytes / max(time.monotonic() - began, 1e-6))
+            with self._cv:
+                self._read[sid] = got
+
+    def first(self, sid: str) -> None:
+        """Read `sid` next (a request waits for it)."""
+        with self._cv:
+            if sid in self._queue:
+                self._queue.remove(sid)
+                self._queue.insert(0, sid)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+    def adopt(self, gather) -> list[str]:
+        """Build the caches this rank's thread read, then, with every rank (`gather` is a collective), put
+        into the token tape the tapes every rank has ready; returns them."""
+        with self._cv:
+            done, self._read = self._read, {}
+        for sid, got in done.items():
+            self._built[sid] = self.snaps.build(got, self.fresh) if got is not None else None
+        agreed = settled([json.loads(b) for b in gather(json.dumps(
+            {sid: built is not None for sid, built in self._built.items()}).encode())])
+        adopted, tokens = [], 0
+        for sid, ok in agreed.items():
+            built = self._built.pop(sid)
+            self.pending.remove(sid)
+            self.tokens.pop(sid, None)
+            if ok and self.tape.store_older(*built):
+                adopted.append(sid)
+                tokens += len(built[0])
+            elif not ok and built is not None:
+                self.snaps.skip("missing", f"tape {sid}: another rank could not restore its part")
+        self.snaps.restored_as(adopted)
+        self.snaps.restores_pending = len(self.pending)
+        self.restored_tokens += tokens
+        if adopted:
+            self.log(f"restored {len(adopted)} tape(s) ({tokens} tokens) from snapshots while serving; "
+                     f"{len(self.pending)} pending")
+        if not self.pending:
+            self.close()
+            self.log(f"restores done in {time.monotonic() - self._began:.1f}s: {self.snaps.restored} tape(s), "
+                     f"{self.restored_tokens} tokens; skipped so far: {self.snaps.skipped or 'none'}")
+        return adopted
+
+    # --- rank 0 ---------------------------------------------------------------------------------------------
+    def screen(self, outbox: list[dict], through: str) -> list[dict]:
+        """Rank 0's outbox with the inserts that wait for a pending tape held back (and that tape moved to
+        the front everywhere), and those whose tape is done let through; request `through` never waits."""
+        out = []
+        for msg in outbox:
+            if msg["op"] == "insert" and msg["rid"] != through and \
+                    (sid := self._worth(tuple(msg["prompt"]))) is not None:
+                if sid not in self._held:
+                    out.append({"op": RESTORE_FIRST, "sid": sid})
+                self.log(f"request {msg['rid']} waits for tape {sid}, which is being restored: reading it is "
+                         "sooner than prefilling what it holds")
+                self._held.setdefault(sid, []).append(msg)
+                continue
+            if msg["op"] == "cancel":
+                for held in self._held.values():
+                    held[:] = [m for m in held if m["rid"] != msg["rid"]]
+            if msg["op"] == "drain":
+                out += self.release(all_=True)
+            out.append(msg)
+        return self.release() + out
+
+    def release(self, all_: bool = False) -> list[dict]:
+        """The held inserts whose tape joined the token tape or was dropped (all of them with `all_`)."""
+        out = []
+        for sid in [s for s in self._held if all_ or s not in self.pending]:
+            out += self._held.pop(sid)
+        return out
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def _worth(self, prompt: tuple) -> str | None:
+        """The pending tape a prompt should wait for, if any (`worth_waiting`)."""
+        if not self.tokens:
+            return None
+        served = self.tape.served(prompt)
+        best, best_len = None, served
+        for sid, tokens in self.tokens.items():
+            n = reusable_prefix(common_prefix(tokens, prompt), len(tokens), len(prompt), self.trimmable)
+            if n > best_len:
+                best, best_len = sid, n
+        if best is None or not worth_waiting(best_len - served, self.snaps.nbytes_of(best), self.rates.read_bps,
+                                             self.rates.prefill_tps):
+            return None
+        return best
