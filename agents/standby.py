@@ -1,10 +1,12 @@
 """The agent's standby rank (runtime/standby.py): one process per agent whose imports and device init
 are done, started once this node's rank serves, and handed the next generation's rank instead of a
-cold spawn. One that exited, is not ready, is stale (the code it imported changed on disk since it
-started) or was started for another environment is replaced, never used. It belongs to no generation
+cold spawn. One that exited, is not ready, is stale (a file of the code it imported changed, vanished
+or was replaced since it was ready), was started for another environment, or does not answer at the
+moment of the hand-over (stopped, hung) is ended and replaced, never used. It belongs to no generation
 until it takes a spec: its exit is no rank's death, and a sweep ends it only once its agent is gone.
 
-The decisions are pure (`rank_args`, `early_env`, `refusal`, `respawn_in`); `Keeper` carries them out.
+The decisions are pure (`rank_args`, `early_env`, `refusal`, `changed_code`, `answered`, `respawn_in`);
+`Keeper` carries them out.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +25,15 @@ import structlog
 
 from agents.orphans import STANDBY_MARKER
 from common import procs
-from common.buildinfo import newest_change
+from common.buildinfo import identities
 
 log = structlog.get_logger("meshd.agent")
 
 RANK_MODULE = "runtime.rank"
 RESPAWN_AFTER = 30.0  # seconds after a standby died before it was ready: one that keeps dying costs no more
+ANSWER_WITHIN = 1.0  # seconds a standby has to answer before it is handed a rank
+REAP_WITHIN = 5.0  # seconds for a SIGKILLed standby to be gone
+SILENT = f"the standby did not answer within {ANSWER_WITHIN:g} s (stopped or hung)"
 
 
 def rank_args(argv: list[str], python: str) -> list[str] | None:
@@ -47,24 +54,36 @@ class Standby:
     target: procs.Target
     early: dict
     report: Path
-    started: float  # its create time, by this host's clock
+    answer: Path  # where it answers the agent's questions
 
 
-def refusal(standby: Standby | None, *, alive: bool, report: dict | None, changed_at: float,
+def refusal(standby: Standby | None, *, alive: bool, report: dict | None, changed: list[str],
             early: dict) -> str | None:
-    """Why `standby` must not take a rank whose early environment is `early` (None: it may).
-    `changed_at`: when the code under its report's roots last changed on disk."""
+    """Why `standby` must not take a rank whose early environment is `early` (None: it may; it is then
+    asked whether it answers). `changed`: the files of its code that are not those it reported."""
     if standby is None:
         return "no standby"
     if not alive:
         return "the standby exited"
     if not reported(standby, report):
         return "the standby is not ready yet"
-    if changed_at > standby.started:
-        return "the standby is stale: the code it imported changed on disk after it started"
+    if changed:
+        more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+        return f"the standby is stale: {changed[0]}{more} changed, vanished or was replaced since it was ready"
     if early != standby.early:
         return "the standby was started for another environment"
     return None
+
+
+def changed_code(reported_code: dict[str, list[int] | None], now: dict[str, list[int] | None]) -> list[str]:
+    """The paths of a standby's code (its modules' files, their distributions' dist-info) whose identity
+    now (`common.buildinfo.identities`) is not the one it reported when it was ready."""
+    return sorted(path for path, identity in reported_code.items() if now.get(path) != identity)
+
+
+def answered(asked: str, answer: dict | None) -> bool:
+    """The standby's last answer is to the question `asked` (not to an earlier one)."""
+    return answer is not None and answer.get("answered") == asked
 
 
 def reported(standby: Standby, report: dict | None) -> bool:
@@ -82,7 +101,7 @@ def respawn_in(*, enabled: bool, held: bool, failed_at: float | None, now: float
     return 0.0 if failed_at is None else max(0.0, after - (now - failed_at))
 
 
-def read_report(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -127,13 +146,14 @@ class Keeper:
                 self._again = asyncio.create_task(self._look_again(delay, early, serving))
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        report = self.dir / "report.json"
+        report, answer = self.dir / "report.json", self.dir / "answer.json"
         report.unlink(missing_ok=True)
         env = {**os.environ, **early, "MESHD_AGENT": str(self.dir.parent.resolve())}
-        self.proc = await procs.spawn([self.python, "-m", "runtime.standby", "--report", str(report), STANDBY_MARKER],
+        self.proc = await procs.spawn([self.python, "-m", "runtime.standby", "--report", str(report),
+                                       "--answer", str(answer), STANDBY_MARKER],
                                       self.dir / "standby.log", env=env, cwd=self.dir, stdin=True)
         target = procs.identify(self.proc.pid) or procs.Target(self.proc.pid, time.time())
-        self.standby = Standby(target, early, report, target.create_time)
+        self.standby = Standby(target, early, report, answer)
         log.info("standby started", pid=target.pid)
 
     async def take(self, argv: list[str], env: dict[str, str], cwd: Path, log_path: Path,
@@ -149,22 +169,42 @@ class Keeper:
         standby, proc = self.standby, self.proc
         if args is None or standby is None:
             return None
-        report = read_report(standby.report)
+        report = read_json(standby.report)
         alive = procs.alive(standby.target)
-        changed_at = await asyncio.to_thread(newest_change, report["roots"]) if report else 0.0
-        why = refusal(standby, alive=alive, report=report, changed_at=changed_at, early=early)
+        code = report["code"] if reported(standby, report) else {}
+        changed = changed_code(code, await asyncio.to_thread(identities, list(code)))
+        why = refusal(standby, alive=alive, report=report, changed=changed, early=early)
+        if why is None and not await self._answers(standby, proc):
+            why = SILENT
         self.standby, self.proc = None, None
         if why is not None:
-            log.info("standby not used", pid=standby.target.pid, why=why)
-            if not alive:
+            log.warning("standby not used: ending it, the rank spawns cold", pid=standby.target.pid, why=why)
+            if alive:
+                await self._end(standby, proc)
+            else:
                 self._lost(standby)
-            await self._end(standby)
             return None
         proc.stdin.write(json.dumps({"argv": args, "env": env, "cwd": str(cwd), "log": str(log_path)}).encode()
                          + b"\n")
         await proc.stdin.drain()
         proc.stdin.close()
         return proc
+
+    @staticmethod
+    async def _answers(standby: Standby, proc: asyncio.subprocess.Process) -> bool:
+        """Ask the standby, on its pipe, whether it is there; whether it answered within ANSWER_WITHIN."""
+        asked = secrets.token_hex(8)
+        deadline = time.monotonic() + ANSWER_WITHIN
+        try:
+            proc.stdin.write(json.dumps({"ask": asked}).encode() + b"\n")
+            await asyncio.wait_for(proc.stdin.drain(), ANSWER_WITHIN)
+        except (OSError, asyncio.TimeoutError):
+            return False
+        while not answered(asked, read_json(standby.answer)):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     async def _look_again(self, delay: float, early: dict, serving: Callable[[], bool]) -> None:
         await asyncio.sleep(delay)
@@ -173,7 +213,7 @@ class Keeper:
 
     def _lost(self, standby: Standby) -> None:
         """`standby` died by itself; before it was ready, its next start waits RESPAWN_AFTER."""
-        ready = reported(standby, read_report(standby.report))
+        ready = reported(standby, read_json(standby.report))
         log.warning("standby exited", pid=standby.target.pid, ready=ready)
         if not ready:
             self.failed_at = time.monotonic()
@@ -184,9 +224,17 @@ class Keeper:
         if self._again is not None:
             self._again.cancel()
         if self.standby is not None:
-            await self._end(self.standby)
+            await self._end(self.standby, self.proc)
             self.standby, self.proc = None, None
 
     @staticmethod
-    async def _end(standby: Standby) -> None:
-        await procs.stop_ladder([standby.target], grace=2.0)
+    async def _end(standby: Standby, proc: asyncio.subprocess.Process) -> None:
+        """SIGKILL, and reaped before this returns: a standby holds nothing a SIGTERM would save, and a
+        stopped one would not run it."""
+        procs.send(standby.target, signal.SIGKILL)
+        try:
+            await asyncio.wait_for(proc.wait(), REAP_WITHIN)
+        except asyncio.TimeoutError:
+            log.error("standby survived SIGKILL", pid=standby.target.pid, waited=REAP_WITHIN)
+            return
+        log.info("standby ended", pid=standby.target.pid, signal="SIGKILL")

@@ -1,13 +1,13 @@
 """What this process is built from (meshd, MLX, mlx-lm, Python): for
 `meshctl --version`, the agent's node facts and the `meshd_build_info` metric;
-the `process_*` metrics every meshd registry carries; and when the code on
-disk last changed (a standby rank that started before is stale)."""
+the `process_*` metrics every meshd registry carries; and the identity of the
+files a process's code came from (a standby rank whose files changed since is stale)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from importlib import metadata
-from pathlib import Path
 
 
 def installed(dist: str) -> str | None:
@@ -33,17 +33,15 @@ def register_process_metrics(registry, component: str) -> None:
         {"component": component, **{k: v or "not installed" for k, v in versions().items()}})
 
 
-def newest_change(roots: list[str]) -> float:
-    """When anything under `roots` (package directories) last changed: the newest status change (ctime,
-    which no installer can set back) of any file or directory there. Code a process imported before this
-    time may not be the code on disk now. Bytecode caches, which imports themselves write, do not count."""
-    newest = 0.0
-    for root in roots:
-        for path in (Path(root), *Path(root).rglob("*")):
-            if "__pycache__" in path.parts:
-                continue
-            try:
-                newest = max(newest, path.stat().st_ctime)
-            except OSError:
-                continue
-    return newest
+def identities(paths: list[str]) -> dict[str, list[int] | None]:
+    """Each path's identity: its device, inode, mtime (ns) and size; None when it is gone. A file an edit
+    rewrote, an upgrade replaced or removed, or a directory renamed away has another identity (or none)."""
+    found: dict[str, list[int] | None] = {}
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            found[path] = None
+            continue
+        found[path] = [st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size]
+    return found

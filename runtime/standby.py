@@ -2,15 +2,17 @@
 
 The agent starts it with a pipe on stdin and hands it the next generation's rank as one JSON line
 (`argv`, `env`, `cwd`, `log`); it then becomes that rank (`runtime.rank.main`) in the same process.
-Once ready it writes its report (`--report`): its pid, the package directories its code comes from
-(the agent finds it stale once anything there changed after it started) and the memory it holds.
+Before that the agent asks whether it is there (`{"ask": ...}`), which it answers in a file
+(`--answer`): a stopped or hung standby does not, and is never handed a rank.
+Once ready it writes its report (`--report`): its pid, the identity of every file its code came from
+(each module it imported, and the metadata directory of each distribution they belong to: the agent
+finds it stale once any of them changed) and the memory it holds.
 It loads no model. The end of its stdin (its agent gone) ends it before it takes a spec.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -20,23 +22,37 @@ from pathlib import Path
 import mlx.core as mx
 
 from common import proctitle
+from common.buildinfo import identities
 from common.secretfile import open_appending
 from common.statusfile import write_atomic
 from runtime import rank
 
-# The code a rank runs, by package; the large ones by their installed metadata, not file by file.
-PACKAGES = ("runtime", "common", "mlx", "mlx_lm")
-DISTRIBUTIONS = ("transformers",)
 
-
-def code_roots() -> list[str]:
-    roots = [p for name in PACKAGES for p in importlib.util.find_spec(name).submodule_search_locations]
-    for dist in DISTRIBUTIONS:
+def imported_code() -> list[str]:
+    """The files of every module this process imported, and the metadata directories (dist-info) of the
+    distributions they come from, which an upgrade renames or replaces."""
+    modules = list(sys.modules.items())
+    paths = {os.path.abspath(m.__file__) for _, m in modules if isinstance(getattr(m, "__file__", None), str)}
+    owners = metadata.packages_distributions()
+    for dist in {d for name, _ in modules for d in owners.get(name.partition(".")[0], ())}:
         try:
-            roots.append(str(metadata.distribution(dist)._path))
+            found = getattr(metadata.distribution(dist), "_path", None)
         except metadata.PackageNotFoundError:
-            pass
-    return roots
+            continue
+        if found is not None:
+            paths.add(os.path.abspath(found))
+    return sorted(paths)
+
+
+def wait_for_spec(answer: Path) -> dict | None:
+    """The spec the agent hands this standby, after answering each of its questions in `answer`; None when
+    its pipe ends (the agent is gone)."""
+    for line in iter(sys.stdin.readline, ""):
+        message = json.loads(line)
+        if "ask" not in message:
+            return message
+        write_atomic(answer, {"answered": message["ask"]})
+    return None
 
 
 def become(spec: dict) -> list[str]:
@@ -54,17 +70,17 @@ def become(spec: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="meshd-standby", description=__doc__.splitlines()[0])
     p.add_argument("--report", required=True, help="where to write this standby's report (JSON)")
+    p.add_argument("--answer", required=True, help="where to answer the agent's questions (JSON)")
     p.add_argument("--meshd-standby", action="store_true", help="the marker the agent's sweep finds standbys by")
     args = p.parse_args(argv)
     proctitle.set_title(proctitle.standby(os.environ.get("MESHD_NODE", "")))
     mx.eval(mx.zeros(1) + 1)  # the device's first use: its context, allocator and first kernel
-    write_atomic(Path(args.report), {"pid": os.getpid(), "roots": code_roots(),
+    write_atomic(Path(args.report), {"pid": os.getpid(), "code": identities(imported_code()),
                                      "mlx_active_bytes": mx.get_active_memory()})
     print(f"meshd-standby {os.getpid()}: ready", flush=True)
-    line = sys.stdin.readline()
-    if not line:
-        return  # the agent is gone
-    rank.main(become(json.loads(line)))
+    spec = wait_for_spec(Path(args.answer))
+    if spec is not None:
+        rank.main(become(spec))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The agent's standby rank on a real agent (a mesh of one, real meshd-rank processes): the next
 generation starts on it, no sooner than the generation before is gone, and it holds no weights; one
-that crashed or went stale is replaced, never used; it ends with its agent. What the snapshots take
+that crashed, went stale (a file it imported replaced, its distribution upgraded) or does not answer
+(stopped) is replaced, never used; it ends with its agent. What the snapshots take
 on each node, as the agent reports it and doctor judges it, and rank 0's step count as the controller
 surveys it ([recycle] steps). And the pure decisions, as tables."""
 
@@ -18,8 +19,9 @@ import psutil
 import pytest
 
 from agents.orphans import ProcInfo, marker_generation, scan, select_orphans
-from agents.standby import RESPAWN_AFTER, Keeper, Standby, early_env, rank_args, refusal, respawn_in
-from common.buildinfo import newest_change
+from agents.standby import (RESPAWN_AFTER, SILENT, Keeper, Standby, answered, changed_code, early_env, rank_args,
+                            refusal, respawn_in)
+from common.buildinfo import identities
 from common.procs import Target
 from kit.agents import make_agents, start_generation, stop_generation, wait_mesh_ready
 from kit.ps import shown
@@ -35,11 +37,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
-    """One agent whose ranks import runtime/ and common/ from a copy of their own: the stale test
-    changes that copy, never the checkout."""
+    """One agent whose ranks import runtime/ and common/ from a copy of their own, installed as a
+    distribution of its own (its dist-info beside them): the stale tests change that copy, never the
+    checkout or .venv."""
     tmp = tmp_path_factory.mktemp("standby")
     for package in ("runtime", "common"):
         shutil.copytree(ROOT / package, tmp / "code" / package, ignore=shutil.ignore_patterns("__pycache__"))
+    dist_info = tmp / "code" / "meshd_copy-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: meshd-copy\nVersion: 0.1\n")
+    (dist_info / "top_level.txt").write_text("common\nruntime\n")
     (a,) = make_agents(tmp, 1, extra={"standby": True})
     a.start(env={"PYTHONPATH": f"{tmp / 'code'}{os.pathsep}{ROOT}"})
     a.code = tmp / "code"
@@ -54,13 +61,13 @@ def started(a, generation: int) -> dict:
     return next(e for e in a.events() if e["kind"] == "RankStarted" and e["generation"] == generation)
 
 
-def serve_next(a, model) -> dict:
-    """Stop the generation that runs (if any), start the next and wait until it serves and a standby
-    is ready beside it; returns the next one's RankStarted."""
+def serve_next(a, model, within: float = 120) -> dict:
+    """Stop the generation that runs (if any), start the next and wait (up to `within` seconds) until it
+    serves; returns the next one's RankStarted."""
     if a.generation:
         stop_generation([a], a.generation, mode="drain", grace=10)
     a.generation += 1
-    wait_mesh_ready(start_generation([a], a.generation, model))
+    wait_mesh_ready(start_generation([a], a.generation, model), timeout=within)
     return started(a, a.generation)
 
 
@@ -98,6 +105,8 @@ def test_the_next_generation_starts_on_the_standby_once_the_last_is_gone(agent, 
     assert shown(took["pid"]) == f"meshd-rank gen={g + 1} rank=0/1 node={agent.node}"  # it retitled itself
     beside = standby_report(agent)["pid"]
     assert shown(beside) == f"meshd-standby node={agent.node}"
+    top = {pid: Path(f"/proc/{pid}/comm").read_text().strip() for pid in (took["pid"], beside)}  # top's short name
+    assert top == {took["pid"]: "meshd-rank gen=", beside: "meshd-standby n"}
     seen = {p.pid: p for p in scan()}  # what the sweep reads of them: the title, and the environment kept
     assert marker_generation(seen[took["pid"]]) == g + 1 and seen[beside].standby
     assert seen[took["pid"]].agent == seen[beside].agent == str((agent.dir / "state").resolve())
@@ -112,14 +121,41 @@ def test_a_standby_that_died_is_replaced_and_never_blamed(agent, demo_model):
     assert standby_report(agent)["pid"] not in (dead, took["pid"]), "a new standby once the rank serves"
 
 
-def test_a_stale_standby_is_replaced(agent, demo_model):
-    stale = standby_report(agent)["pid"]
-    os.utime(agent.code / "runtime" / "engine.py")  # the code on disk changed after the standby imported it
+def replace_with_a_copy(path: Path) -> Path:
+    """What an installer does to a file: a new one (here the same bytes and mtime) renamed over it."""
+    shutil.copy2(path, path.with_name(path.name + ".new"))
+    os.replace(path.with_name(path.name + ".new"), path)
+    return path
+
+
+def upgrade(dist_info: Path) -> Path:
+    """What `pip install -U` does to a distribution's metadata: the old version's directory is gone."""
+    dist_info.rename(dist_info.with_name("meshd_copy-0.2.dist-info"))
+    return dist_info
+
+
+@pytest.mark.parametrize("change", [
+    lambda code: replace_with_a_copy(code / "runtime" / "engine.py"),  # a module it imported
+    lambda code: upgrade(code / "meshd_copy-0.1.dist-info"),  # the distribution its modules come from
+], ids=["a module replaced", "its distribution upgraded"])
+def test_a_stale_standby_is_replaced(agent, demo_model, change):
+    standby = standby_report(agent)
+    changed = change(agent.code)
+    assert str(changed) in standby["code"], "the standby reported the identity of what changed"
     took = serve_next(agent, demo_model)
-    assert took["warm"] is False and not psutil.pid_exists(stale)
-    assert "the standby is stale" in (agent.dir / "agent.log").read_text()
+    assert took["warm"] is False and not psutil.pid_exists(standby["pid"])
+    assert f"the standby is stale: {changed} changed" in (agent.dir / "agent.log").read_text()
     standby_report(agent)
     assert serve_next(agent, demo_model)["warm"] is True, "its replacement, started after the change, is used"
+
+
+def test_a_stopped_standby_is_ended_and_the_rank_starts_cold_at_once(agent, demo_model):
+    stopped = standby_report(agent)["pid"]
+    os.kill(stopped, signal.SIGSTOP)  # it cannot answer the agent's question
+    took = serve_next(agent, demo_model, within=60)  # far below a controller's start_timeout (120 s)
+    assert took["warm"] is False and not psutil.pid_exists(stopped), "ended (SIGKILL) and reaped, never handed a rank"
+    said = [line for line in (agent.dir / "agent.log").read_text().splitlines() if str(stopped) in line]
+    assert any(SILENT in line for line in said), said
 
 
 def test_the_agent_reports_what_the_snapshots_take(agent):
@@ -149,26 +185,58 @@ def test_a_waiting_standby_ends_with_its_agent(agent):
 
 
 # --- the pure decisions ---------------------------------------------------------------------------------
-STANDBY = Standby(Target(40, 1000.0), {"OMP_NUM_THREADS": "2"}, Path("report.json"), 1000.0)
-READY = {"pid": 40, "roots": ["/venv/runtime"]}
+STANDBY = Standby(Target(40, 1000.0), {"OMP_NUM_THREADS": "2"}, Path("report.json"), Path("answer.json"))
+READY = {"pid": 40, "code": {"/venv/mlx/core.so": [1, 2, 3, 4]}}
 REFUSALS = [
-    ("current", STANDBY, True, READY, 900.0, {"OMP_NUM_THREADS": "2"}, None),
-    ("none held", None, False, None, 0.0, {}, "no standby"),
-    ("crashed", STANDBY, False, READY, 900.0, {"OMP_NUM_THREADS": "2"}, "exited"),
-    ("still importing", STANDBY, True, None, 900.0, {"OMP_NUM_THREADS": "2"}, "not ready"),
-    ("a report of an earlier standby", STANDBY, True, {**READY, "pid": 39}, 900.0, {"OMP_NUM_THREADS": "2"},
+    ("current", STANDBY, True, READY, [], {"OMP_NUM_THREADS": "2"}, None),
+    ("none held", None, False, None, [], {}, "no standby"),
+    ("crashed", STANDBY, False, READY, [], {"OMP_NUM_THREADS": "2"}, "exited"),
+    ("still importing", STANDBY, True, None, [], {"OMP_NUM_THREADS": "2"}, "not ready"),
+    ("a report of an earlier standby", STANDBY, True, {**READY, "pid": 39}, [], {"OMP_NUM_THREADS": "2"},
      "not ready"),
-    ("code changed after it started", STANDBY, True, READY, 1000.5, {"OMP_NUM_THREADS": "2"}, "stale"),
-    ("another environment", STANDBY, True, READY, 900.0, {"OMP_NUM_THREADS": "4"}, "another environment"),
-    ("other GPUs", STANDBY, True, READY, 900.0, {"OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "1"},
+    ("a file of its code changed", STANDBY, True, READY, ["/venv/mlx/core.so"], {"OMP_NUM_THREADS": "2"},
+     "stale: /venv/mlx/core.so changed"),
+    ("several", STANDBY, True, READY, ["/a.py", "/b.py", "/c.py"], {"OMP_NUM_THREADS": "2"}, "/a.py and 2 more"),
+    ("another environment", STANDBY, True, READY, [], {"OMP_NUM_THREADS": "4"}, "another environment"),
+    ("other GPUs", STANDBY, True, READY, [], {"OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "1"},
      "another environment"),
 ]
 
 
-@pytest.mark.parametrize("name, standby, alive, report, changed_at, early, why", REFUSALS, ids=[r[0] for r in REFUSALS])
-def test_when_a_standby_may_take_a_rank(name, standby, alive, report, changed_at, early, why):
-    said = refusal(standby, alive=alive, report=report, changed_at=changed_at, early=early)
+@pytest.mark.parametrize("name, standby, alive, report, changed, early, why", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_when_a_standby_may_take_a_rank(name, standby, alive, report, changed, early, why):
+    said = refusal(standby, alive=alive, report=report, changed=changed, early=early)
     assert said is None if why is None else why in said
+
+
+REPORTED = {"/venv/numpy/__init__.py": [1, 10, 500, 80], "/venv/numpy-2.1.dist-info": [1, 11, 400, 4096]}
+CHANGES = [
+    ("nothing changed", REPORTED, []),
+    ("edited in place", {**REPORTED, "/venv/numpy/__init__.py": [1, 10, 501, 80]}, ["/venv/numpy/__init__.py"]),
+    ("replaced by an equal copy", {**REPORTED, "/venv/numpy/__init__.py": [1, 12, 500, 80]},
+     ["/venv/numpy/__init__.py"]),
+    ("the same inode on another device", {**REPORTED, "/venv/numpy/__init__.py": [2, 10, 500, 80]},
+     ["/venv/numpy/__init__.py"]),
+    ("its dist-info renamed by an upgrade", {**REPORTED, "/venv/numpy-2.1.dist-info": None},
+     ["/venv/numpy-2.1.dist-info"]),
+    ("not asked about", {"/venv/numpy/__init__.py": [1, 10, 500, 80]}, ["/venv/numpy-2.1.dist-info"]),
+    ("files it never imported", {**REPORTED, "/venv/numpy/linalg.py": [1, 13, 900, 10]}, []),
+]
+
+
+@pytest.mark.parametrize("name, now, changed", CHANGES, ids=[c[0] for c in CHANGES])
+def test_which_files_of_a_standbys_code_changed(name, now, changed):
+    assert changed_code(REPORTED, now) == changed
+
+
+@pytest.mark.parametrize("asked, answer, yes", [
+    ("b7", {"answered": "b7"}, True),
+    ("b7", {"answered": "a1"}, False),  # the answer to an earlier question: it may have stopped since
+    ("b7", None, False),  # no answer yet
+    ("b7", {}, False),
+])
+def test_whether_a_standby_answered(asked, answer, yes):
+    assert answered(asked, answer) is yes
 
 
 @pytest.mark.parametrize("enabled, held, failed_at, now, delay", [
@@ -226,14 +294,18 @@ def test_the_early_environment_is_what_imports_device_init_and_the_title_read():
                                                                  "OMP_NUM_THREADS": "2"}
 
 
-def test_a_change_under_the_code_roots_moves_their_newest_change(tmp_path):
-    (tmp_path / "pkg" / "__pycache__").mkdir(parents=True)
-    (tmp_path / "pkg" / "mod.py").write_text("x = 1\n")
-    before = newest_change([str(tmp_path / "pkg")])
-    (tmp_path / "pkg" / "__pycache__" / "mod.pyc").write_bytes(b"cache")
-    assert newest_change([str(tmp_path / "pkg")]) == before, "bytecode an import writes is no change"
-    os.utime(tmp_path / "pkg" / "mod.py", (0, 0))  # an installer may set mtimes back; ctime moves all the same
-    assert newest_change([str(tmp_path / "pkg")]) > before
+def test_files_rewritten_replaced_or_removed_have_another_identity(tmp_path):
+    for name in ("kept.py", "edited.py", "replaced.py", "removed.py"):
+        (tmp_path / name).write_text("x = 1\n")
+    (tmp_path / "pkg-1.0.dist-info").mkdir()
+    paths = sorted(str(p) for p in tmp_path.iterdir())
+    before = identities(paths)
+    (tmp_path / "edited.py").write_text("x = 22\n")  # another size: the same clock tick may give the same mtime
+    replace_with_a_copy(tmp_path / "replaced.py")
+    (tmp_path / "removed.py").unlink()
+    (tmp_path / "pkg-1.0.dist-info").rename(tmp_path / "pkg-1.1.dist-info")
+    assert changed_code(before, identities(paths)) == [str(tmp_path / n) for n in
+                                                       ("edited.py", "pkg-1.0.dist-info", "removed.py", "replaced.py")]
 
 
 def test_a_sweep_ends_a_standby_only_when_its_agent_does_not_hold_it():
