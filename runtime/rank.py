@@ -30,7 +30,7 @@ from common.fingerprint import weights_digest
 from common.tomlcheck import loopback
 from common.states import RankState
 from common.statusfile import RankStatus
-from runtime import dspark, families, openai_api as oa
+from runtime import dspark, families, grammar, openai_api as oa
 from runtime.drafting import DraftWhenAlone, DSparkEngine, MTPEngine, SpeculativeEngine
 from runtime.engine import BatchEngine, Job
 from runtime.join import join_mesh
@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(model_path)
     families.refuse(config, draft=args.draft_model, drafter=args.drafter, batch=args.completion_batch_size)
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+    grammar.serve(tokenizer)  # every rank compiles the grammars answers are held to (runtime/grammar.py)
     frontend = None
     context = args.max_context or int(config.get("max_position_embeddings", 4096))
     if rank == 0:
