@@ -15,7 +15,7 @@ from runtime import dspark
 from runtime.jobs import Emission, Job, emission, finish_reason
 from runtime.sampling import greedy, processors_for, sampler_for
 from runtime.restore import Rates
-from runtime.snapshot import Snapshots
+from runtime.snapshot import Snapshots, leaf_types, snapshot_kind
 from runtime.tape import TokenTape
 
 
@@ -131,6 +131,7 @@ class BatchEngine:
         self._uid_by_rid: dict[str, int] = {}
         self._prompt_left: dict[str, int] = {}
         self._logprobs: dict[str, int] = {}  # what each job asked for (Job.logprobs)
+        self._told: dict[str, int] = {}  # a batched job's tokens so far: its prompt and what it emitted
         self.tape = TokenTape(tape_capacity)
         self.snapshots = snapshots
         self.rates = rates  # where the speed of prefills is noted (restores weigh it: runtime/restore.py)
@@ -138,6 +139,7 @@ class BatchEngine:
         # each job's snapshot point: the id and length of what its tape has on disk (a solo job's long
         # prefill once it ends and its answer every `snapshots.every` tokens; a batched job's at its end)
         self._since: dict[str, tuple[str, int]] = {}
+        self._rows_snapshot = bool(snapshots) and snapshot_kind(leaf_types(make_prompt_cache(model))) == "append"
 
     def take(self, job: Job) -> tuple[list, int]:
         """A cache for `job` and how much of its prompt it holds: the token tape's longest reusable prefix,
@@ -192,12 +194,14 @@ class BatchEngine:
         self._uid_by_rid[job.rid] = uid
         self._prompt_left[job.rid] = len(job.prompt) - cached
         self._logprobs[job.rid] = job.logprobs
+        self._told[job.rid] = len(job.prompt)
 
     def _forget(self, rid: str) -> None:
         uid = self._uid_by_rid.pop(rid)
         del self._rid_by_uid[uid]
         self._prompt_left.pop(rid, None)
         self._logprobs.pop(rid, None)
+        self._told.pop(rid, None)
 
     def _snapshot(self, rid: str, tokens, cache: list, final: bool) -> str:
         """Stage what is new of this job's tape when due; the id of its snapshot so far ("" without)."""
@@ -238,7 +242,22 @@ class BatchEngine:
             if r.finish_reason is not None:
                 self._finished(rid, tuple(r.all_tokens), r.prompt_cache)
                 self._forget(rid)
+            else:
+                self._told[rid] += 1
+        self._snapshot_rows()
         return out
+
+    def _snapshot_rows(self) -> None:
+        """The batched jobs' answers in flight, snapshotted every `snapshots.every` tokens as a solo job's
+        are: each row's cache taken out of the batch (its new tokens sliced) when it is due. Only plain KV
+        caches: a batch's rows of other caches are written at their end."""
+        if not self._rows_snapshot:
+            return
+        due_ = [self._uid_by_rid[rid] for rid, told in self._told.items()
+                if told - self._since[rid][1] > self.snapshots.every]
+        if due_:
+            for uid, (cache, tokens) in self._gen.extract_cache(due_).items():
+                self._snapshot(self._rid_by_uid[uid], tokens, cache, final=False)
 
     def _solo_step(self) -> list[Emission]:
         solo = self._solo

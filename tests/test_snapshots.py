@@ -384,6 +384,35 @@ def test_a_long_prompt_is_snapshotted_chunk_by_chunk_as_it_is_prefilled_so_a_dea
     again.close()
 
 
+def test_batched_answers_are_snapshotted_as_they_stream_and_a_row_restores_exactly(demo_model, tmp_path):
+    model, tokenizer = load(str(demo_model))
+    sampling = SamplingParams(max_tokens=48, temperature=0.0).sampling()
+    prompts = [tuple(tokenizer.encode(LONG))[:40], tuple(tokenizer.encode("Drain before close. " * 4))]
+    snaps = Snapshots(tmp_path, ME, 1 << 30, every=16)
+    engine = BatchEngine(model, set(), snapshots=snaps)
+    for i, prompt in enumerate(prompts):
+        engine.insert(Job(f"r{i}", prompt, 48, 0, sampling))  # the second joins the first: a batch of two
+    told = {"r0": [], "r1": []}
+    while all(len(t) < 40 for t in told.values()):  # both answers in flight, neither at its end
+        for e in engine.step():
+            told[e.rid].append(e.token)
+    snaps.pump()
+    snaps.close()
+    again = Snapshots(tmp_path, ME, 1 << 30, every=16)
+    tapes = again.restore(ends(again.held(), {s: g.parent for s, g in again.segments.items()}),
+                          fresh=lambda: make_prompt_cache(model))
+    assert len(tapes) == 2
+    for tokens, cache, _ in tapes:
+        i = next(i for i, p in enumerate(prompts) if tokens[:len(p)] == p)
+        answer = tokens[len(prompts[i]):]
+        assert len(answer) >= 16 and list(answer) == told[f"r{i}"][:len(answer)]  # part of the answer, on disk
+        ref = make_prompt_cache(model)
+        want = model(mx.array(tokens + (7,))[None], cache=ref)[0, -1]
+        got = model(mx.array([7])[None], cache=cache)[0, -1]  # the restored row goes on as a fresh prefill does
+        assert mx.allclose(got, want, atol=1e-4).item()
+    again.close()
+
+
 # --- the mesh ------------------------------------------------------------------------------------------------
 
 SPOILED = {"corrupt": "Drain before close. " * 4, "foreign": "Pack my box with five dozen jugs. " * 3,
