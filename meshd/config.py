@@ -422,9 +422,9 @@ def _recovery(raw, base: Path) -> Recovery:
         raise ConfigError('recovery.ladder: must start with "restart" and use only restart, reprovision, reboot; '
                           'for example ladder = ["restart", "reprovision", "reboot"]')
     if recovery.planned_restart not in PLANNED_RESTARTS:
-        raise ConfigError(f"recovery.planned_restart: {recovery.planned_restart!r} is neither \"drain\" (the streams in "
-                          "flight finish on the ending generation) nor \"cut\" (they resume on the next at once); for "
-                          'example planned_restart = "drain"')
+        raise ConfigError(f"recovery.planned_restart: {recovery.planned_restart!r} is neither \"drain\" (the streams "
+                          "in flight finish on the ending generation) nor \"cut\" (they resume on the next at once); "
+                          'for example planned_restart = "drain"')
     return recovery
 
 

@@ -700,7 +700,8 @@ def worn(state: FleetState, now: float, recycle: Recycle) -> tuple[str, str] | N
     if recycle.after and age >= recycle.after:
         return "age", f"generation {state.generation} served {age:.0f}s (recycle.after {recycle.after:g}s)"
     if recycle.steps and state.steps >= recycle.steps:
-        return "steps", f"generation {state.generation}'s rank 0 made {state.steps} steps (recycle.steps {recycle.steps})"
+        return "steps", (f"generation {state.generation}'s rank 0 made {state.steps} steps (recycle.steps "
+                         f"{recycle.steps})")
     opened = window_opened(recycle, now) if recycle.window else None
     if opened is not None and state.ready_since < opened:
         return "window", f"generation {state.generation} in the daily window {recycle.window}"

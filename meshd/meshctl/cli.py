@@ -839,7 +839,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.add_argument("-w", "--watch", action="store_true", help="follow it live (load bars, recovery steps) "
                                                                "until Ctrl-C")
-    rs = sub.add_parser("restart", help="drain this generation and start the next")
+    rs = sub.add_parser("restart", help="end this generation and start the next; its streams in flight finish on it "
+                                        "first, or resume on the next ([recovery] planned_restart)")
     rs.add_argument("--wait", action="store_true", help="follow the next generation's start until it serves")
     rs.add_argument("--timeout", type=float, default=900)
     ev = sub.add_parser("events", help="control actions (who, what, when) and incident history")
