@@ -89,7 +89,7 @@ def main() -> None:
         compile_ms.append(1000 * (time.perf_counter() - began))
 
     wide = 151936
-    mask = GrammarMask(held, len(prompt))
+    mask = GrammarMask(held, prompt, len(prompt))
     logits = mx.zeros((1, wide))
     said = mx.array(prompt, dtype=mx.uint32)
     mx.eval(mask(said, logits))

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from runtime import dspark, rollback
 from runtime.jobs import Emission, Job, emission, finish_reason
 from runtime.lockstep import Divergence
-from runtime.sampling import processors_for, sample_at, sampler_for
+from runtime.sampling import GrammarMask, processors_for, sample_at, sampler_for
 
 
 class SingleRequestEngine(ABC):
@@ -232,6 +232,7 @@ class MTPEngine(SingleRequestEngine):
         self._drafting = True
         self._processors = processors_for(job)
         self._said = mx.array(job.prompt, dtype=mx.uint32) if self._processors else None  # what they see
+        self._grammar = next((p for p in self._processors if isinstance(p, GrammarMask)), None)
 
     def _prefill(self) -> None:
         """A chunk of the prompt that is not its last through the target; the head learns its positions."""
@@ -351,13 +352,21 @@ class MTPEngine(SingleRequestEngine):
         each from the one before (on the device: they go into the next verify's graph)."""
         with self._refusals():
             trim_to(self._mtp_cache, self._base)
-            guesses = [mx.argmax(logits[:, at], axis=-1)]
+            guesses = [mx.argmax(self._allowed([], logits[:, at]), axis=-1)]
             h = h[:, at:at + 1]
             while len(guesses) < self.num_draft_tokens:
                 h, logits = self._model.mtp_draft(h, guesses[-1][None], self._mtp_cache)
-                guesses.append(mx.argmax(logits[:, -1], axis=-1))
+                guesses.append(mx.argmax(self._allowed(guesses, logits[:, -1]), axis=-1))
             return mx.concatenate(guesses).astype(mx.uint32)
         return None
+
+    def _allowed(self, drafts: list[mx.array], row: mx.array) -> mx.array:
+        """A draft's logits with what the request's grammar refuses after what was said and the `drafts`
+        before it at -inf (the verify's mask at that place, so a draft is one the target can accept); the
+        row as it is without a grammar."""
+        if self._grammar is None:
+            return row
+        return self._grammar(mx.concatenate([self._said, *(d.astype(mx.uint32) for d in drafts)]), row)
 
     @contextmanager
     def _refusals(self, who: str = "drafter"):
@@ -531,5 +540,6 @@ class DSparkEngine(MTPEngine):
         """The next block's first num_draft_tokens drafts (on the device: they go into the next verify's
         graph), the committed places' taps entering the stages' context first (dspark.draft)."""
         with self._refusals():
-            return dspark.draft(self._model, self._mtp_cache, committed, anchor, self.num_draft_tokens)[0]
+            return dspark.draft(self._model, self._mtp_cache, committed, anchor, self.num_draft_tokens,
+                                self._allowed)[0]
         return None

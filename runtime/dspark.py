@@ -134,20 +134,21 @@ def pieces(offset: int, length: int, windows: tuple[int, ...]) -> list[int]:
     return out
 
 
-def draft(model, cache: list, committed: mx.array, anchor: int, width: int) -> tuple[mx.array, mx.array]:
+def draft(model, cache: list, committed: mx.array, anchor: int, width: int,
+          allowed=lambda drafts, row: row) -> tuple[mx.array, mx.array]:
     """The first `width` drafts of DeepSeek's DSpark block after `anchor` (the token the target sampled last,
     not yet through it), and the biased logits each was taken from. `committed` (the target's taps of the
     positions before the anchor that `cache` lacks) enters the stages' context first; the whole block (the
     anchor at its own position, then noise tokens) goes through the stages, as the checkpoint was trained: a
     narrower one would attend to fewer noise rows and draft other tokens. Its rows are walked left to right,
-    each biased by the Markov head from the draft before it (the anchor before the first) and taken
-    greedily."""
+    each biased by the Markov head from the draft before it (the anchor before the first), then by
+    `allowed(drafts before it, row)` (a request's grammar), and taken greedily."""
     prev = mx.array([anchor], dtype=mx.uint32)
     logits, _ = model.dspark_forward(committed, prev, cache, draft_length=int(model.args.dspark_block_size))
     drafts, rows = [], []
     for i in range(width):
         bias, _ = model.dspark_markov(prev)
-        rows.append(logits[:, i] + bias)
+        rows.append(allowed(drafts, logits[:, i] + bias))
         prev = mx.argmax(rows[-1], axis=-1).astype(mx.uint32)
         drafts.append(prev)
     return mx.concatenate(drafts), mx.concatenate(rows)

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from common.errors import ApiError
+from common.errors import ApiError, error_body
 from runtime import grammar
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -37,6 +37,7 @@ class SamplingParams:
     named: bool = True  # the request set max_tokens itself (else the answer may stop at the context's end)
     logprobs: int = -1  # -1: none; k >= 0: each token's log probability and its k most likely alternatives
     grammar: str = ""  # llguidance's grammar the answer is held to (runtime/grammar.py); "": none
+    held_by: str = ""  # the parameter that asked for it: "response_format" or "tool_choice"
 
     def sampling(self) -> dict:
         """What every rank needs to sample alike (it travels with the request through the lockstep; each rank
@@ -473,7 +474,8 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False) 
     tools, forced = _tools(body) if kind == "chat" else ((), "")
     if kind == "chat":  # a forced call wins over the answer's format: its turn is the call
         answer_format = _response_format(body)
-        params = replace(params, grammar=forced or answer_format)
+        params = replace(params, grammar=forced or answer_format,
+                         held_by="tool_choice" if forced else "response_format" if answer_format else "")
     common = dict(
         kind=kind,
         model=limits.model_name,
@@ -583,6 +585,19 @@ def chunk_body(req: CompletionRequest, rid: str, created: int, text: str | None,
         choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
+
+
+GRAMMAR_STUCK = "grammar_stuck"  # the finish_reason and error code of an answer its grammar left no token
+
+
+def grammar_stuck(req: CompletionRequest, why: str, said: str) -> dict:
+    """The error of an answer whose grammar allowed no token after what it said (runtime/grammar.py's
+    `dead_end`): the answer so far cannot become a valid one."""
+    where = "response_format.json_schema.schema" if req.params.held_by == "response_format" else "tool_choice"
+    tail = said if len(said) <= 80 else "..." + said[-80:]
+    return error_body(f"The grammar of '{where}' allowed no token after {tail!r}, so the answer stops short of a "
+                      f"valid one: {why}. Rewrite the part of the schema no finite answer the model's vocabulary "
+                      "can write meets (a required property that requires itself, say)", "invalid_request_error", req.params.held_by, GRAMMAR_STUCK)
 
 
 def usage_chunk(req: CompletionRequest, rid: str, created: int, usage_: dict) -> dict:

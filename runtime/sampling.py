@@ -4,8 +4,6 @@ so no bias or penalty brings back a token the grammar refuses)."""
 
 from __future__ import annotations
 
-import sys
-
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
@@ -66,30 +64,35 @@ def sample_at(job: Job, i: int, logprobs: mx.array) -> mx.array:
 class GrammarMask:
     """mlx-lm's logits processor for one answer held to a grammar: logits of tokens the grammar does not
     allow next become -inf. `answer_start`: where the answer begins in the tokens it is shown (the prompt's
-    length, less the tokens of a resumed answer that the prompt carries)."""
+    length, less the tokens of a resumed answer that the prompt carries). A prompt that leaves a think block
+    open lets the answer reason first: the grammar holds what follows the block's close, and the reasoning
+    may say anything but the end."""
 
-    def __init__(self, text: str, answer_start: int, rid: str = ""):
+    def __init__(self, text: str, prompt, answer_start: int):
+        self._text = text
         self._matcher = grammar.compiled(text)
         self._start = answer_start
-        self._rid = rid
-        self._said: list[int] = []  # the answer's tokens the matcher consumed
-        self._stuck = False
+        self._reasoning_first = grammar.think_open(prompt[:answer_start])
+        self._said: list[int] = []  # the held tokens the matcher consumed
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        if not self._follow(tokens[self._start:].tolist()):
+        held = grammar.held(tokens[self._start:].tolist(), self._reasoning_first)
+        if held is None:
+            bits = grammar.reasoning_tokens(logits.shape[-1], grammar.eos_tokens())
+        elif self._follow(held) or self._matcher.is_error():  # an errored matcher allows nothing: the end
+            bits = grammar.allowed_tokens(self._matcher.compute_bitmask(), logits.shape[-1], grammar.eos_tokens())
+        else:
             return logits  # past a draft the grammar refuses: the verify keeps nothing from this place
-        bits = grammar.allowed_tokens(self._matcher.compute_bitmask(), logits.shape[-1], grammar.eos_tokens())
-        if self._matcher.is_error() and not self._stuck:
-            self._stuck = True
-            print(f"[meshd] grammar of {self._rid or 'a request'} stuck ({self._matcher.get_error()}); its answer "
-                  "ends here", file=sys.stderr, flush=True)
         return mx.where(mx.array(bits), logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     def _follow(self, answer: list[int]) -> bool:
         """Bring the matcher to `answer`; False when a token of it is one the grammar does not allow."""
         n = grammar.common_prefix(self._said, answer)
-        if n < len(self._said):
-            self._matcher.rollback(len(self._said) - n)
+        if n < len(self._said) or self._matcher.is_error():
+            if self._matcher.is_error():  # which rolls back no more: a fresh one from the answer's start
+                self._matcher, n = grammar.compiled(self._text), 0
+            else:
+                self._matcher.rollback(len(self._said) - n)
             del self._said[n:]
         rest = answer[n:]
         k = self._matcher.try_consume_tokens(rest) if rest else 0
@@ -100,7 +103,7 @@ class GrammarMask:
 def processors_for(job: Job) -> list:
     """mlx-lm's logits processors for the job's logit_bias, penalties and grammar (none when all are off)."""
     s = job.sampling
-    mask = [GrammarMask(s["grammar"], len(job.prompt) - job.offset, job.rid)] if s.get("grammar") else []
+    mask = [GrammarMask(s["grammar"], job.prompt, len(job.prompt) - job.offset)] if s.get("grammar") else []
     return make_logits_processors(logit_bias={int(t): b for t, b in s["logit_bias"]} or None,
                                   repetition_penalty=s["repetition_penalty"] if s["repetition_penalty"] != 1.0 else None,
                                   presence_penalty=s["presence_penalty"] or None,

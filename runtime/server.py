@@ -21,7 +21,7 @@ from aiohttp import web
 
 from common.errors import ApiError, error_body
 from common.http import Listener, bearer_matches, json_error, json_errors, read_json
-from runtime import openai_api as oa
+from runtime import grammar, openai_api as oa
 from runtime.engine import Emission
 
 
@@ -279,6 +279,7 @@ class _Run:
 
     def __init__(self, fe: Frontend, req: oa.CompletionRequest, rid: str, prompt: list[int], seed: int):
         self.fe, self.req, self.rid, self.seed = fe, req, rid, seed
+        self.prompt = prompt
         self.prompt_tokens = len(prompt)
         tok = fe.tokenizer
         self.thinking = oa.Thinking(tok.think_start, tok.think_end) if req.kind == "chat" and tok.has_thinking \
@@ -304,6 +305,8 @@ class _Run:
         self.unreported: list[int] = []  # token ids not yet reported with a chunk
         self.logprobs: list[oa.TokenLogprob] = []  # when the request asked for them
         self.logprobs_sent = 0  # how many of them went out with a chunk
+        self.said = list(resume.ids) if resume else []  # the answer's tokens
+        self.stuck: dict | None = None  # the error of an answer its grammar left no token (oa.grammar_stuck)
         self.finished = False  # the answer ended (length, EOS or a stop string)
         self.engine_done = False  # the ranks stopped working on it themselves
 
@@ -323,7 +326,13 @@ class _Run:
                                                      tuple((decode([t]), lp) for t, lp in e.top)))
             self.detok.add_token(token)
             self.unreported.append(token)
+            self.said.append(token)
         self.engine_done = reason is not None
+        if reason == "stop" and self.req.params.grammar and token in self.fe._eos:
+            why = grammar.dead_end(self.req.params.grammar, self.prompt, self.said)
+            if why is not None:
+                reason = oa.GRAMMAR_STUCK
+                self.stuck = oa.grammar_stuck(self.req, why, self.fe.tokenizer.decode(self.said))
         if reason is not None:
             self.detok.finalize()
         self.text = self.detok.text
@@ -400,6 +409,8 @@ class _Run:
                 return json_error(503, event[1], code=event[2], type_="server_error",
                                   headers={"Retry-After": "2"})
             *_, reason = self._advance(event)
+            if self.stuck is not None:
+                return web.json_response(self.stuck, status=422)
             if reason is not None:
                 reasoning, content = self.reasoning_and_content()
                 body = oa.completion_body(self.req, self.rid, self.created, content, reason, self.usage(),
@@ -437,9 +448,9 @@ class _Run:
                                              piece if piece or not (thought or calls) else None, None, first=first,
                                              logprobs=self.unsent_logprobs(), reasoning=thought, tool_calls=calls))
                     first = False
-                if reason is not None:
+                if reason is not None:  # an answer its grammar left stuck says why in its last chunk
                     await send(oa.chunk_body(self.req, self.rid, self.created, None, reason,
-                                             logprobs=self.unsent_logprobs()))
+                                             logprobs=self.unsent_logprobs()) | (self.stuck or {}))
                     if self.req.include_usage:
                         await send(oa.usage_chunk(self.req, self.rid, self.created, self.usage()))
                     break
