@@ -164,6 +164,7 @@ class LockstepLoop:
         # Armed until the warm-up generation finished on this rank: its first steps compile kernels, which
         # the agent gives the warm-up window, not a serving rank's.
         self.warming_since: float | None = None
+        self.warm = False  # the warm-up generation finished: the rank is ready
         self.on_warm = on_warm or (lambda seconds: None)
         self.on_term = on_term or (lambda: None)
         self.digest = 0  # of every token this rank sampled, compared at each exchange
@@ -214,6 +215,13 @@ class LockstepLoop:
                     self._refuse(rid)
                 self.inflight.clear()
 
+    def _adopting(self) -> bool:
+        """Whether the tapes restored behind serving join the token tape at this iteration, the same on every
+        rank: once the warm-up finished (ready comes first), while nothing is decoding (building a cache
+        stalls the step) unless a request waits for one of them, never while draining."""
+        return (self.warm and not self.draining
+                and (not self.engine.busy or bool(self.restorer.awaited)))
+
     def _refuse(self, rid: str) -> None:
         if self.fe:
             self.fe.fail(rid, "The generation is draining; this request was cancelled. Retry it", code="draining")
@@ -245,7 +253,7 @@ class LockstepLoop:
                 raise Divergence(f"{e} at step {self.steps}") from None
             for msg in msgs:
                 self._apply(msg)
-            if restoring and not self.draining:
+            if restoring and self._adopting():
                 self.restorer.adopt(self.lockstep.gather)
             if self.draining and not self.engine.busy:
                 return
@@ -281,6 +289,7 @@ class LockstepLoop:
                 if e.rid == WARMUP:
                     self.on_warm(time.monotonic() - self.warming_since)
                     self.warming_since = None
+                    self.warm = True
         self.hb.update(progress=True, tokens=self.tokens, **self.engine.stats())
         if self.fe and emissions:
             self.fe.emit(emissions)

@@ -55,6 +55,7 @@ class Rates:
 
     def __init__(self, path: Path | None):
         self.path = path
+        self._saving = threading.Lock()  # held while a thread writes the file
         try:
             saved = json.loads(path.read_text()) if path else {}
         except (OSError, ValueError):
@@ -63,23 +64,33 @@ class Rates:
         self.prefill_tps = float(saved.get("prefill_tps", 0.0)) if isinstance(saved, dict) else 0.0
 
     def note(self, **rates: float) -> None:
+        """New figures, kept on disk by a thread of their own: a small write on a disk busy with snapshots can
+        wait behind their flushes, and the loop must not."""
         for name, value in rates.items():
             setattr(self, name, value)
-        if self.path is not None:
-            try:
-                write_atomic(self.path, {"read_bps": self.read_bps, "prefill_tps": self.prefill_tps})
-            except OSError:
-                pass  # the next generation measures afresh
+        if self.path is not None and self._saving.acquire(blocking=False):
+            threading.Thread(target=self._save, name="rates", daemon=True).start()
+
+    def _save(self) -> None:
+        try:
+            write_atomic(self.path, {"read_bps": self.read_bps, "prefill_tps": self.prefill_tps})
+        except OSError:
+            pass  # the next generation measures afresh
+        finally:
+            self._saving.release()
 
 
 class Restorer:
     """One rank's restores behind serving. `pending` (the plan's tapes not yet joined or dropped) is the same
     on every rank: it changes only at `adopt`, from what every rank said."""
 
-    def __init__(self, snaps: Snapshots | None, tape: TokenTape, plan_: list[str], fresh, rates: Rates, log):
+    def __init__(self, snaps: Snapshots | None, tape: TokenTape, plan_: list[str], fresh, rates: Rates, log,
+                 rank: int = 0):
         self.snaps, self.tape, self.fresh, self.rates, self.log = snaps, tape, fresh, rates, log
         self.pending = list(plan_)
-        self.tokens: dict[str, tuple] = {}  # rank 0's view of what each pending tape holds
+        self.awaited: set[str] = set()  # pending tapes a request waits for (every rank is told: RESTORE_FIRST)
+        self.tokens: dict[str, tuple] = {}  # rank 0's view of what each pending tape holds, read first
+        self._rank = rank
         self.trimmable = bool(snaps) and snapshot_kind(leaf_types(fresh())) == "append"
         self.restored_tokens = 0
         self._began = time.monotonic()
@@ -115,13 +126,14 @@ class Restorer:
         for sid in ends([s for s in held if s not in everywhere], parents):
             snaps.skip("missing", f"tape {sid}: not whole on every rank")
         whole_states = snapshot_kind(leaf_types(fresh())) == "whole"
-        restorer = cls(snaps, tape, plan(agreed, parents, whole_states, tape.capacity), fresh, rates, log)
-        if rank == 0:
-            restorer.tokens = {sid: t for sid in restorer.pending if (t := snaps.tokens_of(sid)) is not None}
-        return restorer
+        return cls(snaps, tape, plan(agreed, parents, whole_states, tape.capacity), fresh, rates, log, rank)
 
     def _run(self) -> None:
         types = leaf_types(self.fresh())
+        if self._rank == 0:  # what each tape holds, from its token arrays alone, before any is read whole
+            for sid in list(self._queue):
+                if (tokens := self.snaps.tokens_of(sid)) is not None:
+                    self.tokens[sid] = tokens
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
@@ -138,6 +150,7 @@ class Restorer:
 
     def first(self, sid: str) -> None:
         """Read `sid` next (a request waits for it)."""
+        self.awaited.add(sid)
         with self._cv:
             if sid in self._queue:
                 self._queue.remove(sid)
@@ -149,11 +162,12 @@ class Restorer:
             self._cv.notify()
 
     def adopt(self, gather) -> list[str]:
-        """Build the caches this rank's thread read, then, with every rank (`gather` is a collective), put
-        into the token tape the tapes every rank has ready; returns them."""
+        """Build one cache this rank's thread read (a build stalls the loop: one an iteration), then, with every
+        rank (`gather` is a collective), put into the token tape the tapes every rank has ready; returns them."""
         with self._cv:
-            done, self._read = self._read, {}
-        for sid, got in done.items():
+            sid = next(iter(self._read), None)
+            got = self._read.pop(sid) if sid is not None else None
+        if sid is not None:
             self._built[sid] = self.snaps.build(got, self.fresh) if got is not None else None
         agreed = settled([json.loads(b) for b in gather(json.dumps(
             {sid: built is not None for sid, built in self._built.items()}).encode())])
@@ -161,6 +175,7 @@ class Restorer:
         for sid, ok in agreed.items():
             built = self._built.pop(sid)
             self.pending.remove(sid)
+            self.awaited.discard(sid)
             self.tokens.pop(sid, None)
             if ok and self.tape.store_older(*built):
                 adopted.append(sid)
@@ -218,7 +233,7 @@ class Restorer:
             return None
         served = self.tape.served(prompt)
         best, best_len = None, served
-        for sid, tokens in self.tokens.items():
+        for sid, tokens in list(self.tokens.items()):
             n = reusable_prefix(common_prefix(tokens, prompt), len(tokens), len(prompt), self.trimmable)
             if n > best_len:
                 best, best_len = sid, n

@@ -26,6 +26,7 @@ import shutil
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from runtime.rollback import leaves
 FORMAT = "meshd-snapshot/2"
 # how a cache leaf is snapshotted: by its new tokens, appended to its parent's, or as its whole state
 LEAVES = {"KVCache": "append", "RotatingKVCache": "whole", "PoolingCache": "whole"}
+READERS = 4  # threads that read and hash one tape's segments
 
 
 def tape_id(tokens) -> str:
@@ -261,8 +263,9 @@ def read_segment(path: Path) -> tuple[str, dict, dict[str, tuple[np.ndarray, str
     for name, t in header.items():
         if name != "__metadata__":
             a, b = t["data_offsets"]
-            arrays[name] = (np.frombuffer(data[8 + n + a:8 + n + b], dtype=DTYPES[t["dtype"]]).reshape(t["shape"]),
-                            t["dtype"])
+            dtype = np.dtype(DTYPES[t["dtype"]])
+            arrays[name] = (np.frombuffer(data, dtype=dtype, count=(b - a) // dtype.itemsize, offset=8 + n + a)
+                            .reshape(t["shape"]), t["dtype"])
     return hashlib.blake2b(data, digest_size=8).hexdigest(), header.get("__metadata__", {}), arrays
 
 
@@ -331,6 +334,13 @@ def read_part(seg: Segment, types: list[str]) -> tuple[dict, list]:
     if not fits:
         raise Unusable("corrupt", f"{seg.path.name}: its arrays do not fit its header")
     return arrays, about
+
+
+def _part_or_error(seg: Segment, types: list[str]) -> tuple[dict, list] | Exception:
+    try:
+        return read_part(seg, types)
+    except (Unusable, OSError) as e:
+        return e
 
 
 def leaf_types(cache: list) -> list[str]:
@@ -465,16 +475,16 @@ class Snapshots:
             self.skip("corrupt", f"tape {sid}: a segment of its chain is unusable")
             return None
         parts = []
-        for seg in chain[::-1]:
-            try:
-                parts.append(read_part(seg, types))
-            except (Unusable, OSError) as e:
-                self.skip(getattr(e, "reason", "truncated"), str(e))
-                with self._lock:
-                    self.segments.pop(seg.sid, None)
-                    seg.path.unlink(missing_ok=True)
-                    self._count_bytes()
-                return None
+        with ThreadPoolExecutor(READERS) as pool:  # hashing releases the GIL: the segments are read side by side
+            for seg, part in zip(chain[::-1], pool.map(lambda seg: _part_or_error(seg, types), chain[::-1])):
+                if isinstance(part, Exception):
+                    self.skip(getattr(part, "reason", "truncated"), str(part))
+                    with self._lock:
+                        self.segments.pop(seg.sid, None)
+                        seg.path.unlink(missing_ok=True)
+                        self._count_bytes()
+                    return None
+                parts.append(part)
         tokens = tuple(np.concatenate([arrays["tokens"][0] for arrays, _ in parts]).tolist())
         if tape_id(tokens) != sid:
             self.skip("corrupt", f"tape {sid}: its tokens do not hash to its name")
@@ -609,11 +619,11 @@ class Snapshots:
         with self._lock:
             self.segments[seg.sid] = Segment(seg.sid, seg.parent, seg.start, seg.end, path.stat().st_size,
                                              seg.used_at, path)
-            for sid in evict(self.segments, max(0, self.budget - self._others)):
-                gone = self.segments.pop(sid).path
-                if gone is not None:
-                    gone.unlink(missing_ok=True)
+            gone = [self.segments.pop(sid).path for sid in evict(self.segments, max(0, self.budget - self._others))]
             self._count_bytes()
+        for path in gone:  # outside the lock: the loop's `stage` never waits on the disk
+            if path is not None:
+                path.unlink(missing_ok=True)
         self.written += 1
 
     def _lost_folder(self) -> None:

@@ -322,7 +322,9 @@ def restorer_over(tmp_path, tapes: list[tuple], read_bps: float, prefill_tps: fl
     rates = Rates(None)
     rates.note(read_bps=read_bps, prefill_tps=prefill_tps)
     tape = TokenTape(capacity=8)
-    return Restorer.agree(again, lambda b: [b], tape, lambda: [KVCache(), KVCache()], rates, print, rank=0), tape
+    restorer = Restorer.agree(again, lambda b: [b], tape, lambda: [KVCache(), KVCache()], rates, print, rank=0)
+    wait_for(lambda: len(restorer.tokens) == len(tapes), 10, "what the pending tapes hold, read first")
+    return restorer, tape
 
 
 def insert(rid, prompt):
