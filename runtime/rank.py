@@ -346,7 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         limits = oa.Limits(args.model_name or model_path.name, args.max_tokens, args.max_tokens_limit)
         frontend = Frontend(tokenizer, limits, generation=args.generation, context_length=context,
-                            host=args.host, port=args.port, drain_deadline=args.drain_deadline, secret=secret)
+                            host=args.host, port=args.port, drain_deadline=args.drain_deadline, secret=secret,
+                            holds_grammars=not args.draft_model)
         try:
             frontend.start()
         except OSError as e:

@@ -48,8 +48,11 @@ class Pending:
 class Frontend:
     def __init__(self, tokenizer, limits: oa.Limits, *, generation: int, context_length: int,
                  host: str, port: int, drain_deadline: float = 30.0, max_body_bytes: int = 4 << 20,
-                 secret: str = ""):
+                 secret: str = "", holds_grammars: bool = True):
         self.tokenizer = tokenizer
+        # whether its engine can hold an answer to a grammar: a draft model's verify (mlx-lm's speculative step)
+        # shows the logits processors only the answer's last tokens
+        self.holds_grammars = holds_grammars
         self.limits = limits
         self.generation = generation
         self.context_length = context_length
@@ -234,6 +237,11 @@ class Frontend:
 
     async def _complete(self, request: web.Request, kind: str) -> web.StreamResponse:
         req = oa.parse_request(kind, await read_json(request), self.limits, internal=True)
+        if req.params.grammar and not self.holds_grammars:
+            raise ApiError(400, f"'{req.params.held_by}' holds the answer to a grammar, which a mesh decoding with a "
+                                "draft model cannot do exactly; serve this model without draft_model (its own MTP "
+                                "head or DSpark hold answers exactly), or leave structured output out",
+                           param=req.params.held_by, code="unsupported_parameter")
         if self.phase != FrontendPhase.ADMITTING:
             return self._unavailable()
         prompt = self._tokenize(req)

@@ -19,6 +19,7 @@ from openai import APIError, OpenAI, UnprocessableEntityError
 from pydantic import BaseModel, Field
 
 from kit.meshctl import Demo, demo_home, demo_meshctl
+from meshd.meshctl.ports import free_ports
 from kit.openai import sse_events
 import runtime.overlays.demo_mtp  # noqa: F401  (registers the demo model with an MTP head)
 from runtime import grammar, openai_api as oa
@@ -26,6 +27,7 @@ from runtime.demo_model import DemoModelSpec, build_demo_model
 from runtime.drafting import MTPEngine
 from runtime.engine import BatchEngine
 from runtime.jobs import Job
+from runtime.server import Frontend, FrontendPhase
 
 ASK = [{"role": "user", "content": "hi"}]
 ORDER = {"type": "object", "additionalProperties": False, "required": ["customer", "items", "rush"], "properties": {
@@ -218,3 +220,23 @@ def test_a_rank_killed_mid_answer_resumes_it_into_a_valid_document(demo):
     jsonschema.validate(json.loads(text), ROWS)
     assert rest[-2]["choices"][0]["finish_reason"] == "stop"
     assert demo.wait_ready(after=g)["generation"] == g + 1
+
+
+def test_a_mesh_that_drafts_with_a_draft_model_refuses_held_answers_naming_the_way(tmp_path):
+    """mlx-lm's speculative step shows the logits processors only the answer's last tokens: no grammar could
+    hold it exactly, so rank 0 refuses before any rank works, and says what serves instead."""
+    tokenizer = load_tokenizer(build_demo_model(tmp_path / "m", DemoModelSpec()))
+    port = free_ports(1)[0]
+    rank0 = Frontend(tokenizer, oa.Limits("m", 8, 8), generation=1, context_length=256, host="127.0.0.1",
+                     port=port, holds_grammars=False)
+    rank0.start()
+    try:
+        rank0.phase = FrontendPhase.ADMITTING
+        for body, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                            ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice")):
+            r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                              json={"messages": ASK, "max_tokens": 4, **body})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == param and "draft_model" in error["message"], r.text
+    finally:
+        rank0.stop()
