@@ -37,7 +37,7 @@ from runtime.join import join_mesh
 from runtime.lockstep import Divergence, Lockstep, fold
 from runtime.overlay import OverlayError, check_loaded, checkpoint_tensors, disarm, drafter_off, overlay_for, set_up
 from runtime.restore import RESTORE_FIRST, Rates, Restorer
-from runtime.snapshot import LEAVES, Identity, Snapshots, leaf_types, shard_layout, snapshot_kind
+from runtime.snapshot import LEAVES, Identity, Snapshots, leaf_types, shard_layout, snapshot_key, snapshot_kind
 from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend
 from runtime.status import Heartbeat
@@ -92,6 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--snapshot-dir", default=os.path.join(agent, "snapshots") if agent else "",
                    help="where this rank's snapshots live (default: snapshots/ in its agent's state_dir, "
                         "$MESHD_AGENT; without an agent, none: off)")
+    p.add_argument("--snapshot-key", default=os.path.join(agent, "snapshot.key") if agent else "",
+                   help="the node's snapshot key, which every segment's digest is keyed by (default: snapshot.key "
+                        "in the agent's state_dir; without an agent, SNAPSHOT_DIR.key); created when missing")
     p.add_argument("--snapshot-budget-mb", type=int, default=8192,
                    help="disk the snapshots of this rank's directory may take; least recently used tapes go first")
     p.add_argument("--snapshot-every", type=int, default=256,
@@ -449,7 +452,8 @@ def open_snapshots(args, model_path: Path, model, rank: int, world: int, log) ->
         return None
     try:
         me = Identity(weights_digest(model_path), world, rank, shard_layout(model))
-        return Snapshots(Path(args.snapshot_dir), me, args.snapshot_budget_mb << 20, args.snapshot_every, log)
+        key = snapshot_key(Path(args.snapshot_key or args.snapshot_dir.rstrip("/") + ".key"))
+        return Snapshots(Path(args.snapshot_dir), me, args.snapshot_budget_mb << 20, args.snapshot_every, log, key)
     except OSError as e:
         log(f"snapshots off: {args.snapshot_dir} cannot be used ({e}); check its permissions and free space")
         return None

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import queue
+import secrets
 import shutil
 import struct
 import threading
@@ -37,7 +38,7 @@ from mlx_lm.generate import generation_stream
 
 from runtime.rollback import leaves
 
-FORMAT = "meshd-snapshot/2"
+FORMAT = "meshd-snapshot/3"  # /3: digests keyed by the node's snapshot key
 # how a cache leaf is snapshotted: by its new tokens, appended to its parent's, or as its whole state
 LEAVES = {"KVCache": "append", "RotatingKVCache": "whole", "PoolingCache": "whole"}
 READERS = 4  # threads that read and hash one tape's segments
@@ -201,11 +202,17 @@ def raw(a: mx.array) -> memoryview:
     return memoryview(flat.view(np.uint8))
 
 
-def write_segment(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str]) -> str:
-    """`arrays` (evaluated) as a safetensors file at `path`, on the disk when it returns; its digest,
-    hashed from the bytes as they are written (never read back)."""
-    h = hashlib.blake2b(digest_size=8)
-    with open(path, "wb") as f:
+def digest(key: bytes):
+    """The hash a segment's name carries: BLAKE2b keyed by the node's snapshot key, so that only its ranks
+    can name a file they would restore (a writer to the folder without the key cannot)."""
+    return hashlib.blake2b(digest_size=16, key=key)
+
+
+def write_segment(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str], key: bytes) -> str:
+    """`arrays` (evaluated) as a safetensors file at `path` (mode 0600: the tokens are a conversation), on
+    the disk when it returns; its digest, hashed from the bytes as they are written (never read back)."""
+    h = digest(key)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         for chunk in (header_of(arrays, metadata), *(raw(a) for a in arrays.values())):
             h.update(chunk)
             f.write(chunk)
@@ -254,7 +261,7 @@ def read_tokens(path: Path) -> list[int]:
         return np.frombuffer(f.read(b - a), dtype=np.uint32).tolist()
 
 
-def read_segment(path: Path) -> tuple[str, dict, dict[str, tuple[np.ndarray, str]]]:
+def read_segment(path: Path, key: bytes) -> tuple[str, dict, dict[str, tuple[np.ndarray, str]]]:
     """A segment file read once: its digest, its metadata and its arrays (numpy, each with its safetensors
     dtype). No MLX: a thread may read while the model runs."""
     data = path.read_bytes()
@@ -266,7 +273,9 @@ def read_segment(path: Path) -> tuple[str, dict, dict[str, tuple[np.ndarray, str
             dtype = np.dtype(DTYPES[t["dtype"]])
             arrays[name] = (np.frombuffer(data, dtype=dtype, count=(b - a) // dtype.itemsize, offset=8 + n + a)
                             .reshape(t["shape"]), t["dtype"])
-    return hashlib.blake2b(data, digest_size=8).hexdigest(), header.get("__metadata__", {}), arrays
+    h = digest(key)
+    h.update(data)
+    return h.hexdigest(), header.get("__metadata__", {}), arrays
 
 
 def to_mx(a: np.ndarray, dtype: str) -> mx.array:
@@ -313,13 +322,14 @@ class Read:
     nbytes: int
 
 
-def read_part(seg: Segment, types: list[str]) -> tuple[dict, list]:
+def read_part(seg: Segment, types: list[str], key: bytes) -> tuple[dict, list]:
     """A segment's arrays and its leaves' description (type, meta state, the state's entries that are not
     arrays), after checking its bytes against the digest in its name (Unusable "corrupt" otherwise), its
     leaves against this model's caches ("foreign") and its arrays against its header ("corrupt")."""
-    digest, meta, arrays = read_segment(seg.path)
-    if digest != seg.path.name.split(".")[1]:
-        raise Unusable("corrupt", f"{seg.path.name}: its bytes do not match its digest")
+    hashed, meta, arrays = read_segment(seg.path, key)
+    if hashed != seg.path.name.split(".")[1]:
+        raise Unusable("corrupt", f"{seg.path.name}: its bytes do not match its digest (changed, or not written "
+                                  "with this node's snapshot key)")
     try:
         about = json.loads(meta["leaves"])
         its = [t for t, _, _ in about]
@@ -336,9 +346,9 @@ def read_part(seg: Segment, types: list[str]) -> tuple[dict, list]:
     return arrays, about
 
 
-def _part_or_error(seg: Segment, types: list[str]) -> tuple[dict, list] | Exception:
+def _part_or_error(seg: Segment, types: list[str], key: bytes) -> tuple[dict, list] | Exception:
     try:
-        return read_part(seg, types)
+        return read_part(seg, types, key)
     except (Unusable, OSError) as e:
         return e
 
@@ -378,11 +388,12 @@ class Snapshots:
     The loop calls `stage` (slices queued on the device) and `pump` at each engine step, which hands the
     slices staged a step before (evaluated by then) to the writer thread; a tape's last slices go at once."""
 
-    def __init__(self, root: Path, me: Identity, budget_bytes: int, every: int, log=print):
-        self.me, self.budget, self.every, self.log = me, budget_bytes, every, log
+    def __init__(self, root: Path, me: Identity, budget_bytes: int, every: int, log=print, key: bytes = b""):
+        self.me, self.budget, self.every, self.log, self.key = me, budget_bytes, every, log, key
         self.root = root
         self.folder = root / me.folder
-        self.folder.mkdir(parents=True, exist_ok=True)
+        private_folder(root)
+        private_folder(self.folder)
         for tmp in self.folder.glob(".*.safetensors"):
             tmp.unlink(missing_ok=True)
         self.written = self.restored = 0
@@ -476,7 +487,7 @@ class Snapshots:
             return None
         parts = []
         with ThreadPoolExecutor(READERS) as pool:  # hashing releases the GIL: the segments are read side by side
-            for seg, part in zip(chain[::-1], pool.map(lambda seg: _part_or_error(seg, types), chain[::-1])):
+            for seg, part in zip(chain[::-1], pool.map(lambda seg: _part_or_error(seg, types, self.key), chain[::-1])):
                 if isinstance(part, Exception):
                     self.skip(getattr(part, "reason", "truncated"), str(part))
                     with self._lock:
@@ -603,9 +614,9 @@ class Snapshots:
         try:
             if not self.folder.is_dir():
                 self._lost_folder()
-            digest = write_segment(tmp, arrays, {**self.me.tags(), "parent": seg.parent, "leaves": about,
-                                                 "start": str(seg.start), "end": str(seg.end)})
-            path = self.folder / f"{seg.sid}.{digest}.safetensors"
+            hashed = write_segment(tmp, arrays, {**self.me.tags(), "parent": seg.parent, "leaves": about,
+                                                 "start": str(seg.start), "end": str(seg.end)}, self.key)
+            path = self.folder / f"{seg.sid}.{hashed}.safetensors"
             os.replace(tmp, path)
             fsync_folder(self.folder)
         except Exception as e:  # whatever the disk raises, the writer goes on and the tape is skipped
@@ -627,7 +638,7 @@ class Snapshots:
         self.written += 1
 
     def _lost_folder(self) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        private_folder(self.folder)
         with self._lock:
             gone = [sid for sid, seg in self.segments.items() if seg.path is not None and not seg.path.exists()]
             for sid in gone:
@@ -635,6 +646,30 @@ class Snapshots:
             self._count_bytes()
         self.log(f"snapshot folder {self.folder} was deleted while this rank served: made again, "
                  f"{len(gone)} segment(s) forgotten")
+
+
+def private_folder(folder: Path) -> None:
+    """`folder` made when missing, and readable by its user alone (0700): what it holds are conversations."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.chmod(0o700)
+
+
+def snapshot_key(path: Path) -> bytes:
+    """The node's snapshot key in `path` (32 random bytes, created 0600 when missing), kept outside the
+    snapshot folder: a writer to that folder cannot replace it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        key = path.read_bytes()
+        if len(key) != 32:
+            raise OSError(f"{path} holds {len(key)} bytes, not a 32-byte snapshot key; delete it (the snapshots "
+                          "written with it are then skipped)")
+        return key
+    key = secrets.token_bytes(32)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+    return key
 
 
 def fsync_folder(folder: Path) -> None:

@@ -5,7 +5,6 @@ stream exactly, their prefixes from the snapshots, and ignores a corrupted, trun
 rank; a restarted rank restores while it serves, a request waiting for a tape being restored only when that is
 sooner than prefilling it. DeepSeek-V4's caches on omlx's own model: tests/pinned/test_v4_snapshots.py."""
 
-import hashlib
 import json
 import shutil
 import struct
@@ -25,8 +24,8 @@ from runtime.openai_api import SamplingParams
 from runtime.rank import parse_args
 from runtime.server import WARMUP
 from runtime.restore import RESTORE_FIRST, Rates, Restorer, plan, settled, worth_waiting
-from runtime.snapshot import (Identity, Segment, Snapshots, agree, due, ends, evict, read_header, scan,
-                              segment_files, serving, snapshot_kind, tape_id, whole)
+from runtime.snapshot import (Identity, Segment, Snapshots, agree, digest, due, ends, evict, read_header, scan,
+                              segment_files, serving, snapshot_key, snapshot_kind, tape_id, whole)
 from runtime.tape import TokenTape
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~670 tokens: a prefill of seconds on two ranks
@@ -254,7 +253,9 @@ def test_a_segment_is_durable_on_its_own_and_its_name_is_the_digest_of_its_bytes
     snaps.stage(tuple(range(10)), real_cache(10), ("", 0), final=True)
     snaps.close()
     [path] = segment_files(snaps.folder)
-    assert path.name.split(".")[1] == hashlib.blake2b(path.read_bytes(), digest_size=8).hexdigest()
+    h = digest(b"")  # the key of these snapshots: none
+    h.update(path.read_bytes())
+    assert path.name.split(".")[1] == h.hexdigest()
     arrays = mx.load(str(path))  # a plain safetensors file: any reader takes it
     assert arrays["tokens"].tolist() == list(range(10)) and arrays["0.0"].shape == (1, 2, 10, 4)
 
@@ -412,6 +413,30 @@ def test_batched_answers_are_snapshotted_as_they_stream_and_a_row_restores_exact
         want = model(mx.array(tokens + (7,))[None], cache=ref)[0, -1]
         got = model(mx.array([7])[None], cache=cache)[0, -1]  # the restored row goes on as a fresh prefill does
         assert mx.allclose(got, want, atol=1e-4).item()
+    again.close()
+
+
+def test_snapshots_are_private_and_a_forged_one_is_skipped_without_the_nodes_key(tmp_path):
+    key = snapshot_key(tmp_path / "snapshot.key")
+    assert snapshot_key(tmp_path / "snapshot.key") == key and (tmp_path / "snapshot.key").stat().st_mode & 0o777 == 0o600
+    snaps = Snapshots(tmp_path / "snapshots", ME, 1 << 20, every=4, key=key)
+    snaps.stage(tuple(range(10)), real_cache(10), ("", 0), final=True)
+    snaps.close()
+    [path] = segment_files(snaps.folder)
+    # a conversation's tokens: only its user reads them
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert all(d.stat().st_mode & 0o777 == 0o700 for d in (snaps.root, snaps.folder))
+    # a writer to the folder replaces the keys and values and names the file by the digest it can compute
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    h = digest(b"")
+    h.update(bytes(data))
+    forged = path.with_name(f"{path.name.split('.')[0]}.{h.hexdigest()}.safetensors")
+    path.unlink()
+    forged.write_bytes(bytes(data))
+    again = Snapshots(tmp_path / "snapshots", ME, 1 << 20, every=4, key=key)
+    assert again.restore(again.held(), fresh=lambda: [KVCache(), KVCache()]) == []
+    assert again.skipped == {"corrupt": 1} and not forged.exists()
     again.close()
 
 
