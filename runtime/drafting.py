@@ -381,37 +381,69 @@ class MTPEngine(SingleRequestEngine):
 
 class DraftWhenAlone:
     """A drafter for a request alone, the batch engine for more: B>1 runs the backbone, batched. A request
-    that arrives while the drafter has one waits for it to finish (a drafted answer is never moved
-    mid-way); then what waits goes to the drafter when it is one request, else to the batch engine, which
-    takes arrivals while it runs. So the drafter re-arms only between requests."""
+    that arrives while the drafter has one starts at the next step: the drafted answer hands over to the
+    batch at that step boundary, keeping its place exactly (`handover`: its cache, the tokens it said, the
+    sampling keys and grammar of its place), and both go on there. What waits goes to the drafter when it
+    is one request and nothing else runs, else to the batch engine, which takes arrivals while it runs. So
+    drafting resumes with the next request that comes alone."""
 
-    def __init__(self, drafter, batch):
+    def __init__(self, drafter, batch, log=print):
         self._drafter, self.batch = drafter, batch
+        self._log = log
         self._waiting: deque[Job] = deque()
         self._untold: dict[str, int] = {}  # jobs that waited, then went to the batch: their cached count
+        self._steps = 0
+        self._arrived: dict[str, int] = {}  # a job that arrived while the drafter had one: the step it came at
+        self._beside: dict[str, tuple[int, str, int]] = {}  # such a job once in the batch: that step, and the
+        # drafted answer handed over for it and that answer's tokens by then
+        self.handovers = 0  # drafted answers handed over to the batch mid-way
 
     def insert(self, job: Job) -> int | None:
         if self.batch.busy:
             return self.batch.insert(job)
+        if self._drafter.busy:
+            self._arrived[job.rid] = self._steps
         self._waiting.append(job)
         return None  # said with its first token, by whichever engine takes it
 
     def cancel(self, rid: str) -> None:
         self._waiting = deque(j for j in self._waiting if j.rid != rid)
-        self._untold.pop(rid, None)
+        for held in (self._untold, self._arrived, self._beside):
+            held.pop(rid, None)
         self._drafter.cancel(rid)
         self.batch.cancel(rid)
 
     def step(self) -> list[Emission]:
-        if self._waiting and not (self._drafter.busy or self.batch.busy):
-            if len(self._waiting) == 1:
-                self._drafter.insert(self._waiting.popleft())
-            while self._waiting:
-                job = self._waiting.popleft()
-                self._untold[job.rid] = self.batch.insert(job)
+        self._steps += 1
+        if self._waiting:
+            self._admit()
         if self._drafter.busy:
             return self._drafter.step()
-        return [replace(e, cached=self._untold.pop(e.rid)) if e.rid in self._untold else e for e in self.batch.step()]
+        out = [replace(e, cached=self._untold.pop(e.rid)) if e.rid in self._untold else e for e in self.batch.step()]
+        for e in out:
+            if e.rid in self._beside:
+                arrived, other, said = self._beside.pop(e.rid)
+                self._log(f"{e.rid} came while {other} was drafted ({said} tokens said): {other} went on in the "
+                          f"batch, {e.rid}'s first token {self._steps - arrived} steps after it came")
+        return out
+
+    def _admit(self) -> None:
+        """What waits starts at this step: a lone request with the drafter when nothing runs; else in the
+        batch, a drafted answer in flight handed over to it first."""
+        arrived, self._arrived = self._arrived, {}
+        if not (self._drafter.busy or self.batch.busy) and len(self._waiting) == 1:
+            self._drafter.insert(self._waiting.popleft())
+            return
+        if self._drafter.busy:
+            rest, cached = self._drafter.handover()
+            self.handovers += 1
+            self.batch.insert(rest)
+            if cached is not None:
+                self._untold[rest.rid] = cached
+            self._beside.update({rid: (at, rest.rid, rest.offset) for rid, at in arrived.items()})
+        while self._waiting:
+            job = self._waiting.popleft()
+            self._untold[job.rid] = self.batch.insert(job)
 
     @property
     def busy(self) -> bool:
@@ -426,7 +458,7 @@ class DraftWhenAlone:
         self.batch.close()
 
     def stats(self) -> dict:
-        return {**self.batch.stats(), **self._drafter.stats()}
+        return {**self.batch.stats(), **self._drafter.stats(), "draft_handovers": self.handovers}
 
 
 class DSparkEngine(MTPEngine):
@@ -443,7 +475,8 @@ class DSparkEngine(MTPEngine):
     else by undoing the step (runtime/rollback.py: pooled and windowed layers back to their state before
     it) and feeding the kept places again. A refusal anywhere in a drafted step (the
     target's verify, the stages) ends drafting for that request, the caches restored: plain from there,
-    the rank alive. One request at a time: `DraftWhenAlone` gives it the requests that are alone.
+    the rank alive. One request at a time: `DraftWhenAlone` gives it the requests that are alone, and takes
+    the one it drafts to the batch (`handover`) when another arrives.
 
     The prompt goes through the target as the plain decoder takes it, and every forward after it in the
     pieces decoding one position at a time gives (dspark.pieces): omlx's pooled windows make a forward
@@ -463,6 +496,18 @@ class DSparkEngine(MTPEngine):
 
     def stats(self) -> dict:
         return {**super().stats(), "drafter": "dspark"}
+
+    def handover(self) -> tuple[Job, int | None]:
+        """The active request's rest for the batch engine, at a step boundary: its cache (the places it kept,
+        as plain decoding left them) into the token tape, where the batch's `take` finds it whole; the job
+        from its next token on (its prompt what it said so far, its sampling keys and grammar from there), and
+        the cached count its first token must carry (None once that token went out)."""
+        job = self._active
+        rest = replace(job, prompt=tuple(self._tape), max_tokens=job.max_tokens - self._count,
+                       offset=job.offset + self._count)
+        cached = None if self._count else self._cached
+        self._finish()
+        return rest, cached
 
     def _advance(self) -> list[Emission]:
         if len(self._todo) > 1:

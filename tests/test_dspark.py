@@ -155,8 +155,9 @@ def metric(agents, name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def served(dspark_model, tmp_path_factory):
     """One TP4 mesh under real agents, a controller and meshd-proxy: each question alone (drafted), a dsh
-    turn, then the three questions at once while a lone request drafts (they wait for it, then run batched
-    on the backbone, undrafted: the plain answers), then one alone again (the drafter re-armed)."""
+    turn, then the three questions at once while a lone request drafts (it hands over to the batch at the
+    next step and all four run batched on the backbone, undrafted: the plain answers), then one alone again
+    (the drafter re-armed)."""
     with omlx_mesh(tmp_path_factory.mktemp("mesh"), dspark_model, 4, {"MESHD_FAULT_TARGET_REFUSE_AT": str(REFUSE_AT)},
                    runtime={"model_package": "omlx", "args": {"prefill_step_size": 16}}) as (mesh, agents):
         proxy = json.loads(meshctl(mesh, "status", "--json").stdout)["urls"]["proxy"]
@@ -177,7 +178,8 @@ def served(dspark_model, tmp_path_factory):
             "meshd_agent_rank_draft_tokens_total", "meshd_agent_rank_draft_fallbacks_total",
             "meshd_agent_rank_kernels_hidden")}
         # B>1 through the proxy: a lone request drafts; three arrive meanwhile, the proxy lets them all
-        # through to rank 0, where they wait; the lone one cancelled, the three run batched
+        # through to rank 0, where the lone one hands over to the batch and the three join it; the lone one
+        # cancelled, the three go on batched
         blocker = requests.post(f"{proxy}/chat/completions", stream=True, timeout=300,
                                 json={**ASKS["greedy"], "max_tokens": 4000, "stream": True, **endless(dspark_model)})
         lines = blocker.iter_lines(decode_unicode=True)
@@ -223,8 +225,9 @@ def test_more_than_one_request_through_the_proxy_runs_batched_and_the_drafter_re
     assert served["held"] == 4  # the proxy admitted them at once: it knows this drafter batches
     before, batched, after = served["alone"][0], served["batched"], served["after"]
     lookups = lambda s: s["tape_hits"] + s["tape_misses"] + s["tape_not_reusable"]  # noqa: E731
-    # the lone one drafted and the three batched each looked the token tape up, which they share
-    assert lookups(batched) - lookups(before) == 4
+    # the lone one drafted, its handover to the batch (its own cache, through the tape) and the three batched
+    # each looked the token tape up, which they share
+    assert lookups(batched) - lookups(before) == 5
     assert served["again"].status_code == 200, served["again"].text
     assert after["draft_proposed"] > batched["draft_proposed"] and lookups(after) == lookups(batched) + 1
 
