@@ -26,6 +26,7 @@ from kit.demo_answers import endless
 from kit.meshctl import mesh_up, meshctl
 from kit.openai import sse_events
 from kit.waiting import wait_for
+from meshd.dataplane.exchange import poisoning
 from meshd.dataplane.proxyconfig import check_twins, load_front
 from meshd.dataplane.routing import Failed, MeshSeen, PrefixMemory, Route, prefix_keys, route
 from meshd.meshctl.ports import free_ports
@@ -69,6 +70,20 @@ SMALL = seen("f", names=("small",), fp="w2")
 ])
 def test_routing(meshes, kw, want):
     assert route(meshes, "demo", **kw) == want
+
+
+@pytest.mark.parametrize("killed,after,want", [
+    ([], 2, None),
+    ([("a", 2)], 2, None),
+    ([("a", 2), ("a", 3)], 2, ("a", [2, 3])),  # the same mesh died twice under it
+    ([("a", 2), ("b", 4)], 2, None),  # two meshes' unrelated deaths
+    ([("a", 2), ("b", 4), ("b", 5)], 2, ("b", [4, 5])),
+    ([("a", 2), ("b", 4), ("a", 3), ("b", 5)], 2, ("a", [2, 3])),  # the first mesh to reach it
+    ([("a", 2), ("b", 4), ("c", 1)], 3, None),
+    ([("a", 2)], 1, ("a", [2])),
+])
+def test_a_request_is_quarantined_only_for_one_mesh_s_repeated_deaths(killed, after, want):
+    assert poisoning(killed, after) == want
 
 
 def test_a_request_for_a_model_no_mesh_serves_goes_nowhere():

@@ -15,8 +15,9 @@ to the `Rank0` the gate hands it, which may be another mesh's (routing.py).
   sends the same request with those ids to continue from, and the client sees
   one stream (an SSE comment names the mesh and generation it resumes on).
   Past that, the stream ends with an SSE error event and `data: [DONE]`.
-- A request that was in flight when `poison_after` generations died is refused
-  with 502 (and so is the same request for a while after): it may be what kills them.
+- A request that was in flight when `poison_after` generations of one mesh died is refused
+  with 502 (and so is the same request for a while after): it may be what kills them. Deaths on
+  several meshes are not added up: unrelated faults of two meshes say nothing of the request.
 - Sends SSE keep-alive comments while rank 0 is silent (long prefills); a
   client that goes away closes the upstream request, which cancels it on every rank.
 - Measures time to first token, inter-token latency and tokens.
@@ -117,6 +118,17 @@ class Gate(Protocol):
         """Refuse the request with this digest for a while: it was in flight as generations died."""
 
 
+def poisoning(killed: list[tuple[str, int]], poison_after: int) -> tuple[str, list[int]] | None:
+    """The mesh whose generations died with the request in flight `poison_after` times, and those
+    generations (the first such mesh), or None: only one mesh's repeated deaths are evidence against it."""
+    by_mesh: dict[str, list[int]] = {}
+    for mesh, generation in killed:
+        (died := by_mesh.setdefault(mesh, [])).append(generation)
+        if len(died) >= poison_after:
+            return mesh, died
+    return None
+
+
 def request_digest(path: str, body: dict) -> str:
     return hashlib.sha256(path.encode() + json.dumps(body, sort_keys=True).encode()).hexdigest()
 
@@ -170,7 +182,7 @@ class Exchange:
         self.gate, self.request, self.req, self.deadline = gate, request, req, deadline
         self.body, self.client_body = body, client_body
         self.headers: dict[str, str] = {}  # the attempt's, for the response
-        self.killed: list[int] = []  # generations that died with this request in flight
+        self.killed: list[tuple[str, int]] = []  # the meshes and generations that died with it in flight
         self.resp: web.StreamResponse | None = None  # prepared once anything reached the client
         self.sent_data = False
         self.t0 = time.monotonic()
@@ -203,9 +215,9 @@ class Exchange:
                 if e.evidence:
                     await self.gate.report(Observation(g, "proxy", str(e)))
                 if e.evidence and e.in_flight:
-                    self.killed.append(g)
-                if len(self.killed) >= p.poison_after:
-                    return await self._quarantine()
+                    self.killed.append((rank0.mesh, g))
+                if poisoned := poisoning(self.killed, p.poison_after):
+                    return await self._quarantine(*poisoned)
                 if self.sent_data:
                     if self.ended:  # only the stream's last bytes were lost
                         return await self._finish()
@@ -234,14 +246,15 @@ class Exchange:
                 return rank0
             await self.resp.write(b": keep-alive\n\n")
 
-    async def _quarantine(self) -> web.StreamResponse:
+    async def _quarantine(self, mesh: str, generations: list[int]) -> web.StreamResponse:
         digest = request_digest(self.request.path, self.client_body)
         self.gate.quarantine(digest)
-        log.warning("request quarantined", generations=self.killed, digest=digest[:16])
+        log.warning("request quarantined", mesh=mesh, generations=generations, digest=digest[:16])
         if self.resp is None:
             return quarantined(self.gate.settings)
         return await self._end_stream_with_error(
-            f"This request was in flight when generations {self.killed} died; it is quarantined")
+            f"This request was in flight when generations {generations} of mesh {mesh} died; it is quarantined "
+            f"for {self.gate.settings.quarantine_seconds:.0f}s in case it is what kills them")
 
     async def _give_up(self, why: str) -> web.StreamResponse:
         if self.resp is None:
