@@ -104,7 +104,7 @@ class SoloDecode:
         if last.finish_reason is not None:
             return None, len(self.fed), last
         rest = Job(job.rid, tuple(self.fed) + (last.token,), job.max_tokens - self.emitted, job.seed,
-                   job.sampling, job.offset + self.emitted, job.logprobs)
+                   job.sampling, job.offset + self.emitted, job.logprobs, job.tenant)
         return rest, len(self.fed), last
 
 
@@ -139,12 +139,14 @@ class BatchEngine:
         # each job's snapshot point: the id and length of what its tape has on disk (a solo job's long
         # prefill once it ends and its answer every `snapshots.every` tokens; a batched job's at its end)
         self._since: dict[str, tuple[str, int]] = {}
+        self._tenant: dict[str, str] = {}  # each job's tenant (Job.tenant): whose tape it reads and writes
         self._rows_snapshot = bool(snapshots) and snapshot_kind(leaf_types(make_prompt_cache(model))) == "append"
 
     def take(self, job: Job) -> tuple[list, int]:
         """A cache for `job` and how much of its prompt it holds: the token tape's longest reusable prefix,
         else a fresh cache; the job's snapshot point set from it."""
-        cache, cached, sid = self.tape.take(job.prompt)
+        cache, cached, sid = self.tape.take(job.prompt, job.tenant)
+        self._tenant[job.rid] = job.tenant
         if self.snapshots:
             self._since[job.rid] = self.snapshots.base(sid, cached)
         return (cache if cache is not None else make_prompt_cache(self._model)), cached
@@ -207,15 +209,17 @@ class BatchEngine:
         """Stage what is new of this job's tape when due; the id of its snapshot so far ("" without)."""
         if not self.snapshots:
             return ""
-        self._since[rid] = self.snapshots.stage(tokens, cache, self._since[rid], final)
+        self._since[rid] = self.snapshots.stage(tokens, cache, self._since[rid], final, self._tenant[rid])
         return self._since[rid][0]
 
     def _finished(self, rid: str, tokens: tuple, cache: list) -> None:
-        self.tape.store(tokens, cache, self._snapshot(rid, tokens, cache, final=True))
+        self.tape.store(tokens, cache, self._snapshot(rid, tokens, cache, final=True), self._tenant[rid])
         self._since.pop(rid, None)
+        self._tenant.pop(rid, None)
 
     def cancel(self, rid: str) -> None:
         self._since.pop(rid, None)
+        self._tenant.pop(rid, None)
         self._carried = [e for e in self._carried if e.rid != rid]
         if self._solo is not None and self._solo.job.rid == rid:
             self._solo = None

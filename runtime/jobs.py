@@ -25,6 +25,7 @@ class Job:
     sampling: dict  # SamplingParams.sampling(): temperature, top_p, top_k, min_p, penalties, logit_bias, grammar
     offset: int = 0  # the index of the answer's first token this job samples (a resumed answer's is > 0)
     logprobs: int = -1  # -1: none; k >= 0: each token's log probability and its k most likely alternatives
+    tenant: str = ""  # whose prefix cache it may use (the proxy's scope of its API key; "": the shared one)
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ class CompletionRequest:
     prompt: str = ""
     report_ids: bool = False
     resume: Resume | None = None
+    tenant: str = ""  # whose prefix cache the answer uses (runtime/tape.py)
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, for the chat template
     tools: tuple[dict, ...] = ()  # the functions the answer may call (none when tool_choice is "none")
 
@@ -392,19 +393,23 @@ def _response_format(body: dict) -> str:
                        param=f"{where}.schema", code="invalid_value")
 
 
-def _internal(body: dict, internal: bool) -> tuple[bool, Resume | None]:
+def _internal(body: dict, internal: bool) -> tuple[bool, Resume | None, str]:
     """The proxy's `meshd` object: `{"ids": true}` asks for the token ids of each streamed chunk,
-    `{"resume": {ids, chars, id, created, seed}}` continues an answer."""
+    `{"resume": {ids, chars, id, created, seed}}` continues an answer, `{"tenant": SCOPE}` names whose prefix
+    cache it uses (the proxy's scope of the caller's API key)."""
     raw = body.get("meshd")
     if raw is None:
-        return False, None
+        return False, None, ""
     if not internal:
         raise _bad("meshd", "'meshd' is meshd's own field between its proxy and rank 0; leave it out")
     try:
         resume = raw.get("resume")
+        tenant = raw.get("tenant", "")
+        if not isinstance(tenant, str) or len(tenant) > 64:
+            raise ValueError(f"tenant {tenant!r} is not a scope of at most 64 characters")
         return bool(raw.get("ids")), (None if resume is None else Resume(
             tuple(int(t) for t in resume["ids"]), int(resume["chars"]), str(resume["id"]), int(resume["created"]),
-            int(resume["seed"])))
+            int(resume["seed"]))), tenant
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise _bad("meshd", f"'meshd' is malformed ({e})")
 
@@ -470,7 +475,7 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False) 
         logit_bias=_logit_bias(body),
         logprobs=_logprobs(kind, body),
     )
-    report_ids, resume = _internal(body, internal)
+    report_ids, resume, tenant = _internal(body, internal)
     tools, forced = _tools(body) if kind == "chat" else ((), "")
     if kind == "chat":  # a forced call wins over the answer's format: its turn is the call
         answer_format = _response_format(body)
@@ -484,6 +489,7 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False) 
         params=params,
         report_ids=report_ids,
         resume=resume,
+        tenant=tenant,
     )
     if kind == "chat":
         return CompletionRequest(messages=_messages(body), template_kwargs=_template_kwargs(body), tools=tools,

@@ -195,7 +195,7 @@ class LockstepLoop:
         op = msg["op"]
         if op == "insert":
             job = Job(msg["rid"], tuple(msg["prompt"]), msg["max_tokens"], msg["seed"], msg["sampling"],
-                      msg.get("offset", 0), msg.get("logprobs", -1))
+                      msg.get("offset", 0), msg.get("logprobs", -1), msg.get("tenant", ""))
             if self.draining:
                 self._refuse(job.rid)
                 return

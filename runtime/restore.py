@@ -89,7 +89,7 @@ class Restorer:
         self.snaps, self.tape, self.fresh, self.rates, self.log = snaps, tape, fresh, rates, log
         self.pending = list(plan_)
         self.awaited: set[str] = set()  # pending tapes a request waits for (every rank is told: RESTORE_FIRST)
-        self.tokens: dict[str, tuple] = {}  # rank 0's view of what each pending tape holds, read first
+        self.tokens: dict[str, tuple[str, tuple]] = {}  # rank 0: each pending tape's tenant and tokens, read first
         self._rank = rank
         self.trimmable = bool(snaps) and snapshot_kind(leaf_types(fresh())) == "append"
         self.restored_tokens = 0
@@ -132,8 +132,8 @@ class Restorer:
         types = leaf_types(self.fresh())
         if self._rank == 0:  # what each tape holds, from its token arrays alone, before any is read whole
             for sid in list(self._queue):
-                if (tokens := self.snaps.tokens_of(sid)) is not None:
-                    self.tokens[sid] = tokens
+                if (held := self.snaps.tokens_of(sid)) is not None:
+                    self.tokens[sid] = held
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
@@ -168,7 +168,8 @@ class Restorer:
             sid = next(iter(self._read), None)
             got = self._read.pop(sid) if sid is not None else None
         if sid is not None:
-            self._built[sid] = self.snaps.build(got, self.fresh) if got is not None else None
+            built = self.snaps.build(got, self.fresh) if got is not None else None
+            self._built[sid] = (*built, got.tenant) if built is not None else None
         agreed = settled([json.loads(b) for b in gather(json.dumps(
             {sid: built is not None for sid, built in self._built.items()}).encode())])
         adopted, tokens = [], 0
@@ -201,7 +202,7 @@ class Restorer:
         out = []
         for msg in outbox:
             if msg["op"] == "insert" and msg["rid"] != through and \
-                    (sid := self._worth(tuple(msg["prompt"]))) is not None:
+                    (sid := self._worth(tuple(msg["prompt"]), msg.get("tenant", ""))) is not None:
                 if sid not in self._held:
                     out.append({"op": RESTORE_FIRST, "sid": sid})
                 self.log(f"request {msg['rid']} waits for tape {sid}, which is being restored: reading it is "
@@ -227,13 +228,15 @@ class Restorer:
     def holding(self) -> bool:
         return bool(self._held)
 
-    def _worth(self, prompt: tuple) -> str | None:
-        """The pending tape a prompt should wait for, if any (`worth_waiting`)."""
+    def _worth(self, prompt: tuple, tenant: str) -> str | None:
+        """The pending tape of `tenant` a prompt should wait for, if any (`worth_waiting`)."""
         if not self.tokens:
             return None
-        served = self.tape.served(prompt)
+        served = self.tape.served(prompt, tenant)
         best, best_len = None, served
-        for sid, tokens in list(self.tokens.items()):
+        for sid, (owner, tokens) in list(self.tokens.items()):
+            if owner != tenant:
+                continue
             n = reusable_prefix(common_prefix(tokens, prompt), len(tokens), len(prompt), self.trimmable)
             if n > best_len:
                 best, best_len = sid, n

@@ -262,7 +262,7 @@ class Frontend:
             self._inbox.put({"op": "insert", "rid": rid, "prompt": prompt + list(resume.ids if resume else ()),
                              "max_tokens": max_tokens - done, "seed": seed,
                              "sampling": req.params.sampling(), "offset": done,
-                             "logprobs": req.params.logprobs})
+                             "logprobs": req.params.logprobs, "tenant": req.tenant})
         else:  # a resumed answer that had all its tokens: only its end was lost
             pending.put(("token", Emission(rid, None, "length")))
         try:

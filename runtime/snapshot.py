@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -44,9 +44,11 @@ LEAVES = {"KVCache": "append", "RotatingKVCache": "whole", "PoolingCache": "whol
 READERS = 4  # threads that read and hash one tape's segments
 
 
-def tape_id(tokens) -> str:
-    """The name of a tape, the same on every rank: a hash of its token ids."""
-    return hashlib.blake2b(np.asarray(tokens, dtype=np.uint32).tobytes(), digest_size=12).hexdigest()
+def tape_id(tokens, tenant: str = "") -> str:
+    """The name of a tape, the same on every rank: a hash of its tenant and its token ids (two tenants' same
+    tokens are two tapes)."""
+    scope = tenant.encode() + b"\0" if tenant else b""
+    return hashlib.blake2b(scope + np.asarray(tokens, dtype=np.uint32).tobytes(), digest_size=12).hexdigest()
 
 
 def shard_layout(model) -> str:
@@ -87,6 +89,7 @@ class Segment:
     nbytes: int
     used_at: float
     path: Path | None = None
+    tenant: str = ""  # whose tape it is (runtime/tape.py)
 
     @property
     def needs(self) -> str:
@@ -302,8 +305,8 @@ def scan(folder: Path, me: Identity) -> tuple[dict[str, Segment], dict[Path, str
             if {k: meta.get(k) for k in me.tags()} != me.tags():
                 raise Unusable("foreign", f"{path.name}: of another model, world, rank or shard layout")
             sid = path.name.split(".")[0]
-            found[sid] = Segment(sid, meta["parent"], int(meta["start"]), int(meta["end"]), path.stat().st_size,
-                                 path.stat().st_mtime, path)
+            found[sid] = Segment(sid, str(meta["parent"]), int(meta["start"]), int(meta["end"]),
+                                 path.stat().st_size, path.stat().st_mtime, path, str(meta.get("tenant", "")))
         except Unusable as e:
             bad[path] = e.reason
         except (OSError, KeyError, ValueError, TypeError, AttributeError):  # a header of other shapes
@@ -320,6 +323,7 @@ class Read:
     tokens: tuple
     parts: list
     nbytes: int
+    tenant: str
 
 
 def read_part(seg: Segment, types: list[str], key: bytes) -> tuple[dict, list]:
@@ -418,7 +422,7 @@ class Snapshots:
         others = {}
         for folder in self.root.iterdir():
             if folder.is_dir() and folder != self.folder:
-                files = [p.stat() for p in folder.glob("*.safetensors")]
+                files = [p.stat() for p in folder.glob("*.safetensors") if p.is_file()]  # no dangling link
                 others[folder.name] = Segment(folder.name, "", 0, 0, sum(f.st_size for f in files),
                                               max((f.st_mtime for f in files), default=0.0), folder)
         mine = sum(s.nbytes for s in self.segments.values())
@@ -462,15 +466,16 @@ class Snapshots:
                 sid = self.segments[sid].needs
         return total
 
-    def tokens_of(self, sid: str) -> tuple | None:
-        """A tape's tokens, read from its segments' token arrays alone; None when a segment cannot tell."""
+    def tokens_of(self, sid: str) -> tuple[str, tuple] | None:
+        """A tape's tenant and tokens, read from its segments' token arrays alone; None when a segment cannot
+        tell."""
         with self._lock:
-            chain = []
+            tenant, chain = self.segments[sid].tenant if sid in self.segments else "", []
             while sid in self.segments:
                 chain.append(self.segments[sid].path)
                 sid = self.segments[sid].needs
         try:
-            return tuple(t for path in chain[::-1] for t in read_tokens(path)) if not sid else None
+            return (tenant, tuple(t for path in chain[::-1] for t in read_tokens(path))) if not sid else None
         except (Unusable, OSError, KeyError, TypeError, ValueError):
             return None
 
@@ -497,10 +502,10 @@ class Snapshots:
                     return None
                 parts.append(part)
         tokens = tuple(np.concatenate([arrays["tokens"][0] for arrays, _ in parts]).tolist())
-        if tape_id(tokens) != sid:
-            self.skip("corrupt", f"tape {sid}: its tokens do not hash to its name")
+        if tape_id(tokens, chain[0].tenant) != sid:
+            self.skip("corrupt", f"tape {sid}: its tenant and tokens do not hash to its name")
             return None
-        return Read(sid, tokens, parts, sum(seg.nbytes for seg in chain))
+        return Read(sid, tokens, parts, sum(seg.nbytes for seg in chain), chain[0].tenant)
 
     def build(self, read: Read, fresh) -> tuple[tuple, list, str] | None:
         """A tape read from its files as (tokens, cache, sid), its cache a `fresh()` one given its state; None
@@ -526,7 +531,7 @@ class Snapshots:
                 while (seg := self.segments.get(s)) is not None and seg.path is not None:
                     with contextlib.suppress(OSError):  # deleted meanwhile: the writer forgets it
                         os.utime(seg.path, (now, now))
-                    self.segments[s] = Segment(seg.sid, seg.parent, seg.start, seg.end, seg.nbytes, now, seg.path)
+                    self.segments[s] = replace(seg, used_at=now)
                     s = seg.needs
         self.restored += len(sids)
 
@@ -540,7 +545,7 @@ class Snapshots:
             seg = self.segments.get(sid)
         return (sid, seg.end) if seg else ("", 0)
 
-    def stage(self, tokens, cache: list, since: tuple[str, int], final: bool) -> tuple[str, int]:
+    def stage(self, tokens, cache: list, since: tuple[str, int], final: bool, tenant: str = "") -> tuple[str, int]:
         """Take the state of a tape's cache for the writer when `due`: its tokens past `since` (a snapshot id
         and its length) for plain KV caches, its whole state for others; returns the tape's snapshot point
         after it."""
@@ -550,7 +555,7 @@ class Snapshots:
         if not due(since[1], have, self.every, final, whole_state):
             return since
         start = 0 if whole_state else since[1]
-        sid = tape_id(tokens[:have])
+        sid = tape_id(tokens[:have], tenant)
         about = []  # per leaf: its type, its meta state, its state's entries with the arrays left out
         with mx.stream(generation_stream):
             arrays = {"tokens": mx.array(tokens[start:have], dtype=mx.uint32)}
@@ -572,7 +577,7 @@ class Snapshots:
                 return since
             self._pending += nbytes
             self._pending_n += 1
-            seg = Segment(sid, since[0], start, have, nbytes, time.time())
+            seg = Segment(sid, since[0], start, have, nbytes, time.time(), tenant=tenant)
             self.segments[sid] = seg  # the next segment's parent, before it is written
         mx.async_eval(list(arrays.values()))
         self._staged.append((seg, arrays, json.dumps(about)))
@@ -615,7 +620,8 @@ class Snapshots:
             if not self.folder.is_dir():
                 self._lost_folder()
             hashed = write_segment(tmp, arrays, {**self.me.tags(), "parent": seg.parent, "leaves": about,
-                                                 "start": str(seg.start), "end": str(seg.end)}, self.key)
+                                                 "start": str(seg.start), "end": str(seg.end),
+                                                 "tenant": seg.tenant}, self.key)
             path = self.folder / f"{seg.sid}.{hashed}.safetensors"
             os.replace(tmp, path)
             fsync_folder(self.folder)
@@ -628,8 +634,7 @@ class Snapshots:
             self.skip("disk_full" if full else "write_failed", f"tape {seg.sid}: {e}")
             return
         with self._lock:
-            self.segments[seg.sid] = Segment(seg.sid, seg.parent, seg.start, seg.end, path.stat().st_size,
-                                             seg.used_at, path)
+            self.segments[seg.sid] = replace(seg, nbytes=path.stat().st_size, path=path)
             gone = [self.segments.pop(sid).path for sid in evict(self.segments, max(0, self.budget - self._others))]
             self._count_bytes()
         for path in gone:  # outside the lock: the loop's `stage` never waits on the disk

@@ -6,7 +6,10 @@ sliding window (RotatingKVCache) once past its size, SSM state (ArraysCache)
 always; such a cache serves only a prompt that extends its whole tape, and
 any other prompt is prefilled afresh, so a tape that extends it does not
 replace it. Each entry carries the id its snapshot was written or restored
-under (runtime/snapshot.py), "" when it has none.
+under (runtime/snapshot.py), "" when it has none, and its tenant: a request
+is served only from its own tenant's entries (the proxy scopes tenants by
+API key), so neither its cached count nor its speed tells one tenant what
+another sent.
 """
 
 from __future__ import annotations
@@ -40,17 +43,19 @@ class TokenTape:
 
     def __init__(self, capacity: int = 8):
         self.capacity = capacity
-        self._entries: deque[tuple[tuple[int, ...], list, str]] = deque()
+        self._entries: deque[tuple[tuple[int, ...], list, str, str]] = deque()  # tokens, cache, sid, tenant
         self.hits = self.misses = self.not_reusable = self.hit_tokens = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _best(self, prompt: tuple[int, ...]) -> tuple[int | None, int, bool]:
-        """The entry that serves the longest reusable prefix of `prompt`, its length, and whether any entry
-        shares a prefix with it at all."""
+    def _best(self, prompt: tuple[int, ...], tenant: str) -> tuple[int | None, int, bool]:
+        """The entry of `tenant` that serves the longest reusable prefix of `prompt`, its length, and whether
+        any of its entries shares a prefix with it at all (another tenant's never does)."""
         best, best_len, shared = None, 0, False
-        for i, (tape, cache, _) in enumerate(self._entries):
+        for i, (tape, cache, _, owner) in enumerate(self._entries):
+            if owner != tenant:
+                continue
             n = common_prefix(tape, prompt)
             shared = shared or min(n, len(prompt) - 1) > 0
             n = reusable_prefix(n, len(tape), len(prompt), can_trim_prompt_cache(cache))
@@ -58,47 +63,47 @@ class TokenTape:
                 best, best_len = i, n
         return best, best_len, shared
 
-    def served(self, prompt: tuple[int, ...]) -> int:
+    def served(self, prompt: tuple[int, ...], tenant: str = "") -> int:
         """How much of `prompt` a `take` would serve now (nothing counted)."""
-        return self._best(prompt)[1]
+        return self._best(prompt, tenant)[1]
 
-    def take(self, prompt: tuple[int, ...]) -> tuple[list | None, int, str]:
-        """A copy of the cache that serves the longest reusable prefix of `prompt`, cut back to it, that
-        prefix's length and the snapshot id of the entry it came from; (None, 0, "") when none does."""
-        best, best_len, shared = self._best(prompt)
+    def take(self, prompt: tuple[int, ...], tenant: str = "") -> tuple[list | None, int, str]:
+        """A copy of the cache of `tenant` that serves the longest reusable prefix of `prompt`, cut back to it,
+        that prefix's length and the snapshot id of the entry it came from; (None, 0, "") when none does."""
+        best, best_len, shared = self._best(prompt, tenant)
         if best is None:
             if shared:
                 self.not_reusable += 1
             else:
                 self.misses += 1
             return None, 0, ""
-        tape, stored, sid = self._entries[best]
+        tape, stored, sid, _ = entry = self._entries[best]
         cache = copy.deepcopy(stored)
         if trim_prompt_cache(cache, len(tape) - best_len) != len(tape) - best_len:
             self.not_reusable += 1
             return None, 0, ""
         del self._entries[best]
-        self._entries.append((tape, stored, sid))
+        self._entries.append(entry)
         self.hits += 1
         self.hit_tokens += best_len
         return cache, best_len, sid
 
-    def store(self, tape: tuple[int, ...], cache: list, sid: str = "") -> None:
+    def store(self, tape: tuple[int, ...], cache: list, sid: str = "", tenant: str = "") -> None:
         trimmable = can_trim_prompt_cache(cache)
-        self._entries = deque(e for e in self._entries
-                              if not replaces(common_prefix(e[0], tape), len(e[0]), len(tape), trimmable))
-        self._entries.append((tape, cache, sid))
+        self._entries = deque(e for e in self._entries if e[3] != tenant or
+                              not replaces(common_prefix(e[0], tape), len(e[0]), len(tape), trimmable))
+        self._entries.append((tape, cache, sid, tenant))
         while len(self._entries) > self.capacity:
             self._entries.popleft()
 
-    def store_older(self, tape: tuple[int, ...], cache: list, sid: str) -> bool:
+    def store_older(self, tape: tuple[int, ...], cache: list, sid: str, tenant: str = "") -> bool:
         """A tape older than every one held (restored while serving): kept as the least recently used while
-        there is room and no entry held serves every prompt it serves; whether it was kept."""
+        there is room and no entry of its tenant serves every prompt it serves; whether it was kept."""
         if len(self._entries) >= self.capacity or any(
-                replaces(common_prefix(e[0], tape), len(tape), len(e[0]), can_trim_prompt_cache(e[1]))
-                for e in self._entries):
+                e[3] == tenant and replaces(common_prefix(e[0], tape), len(tape), len(e[0]),
+                                            can_trim_prompt_cache(e[1])) for e in self._entries):
             return False
-        self._entries.appendleft((tape, cache, sid))
+        self._entries.appendleft((tape, cache, sid, tenant))
         return True
 
 

@@ -440,6 +440,31 @@ def test_snapshots_are_private_and_a_forged_one_is_skipped_without_the_nodes_key
     again.close()
 
 
+def test_tenants_never_share_a_prefix_in_memory_or_on_disk_and_a_restore_keeps_whose_it_is(tmp_path):
+    """With API keys the proxy scopes each caller's prefix cache: a tape of one tenant never serves another's
+    prompt, so neither cached_tokens nor the first token's speed tells one what the other sent."""
+    secret = tuple(range(40))
+    tape = TokenTape(capacity=8)
+    tape.store(secret, real_cache(40), tape_id(secret, "alice"), "alice")
+    assert tape.served(secret + (1,), "alice") == 40
+    assert tape.served(secret + (1,), "bob") == 0 and tape.served(secret + (1,)) == 0
+    cache, cached, _ = tape.take(secret[:20] + (99,), "bob")
+    assert (cache, cached, tape.misses) == (None, 0, 1)  # a miss, as if nothing were held
+    assert tape_id(secret, "alice") != tape_id(secret, "bob") != tape_id(secret)
+
+    snaps = Snapshots(tmp_path, ME, 1 << 20, every=4)
+    for tenant in ("alice", "bob"):
+        snaps.stage(secret, real_cache(40), ("", 0), final=True, tenant=tenant)
+    snaps.close()
+    again = Snapshots(tmp_path, ME, 1 << 20, every=4)
+    tape = TokenTape(capacity=8)
+    restorer = Restorer.agree(again, lambda b: [b], tape, lambda: [KVCache(), KVCache()], Rates(None), print, 0)
+    wait_for(lambda: (restorer.adopt(lambda b: [b]), not restorer.pending)[1], 10, "both tapes restored")
+    assert tape.served(secret + (1,), "alice") == tape.served(secret + (1,), "bob") == 40
+    assert tape.served(secret + (1,), "carol") == 0
+    again.close()
+
+
 # --- the mesh ------------------------------------------------------------------------------------------------
 
 SPOILED = {"corrupt": "Drain before close. " * 4, "foreign": "Pack my box with five dozen jugs. " * 3,
