@@ -37,6 +37,7 @@ class RankStatus:
     draft_proposed: int = 0
     draft_accepted: int = 0
     draft_fallbacks: int = 0  # requests the drafter refused (a shape), decoded plainly instead
+    draft_handovers: int = 0  # drafted answers handed over to the batch mid-way (another request arrived)
     kernels_hidden: int = 0  # the model's kernels hidden at load: they refuse this rank's share of the heads
     tape_hits: int = 0  # prompts the token tape served: a cache reused exactly
     tape_hit_tokens: int = 0  # the tokens it served, not prefilled: a resumed answer's own among them

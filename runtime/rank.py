@@ -373,10 +373,11 @@ def main(argv: list[str] | None = None) -> None:
         batch = batch_engine(args, model_path, model, eos, rank, world, log)
         drafter = DSparkEngine(model, eos, num_draft_tokens=args.num_draft_tokens or 0,
                                prefill_step_size=args.prefill_step_size, prefixes=batch, log=log)
-        engine = DraftWhenAlone(drafter, batch)
+        engine = DraftWhenAlone(drafter, batch, log)
         hb.update(**engine.stats())
         log(f"drafter armed: DSpark's {len(dspark.stages(model))} stages, blocks of {drafter.num_draft_tokens} "
-            "drafts, for a request alone (more run batched, undrafted)")
+            "drafts, for a request alone (more run batched, undrafted; a drafted answer hands over to the batch "
+            "when another arrives)")
     elif args.drafter == "auto" and hasattr(model, "mtp_draft"):
         engine = MTPEngine(model, eos, num_draft_tokens=args.num_draft_tokens or 1,
                            prefill_step_size=args.prefill_step_size, log=log)
