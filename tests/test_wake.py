@@ -9,7 +9,7 @@ import time
 from kit.ranks import start_mesh
 from runtime.wake import WakeHub, WakeLine, wake_token
 
-IDLE = 2.0  # seconds the other ranks doze between exchanges once the mesh has idled 4x as long
+IDLE = 1.0  # seconds the other ranks doze between exchanges once the mesh has idled 4x as long (1 s at most)
 
 
 def test_a_request_to_an_idle_mesh_does_not_wait_out_the_other_ranks_doze(demo_model, tmp_path):
@@ -31,8 +31,13 @@ def test_only_a_line_with_the_generations_token_is_woken():
     stranger.sendall(wake_token("s3cret", 8))
     assert stranger.recv(1) == b""  # closed: another generation's token
     line = WakeLine("127.0.0.1", hub.port, token)
-    time.sleep(0.2)  # the hub admits it
-    threading.Timer(0.3, hub.wake).start()
+    woken = threading.Event()
+
+    def wake_until_woken():  # a wake before the hub admitted the line reaches no one
+        while not woken.wait(0.05):
+            hub.wake()
+    threading.Thread(target=wake_until_woken, daemon=True).start()
     t0 = time.monotonic()
     line.doze(30)
+    woken.set()
     assert time.monotonic() - t0 < 10
