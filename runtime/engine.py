@@ -149,6 +149,8 @@ class BatchEngine:
         self._tenant[job.rid] = job.tenant
         if self.snapshots:
             self._since[job.rid] = self.snapshots.base(sid, cached)
+            if sid:
+                self.snapshots.used(sid)
         return (cache if cache is not None else make_prompt_cache(self._model)), cached
 
     def keep(self, rid: str, tokens, cache: list, final: bool) -> None:

@@ -97,6 +97,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "in the agent's state_dir; without an agent, SNAPSHOT_DIR.key); created when missing")
     p.add_argument("--snapshot-budget-mb", type=int, default=8192,
                    help="disk the snapshots of this rank's directory may take; least recently used tapes go first")
+    p.add_argument("--snapshot-max-age", type=float, default=7 * 86400,
+                   help="seconds a tape no request used is kept on disk (default 7 days; 0: as long as the budget "
+                        "allows); older ones are deleted at the start and as the writer goes")
     p.add_argument("--snapshot-every", type=int, default=256,
                    help="tokens between the snapshots of a tape as it grows (a prefill's chunks, an answer in flight)")
     p.add_argument("--backend", default="any",
@@ -454,7 +457,8 @@ def open_snapshots(args, model_path: Path, model, rank: int, world: int, log) ->
     try:
         me = Identity(weights_digest(model_path), world, rank, shard_layout(model))
         key = snapshot_key(Path(args.snapshot_key or args.snapshot_dir.rstrip("/") + ".key"))
-        return Snapshots(Path(args.snapshot_dir), me, args.snapshot_budget_mb << 20, args.snapshot_every, log, key)
+        return Snapshots(Path(args.snapshot_dir), me, args.snapshot_budget_mb << 20, args.snapshot_every, log, key,
+                         args.snapshot_max_age)
     except OSError as e:
         log(f"snapshots off: {args.snapshot_dir} cannot be used ({e}); check its permissions and free space")
         return None

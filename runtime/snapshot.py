@@ -156,6 +156,22 @@ def whole(segments: dict[str, Segment]) -> list[str]:
     return sorted((s for s in segments if ok[s]), key=lambda s: (segments[s].used_at, s))
 
 
+def expired(segments: dict[str, Segment], now: float, max_age: float) -> list[str]:
+    """The segments to delete because their tape was last used more than `max_age` seconds ago (0: never):
+    tape ends first, a segment only once nothing kept is appended to it (as `evict`)."""
+    if not max_age:
+        return []
+    left, gone = dict(segments), []
+    while True:
+        children = {s.needs for s in left.values()}
+        old = [sid for sid, s in left.items() if sid not in children and s.used_at < now - max_age]
+        if not old:
+            return gone
+        for sid in old:
+            del left[sid]
+        gone += old
+
+
 def evict(segments: dict[str, Segment], budget: int) -> list[str]:
     """The segments to delete so that the rest fit in `budget` bytes: the least recently used tape ends
     first; a segment goes only once nothing kept is appended to it."""
@@ -392,8 +408,11 @@ class Snapshots:
     The loop calls `stage` (slices queued on the device) and `pump` at each engine step, which hands the
     slices staged a step before (evaluated by then) to the writer thread; a tape's last slices go at once."""
 
-    def __init__(self, root: Path, me: Identity, budget_bytes: int, every: int, log=print, key: bytes = b""):
+    def __init__(self, root: Path, me: Identity, budget_bytes: int, every: int, log=print, key: bytes = b"",
+                 max_age: float = 0.0):
         self.me, self.budget, self.every, self.log, self.key = me, budget_bytes, every, log, key
+        self.max_age = max_age  # seconds a tape unused is kept (0: as long as the budget allows)
+        self.writer_error = ""  # why the writer thread stopped, if it did: nothing is staged then
         self.root = root
         self.folder = root / me.folder
         private_folder(root)
@@ -409,7 +428,7 @@ class Snapshots:
             self.skip(reason, f"{path.name} ({reason})")
             path.unlink(missing_ok=True)
         self._others = self._trim_others()
-        self._count_bytes()
+        self._expire()
         self._staged: list[tuple[Segment, dict[str, mx.array]]] = []
         self._pending = self._pending_n = 0  # bytes and segments staged or queued, not yet written
         self._queue: queue.Queue = queue.Queue()
@@ -442,7 +461,7 @@ class Snapshots:
         return {"snapshots_written": self.written, "snapshots_restored": self.restored,
                 "snapshots_skipped": dict(self.skipped), "snapshot_bytes": self.nbytes,
                 "snapshots_pending": self._pending_n, "snapshot_pending_bytes": self._pending,
-                "snapshot_restores_pending": self.restores_pending}
+                "snapshot_restores_pending": self.restores_pending, "snapshot_writer_error": self.writer_error}
 
     # --- restore --------------------------------------------------------------------------------------------
     def held(self) -> list[str]:
@@ -523,17 +542,30 @@ class Snapshots:
         return read.tokens, cache, read.sid
 
     def restored_as(self, sids: list[str]) -> None:
-        """The tapes every rank restored: counted, and their files marked as used now."""
-        now = time.time()
-        with self._lock:
-            for sid in sids:
-                s = sid
-                while (seg := self.segments.get(s)) is not None and seg.path is not None:
-                    with contextlib.suppress(OSError):  # deleted meanwhile: the writer forgets it
-                        os.utime(seg.path, (now, now))
-                    self.segments[s] = replace(seg, used_at=now)
-                    s = seg.needs
+        """The tapes every rank restored: counted, and marked as used now."""
+        for sid in sids:
+            self.used(sid)
         self.restored += len(sids)
+
+    def used(self, sid: str) -> None:
+        """A tape that served: its chain marked as used now, its files' times by the writer (the loop never
+        waits on the disk), so a tape in daily use is neither evicted nor expired first."""
+        now, paths = time.time(), []
+        with self._lock:
+            while (seg := self.segments.get(sid)) is not None and seg.path is not None:
+                self.segments[sid] = replace(seg, used_at=now)
+                paths.append(seg.path)
+                sid = seg.needs
+        self._queue.put(lambda: [_touch(p, now) for p in paths])
+
+    def _expire(self) -> None:
+        """Tapes unused for longer than `max_age`, deleted (counted `expired`)."""
+        with self._lock:
+            gone = [self.segments.pop(sid) for sid in expired(self.segments, time.time(), self.max_age)]
+            self._count_bytes()
+        for seg in gone:
+            self.skip("expired", f"{seg.path.name}: unused for more than {self.max_age:.0f}s (snapshot_max_age)")
+            seg.path.unlink(missing_ok=True)
 
     # --- write ----------------------------------------------------------------------------------------------
     def base(self, sid: str, cached: int) -> tuple[str, int]:
@@ -548,7 +580,9 @@ class Snapshots:
     def stage(self, tokens, cache: list, since: tuple[str, int], final: bool, tenant: str = "") -> tuple[str, int]:
         """Take the state of a tape's cache for the writer when `due`: its tokens past `since` (a snapshot id
         and its length) for plain KV caches, its whole state for others; returns the tape's snapshot point
-        after it."""
+        after it (the same while the writer is stopped: nothing is staged for no one)."""
+        if self.writer_error:
+            return since
         parts = leaves(cache)
         whole_state = snapshot_kind(leaf_types(cache)) == "whole"
         have = min(len(tokens), tokens_held(parts))
@@ -599,17 +633,26 @@ class Snapshots:
         self._thread.join(timeout)
 
     def _write_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            seg, arrays, about = item
-            try:
-                with self._lock:
-                    evicted = self.segments.get(seg.sid) is not seg  # before it was written
-                if not evicted:
-                    self._write(seg, arrays, about)
-            finally:
-                with self._lock:
-                    self._pending -= seg.nbytes
-                    self._pending_n -= 1
+        try:
+            while (item := self._queue.get()) is not None:
+                if callable(item):  # a chore of the disk's that the loop hands over (`used`)
+                    item()
+                    continue
+                seg, arrays, about = item
+                try:
+                    with self._lock:
+                        evicted = self.segments.get(seg.sid) is not seg  # before it was written
+                    if not evicted:
+                        self._write(seg, arrays, about)
+                        self._expire()
+                finally:
+                    with self._lock:
+                        self._pending -= seg.nbytes
+                        self._pending_n -= 1
+        except BaseException as e:  # the rank says so and stages nothing more, rather than queue for no one
+            self.writer_error = f"{type(e).__name__}: {e}"
+            self.log(f"snapshot writer stopped ({self.writer_error}); no snapshot is written until the next "
+                     "generation")
 
     def _write(self, seg: Segment, arrays: dict[str, mx.array], about: str) -> None:
         """One segment, durable on its own once its name is in the folder: written to a temporary file whose
@@ -675,6 +718,11 @@ def snapshot_key(path: Path) -> bytes:
     with os.fdopen(fd, "wb") as f:
         f.write(key)
     return key
+
+
+def _touch(path: Path, when: float) -> None:
+    with contextlib.suppress(OSError):  # deleted meanwhile: the writer forgets it at its next write
+        os.utime(path, (when, when))
 
 
 def fsync_folder(folder: Path) -> None:

@@ -6,8 +6,10 @@ rank; a restarted rank restores while it serves, a request waiting for a tape be
 sooner than prefilling it. DeepSeek-V4's caches on omlx's own model: tests/pinned/test_v4_snapshots.py."""
 
 import json
+import os
 import shutil
 import struct
+import time
 
 import mlx.core as mx
 import pytest
@@ -24,8 +26,8 @@ from runtime.openai_api import SamplingParams
 from runtime.rank import parse_args
 from runtime.server import WARMUP
 from runtime.restore import RESTORE_FIRST, Rates, Restorer, plan, settled, worth_waiting
-from runtime.snapshot import (Identity, Segment, Snapshots, agree, digest, due, ends, evict, read_header, scan,
-                              segment_files, serving, snapshot_key, snapshot_kind, tape_id, whole)
+from runtime.snapshot import (Identity, Segment, Snapshots, agree, digest, due, ends, evict, expired, read_header,
+                              scan, segment_files, serving, snapshot_key, snapshot_kind, tape_id, whole)
 from runtime.tape import TokenTape
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~670 tokens: a prefill of seconds on two ranks
@@ -112,6 +114,17 @@ def test_the_restore_takes_each_tapes_end_and_of_whole_states_the_one_it_grew_fr
 ])
 def test_eviction_keeps_the_most_recently_used_tapes_within_the_budget(segments, budget, expect):
     assert evict(segments, budget) == expect
+
+
+@pytest.mark.parametrize("segments, now, max_age, expect", [
+    ({"a": seg("a", used_at=0.0), "b": seg("b", used_at=90.0)}, 100.0, 50.0, ["a"]),
+    ({"a": seg("a", used_at=0.0), "b": seg("b", used_at=90.0)}, 100.0, 0.0, []),  # 0: kept while the budget allows
+    ({"a": seg("a", used_at=0.0), "b": seg("b", "a", used_at=10.0)}, 100.0, 50.0, ["b", "a"]),  # the end first
+    ({"a": seg("a", used_at=0.0), "b": seg("b", "a", used_at=90.0)}, 100.0, 50.0, []),  # a is what b appends to
+    ({"a": seg("a", used_at=0.0), "w": seg("w", "a", used_at=90.0, whole_=True)}, 100.0, 50.0, ["a"]),
+])
+def test_tapes_unused_past_the_max_age_expire_ends_first_and_never_under_a_kept_one(segments, now, max_age, expect):
+    assert expired(segments, now, max_age) == expect
 
 
 # --- the writer on real caches ------------------------------------------------------------------------------
@@ -463,6 +476,33 @@ def test_tenants_never_share_a_prefix_in_memory_or_on_disk_and_a_restore_keeps_w
     assert tape.served(secret + (1,), "alice") == tape.served(secret + (1,), "bob") == 40
     assert tape.served(secret + (1,), "carol") == 0
     again.close()
+
+
+def test_a_tape_in_use_is_kept_and_one_unused_past_its_age_is_deleted_at_the_start(tmp_path):
+    snaps = Snapshots(tmp_path, ME, 1 << 20, every=4, max_age=86400)
+    old, daily = tuple(range(10)), tuple(range(50, 60))
+    for tape in (old, daily):
+        snaps.stage(tape, real_cache(10), ("", 0), final=True)
+    snaps.close()
+    week_ago = time.time() - 7 * 86400
+    for path in segment_files(snaps.folder):
+        os.utime(path, (week_ago, week_ago))
+    again = Snapshots(tmp_path, ME, 1 << 20, every=4, max_age=30 * 86400)  # within a month: both kept
+    assert set(again.held()) == {tape_id(old), tape_id(daily)}
+    again.used(tape_id(daily))  # a hit in memory: its files' age refreshed by the writer
+    again.close()
+    last = Snapshots(tmp_path, ME, 1 << 20, every=4, max_age=86400)
+    assert last.held() == [tape_id(daily)] and last.skipped == {"expired": 1}
+    last.close()
+
+
+def test_a_writer_that_stops_says_so_and_nothing_more_is_staged_for_no_one(tmp_path):
+    snaps = Snapshots(tmp_path, ME, 1 << 20, every=4)
+    snaps._queue.put(lambda: 1 / 0)  # whatever breaks the thread outside a write
+    wait_for(lambda: snaps.writer_error, 10, "the writer's stop")
+    assert snaps.stats()["snapshot_writer_error"] == "ZeroDivisionError: division by zero"
+    assert snaps.stage(tuple(range(10)), real_cache(10), ("", 0), final=True) == ("", 0)
+    assert snaps.stats()["snapshots_pending"] == 0
 
 
 # --- the mesh ------------------------------------------------------------------------------------------------
