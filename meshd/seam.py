@@ -44,6 +44,7 @@ class Serving:
     rank0_secret: str = field(default="", repr=False)  # this generation's; rank 0 answers nothing without it
     planned: str = ""  # the generation it names ends on purpose: "drain" (its requests finish on it, cut
     #                    none) or "cut" (resume them on the next); "" when it died, or does not end
+    fingerprint: str = ""  # of the weights the generation loaded, as node 0 read them at its start; "" unknown
 
     @property
     def ready(self) -> bool:
@@ -59,7 +60,7 @@ class Serving:
     @classmethod
     def from_wire(cls, d: dict) -> "Serving":
         return cls(Phase(d["phase"]), int(d["generation"]), str(d["reason"]), str(d["rank0_url"]),
-                   str(d.get("rank0_secret", "")), str(d.get("planned", "")))
+                   str(d.get("rank0_secret", "")), str(d.get("planned", "")), str(d.get("fingerprint", "")))
 
 
 @dataclass(frozen=True)

@@ -2,17 +2,22 @@
 the demo model (each its own controller and agents) and a 1-rank mesh of another model, the fallback.
 Routing's decisions table-tested; on the real meshes: follow-ups land on the mesh that served their
 prefix, the streams a SIGKILL cuts on one mesh go on from the other before the first is back, exactly
-as uncut, and the fallback answers while no mesh of the model is up, and stops when one is back."""
+as uncut, and the fallback answers while no mesh of the model is up, and stops when one is back. Once one
+mesh comes back on weights changed in place, the proxies (the running one, and one started then) serve
+both and name the conflict, and the other mesh's cut streams wait for their own weights, never taking
+its. A request is quarantined only for one mesh's repeated deaths (table-tested)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from types import SimpleNamespace
@@ -26,9 +31,10 @@ from kit.demo_answers import endless
 from kit.meshctl import mesh_up, meshctl
 from kit.openai import sse_events
 from kit.waiting import wait_for
+from test_fingerprint import nudge
 from meshd.dataplane.exchange import poisoning
 from meshd.dataplane.proxyconfig import check_twins, load_front
-from meshd.dataplane.routing import Failed, MeshSeen, PrefixMemory, Route, prefix_keys, route
+from meshd.dataplane.routing import Failed, MeshSeen, PrefixMemory, Route, conflicts, prefix_keys, route
 from meshd.meshctl.ports import free_ports
 
 
@@ -61,6 +67,11 @@ SMALL = seen("f", names=("small",), fp="w2")
     ([A, seen("b", fp="w9")], {"failed": Failed("a", 1, "w1")}, Route("wait", "a")),  # other weights: not its twin
     ([seen("a", fp=""), seen("b", fp="")], {"failed": Failed("a", 1, "")}, Route("wait", "a")),  # unknown: alone
     ([A, SMALL], {"failed": Failed("a", 1, "w1"), "fallback": "small"}, Route("wait", "a")),  # no resume elsewhere
+    # the failed mesh's next generation: waited for while its weights are not known, never sent other weights
+    ([seen("a", ready=False, generation=2, fp="")], {"failed": Failed("a", 1, "w1")}, Route("wait", "a")),
+    ([seen("a", generation=2, fp="w9")], {"failed": Failed("a", 1, "w1")}, Route("gone")),
+    ([seen("a", generation=2, fp="w9"), B], {"failed": Failed("a", 1, "w1")}, Route("send", "b", "failover")),
+    ([seen("a", generation=2, fp="")], {"failed": Failed("a", 1, "w1")}, Route("gone")),  # serves, weights unread
     # the fallback: only while no mesh of the model serves, only when asked for
     ([seen("a", ready=False), SMALL], {"fallback": "small"}, Route("send", "f", "fallback")),
     ([seen("a", ready=False, gone=True), SMALL], {"fallback": "small"}, Route("send", "f", "fallback")),
@@ -84,6 +95,13 @@ def test_routing(meshes, kw, want):
 ])
 def test_a_request_is_quarantined_only_for_one_mesh_s_repeated_deaths(killed, after, want):
     assert poisoning(killed, after) == want
+
+
+def test_meshes_of_one_name_with_other_weights_are_named_as_a_conflict():
+    assert conflicts([A, B, SMALL]) == [] and conflicts([A, seen("b", fp="")]) == []
+    (said,) = conflicts([A, seen("b", fp="w9"), SMALL])
+    assert "meshes a and b both serve 'demo' with different weights (fingerprints w1 and w9)" in said
+    assert conflicts([A, seen("b", fp="w9", names=("other",))]) == []
 
 
 def test_a_request_for_a_model_no_mesh_serves_goes_nowhere():
@@ -175,7 +193,8 @@ def front(tmp_path_factory, demo_model, draft_model):
     """Meshes a and b (two ranks each, the demo model) and f (one rank, another model, the fallback),
     each with its own agents and controller, and a meshd-proxy fronting all three."""
     tmp = tmp_path_factory.mktemp("meshes")
-    plans = {"a": (demo_model, 2, "demo"), "b": (demo_model, 2, "demo"), "f": (draft_model, 1, "small")}
+    weights = {name: shutil.copytree(demo_model, tmp / f"weights-{name}") for name in "ab"}  # b's change later
+    plans = {"a": (weights["a"], 2, "demo"), "b": (weights["b"], 2, "demo"), "f": (draft_model, 1, "small")}
     with ExitStack() as stack, ThreadPoolExecutor(3) as pool:
         ups = {name: mesh_up(tmp / name, model, n, runtime={"args": {"model_name": served, **LIMITS}})
                for name, (model, n, served) in plans.items()}
@@ -197,7 +216,7 @@ def front(tmp_path_factory, demo_model, draft_model):
             assert proc.poll() is None, (tmp / "proxy.log").read_text()
             return [m["healthy"] for m in view(url)] == [True] * 3
         wait_for(serving, 120, "the proxy to see all three meshes serve")
-        yield SimpleNamespace(url=url, config=path, meshes=meshes)
+        yield SimpleNamespace(url=url, config=path, meshes=meshes, weights=weights, log=tmp / "proxy.log")
 
 
 def view(url) -> list[dict]:
@@ -328,6 +347,17 @@ def test_a_killed_rank_s_streams_go_on_from_the_other_mesh_before_it_is_back(fro
     assert len(cut) <= mesh(front.url, "b")["routed"]["failover"] - before <= len(cut) + 1
 
 
+def start_proxy(config, log):
+    """Another meshd-proxy on the same proxy config, on a port of its own."""
+    (port,) = free_ports(1)
+    raw = tomllib.loads(config.read_text())
+    again = write_toml(config.with_name("proxy-again.toml"), {**raw, "proxy": {**raw["proxy"],
+                                                                               "listen": f"127.0.0.1:{port}"}})
+    proc = subprocess.Popen([sys.executable, "-m", "meshd.dataplane.proxyd", "--config", str(again)],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def test_the_fallback_answers_while_no_mesh_of_the_model_is_up_and_stops_when_one_is_back(front):
     for name in "ab":
         r = meshctl(front.meshes[name][0], "down")
@@ -341,3 +371,47 @@ def test_the_fallback_answers_while_no_mesh_of_the_model_is_up_and_stops_when_on
     wait_for(lambda: mesh(front.url, "a")["healthy"], 60, "a back at the proxy")
     r = chat(front.url, [user("anyone there?")], model="demo")
     assert (r.json()["model"], r.headers["X-Meshd-Mesh"]) == ("demo", "a")
+
+
+def test_a_mesh_back_on_other_weights_is_named_a_conflict_takes_none_of_the_other_s_streams_and_a_new_proxy_serves(
+        front, demo_model):
+    """After the fallback's test: a serves, b is down. b comes up on weights changed in place (a tensor +0.05)."""
+    nudge(front.weights["b"])
+    up = meshctl(front.meshes["b"][0], "up")
+    assert up.returncode == 0, up.stderr
+    wait_for(lambda: mesh(front.url, "b")["healthy"], 120, "b back at the proxy")
+    a, b = mesh(front.url, "a"), mesh(front.url, "b")
+    assert a["fingerprint"] and b["fingerprint"] and a["fingerprint"] != b["fingerprint"]
+    (conflict,) = requests.get(f"{front.url}/v1/meshes", timeout=10).json()["conflicts"]
+    assert "meshes a and b both serve 'demo' with different weights" in conflict
+    wait_for(lambda: "meshes disagree" in front.log.read_text(), 10, "the conflict in the proxy's log")
+
+    proc, url = start_proxy(front.config, front.log.with_name("proxy-again.log"))
+    try:  # a proxy started now serves both, naming the conflict, where it once refused to start at all
+        wait_for(lambda: proc.poll() is None and [m["healthy"] for m in view(url)] == [True] * 3, 60,
+                 "the new proxy to serve all three meshes")
+        assert requests.get(f"{url}/v1/meshes", timeout=10).json()["conflicts"] == [conflict]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+    bodies = [{"messages": [user(f"weights {i}")], "max_tokens": 120, "temperature": 0.0, **endless(demo_model)}
+              for i in range(4)]
+    uncut = []
+    for body in bodies:  # one at a time: each on a (named first), with its own weights
+        uncut.append(Stream(front.url, body))
+        uncut[-1].join()
+    assert [s.mesh for s in uncut] == ["a"] * 4
+    g = a["generation"]
+    streams = [Stream(front.url, body) for body in bodies]
+    wait_for(lambda: all(s.chunks >= 4 for s in streams), 60, "every stream's first chunks")
+    cut = [s for s in streams if s.mesh == "a"]
+    assert cut
+    os.kill(front.meshes["a"][1][-1].ranks()[-1]["pid"], signal.SIGKILL)
+    for s in streams:
+        s.join(300)
+    assert mesh(front.url, "a")["generation"] > g
+    for s in cut:  # never on b: each waited for a's next generation, the same weights, and went on there
+        assert s.resumed()[0].startswith(": resuming on mesh a"), s.resumed()
+        assert s.text() == next(u.text() for u in uncut if u.body == s.body)
+

@@ -45,6 +45,12 @@ class EpochRefused(Exception):
     majority answered. It has commanded nothing."""
 
 
+
+def weights_fingerprint(facts: dict | None) -> str:
+    """The fingerprint in an agent's node facts (GET /v1/node?model=...), "" where it read none."""
+    model = (facts or {}).get("model") or {}
+    return str(model.get("fingerprint") or "") if model.get("present") else ""
+
 class Controller:
     def __init__(self, cfg: MeshConfig, store: Store, metrics: Metrics):
         self.cfg = cfg
@@ -65,6 +71,9 @@ class Controller:
         self._tasks: set[asyncio.Task] = set()
         self.agent_errors: dict[str, str] = {}
         self._steps_observed: dict[float, int] = {}  # incident -> timeline entries already in /metrics
+        # The weights' fingerprint of the generation that runs, as node 0's agent read it at its start (the
+        # store keeps it for a restarted controller that adopts that generation).
+        self.weights: dict = store.get("weights", {"generation": -1, "fingerprint": ""})
 
     # --- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -217,9 +226,10 @@ class Controller:
                                ring_port=rt.ring_port, seed=rt.seed, env=dict(rt.env), args=rt.launch_args(),
                                devices=self.cfg.nodes[rank].devices, secret=self.rank_secret(generation)))
 
-    async def _preflight(self) -> list[str]:
+    async def _preflight(self) -> tuple[list[str], str]:
         """The doctor's cheap checks (hostfile, versions, model, launch) as every start passes them:
-        the failures no restart can fix. An agent that does not answer is not one of them."""
+        the failures no restart can fix. An agent that does not answer is not one of them. With them, the
+        fingerprint of node 0's weights ("" when it could not be read)."""
         async def facts(node: str) -> tuple[str, dict | None]:
             try:
                 return node, await doctor.node_facts(self.cfg, self.agents[node])
@@ -228,8 +238,13 @@ class Controller:
 
         answers = dict(await asyncio.gather(*(facts(n) for n in self.agents)))
         known = {node: f for node, f in answers.items() if f is not None}
-        return [f"{c.name} on {c.node}: {c.detail} (fix: {c.fix})"
-                for c in doctor.judge_start(self.cfg, known) if not c.ok]
+        refused = [f"{c.name} on {c.node}: {c.detail} (fix: {c.fix})"
+                   for c in doctor.judge_start(self.cfg, known) if not c.ok]
+        return refused, weights_fingerprint(answers[self.cfg.nodes[0].name])
+
+    def _remember_weights(self, generation: int, fingerprint: str) -> None:
+        self.weights = {"generation": generation, "fingerprint": fingerprint}
+        self.store.put("weights", self.weights)
 
     async def _start_generation(self, g: int) -> None:
         try:
@@ -237,7 +252,8 @@ class Controller:
         except ConfigError as e:
             await self.feed(fleet.StartRefused(g, str(e)))
             return
-        refused = await self._preflight()
+        refused, fingerprint = await self._preflight()
+        self._remember_weights(g, fingerprint)
         if refused:
             await self.feed(fleet.StartRefused(g, "; ".join(refused)))
             return
@@ -336,6 +352,12 @@ class Controller:
         if decision is None:
             return False
         log.info("adopting", decision=repr(decision))
+        if isinstance(decision, fleet.Adopted) and self.weights["generation"] != decision.generation:
+            try:  # not started by this store's controller: what node 0 holds now is the best known
+                facts = await doctor.node_facts(self.cfg, self.agents[self.cfg.nodes[0].name])
+            except AgentError:
+                facts = None
+            self._remember_weights(decision.generation, weights_fingerprint(facts))
         await self.feed(decision)
         if isinstance(decision, fleet.Adopted) and not decision.ready:
             self._spawn(self._await_ready(decision.generation))
@@ -344,8 +366,9 @@ class Controller:
     # --- the proxy's view (seam.FleetView) ------------------------------------------
     def serving(self) -> Serving:
         s = self.state
+        w = self.weights
         return Serving(s.phase, s.generation, s.reason, self.cfg.rank0_url, self.rank_secret(s.generation),
-                       s.planned)
+                       s.planned, w["fingerprint"] if w["generation"] == s.generation else "")
 
     async def wait_serving(self, predicate: Callable[[Serving], bool], timeout: float) -> Serving:
         return await wait_until(self.changed, self.serving, predicate, timeout)

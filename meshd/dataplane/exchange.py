@@ -70,6 +70,7 @@ class Rank0:
     window: float | None
     auth: dict[str, str] = field(repr=False)
     connections: Upstream = field(repr=False)
+    fingerprint: str = ""  # of the weights the generation serves ("" unknown): where a cut stream may go on
 
     @property
     def resumable(self) -> bool:

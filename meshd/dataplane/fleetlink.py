@@ -37,14 +37,15 @@ def remembered(cfg: MeshConfig) -> Serving | None:
     """The fleet as the controller last recorded it in its store, for a proxy that starts while the
     controller is away: the generation, rank 0's address by the config, its secret from the mesh's rank
     key. None when there is no record (or no key: the proxy runs as the controller's user)."""
-    fleet = read_value(cfg.store_path, "fleet")
+    fleet, weights = read_value(cfg.store_path, "fleet"), read_value(cfg.store_path, "weights") or {}
     try:
         key = rank_key(cfg.state_dir)
         phase, generation = Phase(fleet["phase"]), int(fleet["generation"])
     except (OSError, TypeError, KeyError, ValueError):
         return None
+    fingerprint = str(weights.get("fingerprint", "")) if weights.get("generation") == generation else ""
     return Serving(phase, generation, "as the controller last recorded it", cfg.rank0_url,
-                   rank_secret(key, generation))
+                   rank_secret(key, generation), fingerprint=fingerprint)
 
 
 def local_view(told: Serving | None, connected: bool, suspect: int | None) -> Serving:

@@ -35,8 +35,8 @@ from meshd.config import Proxy as ProxyConfig
 from meshd.dataplane.admission import Admission, QueueFull
 from meshd.dataplane.cors import cors
 from meshd.dataplane.exchange import RETRY_AFTER, Exchange, Rank0, quarantined, request_digest, unavailable
-from meshd.dataplane.proxyconfig import Front, Mesh, served_names, weights_fingerprint
-from meshd.dataplane.routing import REASONS, Failed, MeshSeen, PrefixMemory, Route, prefix_keys, route
+from meshd.dataplane.proxyconfig import Front, Mesh, served_names
+from meshd.dataplane.routing import REASONS, Failed, MeshSeen, PrefixMemory, Route, conflicts, prefix_keys, route
 from meshd.metrics import ProxyMetrics
 from meshd.seam import FleetView, Observation, Serving
 from meshd.upstream import Upstream, UpstreamError
@@ -74,7 +74,6 @@ class MeshLink:
         self.limits = oa.Limits(self.names[0], default_max_tokens=int(rt.args.get("max_tokens", 0)),
                                 max_tokens_limit=int(rt.args.get("max_tokens_limit", 8192)),
                                 aliases=self.names[1:])
-        self.fingerprint = weights_fingerprint(mesh.cfg)
         self.admission = Admission(1 if mesh.cfg.speculative else p.concurrency, p.queue_limit)
         self.routed = dict.fromkeys(REASONS, 0)
         self.served_generation = -1
@@ -84,17 +83,17 @@ class MeshLink:
     def seen(self) -> MeshSeen:
         s = self.fleet.serving()
         a = self.admission
-        return MeshSeen(self.name, self.names, self.fingerprint, s.ready, s.phase in GONE, s.generation,
+        return MeshSeen(self.name, self.names, s.fingerprint, s.ready, s.phase in GONE, s.generation,
                         a.depth + a.running, a.depth >= a.queue_limit)
 
     def rank0(self, s: Serving, window: float | None = None) -> Rank0:
         return Rank0(self.name, s.generation, s.rank0_url, self.limits.model_name, self.cfg.runtime.profile, window,
-                     s.rank0_auth, self.connections)
+                     s.rank0_auth, self.connections, s.fingerprint)
 
     def wire(self) -> dict:
         """This mesh in GET /v1/meshes."""
         s = self.fleet.serving()
-        return {"name": self.name, "model": self.limits.model_name, "fingerprint": self.fingerprint,
+        return {"name": self.name, "model": self.limits.model_name, "fingerprint": s.fingerprint,
                 "phase": str(s.phase), "generation": s.generation, "healthy": s.ready,
                 "queue": self.admission.depth, "in_flight": self.admission.running, "routed": dict(self.routed)}
 
@@ -125,6 +124,7 @@ class Proxy:
         self.api_keys = self._load_keys(self.settings.api_keys_file)
         self.quarantined_until: dict[str, float] = {}  # by request digest
         self.admitted = 0  # requests admitted since start (a probe that overlapped one is not judged)
+        self.conflicts: list[str] = []  # meshes of one name with other weights, as last logged
 
     @staticmethod
     def _load_keys(path: Path | None) -> list[str]:
@@ -187,7 +187,19 @@ class Proxy:
         if not self._operator(request):
             return self._unauthorized()
         return web.json_response({"meshes": [link.wire() for link in self.links.values()],
-                                  "fallback": self.front.fallback or None})
+                                  "fallback": self.front.fallback or None, "conflicts": self.watch_conflicts()})
+
+    def watch_conflicts(self) -> list[str]:
+        """The meshes that serve one name with other weights now (each mesh's controller reads its weights'
+        fingerprint at every generation's start), logged as they appear and go."""
+        now = conflicts([link.seen() for link in self.links.values()])
+        if now != self.conflicts:
+            for c in now:
+                log.warning("meshes disagree", conflict=c)
+            if not now:
+                log.info("meshes agree again", meshes=list(self.links))
+            self.conflicts = now
+        return now
 
     async def _health(self, request: web.Request) -> web.Response:
         """200 while a mesh serves: what a load balancer in front of the endpoint asks."""
@@ -275,6 +287,7 @@ class Proxy:
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(0.25)
+            self.watch_conflicts()
             for link in self.links.values():
                 await self._maybe_probe(link)
 
@@ -333,13 +346,14 @@ class Routed:
 
     async def rank0(self, after: Rank0 | None, deadline: float) -> Rank0 | None:
         links = self.proxy.links
-        self.failed = Failed(after.mesh, after.generation, links[after.mesh].fingerprint) if after else None
+        self.failed = Failed(after.mesh, after.generation, after.fingerprint) if after else None
         self.why = ""
         affinity = self.proxy.memory.find(self.keys) if after is None and self.keys else None
         while True:
             was = [link.fleet.serving() for link in links.values()]
             r = self._route(affinity)
             if r.kind == "gone":
+                self.why = self._why_gone()
                 return None
             if r.kind == "full" and self.slot is None:
                 self.full_at = sum(link.admission.depth for link in links.values())
@@ -404,6 +418,19 @@ class Routed:
                 w.cancel()
         return any((s.phase, s.generation) != (w.phase, w.generation)
                    for s, w in zip((link.fleet.serving() for link in self.proxy.links.values()), was))
+
+    def _why_gone(self) -> str:
+        """Why a cut stream cannot go on, when it is that its weights are served nowhere now ("" else)."""
+        f = self.failed
+        if f is None or not f.fingerprint:
+            return ""
+        other = self.proxy.links[f.mesh].fleet.serving().fingerprint
+        if other == f.fingerprint:
+            return ""
+        now = f"now serves other weights (fingerprint {other})" if other else "serves weights not known yet"
+        return (f"The answer was cut on mesh {f.mesh} (generation {f.generation}, weights {f.fingerprint}) and no "
+                f"mesh serves those weights now: mesh {f.mesh} {now}; an answer is never continued by other "
+                "weights. Retry the request")
 
     def hopeless(self) -> bool:
         return self._route().kind == "gone"

@@ -33,7 +33,7 @@ from common import procs
 from common.http import Listener, ListenerLimits, default_max_connections, run_daemon, until_stopped
 from common.tomlcheck import split_listen
 from meshd.dataplane.fleetlink import RemoteFleet, remembered
-from meshd.dataplane.proxyconfig import Front, check_twins, load_front
+from meshd.dataplane.proxyconfig import Front, load_front
 from meshd.metrics import ProxyMetrics
 from meshd.dataplane.proxy import Proxy
 from meshd.seam import Serving
@@ -212,7 +212,6 @@ def load_checked(path: str) -> Front:
     for m in front.meshes:
         if m.cfg.control.tls:
             m.cfg.client_tls()  # ConfigError now when there is no mesh CA to check the controller against
-    check_twins(front)
     return front
 
 

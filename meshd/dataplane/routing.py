@@ -3,8 +3,10 @@ each mesh now.
 
 By model name and alias first. Among the meshes of that name that serve: the one whose tape holds the
 conversation's prefix (affinity), else the one with the fewest requests waiting and running (queue).
-An attempt after a failed one goes only to a mesh with the same weights (fingerprint), never back to
-the generation that failed (failover). With no mesh of the model serving, the opt-in fallback model's
+An attempt after a failed one goes only to a mesh with the same weights (fingerprint, as each mesh's
+controller read it for the generation it serves now), never back to the generation that failed, nor to
+the same mesh's next generation once that serves other weights (failover). Meshes that give their
+models one name but serve other weights are reported (conflicts) and never take each other's streams. With no mesh of the model serving, the opt-in fallback model's
 mesh answers (fallback); without one, the request waits for a mesh of its model, unless none can
 come back by waiting.
 """
@@ -25,7 +27,7 @@ class MeshSeen:
 
     name: str
     names: tuple[str, ...]  # what clients may call its model: the served name, then the aliases
-    fingerprint: str  # of its weights; "" when the proxy could not read them (never another mesh's twin)
+    fingerprint: str  # of its weights, from its controller; "" unknown (never another mesh's twin)
     ready: bool
     gone: bool  # failed, stopped or draining: no generation comes back by waiting
     generation: int
@@ -57,8 +59,7 @@ def route(meshes: list[MeshSeen], model: str, *, affinity: tuple[str, int] | Non
     """Where an attempt for `model` goes now. `affinity`: the mesh and generation that served this
     conversation's prefix (another generation's tape does not hold it)."""
     if failed is not None:
-        twins = [m for m in meshes if m.name == failed.mesh
-                 or (failed.fingerprint and m.fingerprint == failed.fingerprint)]
+        twins = [m for m in meshes if _twin(m, failed)]
         up = [m for m in twins if m.ready and not (m.name == failed.mesh and m.generation <= failed.generation)]
         return _send(up, "failover") or _hold(twins)
     named = [m for m in meshes if model in m.names]
@@ -72,6 +73,28 @@ def route(meshes: list[MeshSeen], model: str, *, affinity: tuple[str, int] | Non
         if sent := _send([m for m in meshes if fallback in m.names and m.ready], "fallback"):
             return sent
     return _hold(named)
+
+
+def _twin(m: MeshSeen, failed: Failed) -> bool:
+    """Whether an attempt cut on `failed` may go on at `m`: a mesh with the same weights; the failed mesh
+    itself also while its next generation's weights are not known yet (it starts), or never were."""
+    if m.name == failed.mesh:
+        return m.fingerprint == failed.fingerprint or (not m.ready and not m.fingerprint)
+    return bool(failed.fingerprint) and m.fingerprint == failed.fingerprint
+
+
+def conflicts(meshes: list[MeshSeen]) -> list[str]:
+    """Each pair of meshes that give their models a name in common and serve other weights, in words."""
+    found = []
+    for i, a in enumerate(meshes):
+        for b in meshes[i + 1:]:
+            shared = [n for n in a.names if n in b.names]
+            if shared and a.fingerprint and b.fingerprint and a.fingerprint != b.fingerprint:
+                found.append(f"meshes {a.name} and {b.name} both serve {shared[0]!r} with different weights "
+                             f"(fingerprints {a.fingerprint} and {b.fingerprint}): a stream cut on one is never "
+                             "resumed on the other; give one of them another runtime.args.model_name, or the "
+                             "same model")
+    return found
 
 
 def _send(up: list[MeshSeen], reason: str) -> Route | None:
