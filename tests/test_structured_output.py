@@ -18,6 +18,7 @@ from mlx_lm.utils import load_tokenizer
 from openai import APIError, OpenAI, UnprocessableEntityError
 from pydantic import BaseModel, Field
 
+from kit.held import held_tokens
 from kit.meshctl import Demo, demo_home, demo_meshctl
 from meshd.meshctl.ports import free_ports
 from kit.openai import sse_events
@@ -26,7 +27,6 @@ from runtime import grammar, openai_api as oa
 from runtime.demo_model import DemoModelSpec, build_demo_model
 from runtime.drafting import MTPEngine
 from runtime.engine import BatchEngine
-from runtime.jobs import Job
 from runtime.server import Frontend, FrontendPhase
 
 ASK = [{"role": "user", "content": "hi"}]
@@ -76,24 +76,13 @@ def client(demo):
     return OpenAI(base_url=demo.proxy, api_key="unused", max_retries=0, timeout=180)
 
 
-def tokens_of(engine, tokenizer, body: dict) -> list[int]:
-    """The answer's tokens from one process's engine (world 1), the chat body parsed as rank 0 parses it."""
-    req = oa.parse_request("chat", body, oa.Limits("demo", 0, 4096), internal=True)
-    prompt = tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True,
-                                           tools=list(req.tools) or None)
-    engine.insert(Job("r", tuple(prompt), req.params.max_tokens, req.params.seed or 0, req.params.sampling()))
-    tokens = []
-    while engine.busy:
-        tokens += [e.token for e in engine.step() if e.token not in tokenizer.eos_token_ids]
-    return tokens
-
-
 @pytest.fixture(scope="module")
 def one_process(demo):
     """The answer of one process (the runtime's batch engine) to a chat body, as its text."""
     model, tokenizer = load(str(demo.home / "demo" / "model"))
     grammar.serve(tokenizer)
-    return lambda body: tokenizer.decode(tokens_of(BatchEngine(model, set(tokenizer.eos_token_ids)), tokenizer, body))
+    eos = set(tokenizer.eos_token_ids)
+    return lambda body: tokenizer.decode(held_tokens(BatchEngine(model, eos), tokenizer, body))
 
 
 def not_json(text: str) -> bool:
@@ -143,8 +132,8 @@ def test_mtp_drafts_held_to_the_grammar_are_accepted_and_the_answer_is_the_plain
     for sampling in ({}, {"temperature": 1.0, "seed": 3}):
         body = {"messages": ASK, "max_tokens": 300, "response_format": schema_format("order", ORDER), **sampling}
         drafter = MTPEngine(model, eos, num_draft_tokens=2)
-        drafted = tokens_of(drafter, tokenizer, body)
-        assert drafted == tokens_of(BatchEngine(model, eos), tokenizer, body)
+        drafted = held_tokens(drafter, tokenizer, body)
+        assert drafted == held_tokens(BatchEngine(model, eos), tokenizer, body)
         jsonschema.validate(json.loads(tokenizer.decode(drafted)), ORDER)
         stats = drafter.stats()
         print(sampling, stats)
@@ -160,7 +149,7 @@ def test_a_model_that_thinks_reasons_freely_then_writes_the_document(tmp_path):
     # the template leaves <think> open; a bias on its close has the random model close it after a while
     body = {"messages": ASK, "max_tokens": 400, "temperature": 1.0, "seed": 5, "logit_bias": {str(think_end): 3},
             "response_format": schema_format("order", ORDER)}
-    said = tokens_of(BatchEngine(model, set(tokenizer.eos_token_ids)), tokenizer, body)
+    said = held_tokens(BatchEngine(model, set(tokenizer.eos_token_ids)), tokenizer, body)
     reasoning, document = tokenizer.decode(said).split("</think>")
     assert len(tokenizer.encode(reasoning)) > 3 and not_json(reasoning), reasoning
     jsonschema.validate(json.loads(document), ORDER)

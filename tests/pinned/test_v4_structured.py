@@ -15,11 +15,11 @@ import jsonschema
 import mlx.core as mx
 import pytest
 
+from kit.held import held_tokens
 from pinned.test_v4_tools import build_v4_tokenizer_checkpoint, build_v4_weights
-from runtime import grammar, openai_api as oa
+from runtime import grammar
 from runtime.drafting import DSparkEngine
 from runtime.engine import BatchEngine
-from runtime.jobs import Job
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
     "type": "object", "additionalProperties": False, "required": ["city", "days", "units"],
@@ -29,18 +29,6 @@ ASK = [{"role": "user", "content": "Is it warm in Oslo?"}]
 ORDER = {"type": "object", "additionalProperties": False, "required": ["sku", "qty", "rush"], "properties": {
     "sku": {"enum": ["a1", "b2", "c3"]}, "qty": {"type": "integer", "minimum": 1, "maximum": 99},
     "rush": {"type": "boolean"}}}
-
-
-def answer(engine, tokenizer, body: dict) -> list[int]:
-    """The answer's tokens (its end left out), the chat body parsed and rendered as rank 0 does."""
-    req = oa.parse_request("chat", body, oa.Limits("v4", 0, 8192), internal=True)
-    prompt = tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True,
-                                           tools=list(req.tools) or None, **req.template_kwargs)
-    engine.insert(Job("r", tuple(prompt), req.params.max_tokens, req.params.seed or 0, req.params.sampling()))
-    tokens = []
-    while engine.busy:
-        tokens += [e.token for e in engine.step() if e.token not in tokenizer.eos_token_ids]
-    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +61,7 @@ def test_a_forced_call_is_v4_dsml_that_omlxs_parser_reads_and_the_schema_validat
         body["logit_bias"] = {str(tokenizer.convert_tokens_to_ids("</think>")): 4}
     else:
         body["chat_template_kwargs"] = {"enable_thinking": False}
-    text = tokenizer.decode(answer(BatchEngine(model, set(tokenizer.eos_token_ids)), tokenizer, body))
+    text = tokenizer.decode(held_tokens(BatchEngine(model, set(tokenizer.eos_token_ids)), tokenizer, body))
     if thinking:
         reasoning, text = text.split("</think>")
         assert reasoning and "DSML" not in reasoning, reasoning
@@ -93,8 +81,8 @@ def test_dspark_drafts_under_a_grammar_are_accepted_and_the_answer_is_plain_cons
     body = {"messages": ASK, "max_tokens": 120, **sampling,
             "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER}}}
     drafter = DSparkEngine(model, eos, prefill_step_size=32)
-    drafted = answer(drafter, tokenizer, body)
-    assert drafted == answer(BatchEngine(model, eos, prefill_step_size=32), tokenizer, body)
+    drafted = held_tokens(drafter, tokenizer, body)
+    assert drafted == held_tokens(BatchEngine(model, eos, prefill_step_size=32), tokenizer, body)
     jsonschema.validate(json.loads(tokenizer.decode(drafted)), ORDER)
     stats = drafter.stats()
     print(sampling, stats)
