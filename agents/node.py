@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import importlib.util
 import platform
+import secrets
 import shutil
 import socket
 import sys
@@ -82,15 +83,41 @@ def model_fingerprint(model_dir: str) -> dict:
             "bytes": sum(size for _, size in sizes), "weight_files": len(sizes)}
 
 
-def tree_bytes(root: Path) -> int:
-    """The bytes of the files under `root` (0 when it does not exist)."""
-    total = 0
+def tree_files(root: Path) -> tuple[int, int]:
+    """The files under `root` and their bytes ((0, 0) when it does not exist)."""
+    files = total = 0
     for path in root.rglob("*"):
         try:
-            total += path.stat().st_size if path.is_file() else 0
+            if path.is_file():
+                files, total = files + 1, total + path.stat().st_size
         except OSError:
             continue
-    return total
+    return files, total
+
+
+def clear_folder(root: Path) -> dict:
+    """Delete what `root` holds, `root` itself kept (its mode stays). Each entry is first renamed aside (a hidden
+    name in `root`) and deleted there: a rank writing into its folder meanwhile fails that one write and makes
+    its folder again (runtime/snapshot.py `_lost_folder`), never racing the deletion. Returns the files and
+    bytes deleted, and what could not be (an aside left from such a failure goes at the next clear)."""
+    files = nbytes = 0
+    problems: list[str] = []
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        aside = root / f".clearing-{secrets.token_hex(6)}"
+        try:
+            entry.rename(aside)
+        except OSError as e:
+            problems.append(f"{entry}: {e.strerror}")
+            continue
+        if aside.is_dir() and not aside.is_symlink():
+            held = tree_files(aside)
+            shutil.rmtree(aside, onerror=lambda _, path, exc: problems.append(f"{path}: {exc[1]}"))
+            left = tree_files(aside)
+        else:  # a file, or a link (not what it points to)
+            held, left = (1, aside.lstat().st_size), (0, 0)
+            aside.unlink()
+        files, nbytes = files + held[0] - left[0], nbytes + held[1] - left[1]
+    return {"folder": str(root), "files": files, "bytes": nbytes, "problems": problems}
 
 
 def parse_ibv_devices(output: str) -> list[str]:

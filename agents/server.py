@@ -7,6 +7,7 @@ Stopping the agent leaves its ranks running: a restarted agent adopts them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import time
@@ -231,7 +232,7 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
         model, package = request.query.get("model"), request.query.get("package")
         return web.json_response({"node": cfg.node, **await node_facts.facts(model, cfg.node, package),
                                   "state_dir": str(cfg.state_dir), "state_free_bytes": free_bytes(cfg.state_dir),
-                                  "snapshots_bytes": node_facts.tree_bytes(cfg.state_dir / "snapshots"),
+                                  "snapshots_bytes": node_facts.tree_files(cfg.state_dir / "snapshots")[1],
                                   "wired_limit_applied": sup.wired_limit,
                                   "reboot_required": sup.reboot_required, "allow_reboot": cfg.allow_reboot,
                                   "launch": {"profiles": {p.name: sorted(p.args) for p in cfg.profiles.values()},
@@ -334,6 +335,13 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
         fencing.promise(asked)
         return web.json_response(promise_view())
 
+    async def clear_snapshots(request):
+        """Every prefix snapshot on this node deleted (`meshctl cache clear`), its ranks serving on: each makes
+        its folder again at its next write."""
+        cleared = await asyncio.to_thread(node_facts.clear_folder, cfg.state_dir / "snapshots")
+        log.info("snapshots cleared", node=cfg.node, **cleared)
+        return web.json_response({"node": cfg.node, **cleared})
+
     async def reboot(request):
         if not cfg.allow_reboot:
             return json_error(403, f"reboot is not allowed on {cfg.node}; set allow_reboot = true in its "
@@ -355,6 +363,7 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
     app.router.add_get("/v1/log", own_log)
     app.router.add_get("/v1/events", events)
     app.router.add_post("/v1/reboot", reboot)
+    app.router.add_delete("/v1/snapshots", clear_snapshots)
     app.router.add_get(EPOCH_ROUTE, epoch)
     app.router.add_post(EPOCH_ROUTE, promise)
     return app

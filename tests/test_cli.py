@@ -20,7 +20,8 @@ from kit.meshctl import another_controller, meshctl
 from kit.waiting import wait_for
 from meshd.meshctl import background
 from meshd.meshctl.cli import CliError, Control, log_generation, may_have_ranks, silent_controller
-from meshd.config import load
+from meshd.config import Node, load
+from meshd.meshctl import cache
 from meshd.meshctl.progress import frame
 from meshd.store import Store
 
@@ -239,3 +240,15 @@ def test_nodes_is_the_demo_meshs_and_takes_the_counts_its_model_divides_into(tmp
     mesh = write_mesh(tmp_path, make_agents(tmp_path, 2), demo_model)
     r = run("--config", str(mesh), "up", "--nodes", "1")
     assert r.returncode == 1 and f"--nodes is the demo mesh's; {mesh} lists this mesh's 2 nodes" in r.stderr
+
+
+@pytest.mark.parametrize("status,says", [
+    (None, ["not reached at https://a:7701 (refused)", "is its agent running? `meshctl doctor`"]),
+    (401, ["refused the token in", "copy the token from that node's agent"]),
+    (404, ["does not know DELETE /v1/snapshots (404)", "older meshd", "`meshctl agents install` updates it"]),
+    (500, ["its agent answered 500: disk on fire"]),
+], ids=["unreachable", "wrong token", "older agent", "agent error"])
+def test_a_node_whose_snapshots_cache_clear_could_not_delete_is_named_with_the_fix(status, says):
+    node = Node("studio-1", "https://a:7701", Path("/etc/meshd/studio-1.token"))
+    said = cache.failure(node, status, "refused" if status is None else "disk on fire")
+    assert all(s in said for s in says), said

@@ -1,5 +1,6 @@
 """`meshctl`: up, down, status, restart, events, logs, config check,
-provision, doctor, reboot, agents install, service install, proxy restart.
+provision, doctor, reboot, agents install, service install, proxy restart,
+cache clear.
 
 The mesh is the first of: --config (before or after the command),
 $MESHD_CONFIG, ./mesh.toml, $XDG_CONFIG_HOME/meshd/mesh.toml (~/.config),
@@ -586,6 +587,26 @@ def cmd_model_pull(args) -> int:
     return 0
 
 
+def cmd_cache_clear(args) -> int:
+    from meshd.meshctl import cache
+
+    answers = asyncio.run(cache.clear(resolve_config(args.config)))
+    failed = [node for node, a in answers.items() if "error" in a or a["problems"]]
+    if args.json:
+        print(json.dumps(answers, indent=2))
+    else:
+        for node, a in answers.items():
+            say(f"{node}: {a['error'] if 'error' in a else cache.cleared(a)}")
+        done = [a for a in answers.values() if "error" not in a]
+        say(f"{sum(a['files'] for a in done)} snapshot files ({cache.mib(sum(a['bytes'] for a in done))}) deleted "
+            f"on {len(done)} of {len(answers)} nodes; the ranks serve on (what they hold in memory goes with their "
+            "generation: `meshctl restart`)")
+    if failed:
+        raise CliError(f"snapshots not all cleared on {', '.join(failed)} (why above); `meshctl cache clear` again "
+                       "once fixed")
+    return 0
+
+
 def cmd_completion(args) -> int:
     from meshd.meshctl.completion import script
 
@@ -910,6 +931,11 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("repo", help="a Hugging Face repo id, e.g. mlx-community/Qwen3-8B-4bit")
     mp.add_argument("--from", dest="source", metavar="NODE", help="the node that downloads (default: the first)")
     mp.add_argument("--force", action="store_true", help="copy every file again, even one already there")
+    cache = sub.add_parser("cache", help="the prefix cache's snapshots on the nodes' disks")
+    cache_sub = cache.add_subparsers(dest="cache_cmd", required=True)
+    clear = cache_sub.add_parser("clear", help="delete every node's prefix snapshots (each agent its own node's); "
+                                               "the ranks serve on")
+    clear.add_argument("--json", action="store_true")
     comp = sub.add_parser("completion", help="print the shell completion script: "
                                              "`source <(meshctl completion bash)` (or zsh)")
     comp.add_argument("shell", choices=["bash", "zsh"])
@@ -923,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
                 "events": cmd_events, "logs": cmd_logs, "config": cmd_config,
                 "service": cmd_service_install, "provision": cmd_provision, "doctor": cmd_doctor,
                 "reboot": cmd_reboot, "agents": cmd_agents_install, "completion": cmd_completion,
-                "model": cmd_model_pull, "proxy": cmd_proxy_restart}
+                "model": cmd_model_pull, "proxy": cmd_proxy_restart, "cache": cmd_cache_clear}
     try:
         return handlers[args.cmd](args)
     except ConfigError as e:
