@@ -1,13 +1,20 @@
 """The demo mesh's own life, each test on a demo of its own: `meshctl up` with the default four nodes,
 `meshctl down` leaving no process behind, up again on the same ports; a demo of one node that serves and
-recovers. (tests/test_demo_mesh.py drives one demo through deaths and restarts.)"""
+recovers; an `up` that fails because another process took the control port meanwhile. (tests/test_demo_mesh.py
+drives one demo through deaths and restarts.)"""
 
+import http.server
+import json
 import os
 import signal
+import subprocess
+import sys
+import threading
 
 import psutil
 
 from kit.meshctl import Demo, demo_home, demo_meshctl
+from kit.waiting import wait_for
 from meshd.meshctl import background
 from meshd.meshctl.demo import WORLD
 
@@ -48,4 +55,42 @@ def test_a_demo_of_one_node_is_a_mesh_of_one_that_serves_and_recovers(tmp_path_f
     os.kill(one.rank_pid(0), signal.SIGKILL)
     one.wait_ready(after=s["generation"])
     assert one.incidents()[0]["node"] == "node0" and one.chat().status_code == 200
+    assert "no process of the mesh remains" in demo_meshctl(home, "down").stdout
+
+
+class Answers(http.server.BaseHTTPRequestHandler):
+    """Any other HTTP server: 200 to every GET, an empty body."""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_up_whose_control_port_another_process_took_meanwhile_stops_what_it_started(tmp_path_factory):
+    home = demo_home(tmp_path_factory, "meshd-home-taken")
+    control = json.loads((home / "demo" / "ports.json").read_text())["control"]
+    env = {**{k: v for k, v in os.environ.items() if k != "MESHD_CONFIG"}, "MESHD_HOME": str(home)}
+    up = subprocess.Popen([sys.executable, "-m", "meshd.meshctl.cli", "up", "--nodes", "2"], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # The port was free when `up` picked it; another server takes it once the agents are spawned (the controller
+    # starts only when every agent answers, seconds later).
+    wait_for(lambda: (home / "demo" / "run" / "agent-node0.pid").exists() or up.poll() is not None, 120,
+             "`meshctl up` to spawn the agents")
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", control), Answers)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        out, err = up.communicate(timeout=300)
+        assert up.returncode == 1, out + err
+        assert f"127.0.0.1:{control}" in err and "stopped what it had started (agent-node0, agent-node1" in err, err
+        assert background.pids_below(home) == []
+        down = demo_meshctl(home, "down")  # while the other server still holds the port
+        assert "no process of the mesh remains" in down.stdout, down.stdout
+    finally:
+        other.shutdown()
+        other.server_close()
+    demo_meshctl(home, "up", "--nodes", "2")  # the port free again: the demo comes up on it
+    assert Demo(home).chat().status_code == 200
     assert "no process of the mesh remains" in demo_meshctl(home, "down").stdout

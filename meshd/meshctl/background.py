@@ -18,6 +18,10 @@ from common.tomlcheck import loopback, wildcard
 from meshd.meshctl.ports import tcp_sockets
 
 
+class NotStarted(Exception):
+    """A daemon meshctl started did not come up (the message says where its log is)."""
+
+
 def _read_pid(pidfile: Path) -> procs.Target | None:
     """The live daemon a pidfile (pid and create time) names, or None."""
     try:
@@ -55,6 +59,11 @@ def start(argv: list[str], pidfile: Path, logfile: Path) -> int:
     t = procs.spawn_detached([*argv, "--log-file", str(logfile)], logfile)
     pidfile.write_text(f"{t.pid} {t.create_time}\n")
     return t.pid
+
+
+def running_in(run: Path) -> dict[Path, int]:
+    """The daemons of a run directory that run now: pidfile -> pid."""
+    return {f: pid for f in sorted(run.glob("*.pid")) if (pid := pid_of(f)) is not None}
 
 
 def stop(pidfiles: list[Path], grace: float = 10.0) -> None:

@@ -294,6 +294,23 @@ def start_controller(cfg: MeshConfig, ctl: Control) -> None:
         raise CliError(f"the controller did not come up within 60s; see {log}")
 
 
+def start_or_undo(cfg: MeshConfig, ctl: Control) -> dict:
+    """Start the controller (the demo's agents with it) and ask it for the mesh's status. When either fails,
+    what this call started is stopped again: a failed `up` leaves no daemon behind (one whose port another
+    process took meanwhile, say) for `down` to look for."""
+    run = run_dir(cfg)
+    before = background.running_in(run)
+    try:
+        start_controller(cfg, ctl)
+        return ctl.call("GET", "/v1/status")
+    except (CliError, background.NotStarted) as e:
+        started = [f for f, pid in background.running_in(run).items() if before.get(f) != pid]
+        background.stop(started)
+        undone = f"; `meshctl up` stopped what it had started ({', '.join(f.stem for f in started)})" if started else ""
+        again = "; `meshctl up` again picks free ports" if cfg.path and demo.is_demo(cfg.path) else ""
+        raise CliError(f"{e}{undone}{again}") from None
+
+
 def start_proxy(cfg: MeshConfig) -> None:
     """meshd-proxy beside the controller, unless something (a service's, say) already answers there."""
     if background.http_status(f"{cfg.proxy.url}/health") is not None:
@@ -316,9 +333,8 @@ def cmd_up(args) -> int:
                        f"--nodes {args.nodes}`" if cfg.path and demo.is_demo(cfg.path) else
                        f"--nodes is the demo mesh's; {cfg.path} lists this mesh's {n} nodes")
     ctl = Control(cfg)
-    if not ctl.alive():
-        start_controller(cfg, ctl)
-    if not args.skip_preflight and ctl.call("GET", "/v1/status")["phase"] in ("stopped", "failed"):
+    status = ctl.call("GET", "/v1/status") if ctl.alive() else start_or_undo(cfg, ctl)
+    if not args.skip_preflight and status["phase"] in ("stopped", "failed"):
         checks = preflight(cfg)
         failed = [c for c in checks if not c.ok]
         if failed:
@@ -366,7 +382,10 @@ def cmd_down(args) -> int:
         # Its ranks may still run (the controller died, or was stopped, under a generation): the controller
         # adopts them as it starts, and stops them below.
         start_controller(cfg, ctl)
-    if ctl.alive():
+    if demo_mesh and ctl.alive() and not background.running(run_dir(cfg) / "controller.pid"):
+        say(f"what answers at {cfg.control.listen} is not the demo's controller (meshctl started none that runs): "
+            "nothing to drain")
+    elif ctl.alive():
         say("draining" if not args.force else "stopping (force)")
         ctl.call("POST", "/v1/down", {"force": args.force})
         if not background.wait_until(lambda: ctl.call("GET", "/v1/status")["phase"] == "stopped", args.timeout, 0.3):

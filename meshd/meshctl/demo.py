@@ -114,7 +114,7 @@ def start_daemons(root: Path, mesh: Path) -> None:
                       run / f"agent-{n.name}.log")
     for n in nodes:
         if not background.wait_until(lambda: background.answers(f"{n.agent}/healthz"), 60):
-            raise RuntimeError(f"agent {n.name} did not come up; see {run / f'agent-{n.name}.log'}")
+            raise background.NotStarted(f"agent {n.name} did not come up; see {run / f'agent-{n.name}.log'}")
     background.start(background.python_module("meshd.control.controllerd", "--config", str(mesh)), run / "controller.pid",
                   run / "controller.log")
 
