@@ -117,14 +117,14 @@ class Restorer:
             return cls(None, tape, [], fresh, rates, log)
         parents = {s: g.parent for s, g in snaps.segments.items()}
         if any(o["mesh"] != mesh for o in offers):
-            for sid in ends(held, parents):
-                snaps.skip("foreign", f"tape {sid}: the ranks load other models or worlds "
-                                      f"({[o['mesh'] for o in offers]})")
+            snaps.skip_all("foreign", ends(held, parents),
+                           f"tape(s) of a mesh whose ranks load other models or worlds "
+                           f"({[o['mesh'] for o in offers]})")
             return cls(snaps, tape, [], fresh, rates, log)
         agreed = agree([o["tapes"] for o in offers])
         everywhere = set(agreed)
-        for sid in ends([s for s in held if s not in everywhere], parents):
-            snaps.skip("missing", f"tape {sid}: not whole on every rank")
+        snaps.skip_all("missing", ends([s for s in held if s not in everywhere], parents),
+                       "tape(s) not whole on every rank")
         whole_states = snapshot_kind(leaf_types(fresh())) == "whole"
         return cls(snaps, tape, plan(agreed, parents, whole_states, tape.capacity), fresh, rates, log, rank)
 

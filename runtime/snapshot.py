@@ -424,8 +424,9 @@ class Snapshots:
         self.skipped: dict[str, int] = {}
         self._lock = threading.Lock()  # the segment index, shared with the writer
         self.segments, bad = scan(self.folder, me)
-        for path, reason in bad.items():  # none of them can ever serve from this folder
-            self.skip(reason, f"{path.name} ({reason})")
+        for reason in sorted(set(bad.values())):  # none of them can ever serve from this folder
+            self.skip_all(reason, [p.name for p, r in bad.items() if r == reason], "file(s) unusable, deleted")
+        for path in bad:
             path.unlink(missing_ok=True)
         self._others = self._trim_others()
         self._expire()
@@ -450,9 +451,16 @@ class Snapshots:
             self.log(f"snapshots of another model or world removed to fit the budget: {name}")
         return sum(s.nbytes for s in others.values())
 
-    def skip(self, reason: str, what: str) -> None:
-        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+    def skip(self, reason: str, what: str, count: int = 1) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + count
         self.log(f"snapshot skipped ({reason}): {what}")
+
+    def skip_all(self, reason: str, names: list[str], what: str) -> None:
+        """Many skipped for one reason: counted each, said in one line (a folder of 60k tapes logs no 60k
+        lines)."""
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            self.skip(reason, f"{len(names)} {what}: {shown}", count=len(names))
 
     def _count_bytes(self) -> None:
         self.nbytes = self._others + sum(s.nbytes for s in self.segments.values() if s.path is not None)

@@ -505,6 +505,28 @@ def test_a_writer_that_stops_says_so_and_nothing_more_is_staged_for_no_one(tmp_p
     assert snaps.stats()["snapshots_pending"] == 0
 
 
+def test_many_unusable_or_unshared_tapes_are_counted_each_and_said_in_one_line_a_reason(tmp_path):
+    lines = []
+    snaps = Snapshots(tmp_path, ME, 1 << 30, every=4, log=lines.append)
+    for i in range(300):
+        snaps.stage((i, i + 1, 7), real_cache(3), ("", 0), final=True)
+    snaps.close(timeout=120)
+    for path in segment_files(snaps.folder)[:200]:
+        path.write_bytes(b"\x00" * 3)  # cut short
+    lines.clear()
+    again = Snapshots(tmp_path, ME, 1 << 30, every=4, log=lines.append)
+    assert again.skipped == {"truncated": 200} and len(again.held()) == 100
+    assert len(lines) == 1 and lines[0].startswith("snapshot skipped (truncated): 200 file(s) unusable, deleted")
+    lines.clear()
+    offers = [json.dumps({"mesh": ME.mesh, "tapes": again.held()}).encode(),
+              json.dumps({"mesh": ME.mesh, "tapes": again.held()[:10]}).encode()]  # another rank holds 10 of them
+    restorer = Restorer.agree(again, lambda b: offers, TokenTape(8), lambda: [KVCache(), KVCache()], Rates(None),
+                              print, rank=1)
+    assert again.skipped["missing"] == 90 and len(lines) == 1 and len(restorer.pending) == 8
+    restorer.close()
+    again.close()
+
+
 # --- the mesh ------------------------------------------------------------------------------------------------
 
 SPOILED = {"corrupt": "Drain before close. " * 4, "foreign": "Pack my box with five dozen jugs. " * 3,
