@@ -1,18 +1,19 @@
 """Real `meshd-agent` processes on loopback, each with its own port, state
-directory and token, and the calls a controller makes to them."""
+directory and token, and the calls a controller makes to them. Agents are forked from a process that has
+done their imports (kit/forkserver.py)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import requests
 
 from kit.configs import write_agent_config
+from kit.forkserver import SERVERS, Forked
 from kit.waiting import wait_for
 from meshd.meshctl.ports import free_ports, free_run
 
@@ -23,7 +24,7 @@ class Agent:
     port: int
     dir: Path
     token: str
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | Forked | None = None  # forked; a test may start it otherwise
     ca: Path | None = None  # set: the agent speaks TLS with a certificate from this CA
 
     @property
@@ -38,9 +39,8 @@ class Agent:
         return self.spawn(env).wait_healthy()
 
     def spawn(self, env: dict | None = None) -> "Agent":
-        log = open(self.dir / "agent.log", "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "agents.server", "--config", str(self.dir / "agent.toml")],
-                                     stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.proc = SERVERS.fork("agents.server", ["--config", str(self.dir / "agent.toml")],
+                                 {**os.environ, **(env or {})}, self.dir / "agent.log")
         return self
 
     def wait_healthy(self, timeout: float = 60) -> "Agent":

@@ -1,13 +1,17 @@
-"""A fork server of ranks (tests/kit/ranks.py starts it and asks it for ranks): a process that has imported
-meshd-rank's code forks each rank, instead of each paying its imports (a CPU-second and more: mlx-lm,
-transformers, aiohttp) again.
+"""Ranks and agents the kit starts forked from a process that has imported meshd-rank's and meshd-agent's
+code, instead of each paying its imports (a CPU-second and more for a rank: mlx-lm, transformers, aiohttp).
 
-It is the product's warm start (runtime/standby.py) turned into a fork server: it imports what a standby
-imports, and each rank it forks becomes its rank as a standby's does (`standby.become`: its directory,
-environment and log), in a session of its own as `start_new_session` gives a spawned one. It does no device
-init before a fork: MLX starts its CPU stream's thread at the first evaluation, and a fork carries over only
-the thread that forks; importing mlx, mlx-lm and transformers starts no thread but numpy's OpenBLAS pool,
-which OpenBLAS shuts down and restarts across a fork.
+The server is the product's warm start (runtime/standby.py) turned into a fork server: it imports what a
+standby imports, and each process it forks becomes what it asked for as a standby becomes its rank
+(`standby.become`: its directory, environment and log), in a session of its own. It does no device init
+before a fork: MLX starts its CPU stream's thread at the first evaluation, and a fork carries over only the
+thread that forks; importing mlx, mlx-lm and transformers starts no thread but numpy's OpenBLAS pool, which
+OpenBLAS shuts down and restarts across a fork.
+
+What a process reads once, as it starts (`AT_EXEC`: the loader's preloads, the interpreter's path, the
+imports' settings), a fork cannot change: a server serves one such environment, and `Servers` starts one
+for each the kit asks for. `Forked` shows a forked process as `subprocess.Popen` shows a child (pid, poll,
+wait, send_signal, returncode: the server reports its exit).
 """
 
 from __future__ import annotations
@@ -16,21 +20,101 @@ import json
 import os
 import select
 import socket
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+from agents import server as agent
 from common import proctitle
+from kit.waiting import wait_for
 from runtime import rank, standby
+
+MAINS = {"runtime.rank": (rank.__file__, rank.main), "agents.server": (agent.__file__, agent.main)}
+AT_EXEC = ("LD_", "PYTHON", "HF_", "TRANSFORMERS_")  # what is read once, at the start of the process
+
+
+def at_exec(env: dict[str, str]) -> tuple:
+    """What of `env` a process reads only as it starts: a fork server started in it serves it."""
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(AT_EXEC)))
+
+
+class Forked:
+    """A process the server forked: its pid, and its exit as the server reports it on `conn`."""
+
+    def __init__(self, conn: socket.socket, pid: int):
+        self.pid, self.returncode, self._conn = pid, None, conn
+
+    def poll(self) -> int | None:
+        return self.wait(0, raising=False)
+
+    def wait(self, timeout: float | None = None, *, raising: bool = True) -> int | None:
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                if raising:
+                    raise subprocess.TimeoutExpired(f"process {self.pid}", timeout)
+                return None
+            line = self._conn.makefile().readline()
+            self._conn.close()
+            if not line:
+                raise AssertionError(f"the fork server ended before process {self.pid}, whose exit only it sees")
+            self.returncode = os.waitstatus_to_exitcode(json.loads(line)["status"])
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+class Servers:
+    """The fork servers of this process, one per environment read at exec; each ends with this process
+    (its stdin is a pipe from here)."""
+
+    def __init__(self):
+        self._servers: dict[tuple, tuple[subprocess.Popen, Path]] = {}
+
+    def fork(self, main: str, argv: list[str], env: dict[str, str], log: Path) -> Forked:
+        """`python -m main` (`MAINS`: meshd-rank's or meshd-agent's) with arguments `argv`, environment `env`,
+        output to `log`."""
+        path = self._socket(env)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(str(path))
+        spec = {"main": main, "argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log)}
+        conn.sendall(json.dumps(spec).encode() + b"\n")
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = conn.recv(64)
+            if not chunk:
+                raise AssertionError(f"the fork server at {path} closed before it forked {main}")
+            reply += chunk
+        return Forked(conn, json.loads(reply)["pid"])
+
+    def _socket(self, env: dict[str, str]) -> Path:
+        key = at_exec(env)
+        if key in self._servers and self._servers[key][0].poll() is None:
+            return self._servers[key][1]
+        home = Path(tempfile.mkdtemp(prefix="meshd-forkserver-"))
+        path, ready = home / "sock", home / "ready"
+        proc = subprocess.Popen([sys.executable, "-m", "kit.forkserver", str(path), str(ready)], env=env,
+                                cwd=Path(__file__).parent.parent, stdin=subprocess.PIPE, start_new_session=True)
+        self._servers[key] = (proc, path)
+        wait_for(lambda: ready.exists() or proc.poll() is not None, 120, "the fork server to import its code")
+        if proc.poll() is not None:
+            raise AssertionError(f"the fork server exited {proc.returncode} before it was ready")
+        return path
+
+
+SERVERS = Servers()
 
 
 def serve(path: Path, ready: Path) -> dict | None:
-    """Fork a rank for each spec asked on the socket at `path` and report its exit there; in a forked rank,
+    """Fork a process for each spec asked on the socket at `path` and report its exit there; in a forked one,
     its spec. None once this server's stdin ends (the process that started it is gone)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
     listener.listen()
     ready.touch()
-    ranks: dict[int, socket.socket] = {}
+    forked: dict[int, socket.socket] = {}
     while True:
         readable = select.select([listener, sys.stdin], [], [], 0.05)[0]
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
@@ -40,32 +124,34 @@ def serve(path: Path, ready: Path) -> dict | None:
             spec = json.loads(conn.makefile().readline())
             pid = os.fork()
             if pid == 0:
-                for held in (listener, conn, *ranks.values()):
+                for held in (listener, conn, *forked.values()):
                     held.close()
                 os.setsid()
                 devnull = os.open(os.devnull, os.O_RDONLY)
                 os.dup2(devnull, 0)
                 # `python -m runtime.rank` run in `cwd` has it first on its path; this server has tests/ there
                 sys.path[0] = spec["cwd"]
+                sys.argv = [MAINS[spec["main"]][0], *spec["argv"]]
                 return spec
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-            ranks[pid] = conn
-        while ranks:
+            forked[pid] = conn
+        while forked:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            conn = ranks.pop(pid)
+            conn = forked.pop(pid)
             conn.sendall(json.dumps({"status": status}).encode() + b"\n")
             conn.close()
 
 
 def main() -> None:
     # setproctitle finds the command line's memory through the environment as the process started, which a
-    # forked rank has replaced (`become`) by the time it titles itself; the standby titles itself first too
+    # forked process has replaced (`become`) by the time it titles itself; the standby titles itself first too
     proctitle.set_title("meshd-forkserver")
     spec = serve(Path(sys.argv[1]), Path(sys.argv[2]))
     if spec is not None:
-        rank.main(standby.become(spec))
+        standby.become(spec)
+        MAINS[spec["main"]][1]()
 
 
 if __name__ == "__main__":

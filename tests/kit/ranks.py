@@ -1,21 +1,16 @@
 """Real `meshd-rank` processes as a ring mesh on loopback, started the way
 mlx.launch would (MLX_RANK, MLX_HOSTFILE), and a recorder of a rank's status file.
 
-Ranks on the ring backend are forked from a process that has done their imports (kit/forkserver.py), one
-per environment read at exec (`AT_EXEC`: the loader's preloads, the interpreter's path, the imports'
-settings), which a fork cannot change; `Forked` shows a forked rank as `subprocess.Popen` shows a child
-(pid, poll, wait, send_signal, returncode: the server reports its exit). Ranks on NCCL are spawned."""
+Ranks on the ring backend are forked from a process that has done their imports (kit/forkserver.py); ranks
+on NCCL are spawned."""
 
 from __future__ import annotations
 
 import json
 import os
-import select
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,83 +18,11 @@ from pathlib import Path
 
 import requests
 
+from kit.forkserver import SERVERS, Forked
 from kit.waiting import wait_for
 from meshd.meshctl.ports import free_ports
 
 
-AT_EXEC = ("LD_", "PYTHON", "HF_", "TRANSFORMERS_")  # what is read once, at the start of the process
-
-
-def at_exec(env: dict[str, str]) -> tuple:
-    """What of `env` a rank reads only as its process starts: a fork server started in it serves it."""
-    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(AT_EXEC)))
-
-
-class Forked:
-    """A rank the server forked: its pid, and its exit as the server reports it on `conn`."""
-
-    def __init__(self, conn: socket.socket, pid: int):
-        self.pid, self.returncode, self._conn = pid, None, conn
-
-    def poll(self) -> int | None:
-        return self.wait(0, raising=False)
-
-    def wait(self, timeout: float | None = None, *, raising: bool = True) -> int | None:
-        if self.returncode is None:
-            if not select.select([self._conn], [], [], timeout)[0]:
-                if raising:
-                    raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
-                return None
-            line = self._conn.makefile().readline()
-            self._conn.close()
-            if not line:
-                raise AssertionError(f"the fork server ended before rank {self.pid}, whose exit it alone can see")
-            self.returncode = os.waitstatus_to_exitcode(json.loads(line)["status"])
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-
-class Servers:
-    """The fork servers of this process, one per environment read at exec; each ends with this process
-    (its stdin is a pipe from here)."""
-
-    def __init__(self):
-        self._dir = Path(tempfile.mkdtemp(prefix="meshd-forkserver-"))
-        self._servers: dict[tuple, tuple[subprocess.Popen, Path]] = {}
-
-    def fork(self, argv: list[str], env: dict[str, str], log: Path) -> Forked:
-        """A rank with arguments `argv` (meshd-rank's), environment `env`, output to `log`."""
-        path = self._socket(env)
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(str(path))
-        conn.sendall(json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log)}).encode() + b"\n")
-        reply = b""
-        while not reply.endswith(b"\n"):
-            chunk = conn.recv(64)
-            if not chunk:
-                raise AssertionError(f"the fork server at {path} closed before it forked the rank")
-            reply += chunk
-        return Forked(conn, json.loads(reply)["pid"])
-
-    def _socket(self, env: dict[str, str]) -> Path:
-        key = at_exec(env)
-        if key in self._servers and self._servers[key][0].poll() is None:
-            return self._servers[key][1]
-        home = Path(tempfile.mkdtemp(dir=self._dir))
-        path, ready = home / "sock", home / "ready"
-        proc = subprocess.Popen([sys.executable, "-m", "kit.forkserver", str(path), str(ready)], env=env,
-                                cwd=Path(__file__).parent.parent, stdin=subprocess.PIPE, start_new_session=True)
-        self._servers[key] = (proc, path)
-        wait_for(lambda: ready.exists() or proc.poll() is not None, 120, "the fork server to import meshd-rank")
-        if proc.poll() is not None:
-            raise AssertionError(f"the fork server exited {proc.returncode} before it was ready")
-        return path
-
-
-SERVERS = Servers()
 
 
 @dataclass
@@ -194,7 +117,7 @@ def start_mesh(model: Path, world: int, tmp: Path, *args: str, generation: int =
                 procs.append(subprocess.Popen([sys.executable, "-m", "runtime.rank", *rank_args], env=env, stdout=out,
                                               stderr=subprocess.STDOUT, start_new_session=True))
         else:
-            procs.append(SERVERS.fork(rank_args, env, log))
+            procs.append(SERVERS.fork("runtime.rank", rank_args, env, log))
         status_files.append(status)
         logs.append(log)
     return Mesh(procs, http_port, status_files, logs, hostfile)
