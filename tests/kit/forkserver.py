@@ -1,9 +1,11 @@
-"""Ranks and agents the kit starts forked from a process that has imported meshd-rank's and meshd-agent's
-code, instead of each paying its imports (a CPU-second and more for a rank: mlx-lm, transformers, aiohttp).
+"""The ranks, agents and meshctl runs the kit starts, forked from a process that has imported their code
+instead of each paying its imports (a CPU-second and more for a rank: mlx-lm, transformers, aiohttp; a
+third of one for an agent, a quarter for meshctl).
 
 The server is the product's warm start (runtime/standby.py) turned into a fork server: it imports what a
-standby imports, and each process it forks becomes what it asked for as a standby becomes its rank
-(`standby.become`: its directory, environment and log), in a session of its own. It does no device init
+standby imports, and each process it forks becomes what it was asked for as a standby becomes its rank
+(`standby.become`: its directory, environment and log) and runs its module as `python -m` does, in a session
+of its own. It does no device init
 before a fork: MLX starts its CPU stream's thread at the first evaluation, and a fork carries over only the
 thread that forks; importing mlx, mlx-lm and transformers starts no thread but numpy's OpenBLAS pool, which
 OpenBLAS shuts down and restarts across a fork.
@@ -18,19 +20,22 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import select
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from agents import server as agent
+import agents.server  # noqa: F401  (imported to be forked warm)
+import meshd.meshctl.cli  # noqa: F401
+import runtime.rank  # noqa: F401
 from common import proctitle
 from kit.waiting import wait_for
-from runtime import rank, standby
+from runtime import standby
 
-MAINS = {"runtime.rank": (rank.__file__, rank.main), "agents.server": (agent.__file__, agent.main)}
 AT_EXEC = ("LD_", "PYTHON", "HF_", "TRANSFORMERS_")  # what is read once, at the start of the process
 
 
@@ -73,21 +78,35 @@ class Servers:
     def __init__(self):
         self._servers: dict[tuple, tuple[subprocess.Popen, Path]] = {}
 
-    def fork(self, main: str, argv: list[str], env: dict[str, str], log: Path) -> Forked:
-        """`python -m main` (`MAINS`: meshd-rank's or meshd-agent's) with arguments `argv`, environment `env`,
-        output to `log`."""
+    def fork(self, module: str, argv: list[str], env: dict[str, str], log: Path, stderr: Path | None = None) -> Forked:
+        """`python -m module` with arguments `argv` and environment `env`, its output to `log` (its stderr to
+        `stderr` when given)."""
         path = self._socket(env)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(str(path))
-        spec = {"main": main, "argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log)}
+        spec = {"module": module, "argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log),
+                "stderr": str(stderr) if stderr else None}
         conn.sendall(json.dumps(spec).encode() + b"\n")
         reply = b""
         while not reply.endswith(b"\n"):
             chunk = conn.recv(64)
             if not chunk:
-                raise AssertionError(f"the fork server at {path} closed before it forked {main}")
+                raise AssertionError(f"the fork server at {path} closed before it forked {module}")
             reply += chunk
         return Forked(conn, json.loads(reply)["pid"])
+
+    def run(self, module: str, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        """`python -m module` as `subprocess.run(..., capture_output=True, text=True, timeout=timeout)` runs it."""
+        with tempfile.TemporaryDirectory(prefix="meshd-run-") as d:
+            out, err = Path(d) / "stdout", Path(d) / "stderr"
+            proc = self.fork(module, argv, env, out, err)
+            try:
+                code = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                raise subprocess.TimeoutExpired([module, *argv], timeout, out.read_text(), err.read_text()) from None
+            return subprocess.CompletedProcess([module, *argv], code, out.read_text(), err.read_text())
 
     def _socket(self, env: dict[str, str]) -> Path:
         key = at_exec(env)
@@ -95,8 +114,12 @@ class Servers:
             return self._servers[key][1]
         home = Path(tempfile.mkdtemp(prefix="meshd-forkserver-"))
         path, ready = home / "sock", home / "ready"
-        proc = subprocess.Popen([sys.executable, "-m", "kit.forkserver", str(path), str(ready)], env=env,
-                                cwd=Path(__file__).parent.parent, stdin=subprocess.PIPE, start_new_session=True)
+        # in this process's environment but for what is read at exec, which is the one asked for: what a forked
+        # process's /proc/PID/environ shows, where a sweep looks for whose it is
+        base = {k: v for k, v in os.environ.items() if not k.startswith(AT_EXEC)}
+        proc = subprocess.Popen([sys.executable, "-m", "kit.forkserver", str(path), str(ready)],
+                                env={**base, **dict(key)}, cwd=Path(__file__).parent.parent, stdin=subprocess.PIPE,
+                                start_new_session=True)
         self._servers[key] = (proc, path)
         wait_for(lambda: ready.exists() or proc.poll() is not None, 120, "the fork server to import its code")
         if proc.poll() is not None:
@@ -131,7 +154,7 @@ def serve(path: Path, ready: Path) -> dict | None:
                 os.dup2(devnull, 0)
                 # `python -m runtime.rank` run in `cwd` has it first on its path; this server has tests/ there
                 sys.path[0] = spec["cwd"]
-                sys.argv = [MAINS[spec["main"]][0], *spec["argv"]]
+                sys.argv = [spec["module"], *spec["argv"]]
                 return spec
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
             forked[pid] = conn
@@ -151,7 +174,9 @@ def main() -> None:
     spec = serve(Path(sys.argv[1]), Path(sys.argv[2]))
     if spec is not None:
         standby.become(spec)
-        MAINS[spec["main"]][1]()
+        if spec["stderr"]:
+            os.dup2(os.open(spec["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), 2)
+        runpy.run_module(spec["module"], run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

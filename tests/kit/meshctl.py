@@ -1,12 +1,12 @@
 """`meshctl` as a user runs it: on a mesh.toml (`meshctl`), or on the embedded
-demo mesh under its own $MESHD_HOME (`demo_meshctl`, `Demo`)."""
+demo mesh under its own $MESHD_HOME (`demo_meshctl`, `Demo`); forked from a process that has done its
+imports (kit/forkserver.py)."""
 
 from __future__ import annotations
 
 import http.server
 import json
 import os
-import subprocess
 import sys
 import threading
 from contextlib import contextmanager
@@ -15,6 +15,7 @@ import requests
 
 from kit.agents import make_agents
 from kit.configs import write_mesh
+from kit.forkserver import SERVERS
 from kit.waiting import wait_for
 from meshd import config as mesh_config
 from meshd.seam import rank_key, rank_secret
@@ -28,8 +29,7 @@ def _env(**extra) -> dict:
 
 
 def meshctl(config, *args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", "--config", str(config), *args], env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return SERVERS.run("meshd.meshctl.cli", ["--config", str(config), *args], _env(), timeout)
 
 
 def stop_controller(mesh):
@@ -93,8 +93,7 @@ def demo_home(tmp_path_factory, name: str):
 
 
 def demo_meshctl(home, *args, timeout=300, check=True):
-    r = subprocess.run([sys.executable, "-m", "meshd.meshctl.cli", *args], env=_env(MESHD_HOME=str(home)),
-                       capture_output=True, text=True, timeout=timeout)
+    r = SERVERS.run("meshd.meshctl.cli", list(args), _env(MESHD_HOME=str(home)), timeout)
     if check and r.returncode != 0:
         raise AssertionError(f"meshctl {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
     return r
