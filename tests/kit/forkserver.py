@@ -5,10 +5,9 @@ third of one for an agent, a quarter for meshctl).
 The server is the product's warm start (runtime/standby.py) turned into a fork server: it imports what a
 standby imports, and each process it forks becomes what it was asked for as a standby becomes its rank
 (`standby.become`: its directory, environment and log) and runs its module as `python -m` does, in a session
-of its own. It does no device init
-before a fork: MLX starts its CPU stream's thread at the first evaluation, and a fork carries over only the
-thread that forks; importing mlx, mlx-lm and transformers starts no thread but numpy's OpenBLAS pool, which
-OpenBLAS shuts down and restarts across a fork.
+of its own. It does no device init before a fork: MLX starts its CPU stream's thread at the first
+evaluation, and a fork carries over only the thread that forks; importing mlx, mlx-lm and transformers
+starts no thread but numpy's OpenBLAS pool, which OpenBLAS shuts down and restarts across a fork.
 
 What a process reads once, as it starts (`AT_EXEC`: the loader's preloads, the interpreter's path, the
 imports' settings), a fork cannot change: a server serves one such environment, and `Servers` starts one
