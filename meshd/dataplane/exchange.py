@@ -118,6 +118,10 @@ class Gate(Protocol):
     def quarantine(self, digest: str) -> None:
         """Refuse the request with this digest for a while: it was in flight as generations died."""
 
+    def ended_on_purpose(self, rank0: Rank0) -> bool:
+        """Whether rank 0's mesh said its generation ends on purpose (a restart or recycle, drained or cut):
+        its end is no evidence against a request, even when a drain outlasted its grace killed it."""
+
 
 def poisoning(killed: list[tuple[str, int]], poison_after: int) -> tuple[str, list[int]] | None:
     """The mesh whose generations died with the request in flight `poison_after` times, and those
@@ -215,7 +219,7 @@ class Exchange:
                             client_has_data=self.sent_data)
                 if e.evidence:
                     await self.gate.report(Observation(g, "proxy", str(e)))
-                if e.evidence and e.in_flight:
+                if e.evidence and e.in_flight and not self.gate.ended_on_purpose(rank0):
                     self.killed.append((rank0.mesh, g))
                 if poisoned := poisoning(self.killed, p.poison_after):
                     return await self._quarantine(*poisoned)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from pathlib import Path
 
 import structlog
@@ -76,6 +77,7 @@ class MeshLink:
                                 aliases=self.names[1:])
         self.admission = Admission(1 if mesh.cfg.speculative else p.concurrency, p.queue_limit)
         self.routed = dict.fromkeys(REASONS, 0)
+        self.ended_on_purpose: deque[int] = deque(maxlen=64)  # the generations it said end on purpose
         self.served_generation = -1
         self.probed_generation = -1
         self.last_request_at = time.monotonic()  # when the last request ended (or the last probe ran)
@@ -145,10 +147,12 @@ class Proxy:
         return app
 
     async def _lifetime(self, app: web.Application):
-        probe = asyncio.create_task(self._probe_loop())
+        tasks = [asyncio.create_task(self._probe_loop()),
+                 *(asyncio.create_task(self._watch_planned(link)) for link in self.links.values())]
         yield
-        probe.cancel()
-        await asyncio.gather(probe, return_exceptions=True)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.connections.close()
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -282,6 +286,16 @@ class Proxy:
 
     def _gauge_queue(self) -> None:
         self.metrics.queue_depth.set(sum(link.admission.depth for link in self.links.values()))
+
+    async def _watch_planned(self, link: MeshLink) -> None:
+        """Remember each generation its mesh says ends on purpose: a drain that outlasts its grace ends the
+        streams still on it later, when the mesh may already name the next generation."""
+        last = (-1, "")
+        while True:
+            s = await link.fleet.wait_serving(lambda s: (s.generation, s.planned) != last, 3600.0)
+            last = (s.generation, s.planned)
+            if s.planned and s.generation not in link.ended_on_purpose:
+                link.ended_on_purpose.append(s.generation)
 
     # --- the idle probe ---------------------------------------------------------------
     async def _probe_loop(self) -> None:
@@ -465,3 +479,6 @@ class Routed:
 
     def quarantine(self, digest: str) -> None:
         self.proxy.quarantine(digest)
+
+    def ended_on_purpose(self, rank0: Rank0) -> bool:
+        return rank0.generation in self.proxy.links[rank0.mesh].ended_on_purpose
