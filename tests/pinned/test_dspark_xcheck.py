@@ -177,8 +177,8 @@ def test_the_engines_blocks_are_dspark_mlxs_for_the_taps_of_what_it_committed(mo
     drafted = []
     draft = dspark.draft
 
-    def recorded(model, cache, committed, anchor, n):
-        drafts, logits = draft(model, cache, committed, anchor, n)
+    def recorded(model, cache, committed, anchor, n, *held):  # held: the grammar's filter of each row
+        drafts, logits = draft(model, cache, committed, anchor, n, *held)
         drafted.append((anchor, drafts.tolist(), logprobs(logits)))
         return drafts, logits
 
