@@ -17,7 +17,7 @@ from meshd.config import load
 from meshd.control.controllerd import urls
 from runtime.demo_model import DemoModelSpec, build_demo_model
 
-TOKENS = 4000
+TOKENS = 1500
 SLOWER = DemoModelSpec(hidden_size=256, intermediate_size=1024, num_hidden_layers=6, seed=3)  # outlasts 2 restarts
 
 
@@ -28,7 +28,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, model):
-    with mesh_up(tmp_path_factory.mktemp("planned"), model, agent={"standby": True}, recovery={"drain_grace": 3.0},
+    with mesh_up(tmp_path_factory.mktemp("planned"), model, agent={"standby": True}, recovery={"drain_grace": 2.0},
                  runtime={"args": {"model_name": "demo", "max_tokens_limit": 4096}}) as (config, _):
         yield config
 
