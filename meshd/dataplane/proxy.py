@@ -36,7 +36,7 @@ from meshd.config import Proxy as ProxyConfig
 from meshd.dataplane.admission import Admission, QueueFull
 from meshd.dataplane.cors import cors
 from meshd.dataplane.exchange import RETRY_AFTER, Exchange, Rank0, quarantined, request_digest, unavailable
-from meshd.dataplane.proxyconfig import Front, Mesh, served_names
+from meshd.dataplane.proxyconfig import Front, Mesh, listed_names, served_names
 from meshd.dataplane.routing import REASONS, Failed, MeshSeen, PrefixMemory, Route, conflicts, prefix_keys, route
 from meshd.metrics import ProxyMetrics
 from meshd.seam import FleetView, Observation, Serving
@@ -72,6 +72,7 @@ class MeshLink:
         self.name, self.cfg, self.fleet, self.connections = mesh.name, mesh.cfg, fleet, connections
         rt, p = mesh.cfg.runtime, mesh.cfg.proxy
         self.names = served_names(mesh.cfg)
+        self.listed = listed_names(mesh.cfg)
         self.limits = oa.Limits(self.names[0], default_max_tokens=int(rt.args.get("max_tokens", 0)),
                                 max_tokens_limit=int(rt.args.get("max_tokens_limit", 8192)),
                                 aliases=self.names[1:])
@@ -176,8 +177,7 @@ class Proxy:
     async def _models(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
             return self._unauthorized()
-        models = [oa.models_body(link.limits.model_name, aliases=link.limits.aliases)["data"]
-                  for link in self.links.values()]
+        models = [oa.models_body(link.listed[0], aliases=link.listed[1:])["data"] for link in self.links.values()]
         unique = {m["id"]: m for ms in models for m in ms}
         return web.json_response({"object": "list", "data": list(unique.values())})
 

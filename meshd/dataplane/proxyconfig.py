@@ -105,11 +105,17 @@ def _mesh(i: int, entry: dict, base: Path) -> Mesh:
     return Mesh(name, cfg)
 
 
-def served_names(cfg: MeshConfig) -> tuple[str, ...]:
-    """What clients may call a mesh's model: its served name first, then its path, directory name and
-    aliases."""
+def listed_names(cfg: MeshConfig) -> tuple[str, ...]:
+    """What GET /v1/models lists for a mesh's model: its served name, then its aliases; never its path (every
+    client would learn the server's directories)."""
     name = served_name(cfg.runtime.model, cfg.runtime.args.get("model_name"))
-    return tuple(dict.fromkeys((name, cfg.runtime.model, Path(cfg.runtime.model).name, *cfg.runtime.aliases)))
+    return tuple(dict.fromkeys((name, *cfg.runtime.aliases)))
+
+
+def served_names(cfg: MeshConfig) -> tuple[str, ...]:
+    """What clients may call a mesh's model: the listed names, then its path and directory name (what
+    mlx_lm.server's clients send; accepted, never listed)."""
+    return tuple(dict.fromkeys((*listed_names(cfg), cfg.runtime.model, Path(cfg.runtime.model).name)))
 
 
 def weights_fingerprint(cfg: MeshConfig) -> str:
