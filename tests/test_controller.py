@@ -80,7 +80,7 @@ def test_a_missing_model_is_refused_before_any_rank_starts(two_agents, tmp_path)
 @pytest.fixture
 def guarded_mesh(two_agents, tmp_path, demo_model):
     keys = tmp_path / "keys"
-    keys.write_text("# proxy keys\nsk-test-1\n")
+    keys.write_text("# proxy keys\nsk-test-1\nsk-test-2\n")
     mesh = write_mesh(tmp_path, two_agents, demo_model,
                       proxy={"api_keys_file": str(keys), "concurrency": 1, "queue_limit": 1,
                              "keepalive_interval": 0.2, "queue_wait": 60},
@@ -95,7 +95,7 @@ def guarded_mesh(two_agents, tmp_path, demo_model):
 KEY = {"Authorization": "Bearer sk-test-1"}
 
 
-def test_api_keys_are_required_when_configured(guarded_mesh):
+def test_api_keys_are_required_when_configured_and_no_key_reads_anothers_prefixes(guarded_mesh):
     proxy, _ = guarded_mesh
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     r = requests.post(f"{proxy}/chat/completions", json=body, timeout=30)
@@ -105,6 +105,17 @@ def test_api_keys_are_required_when_configured(guarded_mesh):
                          headers={"Authorization": "Bearer nope"}).status_code == 401
     assert requests.post(f"{proxy}/chat/completions", json=body, timeout=30, headers=KEY).status_code == 200
     assert requests.get(f"{proxy}/models", timeout=30).status_code == 401
+
+    def cached(key: str) -> int:  # what a caller learns of the prefix cache: the count, and the speed it buys
+        secret = {"messages": [{"role": "user", "content": "my password is hunter2, " * 8}], "max_tokens": 2}
+        r = requests.post(f"{proxy}/chat/completions", json=secret, timeout=60,
+                          headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    first = cached("sk-test-1")
+    assert cached("sk-test-1") > first + 50  # its own second ask comes from its cache
+    assert cached("sk-test-2") == 0  # another key's same prompt: nothing of the first key's tape
 
 
 def test_a_full_queue_is_429_and_the_fifo_serves_the_rest(guarded_mesh, demo_model):

@@ -180,12 +180,13 @@ def upstream_failure(e: UpstreamError) -> UpstreamFailed:
 
 class Exchange:
     """`body` is what rank 0 gets (its "model" set by each attempt's `Rank0`), `client_body` what the
-    client sent (what a quarantine recognises)."""
+    client sent (what a quarantine recognises), `tenant` whose prefix cache it uses (the scope of its API
+    key; "": the shared one)."""
 
     def __init__(self, gate: Gate, request: web.Request, req: oa.CompletionRequest, body: dict, client_body: dict,
-                 deadline: float):
+                 deadline: float, tenant: str = ""):
         self.gate, self.request, self.req, self.deadline = gate, request, req, deadline
-        self.body, self.client_body = body, client_body
+        self.body, self.client_body, self.tenant = body, client_body, tenant
         self.headers: dict[str, str] = {}  # the attempt's, for the response
         self.killed: list[tuple[str, int]] = []  # the meshes and generations that died with it in flight
         self.resp: web.StreamResponse | None = None  # prepared once anything reached the client
@@ -269,7 +270,9 @@ class Exchange:
     async def _whole(self, rank0: Rank0) -> web.Response:
         try:
             async with asyncio.timeout(rank0.window) if rank0.window else contextlib.nullcontext():
-                async with self._attempt(rank0, self.body) as r:
+                body = {**self.body, "meshd": {"tenant": self.tenant}} if rank0.resumable and self.tenant \
+                    else self.body
+                async with self._attempt(rank0, body) as r:
                     data = await r.read()
         except TimeoutError:
             raise UpstreamFailed(f"no answer within {rank0.window:.0f}s")
@@ -310,7 +313,7 @@ class Exchange:
 
     def _stream_body(self) -> dict:
         """What rank 0 gets: asked for the token ids of each chunk, and told where to resume from."""
-        meshd = {"ids": True}
+        meshd = {"ids": True, **({"tenant": self.tenant} if self.tenant else {})}
         if self.answer is not None and self.sent_data:
             meshd["resume"] = {"ids": self.delivered, "chars": self.chars, **self.answer}
         return {**self.body, "meshd": meshd}

@@ -29,6 +29,7 @@ from prometheus_client import generate_latest
 
 from common.errors import ApiError
 from common.http import bearer_matches, json_error, json_errors, read_json
+from common.secretfile import derive
 from common.states import Phase
 from common.tomlcheck import loopback
 from meshd.config import ping_body
@@ -165,6 +166,12 @@ class Proxy:
     def _authorized(self, request: web.Request) -> bool:
         return not self.api_keys or any(bearer_matches(request, k) for k in self.api_keys)
 
+    def _tenant(self, request: web.Request) -> str:
+        """The scope of the caller's prefix cache: one per API key (a digest of it, never the key), so that no
+        key's cached prefixes answer another's; "" (one shared cache) where there are no keys."""
+        key = next((k for k in self.api_keys if bearer_matches(request, k)), None)
+        return derive(key, "meshd prefix cache")[:16] if key else ""
+
     def _unauthorized(self) -> web.Response:
         return json_error(401, "Invalid or missing API key; send 'Authorization: Bearer <key>' with a key "
                                "from the proxy's api_keys_file", code="invalid_api_key")
@@ -273,7 +280,8 @@ class Proxy:
         if self.quarantined_until.get(request_digest(request.path, body), 0) > time.monotonic():
             return quarantined(p)
         try:
-            return await Exchange(gate, request, req, body, body, time.monotonic() + p.queue_wait).run()
+            return await Exchange(gate, request, req, body, body, time.monotonic() + p.queue_wait,
+                                  self._tenant(request)).run()
         except QueueFull:
             return json_error(429, f"The proxy queue is full ({gate.full_at} waiting); retry later",
                               code="queue_full", type_="rate_limit_error", headers={"Retry-After": RETRY_AFTER})
