@@ -171,7 +171,8 @@ async def facts(model: str | None = None, node: str = "this node", package: str 
         except ModelNotFound as e:
             out["model"] = {"present": False, "path": model, "error": str(e)}
         else:
-            out["model"] = {**model_fingerprint(model_dir), "name": model}
+            # hashing a model's weights the first time takes as long as reading them: off the agent's loop
+            out["model"] = {**await asyncio.to_thread(model_fingerprint, model_dir), "name": model}
     where = Path(model_dir) if model_dir else Path.home()
     try:
         while not where.exists() and where != where.parent:
