@@ -7,13 +7,15 @@ from runtime.demo_model import DemoModelSpec, build_demo_model
 # tests/pinned runs on its own, named, in .venv-omlx at omlx's pins (scripts/test runs it after the rest)
 collect_ignore = ["pinned"]
 
-# The slowest files first: on two workers (scripts/test) the run then ends on short files, not with one
-# worker alone on a long one.
-SLOW_FIRST = ["test_dspark.py", "test_families.py", "test_demo_mesh.py", "test_chaos.py", "test_agent_mesh.py",
-              "test_mtp.py", "test_meshes.py", "test_doctor.py", "test_agents_install.py", "test_controller.py",
-              "test_observability.py", "test_controller_ground.py", "test_takeover.py", "test_provision.py",
-              "test_rank_lifecycle.py", "test_demo_up_down.py", "test_security.py", "test_snapshots.py", "test_standby.py", "test_models.py",
-              "test_proxyd.py", "test_listeners.py", "test_recycle.py"]
+# The slowest files first, as a run of the suite on two workers measured them (--durations): the run then ends
+# on short files, not with one worker alone on a long one.
+SLOW_FIRST = ["test_demo_mesh.py", "test_quarantine.py", "test_controller.py", "test_agent_mesh.py", "test_recycle.py",
+              "test_controller_ground.py", "test_fuzz.py", "test_chaos.py", "test_proxyd.py", "test_families.py",
+              "test_provision.py", "test_listeners.py", "test_dspark.py", "test_doctor.py", "test_demo_up_down.py",
+              "test_reboot.py", "test_meshes.py", "test_standby.py", "test_migration.py", "test_takeover.py",
+              "test_mtp.py", "test_observability.py", "test_structured_output.py", "test_agents_install.py",
+              "test_fingerprint.py", "test_rank_lifecycle.py", "test_models.py", "test_wake.py", "test_own_driver.py",
+              "test_snapshots.py", "test_security.py", "test_engine.py"]
 
 
 def pytest_collection_modifyitems(items):
