@@ -21,6 +21,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -170,8 +171,11 @@ def main() -> None:
     # setproctitle finds the command line's memory through the environment as the process started, which a
     # forked process has replaced (`become`) by the time it titles itself; the standby titles itself first too
     proctitle.set_title("meshd-forkserver")
-    spec = serve(Path(sys.argv[1]), Path(sys.argv[2]))
-    if spec is not None:
+    path = Path(sys.argv[1])
+    spec = serve(path, Path(sys.argv[2]))
+    if spec is None:
+        shutil.rmtree(path.parent)  # its socket's folder, which the kit made for it
+    else:
         standby.become(spec)
         if spec["stderr"]:
             os.dup2(os.open(spec["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), 2)
