@@ -137,7 +137,8 @@ def test_a_full_queue_is_429_and_the_fifo_serves_the_rest(guarded_mesh, demo_mod
         pass
     second = threading.Thread(target=send, args=("second", 2))
     second.start()
-    time.sleep(0.3)
+    wait_for(lambda: requests.get(f"{proxy}/meshes", timeout=10).json()["meshes"][0]["queue"] == 1, 30,
+             "the second request to wait in the proxy's queue")
     send("third", 2)
     first.close()
     second.join()
