@@ -207,7 +207,8 @@ def three(tmp_path_factory):
     agents = make_agents(tmp, 3)
     mesh = write_mesh(tmp, agents, tmp / "no-such-model", recovery={"adopt_wait": 1.0})
     yield mesh, agents
-    kill(run_pid(mesh, "controller"))
+    for name in ("controller", "proxy"):  # what each meshctl up started
+        kill(run_pid(mesh, name))
     for a in agents:
         a.kill()
 
