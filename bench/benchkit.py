@@ -45,6 +45,11 @@ def build_llama_shape(args: argparse.Namespace, path: Path) -> Path:
         max_position_embeddings=8192, dtype="bfloat16", seed=1))
 
 
+def spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    """A figure over rounds as the tables give it: median (min-max)."""
+    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
 def pace(times: list[float]) -> dict:
     """A decode's pace from its tokens' arrival times: tok/s over the whole answer, and the median gap
     between tokens, which a few stalls in a round do not move."""

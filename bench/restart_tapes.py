@@ -29,11 +29,10 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import time
 from pathlib import Path
 
-from benchkit import add_gpu_run_args, report, say
+from benchkit import add_gpu_run_args, report, say, spread
 from gpu_restart import SENTENCE, build, first_token, ready_standby
 
 from kit.agents import make_agents, pid_of, stop_generation
@@ -112,36 +111,36 @@ def delay_round(agents, model, tok, args, generation: int, delay: float, n: int)
             "cached_tokens": cached_tokens, "after_cached_tokens": after_tokens, "turn_tokens": prompt}
 
 
-def spread(xs: list[float], fmt: str = "{:.3f}") -> str:
-    return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def by(rs: list[dict], key: str) -> list[tuple]:
+    """The rounds grouped by `key`'s value, in its order."""
+    return [(k, [r for r in rs if r[key] == k]) for k in sorted({r[key] for r in rs})]
 
 
 def tables(result: dict) -> list[str]:
-    lines = []
-    if result["tapes"]:
-        rs = result["tapes"]
-        lines += ["", "| tapes kept | kill -> ready s | kill -> first token of a new conversation s | "
-                      "restored (behind) | kill -> restores done s |", "|---|---|---|---|---|"]
-        for k in sorted({r["kept"] for r in rs}):
-            got = [r for r in rs if r["kept"] == k]
-            lines.append(f"| {k} | {spread([r['kill_to_ready_s'] for r in got], '{:.2f}')} | "
-                         f"{spread([r['kill_to_first_token_s'] for r in got], '{:.2f}')} | "
-                         f"{spread([r['restored'] for r in got], '{:.0f}')} | "
-                         f"{spread([r['restores_done_s'] for r in got], '{:.2f}')} |")
-    if result["delays"]:
-        rs = result["delays"]
-        lines += ["", "| SIGKILL after the answer ended | next turn's TTFT s | / cached | / cold | "
-                      "prompt tokens from a cache |", "|---|---|---|---|---|"]
-        for d in sorted({r["delay_s"] for r in rs}):
-            got = [r for r in rs if r["delay_s"] == d]
-            lines.append(f"| {d:g} s | {spread([r['ttft_after_s'] for r in got])} | "
-                         f"{spread([r['ttft_after_s'] / r['ttft_cached_s'] for r in got], '{:.2f}')} | "
-                         f"{spread([r['ttft_after_s'] / r['ttft_cold_s'] for r in got], '{:.2f}')} | "
+    lines, tapes, delays = [], result["tapes"], result["delays"]
+    if tapes:
+        lines += table(["tapes kept", "kill -> ready s", "kill -> first token of a new conversation s",
+                        "restored (behind)", "kill -> restores done s"],
+                       [[str(k), spread([r["kill_to_ready_s"] for r in got]),
+                         spread([r["kill_to_first_token_s"] for r in got]),
+                         spread([r["restored"] for r in got], "{:.0f}"), spread([r["restores_done_s"] for r in got])]
+                        for k, got in by(tapes, "kept")])
+    if delays:
+        lines += table(["SIGKILL after the answer ended", "next turn's TTFT s", "/ cached", "/ cold",
+                        "prompt tokens from a cache"],
+                       [[f"{d:g} s", spread([r["ttft_after_s"] for r in got], "{:.3f}"),
+                         spread([r["ttft_after_s"] / r["ttft_cached_s"] for r in got]),
+                         spread([r["ttft_after_s"] / r["ttft_cold_s"] for r in got]),
                          f"{spread([r['after_cached_tokens'] for r in got], '{:.0f}')} of "
-                         f"{spread([r['turn_tokens'] for r in got], '{:.0f}')} |")
-        lines.append(f"| (cached, same generation) | {spread([r['ttft_cached_s'] for r in rs])} | 1 | | "
-                     f"{spread([r['cached_tokens'] for r in rs], '{:.0f}')} |")
-        lines.append(f"| (cold, first turn) | {spread([r['ttft_cold_s'] for r in rs])} | | 1 | 0 |")
+                         f"{spread([r['turn_tokens'] for r in got], '{:.0f}')}"] for d, got in by(delays, "delay_s")]
+                       + [["(cached, same generation)", spread([r["ttft_cached_s"] for r in delays], "{:.3f}"), "1", "",
+                           spread([r["cached_tokens"] for r in delays], "{:.0f}")],
+                          ["(cold, first turn)", spread([r["ttft_cold_s"] for r in delays], "{:.3f}"), "", "1", "0"]])
     return lines
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 from mlx_lm import load
 from mlx_lm.utils import load_tokenizer
 
-from benchkit import ROOT, report, say
+from benchkit import ROOT, report, say, spread
 
 from kit.agents import make_agents
 from kit.demo_answers import endless
@@ -122,10 +121,6 @@ def loop_share(model: Path, work: Path, tokens: int = 512) -> dict:
     total = time.perf_counter() - t
     engine.close()
     return {"tokens": tokens, "loop_s": total, "snapshots_s": snaps.spent, "written": snaps.written}
-
-
-def spread(values: list[float], fmt: str = "{:.2f}") -> str:
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
 def main() -> None:

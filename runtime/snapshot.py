@@ -156,20 +156,21 @@ def whole(segments: dict[str, Segment]) -> list[str]:
     return sorted((s for s in segments if ok[s]), key=lambda s: (segments[s].used_at, s))
 
 
+def tips(segments: dict[str, Segment]) -> list[str]:
+    """The segments nothing among `segments` is appended to: the only ones that may go (a tape's end first)."""
+    children = {s.needs for s in segments.values()}
+    return [sid for sid in segments if sid not in children]
+
+
 def expired(segments: dict[str, Segment], now: float, max_age: float) -> list[str]:
     """The segments to delete because their tape was last used more than `max_age` seconds ago (0: never):
     tape ends first, a segment only once nothing kept is appended to it (as `evict`)."""
-    if not max_age:
-        return []
     left, gone = dict(segments), []
-    while True:
-        children = {s.needs for s in left.values()}
-        old = [sid for sid, s in left.items() if sid not in children and s.used_at < now - max_age]
-        if not old:
-            return gone
+    while max_age and (old := [sid for sid in tips(left) if left[sid].used_at < now - max_age]):
         for sid in old:
             del left[sid]
         gone += old
+    return gone
 
 
 def evict(segments: dict[str, Segment], budget: int) -> list[str]:
@@ -179,8 +180,7 @@ def evict(segments: dict[str, Segment], budget: int) -> list[str]:
     total = sum(s.nbytes for s in left.values())
     gone: list[str] = []
     while total > budget and left:
-        children = {s.needs for s in left.values()}
-        sid = min((s for s in left if s not in children), key=lambda s: (left[s].used_at, s))
+        sid = min(tips(left), key=lambda s: (left[s].used_at, s))
         total -= left.pop(sid).nbytes
         gone.append(sid)
     return gone
@@ -484,37 +484,35 @@ class Snapshots:
         reads = [r for sid in sids if (r := self.read(sid, types)) is not None]
         return [t for r in reads if (t := self.build(r, fresh)) is not None]
 
-    def nbytes_of(self, sid: str) -> int:
-        """The bytes of a tape's chain of segments."""
-        total = 0
+    def _chain(self, sid: str) -> tuple[list[Segment], bool]:
+        """A tape's segments from its end back to its first token, and whether all of them are held."""
+        chain = []
         with self._lock:
             while sid in self.segments:
-                total += self.segments[sid].nbytes
+                chain.append(self.segments[sid])
                 sid = self.segments[sid].needs
-        return total
+        return chain, not sid
+
+    def nbytes_of(self, sid: str) -> int:
+        """The bytes of a tape's chain of segments."""
+        return sum(seg.nbytes for seg in self._chain(sid)[0])
 
     def tokens_of(self, sid: str) -> tuple[str, tuple] | None:
         """A tape's tenant and tokens, read from its segments' token arrays alone; None when a segment cannot
         tell."""
-        with self._lock:
-            tenant, chain = self.segments[sid].tenant if sid in self.segments else "", []
-            while sid in self.segments:
-                chain.append(self.segments[sid].path)
-                sid = self.segments[sid].needs
+        chain, held = self._chain(sid)
+        if not (held and chain):
+            return None
         try:
-            return (tenant, tuple(t for path in chain[::-1] for t in read_tokens(path))) if not sid else None
+            return chain[0].tenant, tuple(t for seg in chain[::-1] for t in read_tokens(seg.path))
         except (Unusable, OSError, KeyError, TypeError, ValueError):
             return None
 
     def read(self, sid: str, types: list[str]) -> Read | None:
         """A tape's segments read and checked (no MLX: a thread may call it while the model runs); None when
         one is missing or unusable (deleted, counted)."""
-        chain, s = [], sid
-        with self._lock:
-            while s in self.segments:
-                chain.append(self.segments[s])
-                s = self.segments[s].needs
-        if s:  # a segment it shares with a tape before it was unusable
+        chain, held = self._chain(sid)
+        if not held:  # a segment it shares with a tape before it was unusable
             self.skip("corrupt", f"tape {sid}: a segment of its chain is unusable")
             return None
         parts = []
@@ -559,11 +557,12 @@ class Snapshots:
         """A tape that served: its chain marked as used now, its files' times by the writer (the loop never
         waits on the disk), so a tape in daily use is neither evicted nor expired first."""
         now, paths = time.time(), []
+        chain, _ = self._chain(sid)
         with self._lock:
-            while (seg := self.segments.get(sid)) is not None and seg.path is not None:
-                self.segments[sid] = replace(seg, used_at=now)
-                paths.append(seg.path)
-                sid = seg.needs
+            for seg in chain:
+                if seg.path is not None and self.segments.get(seg.sid) is seg:  # written, and not evicted since
+                    self.segments[seg.sid] = replace(seg, used_at=now)
+                    paths.append(seg.path)
         self._queue.put(lambda: [_touch(p, now) for p in paths])
 
     def _expire(self) -> None:
