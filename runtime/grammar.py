@@ -268,13 +268,6 @@ def dead_end(text: str, prompt, answer: list[int]) -> str | None:
     return "no token of the model's vocabulary continues it"
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
-
-
 def allowed_tokens(bitmask: bytes, width: int, eos: list[int]) -> np.ndarray:
     """llguidance's bitmask (a bit per token, little-endian words) as one bool per logit of a row `width`
     wide; a mask that allows nothing allows the end instead, so a stuck grammar ends the answer (which rank

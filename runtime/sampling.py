@@ -9,6 +9,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 
 from runtime import grammar
 from runtime.jobs import Job
+from runtime.tape import common_prefix
 
 
 def greedy(logprobs: mx.array) -> mx.array:
@@ -87,7 +88,7 @@ class GrammarMask:
 
     def _follow(self, answer: list[int]) -> bool:
         """Bring the matcher to `answer`; False when a token of it is one the grammar does not allow."""
-        n = grammar.common_prefix(self._said, answer)
+        n = common_prefix(self._said, answer)
         if n < len(self._said) or self._matcher.is_error():
             if self._matcher.is_error():  # which rolls back no more: a fresh one from the answer's start
                 self._matcher, n = grammar.compiled(self._text), 0

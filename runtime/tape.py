@@ -108,8 +108,8 @@ class TokenTape:
 
 
 def common_prefix(a, b) -> int:
+    """How many tokens two sequences share from their start (one comparison in C when one extends the other)."""
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    if list(a[:n]) == list(b[:n]):
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
