@@ -565,3 +565,16 @@ def test_a_restart_while_a_failure_recovers_keeps_the_failures_incident():
     s, a = run(ready_at() + [death(1, 20), (21, f.GenerationStopped(1)), (22, f.RestartRequested())])
     assert not [x for x in a if isinstance(x, f.OpenIncident) and x.planned]
     assert s.incident.cause == "exit"
+
+
+@pytest.mark.parametrize("cause, primary, counted, closing, expect", [
+    ("exit", True, False, False, True),  # the rank that failed by itself: counted at once, under its cause
+    ("exit", True, True, False, False),  # once
+    ("ring_peer_closed", False, False, False, False),  # a peer that only lost it: wait for the root cause
+    ("ring_peer_closed", False, False, True, True),  # none came by the close: counted under what is known
+    ("exit", True, True, True, False),
+    (f.RECYCLE, True, False, True, False),  # a planned end is no failure
+])
+def test_a_restart_is_counted_once_under_its_root_cause(cause, primary, counted, closing, expect):
+    incident = f.Incident(1.0, cause, "node1", 1, 3, "", primary=primary)
+    assert f.counts_restart(incident, counted, closing) == expect

@@ -71,6 +71,7 @@ class Controller:
         self._tasks: set[asyncio.Task] = set()
         self.agent_errors: dict[str, str] = {}
         self._steps_observed: dict[float, int] = {}  # incident -> timeline entries already in /metrics
+        self._counted: float | None = None  # the last incident counted in meshd_restarts_total
         # The weights' fingerprint of the generation that runs, as node 0's agent read it at its start (the
         # store keeps it for a restarted controller that adopts that generation).
         self.weights: dict = store.get("weights", {"generation": -1, "fingerprint": ""})
@@ -178,11 +179,13 @@ class Controller:
                 else:
                     log.warning("incident", cause=i.cause, node=i.node, rank=i.rank, generation=i.generation,
                                 detail=i.detail)
-                    self.metrics.restarts.labels(reason=i.cause).inc()
+                    self._count_restart(i, closing=False)
             case fleet.IncidentUpdated(incident=i):
                 self.store.update_incident(i)
                 self._observe_steps(i)
+                self._count_restart(i, closing=False)
             case fleet.CloseIncident(incident=i, serving_back_at=back):
+                self._count_restart(i, closing=True)
                 log.info("serving again", cause=i.cause, node=i.node, rank=i.rank,
                          recovery_seconds=round(back - i.opened_at, 3),
                          timeline=" ".join(f"{step}+{at - i.opened_at:.2f}" for step, at in i.timeline))
@@ -193,6 +196,14 @@ class Controller:
                 self.store.note_generation(g, what, time.time(), detail)
                 if what == "started":
                     self.store.prune(self.cfg.retention.generations, self.cfg.retention.incidents)
+
+    def _count_restart(self, incident: fleet.Incident, closing: bool) -> None:
+        """A failure's restart into meshd_restarts_total once, under its root cause: as soon as the rank that
+        failed by itself is named (it may report after a peer that only lost it), else when the incident
+        closes under what is known then."""
+        if fleet.counts_restart(incident, self._counted == incident.opened_at, closing):
+            self._counted = incident.opened_at
+            self.metrics.restarts.labels(reason=incident.cause).inc()
 
     def _observe_steps(self, incident: fleet.Incident) -> None:
         """Each timeline step's duration (from the step before it) into /metrics, once."""

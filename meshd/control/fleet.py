@@ -332,6 +332,12 @@ def _mark_reboot(state: FleetState, nodes, policy: Policy) -> FleetState:
                    reboot_nodes=tuple(sorted(set(state.reboot_nodes) | set(nodes))))
 
 
+def counts_restart(incident: Incident, counted: bool, closing: bool) -> bool:
+    """Whether a failure's incident is counted as a restart now (once): when its root cause is known (a rank
+    that failed by itself), or when it closes with only a consequence known; never a planned one."""
+    return not counted and incident.cause != RECYCLE and (incident.primary or closing)
+
+
 def _fail(state: FleetState, now: float, policy: Policy, ev: RankDied) -> Result:
     """Death evidence for the current generation: end it everywhere, then climb the ladder,
     or give up at once when no restart can fix it."""
