@@ -240,7 +240,8 @@ def make_app(sup: Supervisor, token: str, metrics_token: str | None = None,
 
     async def list_ranks(request):
         return web.json_response({"node": cfg.node, "generation": sup.current_generation(),
-                                  "ranks": [r.view() for r in sup.records.values()], "standby": sup.standby.pid})
+                                  "ranks": [r.view() for r in sup.records.values()], "standby": sup.standby.pid,
+                                  "standby_ready": sup.standby.ready})
 
     async def start_rank(request):
         spec = parse_spec(await read_json(request))

@@ -126,6 +126,11 @@ class Keeper:
     def pid(self) -> int | None:
         return self.standby.target.pid if self.standby else None
 
+    @property
+    def ready(self) -> bool:
+        """The standby held reported ready: its imports and device init are done."""
+        return self.standby is not None and reported(self.standby, read_json(self.standby.report))
+
     async def ensure(self, early: dict, serving: Callable[[], bool]) -> None:
         """Start a standby for ranks with environment `early`, when one is wanted: now, or once the wait
         after an unready death is over if this node's rank still serves then (`serving`). Called while

@@ -88,11 +88,10 @@ def agent_get(node, path: str) -> dict:
                         headers={"Authorization": f"Bearer {node.token_file.read_text().strip()}"}).json()
 
 
-def ready_standby(home: Path, node) -> int | None:
+def ready_standby(node) -> int | None:
     """The pid of the standby `node`'s agent holds, once it reported ready."""
-    pid = agent_get(node, "/v1/ranks")["standby"]
-    report = home / "demo" / "agents" / node.name / "state" / "standby" / "report.json"
-    return pid if pid and report.exists() and json.loads(report.read_text()).get("pid") == pid else None
+    ranks = agent_get(node, "/v1/ranks")
+    return ranks["standby"] if ranks["standby_ready"] else None
 
 
 def recovery_rounds(home: Path, rounds: int, rng: random.Random) -> list[dict]:
@@ -107,7 +106,7 @@ def recovery_rounds(home: Path, rounds: int, rng: random.Random) -> list[dict]:
         wait(lambda: chat_ok(proxy), 300)
         cold = time.time() - t0
         nodes = load(home / "demo" / "mesh.toml").nodes
-        standbys = wait(lambda: all(pids := [ready_standby(home, node) for node in nodes]) and pids, 300, 0.2)
+        standbys = wait(lambda: all(pids := [ready_standby(node) for node in nodes]) and pids, 300, 0.2)
         s = status(home)
         pid = s["nodes"][rng.randrange(4)]["rank"]["pid"]
         if not standby:

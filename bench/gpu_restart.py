@@ -44,9 +44,8 @@ def build(args, path: Path) -> Path:
 
 def ready_standby(agent) -> int | None:
     """The pid of the standby the agent holds, once it reported ready."""
-    pid = agent.get("/v1/ranks").json().get("standby")
-    report = agent.dir / "state" / "standby" / "report.json"
-    return pid if pid and report.exists() and json.loads(report.read_text()).get("pid") == pid else None
+    ranks = agent.get("/v1/ranks").json()
+    return ranks["standby"] if ranks["standby_ready"] else None
 
 
 def first_token(g: Gen, messages: list[dict]) -> tuple[float, int]:

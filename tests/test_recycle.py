@@ -131,8 +131,8 @@ def test_meshctl_restart_under_streaming_clients_is_planned_warm_and_costs_no_an
     for c in clients:
         c.start()
     wait_for(lambda: all(answers), 120, "every client to have had an answer", interval=0.1)
-    wait_for(lambda: all(a.get("/v1/ranks").json()["standby"] for a in agents), 120, "a standby rank on every agent",
-             interval=0.2)
+    wait_for(lambda: all(a.get("/v1/ranks").json()["standby_ready"] for a in agents), 120,
+             "a ready standby rank on every agent", interval=0.2)
     before = status(mesh)["generation"]  # read under load: an idle mesh could recycle by age before the restart
     restart = meshctl(mesh, "restart", "--wait")
     assert restart.returncode == 0, restart.stdout + restart.stderr

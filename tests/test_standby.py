@@ -74,11 +74,12 @@ def serve_next(a, model, within: float = 120) -> dict:
 def standby_report(a) -> dict:
     """The standby the agent holds, once it reported ready."""
     def ready():
-        pid = a.get("/v1/ranks").json()["standby"]
+        ranks = a.get("/v1/ranks").json()
         path = a.dir / "state" / "standby" / "report.json"
-        report = json.loads(path.read_text()) if path.exists() else None
-        return report if pid and report and report["pid"] == pid else None
-    return wait_for(ready, 120, "the agent's standby to be ready")
+        return json.loads(path.read_text()) if ranks["standby_ready"] else None
+    report = wait_for(ready, 120, "the agent's standby to be ready")
+    assert report["pid"] == a.get("/v1/ranks").json()["standby"]
+    return report
 
 
 def test_the_next_generation_starts_on_the_standby_once_the_last_is_gone(agent, demo_model):
