@@ -6,6 +6,7 @@ import pytest
 
 from common.protocol import RankReport
 from common.states import RankState
+from meshd.config import Recycle
 from meshd.control import fleet as f
 
 NODES = ("n0", "n1")
@@ -409,7 +410,7 @@ def test_a_last_rank_loaded_reported_after_ready_goes_into_the_closed_incidents_
 
 
 # --- planned recycling -----------------------------------------------------------
-AGED = f.Policy(nodes=NODES, recycle=f.Recycle(after=100.0, idle_for=10.0))
+AGED = f.Policy(nodes=NODES, recycle=Recycle(after=100.0, idle_for=10.0))
 
 
 def busy(t, node="n0", state="busy"):
@@ -433,7 +434,7 @@ def test_a_generation_is_recycled_at_its_age_only_once_idle_for_long_enough(even
         assert f.StopGeneration(1, "drain", AGED.drain_grace) in a
 
 
-BUSY_DUE = f.Policy(nodes=NODES, recycle=f.Recycle(after=100.0, idle_for=10.0, idle_deadline=60.0))
+BUSY_DUE = f.Policy(nodes=NODES, recycle=Recycle(after=100.0, idle_for=10.0, idle_deadline=60.0))
 
 
 def back_to_back(start, end, every=5.0):
@@ -448,7 +449,7 @@ def back_to_back(start, end, every=5.0):
 @pytest.mark.parametrize("policy, until, recycled", [
     (BUSY_DUE, 150, False),  # due at 110 (its age, the first tick), waiting for idle: 40s of 60
     (BUSY_DUE, 175, True),  # busy 60s since it was due: recycled under load
-    (f.Policy(nodes=NODES, recycle=f.Recycle(after=100.0, idle_for=10.0, idle_deadline=0.0)), 1000, False),
+    (f.Policy(nodes=NODES, recycle=Recycle(after=100.0, idle_for=10.0, idle_deadline=0.0)), 1000, False),
 ])
 def test_a_generation_busy_back_to_back_is_recycled_once_it_waited_idle_deadline(policy, until, recycled):
     s, a = run(ready_at() + back_to_back(11, until), policy)
@@ -473,7 +474,7 @@ def test_the_wait_for_idle_counts_from_when_the_generation_was_due_and_starts_ag
 @pytest.mark.parametrize("planned_restart", ["drain", "cut"])
 def test_a_planned_restart_says_how_it_ends_until_the_next_generation_starts(planned_restart):
     policy = f.Policy(nodes=NODES, drain_grace=20.0, planned_restart=planned_restart,
-                      recycle=f.Recycle(after=100.0, idle_for=10.0))
+                      recycle=Recycle(after=100.0, idle_for=10.0))
     for ending in ([(20, f.RestartRequested())], [busy(100), busy(105, state="ready"), (116, f.Tick())]):
         s, a = run(ready_at() + ending, policy)
         assert (s.phase, s.planned) == ("recovering", planned_restart)
@@ -522,13 +523,13 @@ def local(hour, minute, day=1):
     ("23:30-00:30", local(20, 0), local(23, 0), False),
 ])
 def test_a_generation_is_recycled_once_in_the_daily_window(window, ready, tick, recycled):
-    policy = f.Policy(nodes=NODES, recycle=f.Recycle(window=window, idle_for=60.0))
+    policy = f.Policy(nodes=NODES, recycle=Recycle(window=window, idle_for=60.0))
     s, a = run([(ready - 1, f.UpRequested()), (ready, f.MeshReady(1)), (tick, f.Tick())], policy)
     assert (s.phase == "recovering") == recycled
     assert [x.planned for x in a if isinstance(x, f.OpenIncident)] == (["window"] if recycled else [])
 
 
-COUNTED = f.Policy(nodes=NODES, recycle=f.Recycle(steps=1000, idle_for=10.0))
+COUNTED = f.Policy(nodes=NODES, recycle=Recycle(steps=1000, idle_for=10.0))
 
 
 @pytest.mark.parametrize("events, recycled", [

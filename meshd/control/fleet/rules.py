@@ -1,9 +1,10 @@
-"""The fleet: a pure state machine, `step(state, event, now, policy) -> (state, actions)`.
+"""The fleet's rules: `step(state, event, now, policy) -> Result(state, actions)`.
 
 It never awaits, never reads the clock (time is an argument) and holds no live
-objects; backoff and failure history live in the state. The reconciler feeds
-it events and carries out its actions. Each event kind has its own small
-function (`_on_<event>`); the clock's rules are a chain tried in order.
+objects; backoff and failure history live in the state (meshd/control/fleet/model.py).
+The reconciler feeds it events and carries out its actions. Each event kind has
+its own small function (`_on_<event>`); the clock's rules are a chain tried in
+order (when a generation is due its recycle: recycling.py).
 
 Phases (common.states.Phase; one generation G at a time):
 
@@ -56,248 +57,16 @@ proxy resume them on the next generation at once (`planned` says which).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from dataclasses import replace
 
-from common.protocol import RankReport
 from common.states import LadderStep, Phase, RankState, StopMode
-from meshd.config import Recovery, Recycle
-
-RECYCLE = "recycle"  # a planned incident's cause
-
-
-@dataclass(frozen=True)
-class Policy(Recovery):
-    nodes: tuple[str, ...] = ()
-    recycle: Recycle = Recycle()
-
-
-@dataclass(frozen=True)
-class Incident:
-    opened_at: float
-    cause: str
-    node: str
-    rank: int
-    generation: int
-    detail: str
-    steps: tuple[str, ...] = ()
-    consequences: tuple[str, ...] = ()  # "node rank R: what it said", peers that only lost the cause
-    timeline: tuple[tuple[str, float], ...] = ()  # (step, when)
-    primary: bool = True  # the named rank failed by itself (not a consequence of a peer)
-    migrated: int = 0  # streams it cut that resumed on the next generation
-
-    def at(self, step: str, when: float) -> "Incident":
-        return replace(self, timeline=self.timeline + ((step, when),))
-
-
-@dataclass(frozen=True)
-class RankView:
-    """One node's rank of the current generation, as its agent last reported it."""
-
-    node: str
-    state: RankState = RankState.SPAWNED
-    load_done: int = 0
-    load_total: int = 0
-
-
-@dataclass(frozen=True)
-class FleetState:
-    phase: Phase = Phase.STOPPED
-    generation: int = 0
-    failures: tuple[float, ...] = ()  # times of failures still inside the window
-    ladder_step: int = 0  # index into policy.ladder for the next recovery
-    backoff_until: float | None = None
-    ready_since: float | None = None
-    idle_since: float | None = None  # since when no rank of the generation reported itself busy
-    started_at: float | None = None
-    incident: Incident | None = None
-    reason: str = ""  # why failed / what is pending
-    reboot_nodes: tuple[str, ...] = ()
-    restart_requested: bool = False  # the generation ends on purpose: start the next, count no failure
-    ranks: tuple[RankView, ...] = ()
-    last_load_failure: str = ""  # what the previous generation said when it died before serving
-    closing: Incident | None = None  # closed at ready, waiting for its first served request
-    steps: int = 0  # rank 0's lockstep steps in this generation, as last counted
-    numbered_to: int = 0  # the highest generation number the agents have used, whichever controller's
-    planned: str = ""  # the generation ends on purpose: its planned_restart ("drain", "cut"); "" otherwise
-    due_since: float | None = None  # since when the serving generation is due a recycle, waiting for idle
-
-
-# --- events (past tense) -------------------------------------------------------
-@dataclass(frozen=True)
-class UpRequested:
-    pass
-
-
-@dataclass(frozen=True)
-class DownRequested:
-    force: bool = False
-
-
-@dataclass(frozen=True)
-class RestartRequested:
-    pass
-
-
-@dataclass(frozen=True)
-class Tick:
-    pass
-
-
-@dataclass(frozen=True)
-class MeshReady:
-    generation: int
-
-
-@dataclass(frozen=True)
-class RankReported:
-    """A rank's own state, as its agent reported it (`at`: when the agent saw it)."""
-    node: str
-    generation: int
-    state: RankState
-    load_done: int = 0
-    load_total: int = 0
-    at: float | None = None
-
-
-@dataclass(frozen=True)
-class StepsCounted:
-    """Rank 0 of generation G has made `steps` lockstep steps (its status file, through its agent)."""
-    generation: int
-    steps: int
-
-
-@dataclass(frozen=True)
-class RankDied:
-    """Death evidence about one rank: cause is exit, signature, stall, launch, probe, proxy, agent.
-    `consequence`: the rank only lost a peer. `deterministic`: no restart fixes it. `load_line`: the
-    rank died before it served, saying this (the same line twice in a row is deterministic)."""
-    node: str
-    rank: int
-    generation: int
-    cause: str
-    detail: str = ""
-    reboot: bool = False
-    consequence: bool = False
-    deterministic: bool = False
-    load_line: str = ""
-    at: float | None = None  # when it happened, by the agent's clock (None: when it arrives)
-
-    def describe(self) -> str:
-        return f"{self.node} rank {self.rank}: {self.cause}: {self.detail}"
-
-
-@dataclass(frozen=True)
-class GenerationStopped:
-    """Generation G is gone everywhere: the stop ladders ended at `stopped_at`, then the sweep."""
-    generation: int
-    survivors: tuple[str, ...] = ()
-    stopped_at: float | None = None
-
-
-@dataclass(frozen=True)
-class StartRefused:
-    """The preflight refused to start generation G: a mistake no restart fixes."""
-    generation: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class RequestServed:
-    """The proxy answered a request from generation G."""
-    generation: int
-
-
-@dataclass(frozen=True)
-class RequestMigrated:
-    """A stream generation G cut resumes on the next generation."""
-    generation: int
-
-
-@dataclass(frozen=True)
-class StepDone:
-    """A ladder step other than restart (reprovision, reboot) finished."""
-    step: LadderStep
-    ok: bool
-    detail: str = ""
-
-
-@dataclass(frozen=True)
-class Adopted:
-    """A restarted controller found generation G running on every node."""
-    generation: int
-    ready: bool
-
-
-@dataclass(frozen=True)
-class DiedUnwatched:
-    """A restarted controller found that generation `died.generation` lost a rank while no controller
-    watched (the agents kept its exit): an incident like any death, then the next generation."""
-    died: "RankDied"
-
-
-@dataclass(frozen=True)
-class GenerationsFound:
-    """A starting controller found generations up to `highest` run or recorded on the agents (rank logs,
-    records), whichever controller numbered them: the next generation it starts is numbered above them."""
-    highest: int
-
-
-@dataclass(frozen=True)
-class LeftoversFound:
-    """A restarted controller found ranks that make no whole generation (the
-    newest of them is `generation`): they must stop before anything starts, and
-    their generation numbers are never reused. `up`: the operator's last word
-    was up, so the next generation starts once they are gone."""
-    generation: int
-    up: bool
-
-
-# --- actions (imperative) -----------------------------------------------------
-@dataclass(frozen=True)
-class StartGeneration:
-    generation: int
-
-
-@dataclass(frozen=True)
-class StopGeneration:
-    generation: int
-    mode: StopMode
-    grace: float
-
-
-@dataclass(frozen=True)
-class RunStep:
-    step: LadderStep  # reprovision | reboot
-    nodes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class OpenIncident:
-    incident: Incident
-    planned: str = ""  # a planned recycle's trigger (age, window); "" for a failure
-
-
-@dataclass(frozen=True)
-class IncidentUpdated:
-    incident: Incident
-
-
-@dataclass(frozen=True)
-class CloseIncident:
-    incident: Incident
-    serving_back_at: float
-    steps: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class NoteGeneration:
-    generation: int
-    what: str  # started | ready | ended
-    detail: str = ""
-
-
-Result = tuple[FleetState, list]
+from meshd.control.fleet.model import (
+    RECYCLE, Action, Adopted, Cause, CloseIncident, DiedUnwatched, DownRequested, FleetEvent, FleetState,
+    GenerationNote, GenerationsFound, GenerationStopped, Incident, IncidentUpdated, LeftoversFound, MeshReady, Moment,
+    NoteGeneration, OpenIncident, Policy, RankDied, RankReported, RankView, RequestMigrated, RequestServed,
+    RestartRequested, Result, RunStep, StartGeneration, StartRefused, StepDone, StepsCounted, StopGeneration, Tick,
+    UpRequested)
+from meshd.control.fleet.recycling import recycle_due, worn
 
 
 def backoff(policy: Policy, failures: int) -> float:
@@ -307,12 +76,12 @@ def backoff(policy: Policy, failures: int) -> float:
     return min(policy.backoff_max, policy.backoff_base * 2 ** (failures - 2))
 
 
-def _mark(state: FleetState, step: str, when: float) -> Result:
+def _mark(state: FleetState, step: Moment, when: float) -> Result:
     """Add a step to the open incident's timeline."""
     if state.incident is None:
-        return state, []
+        return Result(state, [])
     incident = state.incident.at(step, when)
-    return replace(state, incident=incident), [IncidentUpdated(incident)]
+    return Result(replace(state, incident=incident), [IncidentUpdated(incident)])
 
 
 def _start_next(state: FleetState, now: float, policy: Policy) -> Result:
@@ -320,8 +89,8 @@ def _start_next(state: FleetState, now: float, policy: Policy) -> Result:
     new = replace(state, phase=Phase.STARTING, generation=g, backoff_until=None, started_at=now,
                   ranks=tuple(RankView(n) for n in policy.nodes), reason="", restart_requested=False, steps=0,
                   planned="", due_since=None)
-    new, actions = _mark(new, "started", now)
-    return new, [StartGeneration(g), NoteGeneration(g, "started"), *actions]
+    new, actions = _mark(new, Moment.STARTED, now)
+    return Result(new, [StartGeneration(g), NoteGeneration(g, GenerationNote.STARTED), *actions])
 
 
 def _mark_reboot(state: FleetState, nodes, policy: Policy) -> FleetState:
@@ -347,24 +116,24 @@ def _fail(state: FleetState, now: float, policy: Policy, ev: RankDied) -> Result
     if state.incident is not None and state.incident.cause == RECYCLE:  # a failure is never the planned one's
         state = replace(state, incident=None)
     incident = state.incident or Incident(now, ev.cause, ev.node, ev.rank, ev.generation, ev.detail,
-                                          primary=not ev.consequence, timeline=(("detected", now),))
+                                          primary=not ev.consequence, timeline=((Moment.DETECTED, now),))
     opened = state.incident is None
     if not opened:  # an incident a restart did not cure goes on
-        incident = incident.at("detected", now)
+        incident = incident.at(Moment.DETECTED, now)
     new = replace(state, phase=Phase.RECOVERING, failures=failures, ready_since=None, incident=incident,
                   closing=None, last_load_failure=ev.load_line,
                   reason=f"{ev.cause} on {ev.node} rank {ev.rank}: {ev.detail}".strip(": "))
-    actions: list = [OpenIncident(incident)] if opened else [IncidentUpdated(incident)]
+    actions: list[Action] = [OpenIncident(incident)] if opened else [IncidentUpdated(incident)]
     actions += [StopGeneration(ev.generation, StopMode.KILL, policy.stop_grace),
-                NoteGeneration(ev.generation, "ended", new.reason)]
+                NoteGeneration(ev.generation, GenerationNote.ENDED, new.reason)]
     if deterministic:
         why = "the same failure at load as the generation before" if repeated and not ev.deterministic else \
             "no restart can fix it"
         new, more = _give_up(new, f"{new.reason} ({why}). Fix the cause, then `meshctl up`")
-        return new, actions + more
+        return Result(new, actions + more)
     if ev.reboot:
         new = _mark_reboot(new, (ev.node,), policy)
-    return new, actions
+    return Result(new, actions)
 
 
 def _attribute(state: FleetState, now: float, policy: Policy, ev: RankDied) -> Result:
@@ -375,7 +144,7 @@ def _attribute(state: FleetState, now: float, policy: Policy, ev: RankDied) -> R
     field = "incident" if state.incident is not None and state.incident.generation == ev.generation else "closing"
     incident = getattr(state, field)
     if incident is None or incident.generation != ev.generation or not _belongs(incident, ev, now, policy):
-        return state, []
+        return Result(state, [])
     if not incident.primary and not ev.consequence:
         former = f"{incident.node} rank {incident.rank}: {incident.cause}: {incident.detail}"
         incident = replace(incident, cause=ev.cause, node=ev.node, rank=ev.rank, detail=ev.detail, primary=True,
@@ -385,8 +154,8 @@ def _attribute(state: FleetState, now: float, policy: Policy, ev: RankDied) -> R
     elif ev.describe() not in incident.consequences:
         incident = replace(incident, consequences=incident.consequences + (ev.describe(),))
     else:
-        return state, []
-    return replace(state, **{field: incident}), [IncidentUpdated(incident)]
+        return Result(state, [])
+    return Result(replace(state, **{field: incident}), [IncidentUpdated(incident)])
 
 
 def _belongs(incident: Incident, ev: RankDied, now: float, policy: Policy) -> bool:
@@ -397,21 +166,21 @@ def _belongs(incident: Incident, ev: RankDied, now: float, policy: Policy) -> bo
     happened = now if ev.at is None else min(ev.at, now)
     if happened - incident.opened_at <= policy.death_window:
         return True
-    stopped = next((when for step, when in incident.timeline if step == "stopped"), None)
-    return ev.cause == "exit" and (stopped is None or happened <= stopped)
+    stopped = next((when for step, when in incident.timeline if step == Moment.STOPPED), None)
+    return ev.cause == Cause.EXIT and (stopped is None or happened <= stopped)
 
 
 def _with_step(state: FleetState, name: str) -> Result:
     """Record a ladder step on the open incident."""
     if state.incident is None:
-        return state, []
+        return Result(state, [])
     incident = replace(state.incident, steps=state.incident.steps + (name,))
-    return replace(state, incident=incident), [IncidentUpdated(incident)]
+    return Result(replace(state, incident=incident), [IncidentUpdated(incident)])
 
 
 def _give_up(state: FleetState, reason: str) -> Result:
     state, actions = _with_step(state, "failed")
-    return replace(state, phase=Phase.FAILED, reason=reason, backoff_until=None), actions
+    return Result(replace(state, phase=Phase.FAILED, reason=reason, backoff_until=None), actions)
 
 
 def _climb(state: FleetState, now: float, policy: Policy) -> Result:
@@ -425,162 +194,118 @@ def _climb(state: FleetState, now: float, policy: Policy) -> Result:
         wait = backoff(policy, len(state.failures))
         state = replace(state, backoff_until=now + wait, ladder_step=state.ladder_step + 1)
         if wait > 0:
-            state, marked = _mark(state, "backoff", now)
+            state, marked = _mark(state, Moment.BACKOFF, now)
             actions += marked
-        return state, actions
+        return Result(state, actions)
     nodes = state.reboot_nodes if step == LadderStep.REBOOT and state.reboot_nodes else policy.nodes
-    return replace(state, backoff_until=None), actions + [RunStep(step, nodes)]
-
-
-def decide_adoption(views: dict[str, list[RankReport] | None], nodes: tuple[str, ...], *, desired_up: bool,
-                    rank0_ready: bool):
-    """What a restarted controller makes of the ranks its agents report (`views`:
-    node -> that agent's rank records, None when it did not answer): the event
-    to feed, or None for nothing (yet).
-
-    One generation with each node running exactly its own rank: adopt it. Nothing
-    running: start when the operator's last word was up. Anything else is the
-    leftovers of a broken generation, to stop, but never on a partial view: an
-    agent that does not answer may be restarting beside a rank that serves. With
-    a partial view, the answering nodes running their own ranks of one generation
-    while rank 0 serves are adopted; anything else waits for the whole view."""
-    live = {node: [r for r in views[node] if r.state != RankState.EXITED] for node in nodes
-            if views.get(node) is not None}
-    gens = {r.generation for rs in live.values() for r in rs}
-    own = len(gens) == 1 and all(len(live[n]) == 1 and live[n][0].rank == i
-                                 for i, n in enumerate(nodes) if n in live)
-    partial = len(live) < len(nodes)
-    died = unwatched_death(views, nodes) if desired_up else None
-    if not gens:
-        return DiedUnwatched(died) if died else (UpRequested() if desired_up else None)
-    if own and not partial and not died:
-        return Adopted(gens.pop(), ready=rank0_ready)
-    if own and rank0_ready and not died:
-        return Adopted(gens.pop(), ready=True)
-    if partial:
-        return None
-    return DiedUnwatched(died) if died else LeftoversFound(max(gens), desired_up)
-
-
-def unwatched_death(views: dict[str, list[RankReport] | None], nodes: tuple[str, ...]) -> RankDied | None:
-    """A rank of the newest generation the agents know that exited without being asked to: the one that
-    failed by itself before one that only lost a peer, then the lowest rank."""
-    records = [(i, n, r) for i, n in enumerate(nodes) for r in (views.get(n) or [])]
-    if not records:
-        return None
-    last = max(r.generation for _, _, r in records)
-    dead = [(r.peer_lost, i, n, r) for i, n, r in records
-            if r.generation == last and r.state == RankState.EXITED and not r.expected]
-    if not dead:
-        return None
-    lost, _, node, r = min(dead, key=lambda d: d[:2])
-    how = f"signal {r.exit_signal}" if r.exit_signal else f"exit code {r.exit_code}"
-    return RankDied(node, r.rank, last, "exit", f"{how}, while no controller watched", consequence=lost)
+    return Result(replace(state, backoff_until=None), actions + [RunStep(step, nodes)])
 
 
 # --- one function per event ----------------------------------------------------
 def _on_up(state: FleetState, ev: UpRequested, now: float, policy: Policy) -> Result:
     if state.phase not in (Phase.STOPPED, Phase.FAILED):
-        return state, []
+        return Result(state, [])
     return _start_next(replace(state, failures=(), ladder_step=0, reboot_nodes=(), incident=None), now, policy)
 
 
 def _on_down(state: FleetState, ev: DownRequested, now: float, policy: Policy) -> Result:
     if state.phase == Phase.STOPPED:
-        return state, []
+        return Result(state, [])
     if state.phase == Phase.FAILED:
-        return replace(state, phase=Phase.STOPPED, reason=""), [StopGeneration(state.generation, StopMode.KILL, 0.0)]
+        return Result(replace(state, phase=Phase.STOPPED, reason=""),
+                      [StopGeneration(state.generation, StopMode.KILL, 0.0)])
     mode, grace = (StopMode.KILL, policy.stop_grace) if ev.force else (StopMode.DRAIN, policy.drain_grace)
-    return (replace(state, phase=Phase.DRAINING, ready_since=None, backoff_until=None, restart_requested=False),
-            [StopGeneration(state.generation, mode, grace)])
+    return Result(replace(state, phase=Phase.DRAINING, ready_since=None, backoff_until=None, restart_requested=False),
+                  [StopGeneration(state.generation, mode, grace)])
 
 
 def _end_on_purpose(state: FleetState, policy: Policy, why: str) -> Result:
     """Drain the generation, then start the next one, counting no failure. Its requests in flight finish on it
     (planned_restart "drain"), or the proxy resumes them on the next at once ("cut": the drain finds none)."""
-    return (replace(state, phase=Phase.RECOVERING, ready_since=None, idle_since=None, backoff_until=None, reason=why,
-                    restart_requested=True, planned=policy.planned_restart, due_since=None),
-            [StopGeneration(state.generation, StopMode.DRAIN, policy.drain_grace),
-             NoteGeneration(state.generation, "ended", why)])
+    return Result(replace(state, phase=Phase.RECOVERING, ready_since=None, idle_since=None, backoff_until=None,
+                          reason=why, restart_requested=True, planned=policy.planned_restart, due_since=None),
+                  [StopGeneration(state.generation, StopMode.DRAIN, policy.drain_grace),
+                   NoteGeneration(state.generation, GenerationNote.ENDED, why)])
 
 
 def _planned(state: FleetState, now: float, policy: Policy, trigger: str, detail: str) -> Result:
     """End the generation on purpose as a planned incident (a recycle), unless a failure's is open."""
     new, actions = _end_on_purpose(state, policy, f"{RECYCLE}: {detail}")
     if state.incident is not None:
-        return new, actions
+        return Result(new, actions)
     incident = Incident(now, RECYCLE, "-", -1, state.generation, f"planned: {detail}", steps=(RECYCLE,),
-                        timeline=(("planned", now),))
-    return replace(new, incident=incident), [OpenIncident(incident, planned=trigger), *actions]
+                        timeline=((Moment.PLANNED, now),))
+    return Result(replace(new, incident=incident), [OpenIncident(incident, planned=trigger), *actions])
 
 
 def _on_restart(state: FleetState, ev: RestartRequested, now: float, policy: Policy) -> Result:
     if state.phase not in (Phase.READY, Phase.STARTING):
-        return state, []
+        return Result(state, [])
     return _planned(state, now, policy, "restart", f"`meshctl restart` of generation {state.generation}")
 
 
 def _on_adopted(state: FleetState, ev: Adopted, now: float, policy: Policy) -> Result:
     if state.phase not in (Phase.STOPPED, Phase.STARTING, Phase.RECOVERING, Phase.READY) \
             or ev.generation < state.generation:
-        return state, []
+        return Result(state, [])
     rank_state = RankState.READY if ev.ready else RankState.LOADING
     new = replace(state, phase=Phase.READY if ev.ready else Phase.STARTING, generation=ev.generation,
                   ready_since=now if ev.ready else None, idle_since=now if ev.ready else None, due_since=None,
                   started_at=state.started_at or now,
                   ranks=tuple(RankView(n, rank_state) for n in policy.nodes), backoff_until=None)
     if ev.ready and state.incident:  # an incident a restarted controller inherited
-        incident = state.incident.at("ready", now)
-        return replace(new, incident=None, closing=incident), [CloseIncident(incident, now, incident.steps)]
-    return new, []
+        incident = state.incident.at(Moment.READY, now)
+        return Result(replace(new, incident=None, closing=incident), [CloseIncident(incident, now, incident.steps)])
+    return Result(new, [])
 
 
 def _on_generations_found(state: FleetState, ev: GenerationsFound, now: float, policy: Policy) -> Result:
-    return replace(state, numbered_to=max(state.numbered_to, ev.highest)), []
+    return Result(replace(state, numbered_to=max(state.numbered_to, ev.highest)), [])
 
 
 def _on_died_unwatched(state: FleetState, ev: DiedUnwatched, now: float, policy: Policy) -> Result:
     if state.phase != Phase.STOPPED:
-        return state, []
+        return Result(state, [])
     g = max(state.generation, ev.died.generation)
     return _fail(replace(state, phase=Phase.READY, generation=g), now, policy, replace(ev.died, generation=g))
 
 
 def _on_leftovers(state: FleetState, ev: LeftoversFound, now: float, policy: Policy) -> Result:
     if state.phase != Phase.STOPPED:
-        return state, []
+        return Result(state, [])
     g = max(state.generation, ev.generation)
     phase = Phase.RECOVERING if ev.up else Phase.DRAINING
-    return (replace(state, phase=phase, generation=g, restart_requested=ev.up, reason="leftovers of a broken generation"),
-            [StopGeneration(g, StopMode.KILL, policy.stop_grace)])
+    return Result(replace(state, phase=phase, generation=g, restart_requested=ev.up,
+                          reason="leftovers of a broken generation"),
+                  [StopGeneration(g, StopMode.KILL, policy.stop_grace)])
 
 
 def _on_mesh_ready(state: FleetState, ev: MeshReady, now: float, policy: Policy) -> Result:
     if state.phase != Phase.STARTING or ev.generation != state.generation:
-        return state, []
+        return Result(state, [])
     new = replace(state, phase=Phase.READY, ready_since=now, idle_since=now, reason="", last_load_failure="",
                   ranks=tuple(replace(r, state=RankState.READY) for r in state.ranks))
-    actions: list = [NoteGeneration(ev.generation, "ready")]
+    actions: list[Action] = [NoteGeneration(ev.generation, GenerationNote.READY)]
     if state.incident:
-        incident = state.incident.at("ready", now)
+        incident = state.incident.at(Moment.READY, now)
         actions.append(CloseIncident(incident, now, incident.steps))
         new = replace(new, incident=None, closing=incident)
-    return new, actions
+    return Result(new, actions)
 
 
 def _on_request_served(state: FleetState, ev: RequestServed, now: float, policy: Policy) -> Result:
     if state.closing is None or ev.generation != state.generation:
-        return state, []
-    incident = state.closing.at("served", now)
-    return replace(state, closing=None), [IncidentUpdated(incident)]
+        return Result(state, [])
+    incident = state.closing.at(Moment.SERVED, now)
+    return Result(replace(state, closing=None), [IncidentUpdated(incident)])
 
 
 def _on_request_migrated(state: FleetState, ev: RequestMigrated, now: float, policy: Policy) -> Result:
     incident = state.incident
     if incident is None or incident.generation != ev.generation:
-        return state, []
+        return Result(state, [])
     incident = replace(incident, migrated=incident.migrated + 1)
-    return replace(state, incident=incident), [IncidentUpdated(incident)]
+    return Result(replace(state, incident=incident), [IncidentUpdated(incident)])
 
 
 LOADED = (RankState.ARMED, RankState.READY, RankState.BUSY)
@@ -588,33 +313,33 @@ LOADED = (RankState.ARMED, RankState.READY, RankState.BUSY)
 
 def _on_rank_reported(state: FleetState, ev: RankReported, now: float, policy: Policy) -> Result:
     if ev.generation != state.generation or state.phase not in (Phase.STARTING, Phase.READY):
-        return state, []
+        return Result(state, [])
     view = RankView(ev.node, ev.state, ev.load_done, ev.load_total)
     ranks = tuple(view if r.node == ev.node else r for r in state.ranks)
     busy = any(r.state == RankState.BUSY for r in ranks)
     new = replace(state, ranks=ranks, idle_since=None if busy else now if state.idle_since is None else state.idle_since)
     if not all(r.state in LOADED for r in new.ranks):
-        return new, []
+        return Result(new, [])
     # The last rank loaded. Rank 0 may have answered its readiness probe before this report arrived:
     # then the step goes into the timeline of the incident that just closed, where it belongs.
     incident = new.incident if new.phase == Phase.STARTING else new.closing
-    if incident is None or "loaded" in [step for step, _ in incident.timeline[_last_start(incident):]]:
-        return new, []
-    incident = replace(incident, timeline=tuple(sorted(incident.timeline + (("loaded", ev.at or now),),
+    if incident is None or Moment.LOADED in [step for step, _ in incident.timeline[_last_start(incident):]]:
+        return Result(new, [])
+    incident = replace(incident, timeline=tuple(sorted(incident.timeline + ((Moment.LOADED, ev.at or now),),
                                                        key=lambda entry: entry[1])))
     new = replace(new, incident=incident) if new.phase == Phase.STARTING else replace(new, closing=incident)
-    return new, [IncidentUpdated(incident)]
+    return Result(new, [IncidentUpdated(incident)])
 
 
 def _last_start(incident: Incident) -> int:
-    starts = [i for i, (step, _) in enumerate(incident.timeline) if step == "started"]
+    starts = [i for i, (step, _) in enumerate(incident.timeline) if step == Moment.STARTED]
     return starts[-1] if starts else len(incident.timeline)
 
 
 def _on_steps_counted(state: FleetState, ev: StepsCounted, now: float, policy: Policy) -> Result:
     if ev.generation != state.generation or state.phase != Phase.READY:
-        return state, []
-    return replace(state, steps=ev.steps), []
+        return Result(state, [])
+    return Result(replace(state, steps=ev.steps), [])
 
 
 def _on_rank_died(state: FleetState, ev: RankDied, now: float, policy: Policy) -> Result:
@@ -627,27 +352,28 @@ def _on_rank_died(state: FleetState, ev: RankDied, now: float, policy: Policy) -
 
 def _on_start_refused(state: FleetState, ev: StartRefused, now: float, policy: Policy) -> Result:
     if ev.generation != state.generation or state.phase != Phase.STARTING:
-        return state, []
-    return _fail(state, now, policy, RankDied("-", -1, ev.generation, "preflight", ev.reason, deterministic=True))
+        return Result(state, [])
+    return _fail(state, now, policy, RankDied("-", -1, ev.generation, Cause.PREFLIGHT, ev.reason, deterministic=True))
 
 
 def _on_generation_stopped(state: FleetState, ev: GenerationStopped, now: float, policy: Policy) -> Result:
     if ev.generation != state.generation:
-        return state, []
+        return Result(state, [])
     if state.phase == Phase.DRAINING:
-        return replace(state, phase=Phase.STOPPED, ranks=(), reason=""), [NoteGeneration(ev.generation, "ended", "down")]
+        return Result(replace(state, phase=Phase.STOPPED, ranks=(), reason=""),
+                      [NoteGeneration(ev.generation, GenerationNote.ENDED, "down")])
     if state.phase != Phase.RECOVERING:
-        return state, []
-    state, actions = _mark(state, "stopped", ev.stopped_at if ev.stopped_at is not None else now)
-    state, swept = _mark(state, "swept", now)
+        return Result(state, [])
+    state, actions = _mark(state, Moment.STOPPED, ev.stopped_at if ev.stopped_at is not None else now)
+    state, swept = _mark(state, Moment.SWEPT, now)
     state = _mark_reboot(state, ev.survivors, policy)
     new, more = _start_next(state, now, policy) if state.restart_requested else _climb(state, now, policy)
-    return new, actions + swept + more
+    return Result(new, actions + swept + more)
 
 
 def _on_step_done(state: FleetState, ev: StepDone, now: float, policy: Policy) -> Result:
     if state.phase != Phase.RECOVERING:
-        return state, []
+        return Result(state, [])
     if not ev.ok:
         failed = replace(state, ladder_step=state.ladder_step + 1, reason=f"{ev.step} failed: {ev.detail}")
         if failed.ladder_step >= len(policy.ladder):
@@ -658,7 +384,7 @@ def _on_step_done(state: FleetState, ev: StepDone, now: float, policy: Policy) -
                   reboot_nodes=() if ev.step == LadderStep.REBOOT else state.reboot_nodes)
     if ev.step == LadderStep.REBOOT and LadderStep.REPROVISION in policy.ladder:
         nxt, actions = _with_step(nxt, LadderStep.REPROVISION)
-        return nxt, actions + [RunStep(LadderStep.REPROVISION, policy.nodes)]
+        return Result(nxt, actions + [RunStep(LadderStep.REPROVISION, policy.nodes)])
     return _start_next(nxt, now, policy)
 
 
@@ -672,61 +398,15 @@ def _backoff_over(state: FleetState, now: float, policy: Policy) -> Result | Non
 def _healthy_long_enough(state: FleetState, now: float, policy: Policy) -> Result | None:
     if state.phase == Phase.READY and state.ready_since is not None and state.failures \
             and now - state.ready_since >= policy.healthy_reset:
-        return replace(state, failures=(), ladder_step=0, reboot_nodes=()), []
+        return Result(replace(state, failures=(), ladder_step=0, reboot_nodes=()), [])
     return None
 
 
 def _start_overdue(state: FleetState, now: float, policy: Policy) -> Result | None:
     if state.phase == Phase.STARTING and state.started_at is not None \
             and now - state.started_at > policy.start_deadline:
-        return _fail(state, now, policy, RankDied("-", -1, state.generation, "start_timeout",
+        return _fail(state, now, policy, RankDied("-", -1, state.generation, Cause.START_TIMEOUT,
                                                   f"not ready after {policy.start_deadline:.0f}s"))
-    return None
-
-
-def window_opened(recycle: Recycle, now: float) -> float | None:
-    """When the daily window that `now` is inside opened (local time), or None outside it."""
-    start, end = recycle.minutes
-    t = datetime.fromtimestamp(now)
-    minute = t.hour * 60 + t.minute
-    inside = start <= minute < end if start < end else (minute >= start or minute < end)
-    if not inside:
-        return None
-    day = t.replace(hour=0, minute=0, second=0, microsecond=0) - timedelta(days=minute < start)
-    return (day + timedelta(minutes=start)).timestamp()
-
-
-def worn(state: FleetState, now: float, recycle: Recycle) -> tuple[str, str] | None:
-    """(trigger, what it saw) when the serving generation is due a recycle, idle or not: it has served
-    `after` seconds, or its rank 0 made `steps` steps, or it is inside the daily window and was ready
-    before the window opened; else None."""
-    if not recycle.enabled or state.phase != Phase.READY or state.ready_since is None:
-        return None
-    age = now - state.ready_since
-    if recycle.after and age >= recycle.after:
-        return "age", f"generation {state.generation} served {age:.0f}s (recycle.after {recycle.after:g}s)"
-    if recycle.steps and state.steps >= recycle.steps:
-        return "steps", (f"generation {state.generation}'s rank 0 made {state.steps} steps (recycle.steps "
-                         f"{recycle.steps})")
-    opened = window_opened(recycle, now) if recycle.window else None
-    if opened is not None and state.ready_since < opened:
-        return "window", f"generation {state.generation} in the daily window {recycle.window}"
-    return None
-
-
-def recycle_due(state: FleetState, now: float, recycle: Recycle) -> tuple[str, str] | None:
-    """(trigger, what it saw) when the serving generation is to be recycled now, else None: it is due
-    (`worn`) and no rank has been busy for `idle_for` seconds, or it has waited `idle_deadline` seconds
-    since it was due (`state.due_since`) for that and recycles under load."""
-    due = worn(state, now, recycle)
-    if due is None:
-        return None
-    trigger, seen = due
-    if state.idle_since is not None and now - state.idle_since >= recycle.idle_for:
-        return trigger, f"{seen}, no request in flight for {now - state.idle_since:.0f}s"
-    if recycle.idle_deadline and state.due_since is not None and now - state.due_since >= recycle.idle_deadline:
-        return trigger, (f"{seen}, busy {now - state.due_since:.0f}s since it was due (recycle.idle_deadline "
-                         f"{recycle.idle_deadline:g}s)")
     return None
 
 
@@ -737,7 +417,7 @@ def _recycle_due(state: FleetState, now: float, policy: Policy) -> Result | None
     waiting = worn(state, now, policy.recycle) is not None
     if waiting == (state.due_since is not None):
         return None
-    return replace(state, due_since=now if waiting else None), []
+    return Result(replace(state, due_since=now if waiting else None), [])
 
 
 TICK_RULES = (_backoff_over, _healthy_long_enough, _start_overdue, _recycle_due)
@@ -748,7 +428,7 @@ def _on_tick(state: FleetState, ev: Tick, now: float, policy: Policy) -> Result:
         result = rule(state, now, policy)
         if result is not None:
             return result
-    return state, []
+    return Result(state, [])
 
 
 HANDLERS = {UpRequested: _on_up, DownRequested: _on_down, RestartRequested: _on_restart, Adopted: _on_adopted,
@@ -759,7 +439,7 @@ HANDLERS = {UpRequested: _on_up, DownRequested: _on_down, RestartRequested: _on_
             Tick: _on_tick}
 
 
-def step(state: FleetState, event, now: float, policy: Policy) -> Result:
+def step(state: FleetState, event: FleetEvent, now: float, policy: Policy) -> Result:
     """One transition. Unknown or stale events leave the state as it is."""
     handler = HANDLERS.get(type(event))
-    return handler(state, event, now, policy) if handler else (state, [])
+    return handler(state, event, now, policy) if handler else Result(state, [])
