@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
+import psutil
 from benchkit import ROOT, meshctl, parser
 
 from meshd.meshctl import background, demo
@@ -52,11 +54,26 @@ JACCL_LINE = "[jaccl] Send failed with error code -12\n"
 HUNG_AFTER = 300.0  # seconds: longer than the proxy's queue wait (120 s) plus a whole recovery
 
 
-def gdb(pid: int, command: str, cwd: Path) -> None:
-    """Make a running rank do something itself. gdb may crash once the process it called into is gone:
-    no core file from it."""
-    subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", command], cwd=cwd, capture_output=True, timeout=60,
-                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))
+def gdb(pid: int, command: str, cwd: Path) -> str:
+    """Make a running rank do something itself; what gdb printed. gdb may crash once the process it called
+    into is gone: no core file from it."""
+    return subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", command], cwd=cwd, capture_output=True,
+                          text=True, timeout=60,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0))).stdout
+
+
+def jaccl_line(pid: int, cwd: Path, tries: int = 3) -> str | None:
+    """Have the rank write JACCL's fatal line to its own stderr: None once the write returned its length,
+    else what gdb said on the last try (an attach can fail under load, a thread gone as gdb stopped it:
+    the fault did not land, which is the harness's failure, not the mesh's)."""
+    said = ""
+    for _ in range(tries):
+        said = gdb(pid, f"call (long)write(2, {json.dumps(JACCL_LINE)}, {len(JACCL_LINE)})", cwd)
+        if re.search(rf"^\$\d+ = {len(JACCL_LINE)}$", said, re.M):
+            return None
+        if not psutil.pid_exists(pid):
+            break
+    return said
 
 
 @dataclass
@@ -180,8 +197,9 @@ class Chaos:
                 os.kill(pid, signal.SIGSTOP)
             elif kind == "rank-exit0":
                 gdb(pid, "call (void)_exit(0)", self.home)
-            elif kind == "rank-jaccl":
-                gdb(pid, f"call (long)write(2, {json.dumps(JACCL_LINE)}, {len(JACCL_LINE)})", self.home)
+            elif kind == "rank-jaccl" and (said := jaccl_line(pid, self.home)) is not None:
+                self.tally.examples.setdefault("jaccl line not written", said[-600:])
+                return
             self.tally.faults[kind] += 1
             seen, replaced = self.wait_handled(kind, f"node{node}", generation, pid, injected)
             self.tally.detected[kind] += seen
