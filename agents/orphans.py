@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from agents.manifest import ManifestEntry
 from common import proctitle
 
 MARKER = re.compile(rf"(?:--meshd-generation[= ]|meshd-generation=|^{proctitle.RANK} gen=)(\d+)")
@@ -59,7 +60,7 @@ def marker_generation(p: ProcInfo) -> int | None:
 
 
 def select_orphans(procs: list[ProcInfo], *, agent: str, current: int | None, keep_pids: set[int],
-                   manifest: list[dict], now: float, ibv_limit: float) -> list[Orphan]:
+                   manifest: list[ManifestEntry], now: float, ibv_limit: float) -> list[Orphan]:
     out: dict[int, Orphan] = {}
     alive = {p.pid: p for p in procs}
     for p in procs:
@@ -76,11 +77,11 @@ def select_orphans(procs: list[ProcInfo], *, agent: str, current: int | None, ke
             out[p.pid] = Orphan(p.pid, p.create_time,
                                 f"{p.name} running {now - p.create_time:.0f}s (limit {ibv_limit:.0f}s): hung", what)
     for entry in manifest:
-        p = alive.get(entry["pid"])
+        p = alive.get(entry.pid)
         if (p is not None and p.pid not in keep_pids and p.pid not in out
-                and entry["generation"] != current and abs(p.create_time - entry["create_time"]) < 1.0):
+                and entry.generation != current and abs(p.create_time - entry.create_time) < 1.0):
             out[p.pid] = Orphan(p.pid, p.create_time,
-                                f"manifest entry of retired generation {entry['generation']}", " ".join(p.cmdline)[:200])
+                                f"manifest entry of retired generation {entry.generation}", " ".join(p.cmdline)[:200])
     return sorted(out.values(), key=lambda o: o.pid)
 
 

@@ -11,28 +11,28 @@ them, and can tell retired generations' leftovers from the live one.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Awaitable, Callable
 
+from agents import node as node_facts
 from agents import orphans
-from agents.config import AgentConfig, Profile
+from agents.config import AgentConfig
 from agents.events import EventLog
+from agents.launch import LaunchPlan, launch_plan, rank_dir
+from agents.manifest import Manifest
 from agents.standby import Keeper, early_env
 from agents.stall import blocked_on_peer
 from agents.watch import RankRecord, RankWatcher
 from common import procs
-from common.hostfile import MLX_BACKEND, HostfileError, launch_env
-from common.modelref import ModelNotFound, resolve
+from common.modelref import resolve
 from common.protocol import (OrphansSwept, RankExited, RankSignature, RankSpec, RankStarted, RankStateChanged,
                              RebootRequired, StopResult)
 from common.states import RankState, StopMode
-from common.statusfile import write_atomic
-
 
 # In a kill, a rank blocked in a collective on a dead peer (it runs no signal
 # handler) gets this long after SIGTERM before its SIGKILL.
@@ -57,14 +57,6 @@ class Conflict(Exception):
     """Another generation is running here (HTTP 409)."""
 
 
-class BadSpec(ValueError):
-    """A start request this agent cannot run (HTTP 400); names the field."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
 @dataclass
 class Counters:
     exits: dict
@@ -73,8 +65,13 @@ class Counters:
     survivors: int = 0
 
 
+# How a planned rank is started: its process, and whether it was warm (the standby's, now this rank).
+Spawn = Callable[[LaunchPlan], Awaitable[tuple[asyncio.subprocess.Process, bool]]]
+
+
 class Supervisor:
-    def __init__(self, config: AgentConfig):
+    def __init__(self, config: AgentConfig, spawn: Spawn | None = None):
+        """`spawn`: how a planned rank starts; by default the standby takes it, else a cold spawn."""
         self.config = config
         self.state_dir = config.state_dir
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -84,24 +81,15 @@ class Supervisor:
         self.wired_limit: dict | None = None  # what applying agent.toml's wired_limit_mb did
         self.counters = Counters(exits={}, signatures={})
         self._lock = asyncio.Lock()
-        self._manifest_path = self.state_dir / "manifest.json"
+        self.manifest = Manifest(self.state_dir / "manifest.json")
         self.standby = Keeper(self.state_dir, config.python, config.standby)
+        self._spawn = spawn or self._warm_or_cold
         self._early = early_env(dict(os.environ), config.env_allowlist)  # the last rank's, for its standby
 
-    # --- manifest ---------------------------------------------------------------
-    def _read_manifest(self) -> list[dict]:
-        try:
-            return json.loads(self._manifest_path.read_text())
-        except (OSError, ValueError):
-            return []
-
-    def _write_manifest(self, entries: list[dict]) -> None:
-        write_atomic(self._manifest_path, entries)
-
-    def _record_in_manifest(self, rec: RankRecord) -> None:
-        entries = [e for e in self._read_manifest()
-                   if (e["generation"], e["rank"]) != (rec.generation, rec.rank)]
-        self._write_manifest(entries + [rec.manifest_entry()])
+    async def apply_wired_limit(self) -> None:
+        """agent.toml's `wired_limit_mb` set on this node (GET /v1/node says what that did)."""
+        if self.config.wired_limit_mb:
+            self.wired_limit = await node_facts.apply_wired_limit(self.config.wired_limit_mb)
 
     # --- events -----------------------------------------------------------------
     async def emit(self, event) -> None:
@@ -134,41 +122,30 @@ class Supervisor:
         gens = {r.generation for r in self.live()}
         return max(gens) if gens else None
 
+    def ranks(self) -> dict:
+        """GET /v1/ranks: every rank this agent knows of and its standby."""
+        return {"node": self.config.node, "generation": self.current_generation(),
+                "ranks": [r.view() for r in self.records.values()], "standby": self.standby.pid,
+                "standby_ready": self.standby.ready}
+
     # --- adopt ------------------------------------------------------------------
     async def adopt(self) -> None:
         """On agent start: watch again the manifest's ranks that still run."""
         keep = []
-        for e in self._read_manifest():
-            target = procs.Target(e["pid"], e["create_time"])
-            if not procs.alive(target):
-                await self.emit(RankExited(node=self.config.node, generation=e["generation"], rank=e["rank"],
-                                           at=time.time(), pid=e["pid"], code=None, signal=None, expected=False))
+        for e in self.manifest.read():
+            if not procs.alive(procs.Target(e.pid, e.create_time)):
+                await self.emit(RankExited(node=self.config.node, generation=e.generation, rank=e.rank,
+                                           at=time.time(), pid=e.pid, code=None, signal=None, expected=False))
                 continue
-            rec = RankRecord(e["generation"], e["rank"], e["pid"], e["create_time"], e["spawned_at"],
-                             Path(e["log_path"]), Path(e["status_path"]) if e["status_path"] else None,
-                             e["port"], e["host"], e["profile"], proc=None)
+            rec = RankRecord.adopted(e)
             self.records[(rec.generation, rec.rank)] = rec
             keep.append(e)
             await self.emit(RankStarted(node=self.config.node, generation=rec.generation, rank=rec.rank,
                                         at=time.time(), pid=rec.pid, adopted=True))
             self._watch(rec)
-        self._write_manifest(keep)
+        self.manifest.write(keep)
 
     # --- start ------------------------------------------------------------------
-    def _argv(self, profile: Profile, spec: RankSpec, model: Path, status_file: Path) -> list[str]:
-        values = {"python": self.config.python, "model": model, "port": spec.port, "host": spec.host,
-                  "seed": spec.seed, "generation": spec.generation, "rank": spec.rank, "world": spec.world,
-                  "status_file": status_file}
-        argv = [part.format(**values) for part in profile.command]
-        for name, value in spec.args.items():
-            if name not in profile.args:
-                raise BadSpec(f"args.{name}", f"profile {profile.name!r} takes no parameter {name!r}; "
-                                              f"it takes: {', '.join(sorted(profile.args)) or 'none'}")
-            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-                raise BadSpec(f"args.{name}", f"args.{name} must be a string or a number")
-            argv += [profile.args[name], str(value)]
-        return argv
-
     async def start(self, spec: RankSpec) -> tuple[RankRecord, bool]:
         """Start rank G/r; returns (record, created). Idempotent for the same G/r."""
         async with self._lock:
@@ -183,63 +160,31 @@ class Supervisor:
                 o = others[0]
                 raise Conflict(f"generation {o.generation} rank {o.rank} is running here (pid {o.pid}); "
                                f"stop it first (POST /v1/generations/{o.generation}/stop)")
-            profile = self.config.profiles.get(spec.profile)
-            if profile is None:
-                raise BadSpec("profile", f"profile {spec.profile!r} is not allowed on this node; "
-                                         f"allowed: {', '.join(sorted(self.config.profiles))}")
-            bad_env = sorted(set(spec.env) - set(self.config.env_allowlist))
-            if bad_env:
-                raise BadSpec("env", f"env {bad_env} not in this agent's env_allowlist "
-                                     f"({', '.join(self.config.env_allowlist)})")
-            try:
-                model = resolve(spec.model, self.config.node)
-            except ModelNotFound as e:
-                raise BadSpec("model", str(e))
-            try:
-                launch = launch_env(spec.hostfile, spec.rank, starting_port=spec.ring_port, nccl_port=spec.ring_port)
-            except HostfileError as e:
-                raise BadSpec("hostfile", str(e))
-            if len(spec.hostfile["hosts"]) != spec.world:
-                raise BadSpec("world", f"world is {spec.world} but the hostfile lists "
-                                       f"{len(spec.hostfile['hosts'])} hosts")
-            rundir = self.state_dir / f"gen-{spec.generation}" / f"rank-{spec.rank}"
-            rundir.mkdir(parents=True, exist_ok=True)
-            env = {**os.environ, **launch.env, **{k: str(v) for k, v in spec.env.items()}}
-            for var, content in launch.files.items():
-                path = rundir / f"{var.lower()}.json"
-                path.write_text(content + "\n")
-                env[var] = str(path)
-            status_path = rundir / "status.json"
-            status_path.unlink(missing_ok=True)
-            if spec.devices and "CUDA_VISIBLE_DEVICES" in launch.env:
-                env["CUDA_VISIBLE_DEVICES"] = spec.devices
-            env["MESHD_BACKEND"] = MLX_BACKEND[spec.hostfile.get("backend", "ring")]
-            env["MESHD_GENERATION"] = str(spec.generation)
-            env["MESHD_NODE"] = self.config.node
-            env["MESHD_AGENT"] = str(self.state_dir.resolve())
-            env["MESHD_STATUS_FILE"] = str(status_path)
-            env.pop("MESHD_RANK_SECRET", None)
-            if spec.secret:
-                env["MESHD_RANK_SECRET"] = spec.secret
-            argv = self._argv(profile, spec, model, status_path)
-            log_path = rundir / "rank.log"
-            early = early_env(env, self.config.env_allowlist)
-            proc = await self.standby.take(argv, env, rundir, log_path, early)
-            warm = proc is not None
-            if proc is None:
-                proc = await procs.spawn(argv, log_path, env=env, cwd=rundir)
-            self._early = early
+            plan = launch_plan(spec, self.config, dict(os.environ), resolve)
+            plan.cwd.mkdir(parents=True, exist_ok=True)
+            for path, content in plan.files.items():
+                path.write_text(content)
+            plan.status_path.unlink(missing_ok=True)
+            proc, warm = await self._spawn(plan)
+            self._early = plan.early
             target = procs.identify(proc.pid)
             rec = RankRecord(spec.generation, spec.rank, proc.pid, target.create_time if target else time.time(),
-                             time.time(), log_path, status_path if profile.status_file else None, spec.port,
+                             time.time(), plan.log_path, plan.status_path if plan.watch_status else None, spec.port,
                              spec.host, spec.profile, proc=proc)
             self.records[(rec.generation, rec.rank)] = rec
-            self._record_in_manifest(rec)
+            self.manifest.record(rec.manifest_entry())
             await self.emit(RankStarted(node=self.config.node, generation=rec.generation, rank=rec.rank,
                                         at=time.time(), pid=rec.pid, warm=warm))
             self._watch(rec)
             self.prune()
             return rec, True
+
+    async def _warm_or_cold(self, plan: LaunchPlan) -> tuple[asyncio.subprocess.Process, bool]:
+        """The standby's process, handed this rank; else a cold spawn."""
+        proc = await self.standby.take(list(plan.argv), plan.env, plan.cwd, plan.log_path, plan.early)
+        if proc is not None:
+            return proc, True
+        return await procs.spawn(list(plan.argv), plan.log_path, env=plan.env, cwd=plan.cwd), False
 
     # --- stop -------------------------------------------------------------------
     async def stop(self, generation: int, mode: StopMode, grace: float) -> StopResult:
@@ -270,7 +215,7 @@ class Supervisor:
             reason = f"pid(s) {list(survivors)} survived SIGKILL; reboot this node"
             await self.emit(RebootRequired(node=self.config.node, generation=generation, rank=-1, at=time.time(),
                                            reason=reason))
-        self._write_manifest([e for e in self._read_manifest() if e["generation"] != generation])
+        self.manifest.keep(lambda e: e.generation != generation)
         return StopResult(generation, result.stopped, survivors, result.steps)
 
     async def _settle(self, recs: list[RankRecord], timeout: float = 5.0) -> None:
@@ -293,7 +238,7 @@ class Supervisor:
             await self.stop(g, StopMode.KILL, grace)
         keep = {r.pid for r in self.live()} | {os.getpid(), self.standby.pid}
         debris = orphans.select_orphans(orphans.scan(), agent=str(self.state_dir.resolve()), current=current,
-                                        keep_pids=keep, manifest=self._read_manifest(), now=time.time(),
+                                        keep_pids=keep, manifest=self.manifest.read(), now=time.time(),
                                         ibv_limit=self.config.ibv_hang_seconds)
         result = await procs.stop_ladder([procs.Target(o.pid, o.create_time) for o in debris], grace=grace)
         killed = [{"pid": o.pid, "reason": o.reason, "what": o.what} for o in debris if o.pid in result.stopped]
@@ -301,7 +246,7 @@ class Supervisor:
                     if o.pid in result.survivors]
         self.counters.orphans_killed += len(killed)
         self.counters.survivors += len(survived)
-        self._write_manifest([e for e in self._read_manifest() if e["generation"] == current])
+        self.manifest.keep(lambda e: e.generation == current)
         if debris:
             await self.emit(OrphansSwept(node=self.config.node, generation=current if current is not None else -1,
                                          rank=-1, at=time.time(), killed=tuple(o["pid"] for o in killed),
@@ -331,4 +276,4 @@ class Supervisor:
 
     def log_path(self, generation: int, rank: int) -> Path:
         rec = self.records.get((generation, rank))
-        return rec.log_path if rec else self.state_dir / f"gen-{generation}" / f"rank-{rank}" / "rank.log"
+        return rec.log_path if rec else rank_dir(self.state_dir, generation, rank) / "rank.log"

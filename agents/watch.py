@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from agents.manifest import ManifestEntry
 from agents.signatures import CONSEQUENCE, classify
 from agents.stall import StallWindows, stall_verdict
 from common import procs
@@ -57,15 +58,20 @@ class RankRecord:
     def done(self) -> bool:
         return self.state == RankState.EXITED
 
-    def manifest_entry(self) -> dict:
-        return {"generation": self.generation, "rank": self.rank, "pid": self.pid,
-                "create_time": self.create_time, "spawned_at": self.spawned_at, "log_path": str(self.log_path),
-                "status_path": str(self.status_path) if self.status_path else None, "port": self.port,
-                "host": self.host, "profile": self.profile}
+    @classmethod
+    def adopted(cls, e: ManifestEntry) -> RankRecord:
+        """A rank an earlier agent started, as its manifest entry says."""
+        return cls(e.generation, e.rank, e.pid, e.create_time, e.spawned_at, e.log_path, e.status_path, e.port,
+                   e.host, e.profile, proc=None)
+
+    def manifest_entry(self) -> ManifestEntry:
+        return ManifestEntry(self.generation, self.rank, self.pid, self.create_time, self.spawned_at,
+                             self.log_path, self.status_path, self.port, self.host, self.profile)
 
     def view(self) -> dict:
         res = procs.resources(self.target) if not self.done else {"rss_bytes": 0, "cpu_seconds": 0.0}
-        return {**self.manifest_entry(), "state": self.state, "status": asdict(self.status) if self.status else None,
+        return {**self.manifest_entry().to_dict(), "state": self.state,
+                "status": asdict(self.status) if self.status else None,
                 "exit_code": self.exit_code, "exit_signal": self.exit_signal, "stalled": self.stalled,
                 "expected": self.stopping, "peer_lost": self.peer_lost,
                 "signatures": self.signatures, **res}

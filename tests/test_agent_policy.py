@@ -1,8 +1,11 @@
 """Table tests for the agent's pure decisions: log signatures, stall verdicts,
 orphan selection, retention."""
 
+from pathlib import Path
+
 import pytest
 
+from agents.manifest import ManifestEntry
 from agents.orphans import ProcInfo, marked_standby, select_orphans
 from agents.signatures import classify
 from agents.stall import StallWindows, stall_verdict
@@ -69,6 +72,12 @@ def proc(pid, cmd, created=0.0, env_gen=None, name=None, agent="/state/n0"):
 
 
 NOW = 10_000.0
+
+
+def entry(generation: int, pid: int, create_time: float) -> ManifestEntry:
+    return ManifestEntry(generation, 0, pid, create_time, create_time, Path("rank.log"), None, 8100, "127.0.0.1", "p")
+
+
 PROCS = [
     proc(10, "python -m runtime.rank --model m --meshd-generation 3"),
     proc(11, "python -m runtime.rank --model m --meshd-generation 4"),
@@ -84,8 +93,8 @@ PROCS = [
 
 
 def test_orphan_selection():
-    manifest = [{"generation": 2, "rank": 0, "pid": 17, "create_time": 500.0},
-                {"generation": 4, "rank": 0, "pid": 11, "create_time": 0.0}]
+    manifest = [entry(generation=2, pid=17, create_time=500.0),
+                entry(generation=4, pid=11, create_time=0.0)]
     orphans = select_orphans(PROCS, agent="/state/n0", current=4, keep_pids={11}, manifest=manifest, now=NOW, ibv_limit=30)
     reasons = {o.pid: o.reason for o in orphans}
     assert sorted(reasons) == [10, 12, 13, 14, 17]
@@ -125,7 +134,7 @@ def test_a_standby_is_known_by_its_marker_or_its_title(cmdline, standby):
 
 
 def test_recycled_pid_in_manifest_is_left_alone():
-    manifest = [{"generation": 1, "rank": 0, "pid": 17, "create_time": 499.0 - 100}]
+    manifest = [entry(generation=1, pid=17, create_time=499.0 - 100)]
     assert select_orphans([PROCS[7]], agent="/state/n0", current=2, keep_pids=set(), manifest=manifest, now=NOW, ibv_limit=30) == []
 
 
