@@ -15,15 +15,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-FATAL, REBOOT = "fatal", "reboot"
-CAUSE, CONSEQUENCE = "cause", "consequence"
+from common.states import Role, Severity
+
+FATAL, REBOOT = Severity.FATAL, Severity.REBOOT
+CAUSE, CONSEQUENCE = Role.CAUSE, Role.CONSEQUENCE
 
 
 @dataclass(frozen=True)
 class Signature:
     name: str
-    severity: str
-    role: str
+    severity: Severity
+    role: Role
     pattern: re.Pattern
 
 

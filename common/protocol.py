@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Mapping, NamedTuple
 
-from common.states import RankState
+from common.states import RankState, Role, Severity
 
 # The headers every controller call to an agent carries: the controller's ballot, its epoch and its id. An agent
 # checks them on every command (agents/fencing.py) and answers every such call with the ballot it has promised.
@@ -143,8 +143,8 @@ class RankSignature(Event):
 
     kind: ClassVar[str] = "RankSignature"
     signature: str = ""
-    severity: str = "fatal"
-    role: str = "cause"  # or "consequence": this rank lost a peer
+    severity: Severity = Severity.FATAL
+    role: Role = Role.CAUSE  # or consequence: this rank lost a peer
     line: str = ""
 
 
@@ -189,8 +189,9 @@ def event_from_dict(data: dict[str, Any]) -> Event:
     for name in ("killed", "survived"):
         if name in values:
             values[name] = tuple(values[name])
-    if "state" in values:
-        values["state"] = RankState(values["state"])
+    for name, vocabulary in (("state", RankState), ("severity", Severity), ("role", Role)):
+        if name in values:
+            values[name] = vocabulary(values[name])
     try:
         return cls(**values)
     except TypeError as e:

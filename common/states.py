@@ -26,6 +26,15 @@ work, the others leave with it) or `kill` (the stop ladder at once).
 
 `LadderStep`, the recovery ladder's steps (mesh.toml's `recovery.ladder`):
 `restart`, `reprovision`, `reboot`.
+
+`Severity` and `Role`, what a fatal line a rank printed means (agents/signatures.py,
+`RankSignature`): `fatal` (the generation is dead) or `reboot` (this node holds
+resources only a reboot frees); `cause` (this rank failed by itself) or
+`consequence` (it lost a peer, whose death is the cause).
+
+`Profile`, the launch profiles every agent knows (a node's agent config may add
+others by name): `meshd-rank`, meshd's own runtime, and `mlx-lm-server`, stock
+`mlx_lm.server`, which has no readiness route, lockstep steps or busy state.
 """
 
 from __future__ import annotations
@@ -61,3 +70,18 @@ class LadderStep(StrEnum):
     RESTART = "restart"
     REPROVISION = "reprovision"
     REBOOT = "reboot"
+
+
+class Severity(StrEnum):
+    FATAL = "fatal"
+    REBOOT = "reboot"
+
+
+class Role(StrEnum):
+    CAUSE = "cause"
+    CONSEQUENCE = "consequence"
+
+
+class Profile(StrEnum):
+    MESHD_RANK = "meshd-rank"
+    MLX_LM_SERVER = "mlx-lm-server"

@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 
 from common.hostfile import BACKENDS, local_index
 from common.modelref import is_repo_id
-from common.states import LadderStep
+from common.states import LadderStep, Profile
 from common.tomlcheck import (ConfigError, Problems, listen_host, loopback, port_in_range, read_toml, split_listen,
                               table, wildcard)
 from runtime.overlay import overlay_for
@@ -84,7 +84,7 @@ class Node:
 
 @dataclass(frozen=True)
 class Runtime:
-    profile: str = "meshd-rank"
+    profile: str = Profile.MESHD_RANK  # or another of the agents' profiles, by name
     model: str = ""
     seed: int = 0
     host: str = "127.0.0.1"  # rank 0's internal listen address
@@ -103,7 +103,7 @@ class Runtime:
             args["draft_model"] = self.draft_model
         if self.model_package:
             args["model_package"] = self.model_package
-        if self.profile == "meshd-rank" and is_repo_id(self.model):
+        if self.profile == Profile.MESHD_RANK and is_repo_id(self.model):
             args.setdefault("model_name", self.model)  # the repo id, not its cache snapshot's directory
         return args
 
@@ -111,7 +111,7 @@ class Runtime:
 def rank0_body(profile: str, body: dict) -> dict:
     """A request body as rank 0 of `profile` takes it: stock mlx_lm.server loads whatever path "model"
     names (its own model is "default_model")."""
-    return {**body, "model": "default_model"} if profile == "mlx-lm-server" else body
+    return {**body, "model": "default_model"} if profile == Profile.MLX_LM_SERVER else body
 
 
 def ping_body(profile: str) -> dict:
@@ -288,7 +288,7 @@ def parse(raw: dict, base: Path, path: Path | None = None) -> MeshConfig:
     proxy = problems.check(_proxy, raw.get("proxy"), base)
     recovery = problems.check(_recovery, raw.get("recovery"), base)
     recycle = problems.check(_recycle, raw.get("recycle"), base)
-    if recycle is not None and recycle.enabled and runtime is not None and runtime.profile != "meshd-rank":
+    if recycle is not None and recycle.enabled and runtime is not None and runtime.profile != Profile.MESHD_RANK:
         problems.found.append(f"recycle: the {runtime.profile} profile's ranks do not report when a request is in "
                               "flight, so no recycle could wait for the mesh to be idle; use profile = "
                               '"meshd-rank", or leave [recycle] out')

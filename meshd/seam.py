@@ -3,21 +3,37 @@ controller): a read-only view of the fleet plus one call back. The proxy knows
 the fleet only through this. The controller implements it; the control API
 carries it across the process boundary (GET /v1/serving streams `Serving` as
 `wire()` dicts, POST /v1/observations takes an `Observation`'s), and
-meshd/dataplane/fleetlink.py implements it again on the proxy's side.
+meshd/dataplane/fleetlink.py implements it again on the proxy's side. The
+planes meet in data here too: the fleet as the controller records it in its
+store (`FleetRecord`), which the proxy and meshctl read while no controller runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Callable, Protocol
 
 from common.errors import ApiError
 from common.secretfile import derive, ensure_secret
 from common.states import Phase
+from meshd.store import read_value
 
-SOURCES = ("proxy", "probe", "served", "migrated")
+
+class Source(StrEnum):
+    """What an `Observation` is: evidence that a generation may be broken (`proxy`: an upstream failure;
+    `probe`: the idle probe failed), a request it served (`served`), or a stream it cut that goes on on the
+    next generation (`migrated`)."""
+
+    PROXY = "proxy"
+    PROBE = "probe"
+    SERVED = "served"
+    MIGRATED = "migrated"
+
+
+SOURCES = tuple(Source)
 
 
 def rank_key(state_dir: Path, create: bool = False) -> str:
@@ -65,13 +81,11 @@ class Serving:
 
 @dataclass(frozen=True)
 class Observation:
-    """Something the data plane saw about generation `generation`: that it may be
-    broken (`proxy`: an upstream failure; `probe`: the idle probe failed, with the
-    HTTP status when there was one), that it served a request (`served`), or that
-    a stream it cut goes on on the next generation (`migrated`)."""
+    """Something the data plane saw about generation `generation` (`Source`), with the
+    HTTP status a failed probe was answered when there was one."""
 
     generation: int
-    source: str  # proxy | probe | served | migrated
+    source: Source
     detail: str = ""
     status: int | None = None
 
@@ -90,7 +104,36 @@ class Observation:
             raise ApiError(400, "'detail' must be a string of at most 4096 characters", param="detail")
         if status is not None and (type(status) is not int or not 100 <= status <= 599):
             raise ApiError(400, "'status' must be an HTTP status (100-599) or null", param="status")
-        return cls(g, source, detail, status)
+        return cls(g, Source(source), detail, status)
+
+
+@dataclass(frozen=True)
+class FleetRecord:
+    """The fleet as the controller records it in its store (key "fleet") whenever its phase or generation
+    changes: the generation a restarted controller numbers on from, what a proxy that starts while the
+    controller is away serves by, and what tells meshctl whether ranks may run while no controller does."""
+
+    phase: Phase
+    generation: int
+
+    KEY = "fleet"
+
+    def wire(self) -> dict:
+        return {"phase": str(self.phase), "generation": self.generation}
+
+    @classmethod
+    def from_wire(cls, d: object) -> "FleetRecord | None":
+        """The record a stored value holds; None for no value, or one that is not such a record."""
+        try:
+            return cls(Phase(d["phase"]), int(d["generation"]))
+        except (TypeError, KeyError, ValueError):
+            return None
+
+    @classmethod
+    def read(cls, store_path: Path) -> "FleetRecord | None":
+        """The record in the store at `store_path`, read without writing to it (the controller owns it); None
+        where there is none, or the store cannot be read."""
+        return cls.from_wire(read_value(store_path, cls.KEY))
 
 
 async def wait_until(changed: asyncio.Condition, serving: Callable[[], Serving],

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from common.states import Profile
 from meshd.config import ping_body
 
 READY = "/internal/ready"  # meshd-rank's: 200 once its own one-token generation went through every rank
@@ -222,7 +223,7 @@ async def probe_ready(rank0: Upstream, url: str, auth: dict[str, str], profile: 
                       completion_timeout: float) -> ReadinessSeen:
     """Ask rank 0 whether it serves: meshd-rank on its readiness route; a runtime without one by its
     /v1/models answering, then a real one-token completion."""
-    route = READY if profile == "meshd-rank" else "/v1/models"
+    route = READY if profile == Profile.MESHD_RANK else "/v1/models"
     try:
         async with asyncio.timeout(2):
             async with rank0.get(url + route, auth) as r:

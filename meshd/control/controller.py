@@ -29,7 +29,7 @@ from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
 from meshd import epochs
 from meshd.config import MeshConfig, hostfile_for
 from meshd.metrics import Metrics
-from meshd.seam import Observation, Serving, rank_key, rank_secret, wait_until
+from meshd.seam import FleetRecord, Observation, Serving, rank_key, rank_secret, wait_until
 from meshd.store import Store
 from meshd.upstream import Upstream, probe_ready
 
@@ -59,9 +59,9 @@ class Controller:
         self.policy = policy_for(cfg)
         self.rank_key = rank_key(cfg.state_dir, create=True)
         metrics.desired_up.set(store.get("desired") == "up")
-        saved = store.get("fleet", {})
+        saved = FleetRecord.from_wire(store.get(FleetRecord.KEY))
         carried = store.open_incident_row()
-        self.state = fleet.FleetState(generation=saved.get("generation", 0),
+        self.state = fleet.FleetState(generation=saved.generation if saved else 0,
                                       incident=fleet.Incident(**carried) if carried else None)
         self.changed = asyncio.Condition()
         self.session: aiohttp.ClientSession | None = None
@@ -149,13 +149,13 @@ class Controller:
         return task
 
     # --- the one place state changes ------------------------------------------
-    async def feed(self, event) -> None:
+    async def feed(self, event: fleet.FleetEvent) -> None:
         async with self._lock:
             before = self.state
             self.state, actions = fleet.step(self.state, event, time.time(), self.policy)
             if (before.phase, before.generation) != (self.state.phase, self.state.generation):
                 log.info("fleet", phase=self.state.phase, generation=self.state.generation, reason=self.state.reason)
-                self.store.put("fleet", {"phase": self.state.phase, "generation": self.state.generation})
+                self.store.put(FleetRecord.KEY, FleetRecord(self.state.phase, self.state.generation).wire())
                 self.metrics.set_phase(self.state.phase)
                 self.metrics.generation.set(self.state.generation)
             for action in actions:
@@ -163,7 +163,7 @@ class Controller:
         async with self.changed:
             self.changed.notify_all()
 
-    def _execute(self, action) -> None:
+    def _execute(self, action: fleet.Action) -> None:
         match action:
             case fleet.StartGeneration(generation=g):
                 self._spawn(self._start_generation(g))
@@ -194,7 +194,7 @@ class Controller:
                 self._observe_steps(i)
             case fleet.NoteGeneration(generation=g, what=what, detail=detail):
                 self.store.note_generation(g, what, time.time(), detail)
-                if what == "started":
+                if what == fleet.GenerationNote.STARTED:
                     self.store.prune(self.cfg.retention.generations, self.cfg.retention.incidents)
 
     def _count_restart(self, incident: fleet.Incident, closing: bool) -> None:

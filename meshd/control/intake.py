@@ -28,7 +28,7 @@ class Intake:
     whoever else asks the agents; `fleet_now()` is the fleet now, `feed` takes what an event means."""
 
     def __init__(self, agents: dict[str, AgentClient], store: Store, metrics: Metrics, errors: dict[str, str],
-                 fleet_now: Callable[[], fleet.FleetState], feed: Callable[[object], Awaitable[None]]):
+                 fleet_now: Callable[[], fleet.FleetState], feed: Callable[[fleet.FleetEvent], Awaitable[None]]):
         self.agents = agents
         self.store = store
         self.metrics = metrics

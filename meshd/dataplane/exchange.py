@@ -39,6 +39,7 @@ from aiohttp import web
 
 from common.errors import error_body
 from common.http import json_error
+from common.states import Profile
 from meshd.config import Proxy as ProxyConfig
 from meshd.config import rank0_body
 from meshd.metrics import ProxyMetrics
@@ -75,7 +76,7 @@ class Rank0:
     @property
     def resumable(self) -> bool:
         """meshd-rank reports the token ids behind each chunk, which a resumption needs."""
-        return self.profile == "meshd-rank"
+        return self.profile == Profile.MESHD_RANK
 
     @property
     def headers(self) -> dict[str, str]:

@@ -23,13 +23,13 @@ import structlog
 
 from common.states import Phase
 from meshd.config import MeshConfig
-from meshd.seam import Observation, Serving, rank_key, rank_secret, wait_until
+from meshd.seam import FleetRecord, Observation, Serving, Source, rank_key, rank_secret, wait_until
 from meshd.store import read_value
 
 log = structlog.get_logger("meshd.fleetlink")
 
 SILENCE = 6.0  # seconds without a line (three of the controller's heartbeats): the controller is away
-EVIDENCE = ("proxy", "probe")
+EVIDENCE = (Source.PROXY, Source.PROBE)
 NOT_YET = Serving(Phase.STARTING, 0, "meshd-proxy has not reached the controller yet", "")
 
 
@@ -37,15 +37,16 @@ def remembered(cfg: MeshConfig) -> Serving | None:
     """The fleet as the controller last recorded it in its store, for a proxy that starts while the
     controller is away: the generation, rank 0's address by the config, its secret from the mesh's rank
     key. None when there is no record (or no key: the proxy runs as the controller's user)."""
-    fleet, weights = read_value(cfg.store_path, "fleet"), read_value(cfg.store_path, "weights") or {}
+    fleet, weights = FleetRecord.read(cfg.store_path), read_value(cfg.store_path, "weights") or {}
     try:
         key = rank_key(cfg.state_dir)
-        phase, generation = Phase(fleet["phase"]), int(fleet["generation"])
-    except (OSError, TypeError, KeyError, ValueError):
+    except OSError:
         return None
-    fingerprint = str(weights.get("fingerprint", "")) if weights.get("generation") == generation else ""
-    return Serving(phase, generation, "as the controller last recorded it", cfg.rank0_url,
-                   rank_secret(key, generation), fingerprint=fingerprint)
+    if fleet is None:
+        return None
+    fingerprint = str(weights.get("fingerprint", "")) if weights.get("generation") == fleet.generation else ""
+    return Serving(fleet.phase, fleet.generation, "as the controller last recorded it", cfg.rank0_url,
+                   rank_secret(key, fleet.generation), fingerprint=fingerprint)
 
 
 def local_view(told: Serving | None, connected: bool, suspect: int | None) -> Serving:

@@ -30,7 +30,7 @@ from prometheus_client import generate_latest
 from common.errors import ApiError
 from common.http import bearer_matches, json_error, json_errors, read_json
 from common.secretfile import derive
-from common.states import Phase
+from common.states import Phase, Profile
 from common.tomlcheck import loopback
 from meshd.config import ping_body
 from meshd.config import Proxy as ProxyConfig
@@ -52,7 +52,7 @@ CHARS_PER_TOKEN = 3  # fewer than real tokenizers average: a prompt's estimate e
 def stall_window(p: ProxyConfig, profile: str, prompt_chars: int, max_tokens: int, stream: bool) -> float | None:
     """How long rank 0 may stay silent before the proxy calls it hung, or None when
     the agents judge (meshd-rank's status file carries the real prompt length)."""
-    if profile == "meshd-rank":
+    if profile == Profile.MESHD_RANK:
         return None
     window = p.token_stall + prompt_chars / CHARS_PER_TOKEN / p.min_prefill_rate
     return window if stream else window + max_tokens / p.min_decode_rate
@@ -318,7 +318,7 @@ class Proxy:
         status file: meshd-rank's idle ranks move their progress at every liveness exchange, which the
         agents watch, and a probe's latency would only measure the engine's speed."""
         p = self.settings
-        if link.cfg.runtime.profile == "meshd-rank":
+        if link.cfg.runtime.profile == Profile.MESHD_RANK:
             return
         s = link.fleet.serving()
         if s.ready and s.generation != link.probed_generation:  # idle from when it is first seen serving

@@ -36,6 +36,7 @@ from meshd.meshctl import background, demo, service
 from meshd.config import MeshConfig, hostfile_for, load
 from meshd.dataplane.proxyconfig import Front, check_twins, is_proxy_config, load_front
 from meshd.meshctl.progress import Display
+from meshd.seam import FleetRecord
 from meshd.store import EPOCH, read_value
 
 # The commands that reach nodes over SSH or the agents' HTTP API import their
@@ -364,10 +365,10 @@ def cmd_up(args) -> int:
 def may_have_ranks(cfg: MeshConfig) -> bool:
     """Whether ranks of this mesh may run while no controller does: the store's last record of the fleet is
     not `stopped`, or the store is there but cannot be read here (another user's)."""
-    fleet = read_value(cfg.store_path, "fleet")
+    fleet = FleetRecord.read(cfg.store_path)
     if fleet is None:
         return cfg.store_path.exists() and not os.access(cfg.store_path, os.R_OK)
-    return fleet.get("phase") != Phase.STOPPED
+    return fleet.phase != Phase.STOPPED
 
 
 def cmd_down(args) -> int:
