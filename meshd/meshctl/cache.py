@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from meshd.config import MeshConfig, Node
+from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
 
 
 def failure(node: Node, status: int | None, message: str) -> str:
@@ -38,12 +39,10 @@ def cleared(answer: dict) -> str:
 
 async def clear(cfg: MeshConfig) -> dict[str, dict]:
     """Each node's answer: the agent's ({folder, files, bytes, problems}), or {"error"}."""
-    from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
-
     async with agent_session(cfg) as session:
         async def one(node: Node) -> dict:
             try:
-                return await AgentClient(node, session).call("DELETE", "/v1/snapshots", timeout=600)
+                return await AgentClient(node, session).clear_snapshots()
             except AgentError as e:
                 return {"error": failure(node, e.status, str(e).removeprefix(f"{node.name}: "))}
             except OSError as e:  # its token file

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import asdict, dataclass
 from typing import Awaitable, Callable
+from urllib.parse import urlencode
 
 import aiohttp
 
-from common.protocol import EPOCH_ROUTE, Ballot, BallotError
+from common.protocol import EPOCH_ROUTE, Ballot, BallotError, RankReport, RankSpec, StopResult
+from common.states import StopMode
 from meshd.config import MeshConfig, Node
 from meshd.epochs import Fence, Held, Standing, standing
 
@@ -31,6 +34,37 @@ class AgentError(Exception):
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """GET /v1/ranks: the ranks an agent knows of and its standby."""
+
+    node: str
+    generation: int | None  # its live generation
+    reports: tuple[RankReport, ...]  # each rank, read for what the controller and the doctor judge by
+    views: tuple[dict, ...]  # each rank as the agent shows it (its status file, resources), for display
+    standby: int | None  # the standby's pid
+    standby_ready: bool
+
+    @classmethod
+    def from_wire(cls, d: dict) -> Ranks:
+        return cls(d["node"], d["generation"], tuple(RankReport.from_dict(r) for r in d["ranks"]),
+                   tuple(d["ranks"]), d.get("standby"), bool(d.get("standby_ready")))
+
+
+@dataclass(frozen=True)
+class Swept:
+    """POST /v1/sweep: the debris stopped ({pid, reason, what} each), what survived SIGKILL, the ladder's steps."""
+
+    killed: tuple[dict, ...]
+    survived: tuple[dict, ...]
+    steps: tuple[str, ...]
+
+
+def _query(**params) -> str:
+    given = {k: v for k, v in params.items() if v is not None}
+    return f"?{urlencode(given)}" if given else ""
 
 
 class AgentClient:
@@ -61,6 +95,53 @@ class AgentClient:
             raise AgentError(f"{self.node.name}: {method} {path} -> {status}: "
                              f"{(data or {}).get('error', {}).get('message', data)}", status)
         return data
+
+    # --- one method per agent route -------------------------------------------------------------------
+    async def node_facts(self, model: str | None = None, package: str | None = None,
+                         timeout: float = 10.0) -> dict:
+        """GET /v1/node: the node's facts (boot id, memory, the model's files and fingerprint when `model` is
+        named, the launch profiles, ...) as agents/node.py gathers them."""
+        return await self.call("GET", f"/v1/node{_query(model=model, package=package)}", timeout=timeout)
+
+    async def ranks(self, timeout: float = 10.0) -> Ranks:
+        return Ranks.from_wire(await self.call("GET", "/v1/ranks", timeout=timeout))
+
+    async def start_rank(self, spec: RankSpec, timeout: float = 30.0) -> bool:
+        """POST /v1/ranks; whether it started the rank (False: it was running already)."""
+        return bool((await self.call("POST", "/v1/ranks", asdict(spec), timeout=timeout))["created"])
+
+    async def stop_generation(self, generation: int, mode: StopMode, grace: float | None = None,
+                              timeout: float = 10.0) -> StopResult:
+        """POST /v1/generations/G/stop; `grace` None: the agent's own."""
+        body = {"mode": str(mode), **({} if grace is None else {"grace": grace})}
+        return StopResult.from_dict(await self.call("POST", f"/v1/generations/{generation}/stop", body, timeout))
+
+    async def sweep(self, grace: float, generation: int | None, timeout: float = 60.0) -> Swept:
+        """POST /v1/sweep: stop the debris; `generation` may keep running (None: none of this agent's ranks)."""
+        d = await self.call("POST", "/v1/sweep", {"grace": grace, "generation": generation}, timeout)
+        return Swept(tuple(d["killed"]), tuple(d["survived"]), tuple(d["steps"]))
+
+    async def rank_log(self, generation: int, rank: int, lines: int, after: int | None = None,
+                       timeout: float = 10.0) -> dict:
+        """GET /v1/ranks/G/r/log: the log's last `lines` (or those written after offset `after`) and its
+        offset, as common/http.log_answer gives them (the control API relays it as is)."""
+        return await self.call("GET", f"/v1/ranks/{generation}/{rank}/log{_query(lines=lines, after=after)}",
+                               timeout=timeout)
+
+    async def agent_log(self, lines: int, after: int | None = None, timeout: float = 10.0) -> dict:
+        """GET /v1/log: the agent's own log, as rank_log."""
+        return await self.call("GET", f"/v1/log{_query(lines=lines, after=after)}", timeout=timeout)
+
+    async def events(self, since: int, epoch: str | None, timeout: float = 5.0) -> dict:
+        """GET /v1/events?stream=0: {node, epoch, seq, events} after `since` of log `epoch`."""
+        return await self.call("GET", f"/v1/events?stream=0&since={since}&epoch={epoch or ''}", timeout=timeout)
+
+    async def reboot(self, timeout: float = 40.0) -> None:
+        await self.call("POST", "/v1/reboot", timeout=timeout)
+
+    async def clear_snapshots(self, timeout: float = 600.0) -> dict:
+        """DELETE /v1/snapshots: {folder, files, bytes, problems}."""
+        return await self.call("DELETE", "/v1/snapshots", timeout=timeout)
 
     async def _request(self, method: str, path: str, body, timeout: float) -> tuple[int, object, Ballot | None]:
         """The answer's status, its JSON and the ballot the agent names in it."""

@@ -13,12 +13,12 @@ import re
 import shutil
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from common.hostfile import HostfileError
 from common.modelref import is_repo_id
-from common.protocol import Ballot, RankReport
-from common.states import RankState
+from common.protocol import Ballot, RankReport, RankSpec
+from common.states import RankState, StopMode
 from common.tomlcheck import ConfigError
 from meshd.nodes import provision
 from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
@@ -345,15 +345,14 @@ def judge_launch(facts: dict[str, dict], runtime: Runtime) -> list[Check]:
 
 
 async def node_facts(cfg: MeshConfig, client: AgentClient) -> dict:
-    package = f"&package={cfg.runtime.model_package}" if cfg.runtime.model_package else ""
-    return await client.call("GET", f"/v1/node?model={cfg.runtime.model}{package}", timeout=30)
+    return await client.node_facts(cfg.runtime.model, cfg.runtime.model_package or None, timeout=30)
 
 
 async def _agent_node(client: AgentClient, n, cfg: MeshConfig, current: int | None, controller: Ballot | None,
                       running: bool) -> tuple[list[Check], dict | None]:
     try:
         facts = await node_facts(cfg, client)
-        ranks = [RankReport.from_dict(r) for r in (await client.call("GET", "/v1/ranks", timeout=10))["ranks"]]
+        ranks = list((await client.ranks()).reports)
         held = (await client.held()).ballot
     except AgentError as e:
         fix = (f"put the token from {n.name}'s agent config into {n.token_file}" if "401" in str(e) else
@@ -371,15 +370,13 @@ async def canary(cfg: MeshConfig, hostfile: dict, seconds: float = 3.0, timeout:
     """all_sum of growing sizes on every node at once (the agents' meshd-canary profile), as generation 0."""
     async with agent_session(cfg) as session:
         clients = [AgentClient(n, session) for n in cfg.nodes]
-        spec = {"generation": 0, "world": len(cfg.nodes), "profile": "meshd-canary", "model": cfg.runtime.model,
-                "hostfile": hostfile, "ring_port": cfg.runtime.ring_port, "args": {"seconds": seconds}}
+        spec = RankSpec(generation=0, rank=0, world=len(cfg.nodes), profile="meshd-canary", model=cfg.runtime.model,
+                        hostfile=hostfile, ring_port=cfg.runtime.ring_port, args={"seconds": seconds})
         try:
-            await asyncio.gather(*(c.call("POST", "/v1/ranks", {**spec, "rank": i}, timeout=30)
-                                   for i, c in enumerate(clients)))
+            await asyncio.gather(*(c.start_rank(replace(spec, rank=i)) for i, c in enumerate(clients)))
             lines = await asyncio.wait_for(_canary_lines(clients), timeout)
         except (AgentError, asyncio.TimeoutError) as e:
-            await asyncio.gather(*(c.call("POST", "/v1/generations/0/stop", {"mode": "kill", "grace": 1})
-                                   for c in clients), return_exceptions=True)
+            await asyncio.gather(*(c.stop_generation(0, StopMode.KILL, 1) for c in clients), return_exceptions=True)
             return [Check("canary", "mesh", False, f"the canary did not finish: {e or 'timed out'}",
                           "the transport is broken: meshctl doctor for the nodes, then meshctl reboot --all")]
     return [Check("canary", n.name, line.startswith("canary ok"), line,
@@ -389,13 +386,13 @@ async def canary(cfg: MeshConfig, hostfile: dict, seconds: float = 3.0, timeout:
 
 async def _canary_lines(clients: list[AgentClient]) -> list[str]:
     while True:
-        views = await asyncio.gather(*(c.call("GET", "/v1/ranks", timeout=10) for c in clients))
-        done = [next((r for r in map(RankReport.from_dict, v["ranks"]) if r.generation == 0), None) for v in views]
+        views = await asyncio.gather(*(c.ranks() for c in clients))
+        done = [next((r for r in v.reports if r.generation == 0), None) for v in views]
         if all(r is not None and r.state == RankState.EXITED for r in done):
             break
         await asyncio.sleep(0.3)
     out = []
     for i, c in enumerate(clients):
-        log = (await c.call("GET", f"/v1/ranks/0/{i}/log?lines=50", timeout=10))["lines"]
+        log = (await c.rank_log(0, i, lines=50))["lines"]
         out.append(next((line for line in reversed(log) if line.startswith("canary ")), "no canary line in the log"))
     return out

@@ -174,8 +174,8 @@ async def reboot_nodes(cfg: MeshConfig, agents: dict[str, AgentClient], nodes: t
     for name in nodes:
         client = agents[name]
         try:
-            before[name] = (await client.call("GET", "/v1/node", timeout=15))["boot_id"]
-            await client.call("POST", "/v1/reboot", timeout=40)
+            before[name] = (await client.node_facts(timeout=15))["boot_id"]
+            await client.reboot()
             how[name] = "agent"
         except AgentError as e:
             say(f"{name}: the agent cannot reboot it ({e}); rebooting over SSH")
@@ -211,7 +211,7 @@ def _reboot_over_ssh(cfg: MeshConfig, name: str) -> str:
 
 async def _boot_id_now(cfg: MeshConfig, client: AgentClient, name: str) -> str | None:
     try:
-        return (await client.call("GET", "/v1/node", timeout=5))["boot_id"]
+        return (await client.node_facts(timeout=5))["boot_id"]
     except AgentError:
         pass
     try:
