@@ -1,5 +1,5 @@
-"""`meshd`: the controller daemon. Runs the reconciler and the control API
-(loopback by default; bearer token from a 0600 file in the state directory).
+"""`meshd`: the controller daemon. Runs the reconciler and the control API (meshd/control/api.py, over
+`ControllerView`; loopback by default; bearer token from a 0600 file in the state directory).
 The OpenAI endpoint is meshd-proxy's (meshd/dataplane/proxyd.py), which follows the fleet
 through this API. Stopping the controller leaves the mesh serving, and the
 proxy with it: a restarted controller adopts the running generation.
@@ -11,40 +11,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import hmac
-import json
 import os
 import sqlite3
 import ssl
 import time
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Callable
 
 import structlog
 from aiohttp import web
-from prometheus_client import generate_latest
 
-from common.errors import ApiError
-from common.http import (
-    bearer_matches,
-    json_error,
-    json_errors,
-    log_answer,
-    read_object,
-    run_daemon,
-    start_sites,
-    until_stopped,
-)
-from common.secretfile import derive, ensure_secret
+from common.http import run_daemon, start_sites, until_stopped
+from common.secretfile import ensure_secret
 from common.tls import Pair, ensure_ca, ensure_issued, local_names, server_context
-from common.tomlcheck import ConfigError, listen_host, loopback, split_listen
-from meshd.control import statuspage, survey
-from meshd.control.audit import Refusals, Row
-from meshd.nodes.agentclient import AgentError
+from common.tomlcheck import ConfigError, listen_host, split_listen
 from meshd.config import MeshConfig, load
+from meshd.control import api, survey
+from meshd.control.audit import Row
 from meshd.control.controller import Controller, EpochRefused
 from meshd.metrics import Metrics
-from meshd.seam import Observation
+from meshd.seam import Observation, Serving
 from meshd.store import Store
 
 log = structlog.get_logger("meshd")
@@ -65,228 +51,87 @@ def control_tls(cfg: MeshConfig) -> ssl.SSLContext | None:
                                         local_names(listen_host(cfg.control.listen))))
 
 
-HEARTBEAT = 2.0  # seconds between lines of the serving stream when nothing changes
-
-
 def urls(cfg: MeshConfig) -> dict:
     return {"proxy": f"http://{cfg.proxy.listen}/v1", "control": cfg.control.url,
             "metrics": f"{cfg.control.url}/metrics", "proxy_metrics": f"{cfg.proxy.url}/metrics",
             "agents": {n.name: {"api": n.agent, "metrics": f"{n.agent}/metrics"} for n in cfg.nodes}}
 
 
-PAGE_COOKIE = "meshd_page"
-USER_HEADER = "X-Meshd-User"  # who an authenticated caller says it is (meshctl sends user@host)
-STORE_PROBE = 5.0  # seconds between the writes that prove the store takes writes (and retry those waiting)
-TOKENS_EVERY = 10.0  # seconds between the status page's samples of the proxy's token counter
+class ControllerView:
+    """The control API's and the page's view of the controller (api.ControlView): what their routes read
+    of it and ask of it, and nothing more."""
 
+    def __init__(self, ctl: Controller):
+        self._ctl = ctl
+        self.mesh, self.tls, self.proxy_url = ctl.cfg.name, ctl.cfg.control.tls, ctl.cfg.proxy.url
+        self.nodes = tuple(n.name for n in ctl.cfg.nodes)
 
-def accepted(ctl: Controller, request: web.Request, action: str) -> None:
-    user = "".join(c for c in request.headers.get(USER_HEADER, "")[:80] if c.isprintable())
-    ctl.store.record_audit(user, request.remote or "", action, "accepted")
-    log.info("control action", action=action, outcome="accepted", user=user, remote=request.remote)
+    @property
+    def session(self):
+        return self._ctl.session
 
+    def now(self) -> dict:
+        return {"phase": self._ctl.state.phase, "generation": self._ctl.state.generation}
 
-def store_health(ctl: Controller) -> list[str]:
-    """What is wrong with this controller's ground: its store failing, a newer controller."""
-    store, fence = ctl.store, ctl.store.fence
-    problems = []
-    if store.failing:
-        since = time.strftime("%H:%M:%S", time.localtime(store.failing_since))
-        problems.append(f"the store ({ctl.cfg.store_path}) fails to write since {since}: {store.failing}; "
-                        f"{len(store.pending)} writes wait (free space in {ctl.cfg.state_dir})")
-    if fence and fence.newer is not None:
-        problems.append(f"controller {fence.newer} has taken this mesh over; this one ({fence.ballot}) acts on "
-                        "nothing more")
-    return problems
+    def problems(self) -> list[str]:
+        """What is wrong with this controller's ground: its store failing, a newer controller."""
+        store, cfg = self._ctl.store, self._ctl.cfg
+        fence = store.fence
+        problems = []
+        if store.failing:
+            since = time.strftime("%H:%M:%S", time.localtime(store.failing_since))
+            problems.append(f"the store ({cfg.store_path}) fails to write since {since}: {store.failing}; "
+                            f"{len(store.pending)} writes wait (free space in {cfg.state_dir})")
+        if fence and fence.newer is not None:
+            problems.append(f"controller {fence.newer} has taken this mesh over; this one ({fence.ballot}) acts on "
+                            "nothing more")
+        return problems
 
+    async def status(self) -> dict:
+        ctl = self._ctl
+        return {**await survey.status(ctl.cfg, ctl.state, ctl.agents, ctl.store), "urls": urls(ctl.cfg),
+                "agent_errors": ctl.agent_errors}
 
-def while_serving(loop: Callable[[], Awaitable[None]]):
-    """An aiohttp cleanup context that runs `loop` as a task for as long as the application serves."""
-    async def context(app):
-        task = asyncio.create_task(loop())
-        yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    def incidents(self, n: int) -> list[dict]:
+        return self._ctl.store.incidents(n)
 
-    return context
+    def history(self) -> dict:
+        store = self._ctl.store
+        return {"incidents": store.incidents(200), "generations": store.generations(50), "audit": store.audit(200)}
+
+    def record(self, row: Row) -> None:
+        self._ctl.store.record_audit(row.user, row.remote, row.action, row.outcome)
+
+    def beat(self) -> None:
+        self._ctl.store.put("controller", {"pid": os.getpid(), "at": time.time()})
+
+    def serving(self) -> Serving:
+        return self._ctl.serving()
+
+    async def wait_serving(self, predicate: Callable[[Serving], bool], timeout: float) -> Serving:
+        return await self._ctl.wait_serving(predicate, timeout)
+
+    async def report(self, observation: Observation) -> None:
+        await self._ctl.report(observation)
+
+    async def up(self) -> None:
+        await self._ctl.up()
+
+    async def down(self, force: bool) -> None:
+        await self._ctl.down(force)
+
+    async def restart(self) -> None:
+        await self._ctl.restart()
+
+    async def node_log(self, node: str, rank_log: bool, generation: int, lines: int, after: int | None) -> dict:
+        agent = self._ctl.agents[node]
+        if rank_log:
+            return await agent.rank_log(generation, self.nodes.index(node), lines, after)
+        return await agent.agent_log(lines, after)
 
 
 def control_app(ctl: Controller, metrics: Metrics, token: str, log_file: Path | None = None) -> web.Application:
-    page_cookie = derive(token, "status page cookie")  # opens the page only, never the control API
-
-    def page_allowed(request) -> bool:
-        return (loopback(request.remote) or bearer_matches(request, token)
-                or hmac.compare_digest(request.cookies.get(PAGE_COOKIE, "").encode(), page_cookie.encode()))
-
-    @web.middleware
-    async def auth(request, handler):
-        if request.path in ("/healthz", "/metrics", "/login"):
-            return await handler(request)
-        if request.path == "/" and not page_allowed(request):
-            return web.Response(text=statuspage.login(ctl.cfg.name, wrong=False), status=401, content_type="text/html")
-        if request.path != "/" and not bearer_matches(request, token):
-            resource = request.match_info.route.resource  # a route's pattern: callers cannot make up new ones
-            refused(request, f"{request.method} {resource.canonical if resource else '(no such route)'}",
-                    "missing or wrong token")
-            return json_error(401, "Missing or wrong control token; it is in control.token in the mesh's "
-                                   "state directory (meshctl reads it for you)", code="unauthorized")
-        return await handler(request)
-
-    app = web.Application(middlewares=[json_errors, auth], client_max_size=64 << 10)
-    refusals = Refusals()
-
-    def trail(rows: list[Row]) -> None:
-        for row in rows:
-            ctl.store.record_audit(row.user, row.remote, row.action, row.outcome)
-            log.warning("control call refused", action=row.action, outcome=row.outcome, remote=row.remote)
-
-    def refused(request, action: str, reason: str) -> None:
-        """Into the tally; a remote's first refusal of a window, and the summaries due, into the trail."""
-        trail(refusals.note(request.remote or "", action, reason, time.time()))
-
-    async def keep_store():
-        while True:
-            await asyncio.sleep(STORE_PROBE)
-            ctl.store.put("controller", {"pid": os.getpid(), "at": time.time()})
-            trail(refusals.due(time.time()))
-
-    app.cleanup_ctx.append(while_serving(keep_store))
-
-    async def healthz(request):
-        problems = store_health(ctl)
-        return web.json_response({"ok": not problems, "problems": problems, "phase": ctl.state.phase,
-                                  "generation": ctl.state.generation}, status=503 if problems else 200)
-
-    async def metrics_route(request):
-        return web.Response(body=generate_latest(metrics.registry), content_type="text/plain", charset="utf-8")
-
-    async def status(request):
-        return web.json_response({**await survey.status(ctl.cfg, ctl.state, ctl.agents, ctl.store),
-                                  "urls": urls(ctl.cfg), "agent_errors": ctl.agent_errors, "proxies_following": len(followers)})
-
-    followers: set[web.StreamResponse] = set()
-
-    async def serving(request):
-        """The fleet as the data plane needs it: now, then every change, one JSON object a line, and an
-        empty line every HEARTBEAT seconds without a change, so a follower knows the controller is there.
-        `?stream=0`: now only."""
-        if request.query.get("stream") == "0":
-            return web.json_response(ctl.serving().wire())
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        followers.add(resp)
-        try:
-            last = None
-            while True:
-                now = ctl.serving() if last is None else await ctl.wait_serving(lambda s: s != last, HEARTBEAT)
-                await resp.write((json.dumps(now.wire()) if now != last else "").encode() + b"\n")
-                last = now
-        except (ConnectionError, asyncio.CancelledError):
-            return resp
-        finally:
-            followers.discard(resp)
-
-    async def observation(request):
-        await ctl.report(Observation.from_wire(await read_object(request)))
-        return web.json_response({"accepted": True}, status=202)
-
-    async def up(request):
-        await ctl.up()
-        accepted(ctl, request, "up")
-        return web.json_response({"phase": ctl.state.phase, "generation": ctl.state.generation}, status=202)
-
-    async def down(request):
-        force = (await read_object(request)).get("force", False)
-        if not isinstance(force, bool):
-            raise ApiError(400, "'force' must be true or false", param="force")
-        await ctl.down(force)
-        accepted(ctl, request, "down --force" if force else "down")
-        return web.json_response({"phase": ctl.state.phase, "generation": ctl.state.generation}, status=202)
-
-    async def restart(request):
-        await ctl.restart()
-        accepted(ctl, request, "restart")
-        return web.json_response({"phase": ctl.state.phase, "generation": ctl.state.generation}, status=202)
-
-    async def incidents(request):
-        return web.json_response({"incidents": ctl.store.incidents(200), "generations": ctl.store.generations(50),
-                                  "audit": ctl.store.audit(200), "store_problems": store_health(ctl)})
-
-    async def logs(request):
-        node = request.match_info["node"]
-        if node not in ctl.agents:
-            return json_error(404, f"no node {node!r} in this mesh; nodes: {', '.join(ctl.agents)}",
-                              code="unknown_node")
-        try:
-            lines = int(request.query.get("lines", "100"))
-            generation = int(request.query.get("generation", ctl.state.generation))
-            after = f"&after={int(request.query['after'])}" if "after" in request.query else ""
-        except ValueError:
-            raise ApiError(400, "'lines', 'generation' and 'after' must be integers", param="lines")
-        source = request.query.get("source", "rank")
-        if source not in ("rank", "agent"):
-            raise ApiError(400, f"'source' must be rank or agent, got {source!r}", param="source")
-        rank = [n.name for n in ctl.cfg.nodes].index(node)
-        path = f"/v1/ranks/{generation}/{rank}/log" if source == "rank" else "/v1/log"
-        try:
-            data = await ctl.agents[node].call("GET", f"{path}?lines={lines}{after}")
-        except AgentError as e:
-            if e.status == 404:  # that generation never ran there, or its directory is gone
-                return json_error(404, str(e), code="not_found")
-            return json_error(502, str(e), code="agent_error")
-        return web.json_response(data)
-
-    async def own_log(request):
-        return log_answer(request, log_file, "the controller writes no log file (it runs without --log-file, so it "
-                                             "logs to its service's journal: `journalctl -u meshd`)")
-
-    rates = statuspage.Rates()
-    history = statuspage.TokenHistory(TOKENS_EVERY)
-
-    async def sample_tokens():
-        while True:
-            history.note(time.time(), await statuspage.proxy_samples(ctl.session, ctl.cfg.proxy.url))
-            await asyncio.sleep(history.every)
-
-    app.cleanup_ctx.append(while_serving(sample_tokens))
-
-    async def page(request):
-        samples, meshes = await asyncio.gather(statuspage.proxy_samples(ctl.session, ctl.cfg.proxy.url),
-                                               statuspage.proxy_meshes(ctl.session, ctl.cfg.proxy.url))
-        rates.update(samples)
-        status = await survey.status(ctl.cfg, ctl.state, ctl.agents, ctl.store)
-        body = statuspage.render({**status, "urls": urls(ctl.cfg)}, ctl.store.incidents(12), rates, history, meshes)
-        return web.Response(text=body, content_type="text/html")
-
-    async def login(request):
-        if request.content_type != "application/x-www-form-urlencoded":
-            raise ApiError(415, "Send the token as a form field (application/x-www-form-urlencoded), as the "
-                                "status page's login form does", code="unsupported_media_type")
-        given = (await request.post()).get("token", "")
-        if not isinstance(given, str) or not hmac.compare_digest(given.strip().encode(), token.encode()):
-            refused(request, "status page login", "wrong token")
-            return web.Response(text=statuspage.login(ctl.cfg.name, wrong=True), status=401, content_type="text/html")
-        accepted(ctl, request, "status page login")
-        resp = web.Response(status=303, headers={"Location": "/"})
-        resp.set_cookie(PAGE_COOKIE, page_cookie, httponly=True, samesite="Strict", secure=ctl.cfg.control.tls,
-                        max_age=30 * 86400)
-        return resp
-
-    app.router.add_get("/", page)
-    app.router.add_post("/login", login)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics_route)
-    app.router.add_get("/v1/status", status)
-    app.router.add_post("/v1/up", up)
-    app.router.add_post("/v1/down", down)
-    app.router.add_post("/v1/restart", restart)
-    app.router.add_get("/v1/incidents", incidents)
-    app.router.add_get("/v1/serving", serving)
-    app.router.add_post("/v1/observations", observation)
-    app.router.add_get("/v1/logs/{node}", logs)
-    app.router.add_get("/v1/log", own_log)
-    return app
+    return api.routes(ControllerView(ctl), metrics.registry, token, log_file)
 
 
 def hold_lock(cfg: MeshConfig) -> int:

@@ -3,18 +3,26 @@ generation, each node's rank with its load progress, live tokens/s and time to
 first token, tokens/s over the last hour, each incident's steps on a timeline,
 and the proxy's meshes when it fronts several. Server-rendered HTML that
 reloads itself every two seconds; no script, no external asset (the drawings
-are meshd/control/charts.py's)."""
+are meshd/control/charts.py's). Its routes (`Page`): the page, open on loopback,
+with the control token, or with the cookie its login form sets, and the login."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import html
 import time
 from collections import deque
+from typing import Callable, Protocol
 
 import aiohttp
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.errors import ApiError
+from common.http import bearer_matches
+from common.secretfile import derive
+from common.tomlcheck import loopback
 from meshd.control import charts
 
 PHASE_COLOURS = {"ready": "#1f9d55", "starting": "#d69e2e", "recovering": "#dd6b20", "draining": "#718096",
@@ -201,3 +209,69 @@ memory only, so a restarted controller starts the chart again.</p>
 {meshes_section(meshes)}
 <p>proxy {e(status['urls']['proxy'])} &middot; updated {time.strftime('%H:%M:%S')}</p>
 </body></html>"""
+
+
+PAGE_COOKIE = "meshd_page"
+TOKENS_EVERY = 10.0  # seconds between the page's samples of the proxy's token counter
+
+
+class PageSource(Protocol):
+    """What the page reads of the controller."""
+
+    mesh: str
+    tls: bool  # the control API speaks TLS: the cookie goes over it only
+    proxy_url: str
+    session: aiohttp.ClientSession
+
+    async def status(self) -> dict: ...  # what GET /v1/status says
+    def incidents(self, n: int) -> list[dict]: ...  # the newest `n`
+
+
+Audit = Callable[..., None]
+
+
+class Page:
+    """The page's routes over `source`; `accepted(request, action)` and `refused(request, action, reason)`
+    write the audit trail of its logins."""
+
+    def __init__(self, source: PageSource, token: str, accepted: Audit, refused: Audit):
+        self.source, self.token = source, token
+        self.accepted, self.refused = accepted, refused
+        self.cookie = derive(token, "status page cookie")  # opens the page only, never the control API
+        self.rates = Rates()
+        self.history = TokenHistory(TOKENS_EVERY)
+
+    def allowed(self, request: web.Request) -> bool:
+        return (loopback(request.remote) or bearer_matches(request, self.token)
+                or hmac.compare_digest(request.cookies.get(PAGE_COOKIE, "").encode(), self.cookie.encode()))
+
+    def login_form(self, wrong: bool) -> web.Response:
+        return web.Response(text=login(self.source.mesh, wrong=wrong), status=401, content_type="text/html")
+
+    async def sample_tokens(self) -> None:
+        """The proxy's token counter into the history, every `history.every` seconds, for ever."""
+        while True:
+            self.history.note(time.time(), await proxy_samples(self.source.session, self.source.proxy_url))
+            await asyncio.sleep(self.history.every)
+
+    async def page(self, request: web.Request) -> web.Response:
+        src = self.source
+        samples, meshes = await asyncio.gather(proxy_samples(src.session, src.proxy_url),
+                                               proxy_meshes(src.session, src.proxy_url))
+        self.rates.update(samples)
+        body = render(await src.status(), src.incidents(12), self.rates, self.history, meshes)
+        return web.Response(text=body, content_type="text/html")
+
+    async def login(self, request: web.Request) -> web.Response:
+        if request.content_type != "application/x-www-form-urlencoded":
+            raise ApiError(415, "Send the token as a form field (application/x-www-form-urlencoded), as the "
+                                "status page's login form does", code="unsupported_media_type")
+        given = (await request.post()).get("token", "")
+        if not isinstance(given, str) or not hmac.compare_digest(given.strip().encode(), self.token.encode()):
+            self.refused(request, "status page login", "wrong token")
+            return self.login_form(wrong=True)
+        self.accepted(request, "status page login")
+        resp = web.Response(status=303, headers={"Location": "/"})
+        resp.set_cookie(PAGE_COOKIE, self.cookie, httponly=True, samesite="Strict", secure=self.source.tls,
+                        max_age=30 * 86400)
+        return resp
