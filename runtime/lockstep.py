@@ -1,5 +1,5 @@
-"""Lockstep control channel: rank 0 shares a list of control messages with every
-rank once per loop iteration, through the same collective the model uses.
+"""Lockstep control channel: rank 0 shares a list of control messages (runtime/jobs.py's
+`Message`s) with every rank once per loop iteration, through the same collective the model uses.
 
 Each exchange is one `all_sum` of a header (payload size, doze, steps, and a
 digest of every token each rank has sampled) and, when there is a payload, one
@@ -14,11 +14,11 @@ transport error instead of a silent wait.
 
 from __future__ import annotations
 
-import json
-
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
+
+from runtime.jobs import Message, decode, encode
 
 
 class Divergence(RuntimeError):
@@ -49,8 +49,8 @@ class Lockstep:
         mx.eval(out)
         return out
 
-    def exchange(self, messages: list[dict] | None, doze: float = 0.0, steps: int = 1,
-                 digest: int = 0) -> tuple[list[dict], float, int]:
+    def exchange(self, messages: list[Message] | None, doze: float = 0.0, steps: int = 1,
+                 digest: int = 0) -> tuple[list[Message], float, int]:
         """Rank 0 passes its outbox, how long every rank may sleep before the
         next exchange (when idle) and how many engine steps to take before it
         (when busy); other ranks pass None. All get rank 0's three values.
@@ -62,7 +62,7 @@ class Lockstep:
         while it waits."""
         if self.size == 1:
             return list(messages or []), doze, steps
-        payload = json.dumps(messages).encode() if (self.rank == 0 and messages) else b""
+        payload = encode(messages) if (self.rank == 0 and messages) else b""
         header = [len(payload), int(doze * 1000), steps] if self.rank == 0 else [0, 0, 0]
         digests = [0] * self.size
         digests[self.rank] = digest
@@ -79,7 +79,7 @@ class Lockstep:
             data = mx.array(np.frombuffer(payload, dtype=np.uint8))
         else:
             data = mx.zeros((n,), dtype=mx.uint8)
-        return json.loads(bytes(np.array(self._all_sum(data), copy=False))), doze_ms / 1000, steps
+        return decode(bytes(np.array(self._all_sum(data), copy=False))), doze_ms / 1000, steps
 
     def share(self, value: int) -> int:
         """Rank 0's `value` on every rank (the others' are ignored); a barrier too."""

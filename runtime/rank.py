@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import mlx.core as mx
 import mlx_lm.utils
@@ -31,12 +32,14 @@ from common.tomlcheck import loopback
 from common.states import RankState
 from common.statusfile import RankStatus
 from runtime import dspark, families, grammar, openai_api as oa
-from runtime.drafting import DraftWhenAlone, DSparkEngine, MTPEngine, SpeculativeEngine
-from runtime.engine import BatchEngine, Job
+from runtime.drafting import DraftWhenAlone, MTPEngine, SpeculativeEngine
+from runtime.engine import BatchEngine
+from runtime.jobs import Cancel, Drain, DrainMode, Insert, Message, RestoreFirst
 from runtime.join import join_mesh
 from runtime.lockstep import Divergence, Lockstep, fold
 from runtime.overlay import OverlayError, check_loaded, checkpoint_tensors, disarm, drafter_off, overlay_for, set_up
-from runtime.restore import RESTORE_FIRST, Rates, Restorer
+from runtime.restore import Rates, Restorer
+from runtime.rowwise import drafted_everywhere
 from runtime.snapshot import LEAVES, Identity, Snapshots, leaf_types, shard_layout, snapshot_key, snapshot_kind
 from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend
@@ -185,7 +188,7 @@ class LockstepLoop:
         self.hb = heartbeat
         self.fe = frontend
         self.inflight: dict[str, int] = {}
-        self.draining: str | None = None
+        self.draining: DrainMode | None = None
         self.tokens = 0
         self.idle_interval = idle_interval
         self.burst = burst
@@ -194,32 +197,29 @@ class LockstepLoop:
         self.restorer = restorer  # snapshots restored while serving
         self._active_at = time.monotonic()
 
-    def _apply(self, msg: dict) -> None:
-        op = msg["op"]
-        if op == "insert":
-            job = Job(msg["rid"], tuple(msg["prompt"]), msg["max_tokens"], msg["seed"], msg["sampling"],
-                      msg.get("offset", 0), msg.get("logprobs", -1), msg.get("tenant", ""))
-            if self.draining:
+    def _apply(self, msg: Message) -> None:
+        match msg:
+            case Insert(job) if self.draining:
                 self._refuse(job.rid)
-                return
-            cached = self.engine.insert(job)
-            self.inflight[job.rid] = len(job.prompt)
-            if job.rid == WARMUP:
-                self.warming_since = time.monotonic()
-            if self.fe and cached is not None:  # None: the engine says it with the job's first token
-                self.fe.started(job.rid, cached)
-        elif op == "cancel":
-            if self.inflight.pop(msg["rid"], None) is not None:
-                self.engine.cancel(msg["rid"])
-        elif op == RESTORE_FIRST:
-            self.restorer.first(msg["sid"])
-        elif op == "drain":
-            self.draining = msg["mode"] if self.draining != "cancel" else "cancel"
-            if self.draining == "cancel":
-                for rid in list(self.inflight):
+            case Insert(job):
+                cached = self.engine.insert(job)
+                self.inflight[job.rid] = len(job.prompt)
+                if job.rid == WARMUP:
+                    self.warming_since = time.monotonic()
+                if self.fe and cached is not None:  # None: the engine says it with the job's first token
+                    self.fe.started(job.rid, cached)
+            case Cancel(rid):
+                if self.inflight.pop(rid, None) is not None:
                     self.engine.cancel(rid)
-                    self._refuse(rid)
-                self.inflight.clear()
+            case RestoreFirst(sid):
+                self.restorer.first(sid)
+            case Drain(mode):
+                self.draining = DrainMode.CANCEL if self.draining == DrainMode.CANCEL else mode
+                if self.draining == DrainMode.CANCEL:
+                    for rid in list(self.inflight):
+                        self.engine.cancel(rid)
+                        self._refuse(rid)
+                    self.inflight.clear()
 
     def _adopting(self) -> bool:
         """Whether the tapes restored behind serving join the token tape at this iteration, the same on every
@@ -308,23 +308,57 @@ def mlx_memory() -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    overlay, secret = refuse_early(args)
+    hb, log, group = join(args)
+    rank, world = group.rank(), group.size()
     model_path = Path(args.model)
+    config = load_config(model_path)
+    families.refuse(config, draft=args.draft_model, drafter=args.drafter, batch=args.completion_batch_size)
+    tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
+    grammar.serve(tokenizer)  # every rank compiles the grammars answers are held to (runtime/grammar.py)
+    context = args.max_context or int(config.get("max_position_embeddings", 4096))
+    frontend = open_frontend(args, tokenizer, context, secret) if rank == 0 else None
+    model, loaded_in = load(args, group, hb, overlay, log)
+    engine = make_engine(args, model, set(tokenizer.eos_token_ids), rank, world, hb, log)
+    lockstep = Lockstep(group)
+    restorer = restore_behind(engine, model, lockstep, loaded_in, log, rank)
+    wake, doze = rouse(lockstep, secret, args.generation, log)  # the arm barrier too: all are loaded past it
+    hb.update(state=RankState.ARMED)
+    log("armed")
+    ready = f"ready on {args.host}:{args.port}" if rank == 0 else "ready"
+    loop = LockstepLoop(engine, lockstep, hb, frontend, idle_interval=args.idle_interval,
+                        burst=args.burst, on_term=_on_term(frontend, args.drain_wait, log),
+                        wake=wake, doze=doze,
+                        on_warm=lambda seconds: log(f"warmed up (one token through every rank) in {seconds:.1f}s; "
+                                                    f"{ready}"),
+                        restorer=restorer)
+    if frontend:
+        frontend.warm_up(warmup_prompt(tokenizer))
+    serve(loop, engine, frontend, hb, log)
+
+
+def refuse_early(args) -> tuple:
+    """What must hold before anything starts, each refused with its fix: the overlay set up, a model at
+    --model, a secret off loopback. Returns the overlay and the rank secret (taken out of the environment)."""
     overlay = overlay_for(args.model_package)
     try:
         if overlay:
             set_up(overlay)
     except OverlayError as e:
         sys.exit(f"meshd-rank: {e}")
-    if not (model_path / "config.json").is_file():
-        sys.exit(f"meshd-rank: no model at {model_path} (config.json missing); "
+    if not (Path(args.model) / "config.json").is_file():
+        sys.exit(f"meshd-rank: no model at {Path(args.model)} (config.json missing); "
                  "pass --model with an mlx-lm model directory")
     secret = os.environ.pop("MESHD_RANK_SECRET", "")
     if not secret and not loopback(args.host):
         sys.exit(f"meshd-rank: --host {args.host} is off loopback and MESHD_RANK_SECRET is not set: anyone who "
                  "reaches it could drain the mesh; set the secret (the agent does) or listen on 127.0.0.1")
+    return overlay, secret
 
-    # The heartbeat starts before init: a rank waiting for its peers to connect
-    # is loading, not gone.
+
+def join(args) -> tuple[Heartbeat, Callable[[str], None], "mx.distributed.Group"]:
+    """The heartbeat, this rank's log, and the mesh joined (the heartbeat starts before the join: a rank
+    waiting for its peers to connect is loading, not gone)."""
     rank = int(os.environ.get("MLX_RANK", "0"))
     node = os.environ.get("MESHD_NODE", "")
     proctitle.set_title(proctitle.rank(args.generation, rank, None, node))
@@ -338,81 +372,84 @@ def main(argv: list[str] | None = None) -> None:
     hb.update(rank=rank, world=world, flush=True)
     log(f"joined as rank {rank} of {world} in {time.monotonic() - began:.1f}s")
     mx.random.seed(args.seed)
+    return hb, log, group
 
+
+def open_frontend(args, tokenizer, context: int, secret: str) -> Frontend:
+    """Rank 0's HTTP frontend, listening (its doors shut until the warm-up)."""
+    limits = oa.Limits(args.model_name or Path(args.model).name, args.max_tokens, args.max_tokens_limit)
+    frontend = Frontend(tokenizer, limits, generation=args.generation, context_length=context,
+                        host=args.host, port=args.port, drain_deadline=args.drain_deadline, secret=secret,
+                        holds_grammars=not args.draft_model)
+    try:
+        frontend.start()
+    except OSError as e:
+        sys.exit(f"meshd-rank: cannot listen on {args.host}:{args.port} ({e}); pick a free --port")
+    return frontend
+
+
+def load(args, group, hb: Heartbeat, overlay, log) -> tuple:
+    """This rank's shard of the model, its progress in the heartbeat and the log; and the seconds it took."""
     def progress(done: int, total: int) -> None:
         hb.update(progress=True, flush=True, load_done=done, load_total=total)
         log(f"loading {done}/{total}")
 
-    config = load_config(model_path)
-    families.refuse(config, draft=args.draft_model, drafter=args.drafter, batch=args.completion_batch_size)
-    tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
-    grammar.serve(tokenizer)  # every rank compiles the grammars answers are held to (runtime/grammar.py)
-    frontend = None
-    context = args.max_context or int(config.get("max_position_embeddings", 4096))
-    if rank == 0:
-        limits = oa.Limits(args.model_name or model_path.name, args.max_tokens, args.max_tokens_limit)
-        frontend = Frontend(tokenizer, limits, generation=args.generation, context_length=context,
-                            host=args.host, port=args.port, drain_deadline=args.drain_deadline, secret=secret,
-                            holds_grammars=not args.draft_model)
-        try:
-            frontend.start()
-        except OSError as e:
-            sys.exit(f"meshd-rank: cannot listen on {args.host}:{args.port} ({e}); pick a free --port")
     began = time.monotonic()
     try:
-        model = load_sharded(model_path, group, progress, overlay, log)
+        model = load_sharded(Path(args.model), group, progress, overlay, log)
     except OverlayError as e:
         sys.exit(f"meshd-rank: {e}")
     loaded_in = time.monotonic() - began
-    log(f"loaded in {loaded_in:.1f}s from {model_path}")
+    log(f"loaded in {loaded_in:.1f}s from {Path(args.model)}")
     hb.update(kernels_hidden=len(dspark.HIDDEN))  # whichever engine runs the model, drafted or not
+    return model, loaded_in
 
-    eos = set(tokenizer.eos_token_ids)
+
+def make_engine(args, model, eos: set[int], rank: int, world: int, hb: Heartbeat, log):
+    """The engine the args and the model ask for: a draft model's, DSpark's stages drafting for a request
+    alone beside the batch engine, the model's MTP head, or the batch engine."""
+    model_path = Path(args.model)
     if args.draft_model:
         draft, _ = load_whole(args.draft_model)
-        engine = SpeculativeEngine(model, draft, eos, num_draft_tokens=args.num_draft_tokens or 3,
-                                   prefill_step_size=args.prefill_step_size)
-    elif args.drafter == "auto" and dspark.stages(model):
-        batch = batch_engine(args, model_path, model, eos, rank, world, log)
-        drafter = DSparkEngine(model, eos, num_draft_tokens=args.num_draft_tokens or 0,
-                               prefill_step_size=args.prefill_step_size, prefixes=batch, log=log)
-        engine = DraftWhenAlone(drafter, batch, log)
+        return SpeculativeEngine(model, draft, eos, num_draft_tokens=args.num_draft_tokens or 3,
+                                 prefill_step_size=args.prefill_step_size)
+    if args.drafter == "auto" and dspark.stages(model):
+        engine = drafted_everywhere(model, eos, batch_engine(args, model_path, model, eos, rank, world, log),
+                                    num_draft_tokens=args.num_draft_tokens or 0,
+                                    prefill_step_size=args.prefill_step_size, log=log)
         hb.update(**engine.stats())
-        log(f"drafter armed: DSpark's {len(dspark.stages(model))} stages, blocks of {drafter.num_draft_tokens} "
-            "drafts, for a request alone (more run batched, undrafted; a drafted answer hands over to the batch "
-            "when another arrives)")
-    elif args.drafter == "auto" and hasattr(model, "mtp_draft"):
+        log(f"drafter armed: DSpark's {len(dspark.stages(model))} stages, blocks of {engine.drafter.num_draft_tokens} "
+            f"drafts for a request alone, {engine.batch.width} a row when more run batched (a drafted answer "
+            "joins the batch when another arrives)")
+        return engine
+    if args.drafter == "auto" and hasattr(model, "mtp_draft"):
         engine = MTPEngine(model, eos, num_draft_tokens=args.num_draft_tokens or 1,
                            prefill_step_size=args.prefill_step_size, log=log)
         hb.update(**engine.stats())
         log(f"drafter armed: the model's MTP head, {engine.num_draft_tokens} draft token(s) a step, one request "
             "at a time")
-    else:
-        engine = batch_engine(args, model_path, model, eos, rank, world, log)
+        return engine
+    return batch_engine(args, model_path, model, eos, rank, world, log)
 
-    lockstep = Lockstep(group)
-    prefixes = engine.batch if isinstance(engine, DraftWhenAlone) else engine
-    restorer = None
-    if isinstance(prefixes, BatchEngine):
-        if not prefixes.rates.read_bps:  # nothing measured before: what reading the weights took
-            prefixes.rates.note(read_bps=sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-                                         / max(loaded_in, 1e-3))
-        restorer = Restorer.agree(prefixes.snapshots, lockstep.gather, prefixes.tape,
-                                  lambda: make_prompt_cache(model), prefixes.rates, log, rank)
-        if restorer.pending:
-            log(f"restoring {len(restorer.pending)} tape(s) from snapshots while serving, most recent first")
-    wake, doze = rouse(lockstep, secret, args.generation, log)  # the arm barrier too: all are loaded past it
-    hb.update(state=RankState.ARMED)
-    log("armed")
-    ready = f"ready on {args.host}:{args.port}" if rank == 0 else "ready"
-    loop = LockstepLoop(engine, lockstep, hb, frontend, idle_interval=args.idle_interval,
-                        burst=args.burst, on_term=_on_term(frontend, args.drain_wait, log),
-                        wake=wake, doze=doze,
-                        on_warm=lambda seconds: log(f"warmed up (one token through every rank) in {seconds:.1f}s; "
-                                                    f"{ready}"),
-                        restorer=restorer)
-    if frontend:
-        frontend.warm_up(warmup_prompt(tokenizer))
+
+def restore_behind(engine, model, lockstep: Lockstep, loaded_in: float, log, rank: int) -> Restorer | None:
+    """The restores of the tapes every rank holds, behind serving, where a batch engine keeps the prefixes
+    (None elsewhere); every rank agrees on them here, a collective."""
+    prefixes = engine.prefixes if isinstance(engine, DraftWhenAlone) else engine
+    if not isinstance(prefixes, BatchEngine):
+        return None
+    if not prefixes.rates.read_bps:  # nothing measured before: what reading the weights took
+        prefixes.rates.note(read_bps=sum(v.nbytes for _, v in tree_flatten(model.parameters())) / max(loaded_in, 1e-3))
+    restorer = Restorer.agree(prefixes.snapshots, lockstep.gather, prefixes.tape,
+                              lambda: make_prompt_cache(model), prefixes.rates, log, rank)
+    if restorer.pending:
+        log(f"restoring {len(restorer.pending)} tape(s) from snapshots while serving, most recent first")
+    return restorer
+
+
+def serve(loop: LockstepLoop, engine, frontend: Frontend | None, hb: Heartbeat, log) -> None:
+    """Run the lockstep loop to its drain and exit cleanly; a failure fails every request in flight and ends
+    the process with 1 at once."""
     try:
         loop.run()
     except Exception:
@@ -490,7 +527,7 @@ def _on_term(frontend, drain_wait: float, log):
     def on_term() -> None:
         if frontend is not None:
             log("SIGTERM: draining")
-            frontend.begin_drain("finish")
+            frontend.begin_drain(DrainMode.FINISH)
         elif not timers:
             log(f"SIGTERM: waiting up to {drain_wait}s for rank 0's drain")
             timers.append(threading.Timer(drain_wait, give_up))

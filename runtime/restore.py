@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 
 from common.statusfile import write_atomic
+from runtime.jobs import Cancel, Drain, Insert, Message, RestoreFirst
 from runtime.snapshot import Snapshots, agree, ends, leaf_types, serving, snapshot_kind
 from runtime.tape import TokenTape, common_prefix, reusable_prefix
-
-RESTORE_FIRST = "restore_first"  # the lockstep message that moves a pending tape to the front
 
 
 # --- the decisions -------------------------------------------------------------------------------------------
@@ -88,13 +87,13 @@ class Restorer:
                  rank: int = 0):
         self.snaps, self.tape, self.fresh, self.rates, self.log = snaps, tape, fresh, rates, log
         self.pending = list(plan_)
-        self.awaited: set[str] = set()  # pending tapes a request waits for (every rank is told: RESTORE_FIRST)
+        self.awaited: set[str] = set()  # pending tapes a request waits for (every rank is told: RestoreFirst)
         self.tokens: dict[str, tuple[str, tuple]] = {}  # rank 0: each pending tape's tenant and tokens, read first
         self._rank = rank
         self.trimmable = bool(snaps) and snapshot_kind(leaf_types(fresh())) == "append"
         self.restored_tokens = 0
         self._began = time.monotonic()
-        self._held: dict[str, list[dict]] = {}  # rank 0: inserts waiting for a tape
+        self._held: dict[str, list[Insert]] = {}  # rank 0: inserts waiting for a tape
         self._queue = list(plan_)
         self._read: dict = {}  # by the thread: tape -> Read, or None when it could not be read
         self._built: dict[str, tuple | None] = {}
@@ -196,28 +195,28 @@ class Restorer:
         return adopted
 
     # --- rank 0 ---------------------------------------------------------------------------------------------
-    def screen(self, outbox: list[dict], through: str) -> list[dict]:
+    def screen(self, outbox: list[Message], through: str) -> list[Message]:
         """Rank 0's outbox with the inserts that wait for a pending tape held back (and that tape moved to
         the front everywhere), and those whose tape is done let through; request `through` never waits."""
-        out = []
+        out: list[Message] = []
         for msg in outbox:
-            if msg["op"] == "insert" and msg["rid"] != through and \
-                    (sid := self._worth(tuple(msg["prompt"]), msg.get("tenant", ""))) is not None:
+            if isinstance(msg, Insert) and msg.job.rid != through and \
+                    (sid := self._worth(msg.job.prompt, msg.job.tenant)) is not None:
                 if sid not in self._held:
-                    out.append({"op": RESTORE_FIRST, "sid": sid})
-                self.log(f"request {msg['rid']} waits for tape {sid}, which is being restored: reading it is "
+                    out.append(RestoreFirst(sid))
+                self.log(f"request {msg.job.rid} waits for tape {sid}, which is being restored: reading it is "
                          "sooner than prefilling what it holds")
                 self._held.setdefault(sid, []).append(msg)
                 continue
-            if msg["op"] == "cancel":
+            if isinstance(msg, Cancel):
                 for held in self._held.values():
-                    held[:] = [m for m in held if m["rid"] != msg["rid"]]
-            if msg["op"] == "drain":
+                    held[:] = [m for m in held if m.job.rid != msg.rid]
+            if isinstance(msg, Drain):
                 out += self.release(all_=True)
             out.append(msg)
         return self.release() + out
 
-    def release(self, all_: bool = False) -> list[dict]:
+    def release(self, all_: bool = False) -> list[Insert]:
         """The held inserts whose tape joined the token tape or was dropped (all of them with `all_`)."""
         out = []
         for sid in [s for s in self._held if all_ or s not in self.pending]:

@@ -1,9 +1,10 @@
 """Rank 0's HTTP frontend: the OpenAI API, readiness and drain routes.
 
 It runs an aiohttp server on its own thread and event loop. Requests are
-validated and tokenized here, then handed to the lockstep loop through
-`collect()` (called by the loop, on the main thread); the loop hands tokens
-back through `started()` / `emit()` / `fail_all()`. Nothing here touches MLX.
+validated and tokenized here, then handed to the lockstep loop as runtime/jobs.py's
+messages through `collect()` (called by the loop, on the main thread); the loop
+hands each request's answer back through `started()` / `emit()` / `fail()`, which
+reach the request's handler as `Answered` events. Nothing here touches MLX.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from aiohttp import web
 from common.errors import ApiError, error_body
 from common.http import Listener, bearer_matches, json_error, json_errors, read_json
 from runtime import grammar, openai_api as oa
-from runtime.engine import Emission
+from runtime.jobs import Cancel, Drain, DrainMode, Emission, Insert, Job, Message
 
 
 class FrontendPhase(StrEnum):
@@ -36,12 +37,30 @@ class FrontendPhase(StrEnum):
 WARMUP = "meshd-warmup"  # the readiness generation's request id
 
 
+@dataclass(frozen=True)
+class Started:
+    """The ranks took the request, `cached` tokens of its prompt from the cache."""
+
+    cached: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request ends with an error (`code`: `generation_failed` or `draining`, see `Frontend.fail`)."""
+
+    message: str
+    code: str
+
+
+Answered = Started | Emission | Failed  # what the loop hands a request's handler: its start, each token, a failure
+
+
 @dataclass
 class Pending:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
-    def put(self, event: tuple) -> None:
+    def put(self, event: Answered) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
@@ -127,18 +146,17 @@ class Frontend:
     def warm_up(self, prompt: list[int]) -> None:
         """Armed: before admitting anyone, prove the engine works with a real one-token generation
         through the lockstep loop on every rank; `emit` opens the doors when it finishes."""
-        self._inbox.put({"op": "insert", "rid": WARMUP, "prompt": prompt, "max_tokens": 1, "seed": 0,
-                         "sampling": oa.SamplingParams(max_tokens=1).sampling()})
+        self._inbox.put(Insert(Job(WARMUP, tuple(prompt), 1, 0, oa.SamplingParams(max_tokens=1).sampling())))
 
-    def begin_drain(self, mode: str) -> None:
+    def begin_drain(self, mode: DrainMode) -> None:
         with self._lock:
             first = self.phase != FrontendPhase.DRAINING
             self.phase = FrontendPhase.DRAINING
             if first:
                 self._drain_started = time.monotonic()
-        self._inbox.put({"op": "drain", "mode": mode})
+        self._inbox.put(Drain(mode))
 
-    def collect(self, block: bool, timeout: float = 1.0) -> list[dict]:
+    def collect(self, block: bool, timeout: float = 1.0) -> list[Message]:
         """Messages for the next exchange. Blocks up to `timeout` when idle,
         which paces the idle liveness collective."""
         out = []
@@ -151,7 +169,7 @@ class Frontend:
         if (self._drain_started is not None and not self._drain_escalated
                 and time.monotonic() - self._drain_started > self.drain_deadline):
             self._drain_escalated = True
-            out.append({"op": "drain", "mode": "cancel"})
+            out.append(Drain(DrainMode.CANCEL))
         return out
 
     def _pending_for(self, rid: str) -> Pending | None:
@@ -160,7 +178,7 @@ class Frontend:
 
     def started(self, rid: str, cached: int) -> None:
         if (p := self._pending_for(rid)) is not None:
-            p.put(("started", cached))
+            p.put(Started(cached))
 
     def emit(self, emissions: list[Emission]) -> None:
         for e in emissions:
@@ -169,13 +187,13 @@ class Frontend:
                     if self.phase == FrontendPhase.LOADING:
                         self.phase = FrontendPhase.ADMITTING
             elif (p := self._pending_for(e.rid)) is not None:
-                p.put(("token", e))
+                p.put(e)
 
     def fail(self, rid: str, message: str, code: str = "generation_failed") -> None:
         """End a request with an error: `generation_failed` (a rank died under it) or `draining`
         (the generation is leaving and cancelled it; nothing is broken)."""
         if (p := self._pending_for(rid)) is not None:
-            p.put(("failed", message, code))
+            p.put(Failed(message, code))
 
     def fail_all(self, message: str, flush: float = 1.0) -> None:
         """End every request with an error and wait (up to `flush` seconds) until their answers
@@ -195,9 +213,12 @@ class Frontend:
 
     async def _drain(self, request: web.Request) -> web.Response:
         body = await read_json(request) if request.can_read_body else {}
-        mode = body.get("mode", "finish") if isinstance(body, dict) else None
-        if mode not in ("finish", "cancel"):
-            raise ApiError(400, f"'mode' must be 'finish' or 'cancel', got {mode!r}", param="mode")
+        raw = body.get("mode", DrainMode.FINISH) if isinstance(body, dict) else None
+        try:
+            mode = DrainMode(raw)
+        except ValueError:
+            raise ApiError(400, f"'mode' must be {' or '.join(repr(str(m)) for m in DrainMode)}, got {raw!r}",
+                           param="mode") from None
         self.begin_drain(mode)
         return web.json_response({"draining": True, "mode": mode, "generation": self.generation}, status=202)
 
@@ -259,19 +280,17 @@ class Frontend:
         max_tokens = req.params.max_tokens if req.params.named else \
             min(req.params.max_tokens, self.context_length - len(prompt))
         if max_tokens > done:
-            self._inbox.put({"op": "insert", "rid": rid, "prompt": prompt + list(resume.ids if resume else ()),
-                             "max_tokens": max_tokens - done, "seed": seed,
-                             "sampling": req.params.sampling(), "offset": done,
-                             "logprobs": req.params.logprobs, "tenant": req.tenant})
+            self._inbox.put(Insert(Job(rid, (*prompt, *(resume.ids if resume else ())), max_tokens - done, seed,
+                                       req.params.sampling(), done, req.params.logprobs, req.tenant)))
         else:  # a resumed answer that had all its tokens: only its end was lost
-            pending.put(("token", Emission(rid, None, "length")))
+            pending.put(Emission(rid, None, "length"))
         try:
             return await (run.stream(request, pending) if req.stream else run.whole(pending))
         finally:
             with self._lock:
                 self._pending.pop(rid, None)
             if not run.engine_done:
-                self._inbox.put({"op": "cancel", "rid": rid})
+                self._inbox.put(Cancel(rid))
 
 
 class _Run:
@@ -318,11 +337,10 @@ class _Run:
         self.finished = False  # the answer ended (length, EOS or a stop string)
         self.engine_done = False  # the ranks stopped working on it themselves
 
-    def _advance(self, event: tuple) -> tuple[str, str, list[tuple[int, dict]], str | None]:
-        """Feed one token event; returns (new reasoning, new content to send, tool calls that closed with
+    def _advance(self, e: Emission) -> tuple[str, str, list[tuple[int, dict]], str | None]:
+        """Feed one token; returns (new reasoning, new content to send, tool calls that closed with
         their indexes, finish reason). One cursor (`sent`) runs over the whole text; stop strings apply to
         the content alone, and a tool call's text is never content."""
-        _, e = event
         token, reason = e.token, e.finish_reason
         if e.cached is not None:
             self.cached = e.cached
@@ -404,17 +422,18 @@ class _Run:
         return oa.usage(self.prompt_tokens, self.resumed, self.generated, self.cached)
 
     async def _events(self, pending: Pending):
+        """The request's tokens and its failure, as they come (its start only sets how much was cached)."""
         while True:
             event = await pending.events.get()
-            if event[0] == "started":
-                self.cached = event[1]
+            if isinstance(event, Started):
+                self.cached = event.cached
                 continue
             yield event
 
     async def whole(self, pending: Pending) -> web.Response:
         async for event in self._events(pending):
-            if event[0] == "failed":
-                return json_error(503, event[1], code=event[2], type_="server_error",
+            if isinstance(event, Failed):
+                return json_error(503, event.message, code=event.code, type_="server_error",
                                   headers={"Retry-After": "2"})
             *_, reason = self._advance(event)
             if self.stuck is not None:
@@ -446,8 +465,8 @@ class _Run:
             await resp.write(b": meshd " + json.dumps(meta).encode() + b"\n\n")
         first = self.req.resume is None  # the role goes out once per answer
         async for event in self._events(pending):
-            if event[0] == "failed":
-                await send(error_body(event[1], "server_error", None, event[2]))
+            if isinstance(event, Failed):
+                await send(error_body(event.message, "server_error", None, event.code))
                 break
             thought, piece, calls, reason = self._advance(event)
             if thought or piece or calls or first or reason is not None:

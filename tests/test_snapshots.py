@@ -22,10 +22,11 @@ from kit.smallfs import fill, small_filesystem
 from kit.snapshots import EVERY, Gen, answer_in_flight, metric
 from kit.waiting import wait_for
 from runtime.engine import BatchEngine, Job
+from runtime.jobs import Cancel, Drain, DrainMode, Insert, RestoreFirst
 from runtime.openai_api import SamplingParams
 from runtime.rank import parse_args
 from runtime.server import WARMUP
-from runtime.restore import RESTORE_FIRST, Rates, Restorer, plan, settled, worth_waiting
+from runtime.restore import Rates, Restorer, plan, settled, worth_waiting
 from runtime.snapshot import (Identity, Segment, Snapshots, agree, digest, due, ends, evict, expired, read_header,
                               scan, segment_files, serving, snapshot_key, snapshot_kind, tape_id, whole)
 from runtime.tape import TokenTape
@@ -311,18 +312,19 @@ def test_a_malformed_segment_is_skipped_at_start_and_never_stops_the_rank(tmp_pa
     again.close()
 
 
-def test_a_snapshot_folder_deleted_while_serving_is_made_again_and_the_writer_goes_on(tmp_path):
+def test_a_snapshot_folder_deleted_while_serving_fails_that_write_is_made_again_and_the_writer_goes_on(tmp_path):
     snaps = Snapshots(tmp_path, ME, 1 << 20, every=4)
     snaps.stage(tuple(range(10)), real_cache(10), ("", 0), final=True)
     wait_for(lambda: snaps.written == 1, 10, "the first segment")
-    shutil.rmtree(snaps.folder)  # what an operator does after doctor's space warning
-    snaps.stage(tuple(range(100, 110)), real_cache(10), ("", 0), final=True)
+    shutil.rmtree(tmp_path)  # what an operator does after doctor's space warning
+    snaps.stage(tuple(range(100, 110)), real_cache(10), ("", 0), final=True)  # finds the folder gone: failed
     snaps.stage(tuple(range(200, 210)), real_cache(10), ("", 0), final=True)
     snaps.close()
-    assert snaps.written == 3 and snaps.stats()["snapshots_pending"] == 0
-    assert len(segment_files(snaps.folder)) == 2 and snaps.nbytes == sum(p.stat().st_size for p in
+    assert snaps.written == 2 and snaps.skipped == {"write_failed": 1} and snaps.stats()["snapshots_pending"] == 0
+    assert len(segment_files(snaps.folder)) == 1 and snaps.nbytes == sum(p.stat().st_size for p in
                                                                         segment_files(snaps.folder))
-    assert set(snaps.held()) == {tape_id(range(100, 110)), tape_id(range(200, 210))}  # the deleted one forgotten
+    assert snaps.held() == [tape_id(range(200, 210))]  # the deleted one forgotten
+    assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path, snaps.folder)} == {"0o700"}  # made again, private
 
 
 def restorer_over(tmp_path, tapes: list[tuple], read_bps: float, prefill_tps: float):
@@ -342,7 +344,7 @@ def restorer_over(tmp_path, tapes: list[tuple], read_bps: float, prefill_tps: fl
 
 
 def insert(rid, prompt):
-    return {"op": "insert", "rid": rid, "prompt": list(prompt)}
+    return Insert(Job(rid, tuple(prompt), 1, 0, {}))
 
 
 def test_a_request_that_a_pending_tape_serves_waits_for_it_and_a_new_conversation_goes_at_once(tmp_path):
@@ -352,7 +354,7 @@ def test_a_request_that_a_pending_tape_serves_waits_for_it_and_a_new_conversatio
     outbox = restorer.screen([insert("turn", old + (7, 8)), insert("new", (1, 2, 3)), insert(WARMUP, old + (9,))],
                              through=WARMUP)
     # the next turn of the old conversation waits, its tape first in every rank's queue; the others go
-    assert outbox == [{"op": RESTORE_FIRST, "sid": tape_id(old)}, insert("new", (1, 2, 3)),
+    assert outbox == [RestoreFirst(tape_id(old)), insert("new", (1, 2, 3)),
                       insert(WARMUP, old + (9,))] and restorer.holding
     adopted = wait_for(lambda: restorer.adopt(lambda b: [b]), 10, "the tape read and adopted")  # at loop iterations
     assert adopted == [tape_id(old)] and not restorer.pending
@@ -371,7 +373,7 @@ def test_a_held_request_cancelled_or_drained_is_never_left_behind(tmp_path):
     old = tuple(range(100, 160))
     restorer, _ = restorer_over(tmp_path, [old], read_bps=1e9, prefill_tps=100.0)
     restorer.screen([insert("a", old + (1,)), insert("b", old + (2,))], through=WARMUP)
-    cancel, drain = {"op": "cancel", "rid": "a"}, {"op": "drain", "mode": "finish"}
+    cancel, drain = Cancel("a"), Drain(DrainMode.FINISH)
     assert restorer.screen([cancel], through=WARMUP) == [cancel]  # "a" is gone for good
     assert restorer.screen([drain], through=WARMUP) == [insert("b", old + (2,)), drain]  # refused by the drain
     assert not restorer.holding

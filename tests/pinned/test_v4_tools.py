@@ -19,7 +19,7 @@ import requests
 
 from meshd.meshctl.ports import free_ports
 from runtime import openai_api as oa
-from runtime.jobs import Emission
+from runtime.jobs import Emission, Insert
 from runtime.server import WARMUP, Frontend
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -129,14 +129,14 @@ class ScriptedRanks:
     def _run(self) -> None:
         while not self._stop.is_set():
             for msg in self.fe.collect(block=True, timeout=0.05):
-                if msg["op"] != "insert":
+                if not isinstance(msg, Insert):
                     continue
-                rid = msg["rid"]
+                rid = msg.job.rid
                 self.fe.started(rid, 0)
                 if rid == WARMUP:
                     self.fe.emit([Emission(rid, self.eos, "length")])
                     continue
-                self.prompts.append(list(msg["prompt"]))
+                self.prompts.append(list(msg.job.prompt))
                 for t in self.tok.encode(self.answers.get_nowait(), add_special_tokens=False):
                     self.fe.emit([Emission(rid, t, None)])
                 self.fe.emit([Emission(rid, self.eos, "stop")])
