@@ -20,6 +20,49 @@ from runtime.lockstep import Divergence
 from runtime.sampling import GrammarMask, processors_for, sample_at, sampler_for
 
 
+DRAFT_COUNTS = ("draft_proposed", "draft_accepted", "draft_fallbacks")  # each drafting engine's, as RankStatus counts
+
+
+def place_logprobs(logits: mx.array, processors: list, said: mx.array | None, drafts: mx.array) -> mx.array:
+    """Log probabilities at each place of a verify, a request's processors run with what precedes that place:
+    what was `said`, then the `drafts` before it."""
+    if processors:
+        rows = []
+        for p in range(logits.shape[0]):
+            row = logits[p:p + 1]
+            seen = mx.concatenate([said, drafts[:p]])
+            for processor in processors:
+                row = processor(seen, row)
+            rows.append(row)
+        logits = mx.concatenate(rows, axis=0)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def sample_places(job: Job, count: int, logprobs: mx.array) -> mx.array:
+    """Each place's token, drawn with the key of its place in the answer (`count` tokens said before it)."""
+    return mx.concatenate([sample_at(job, count + p, logprobs[p:p + 1])
+                           for p in range(logprobs.shape[0])]).astype(mx.uint32)
+
+
+def allowed_by(grammar: GrammarMask | None, said: mx.array | None, drafts: list[mx.array], row: mx.array) -> mx.array:
+    """A draft's logits with what the request's grammar refuses after what was `said` and the `drafts` before
+    it at -inf (the verify's mask at that place, so a draft is one the target can accept); the row as it is
+    without a grammar."""
+    if grammar is None:
+        return row
+    return grammar(mx.concatenate([said, *(d.astype(mx.uint32) for d in drafts)]), row)
+
+
+def agree(kept: list[int]) -> None:
+    """Every rank kept as many drafts of each row, or all stop here: what comes next (feeding the kept places
+    again) runs collectives of that length, which ranks that disagree would not meet in."""
+    by_rank = mx.distributed.all_gather(mx.array(kept, dtype=mx.int32)).reshape(-1, len(kept)).tolist()
+    if any(row != by_rank[0] for row in by_rank):
+        shown = [r[0] for r in by_rank] if len(kept) == 1 else by_rank
+        raise Divergence(f"[meshd] divergence: the ranks sampled different tokens or drafted different blocks "
+                         f"(drafts kept by rank: {shown})")
+
+
 class SingleRequestEngine(ABC):
     """The Engine of a drafter: the queue, the active job, its token count and how it ends. A subclass
     decodes the active job (its three abstract methods)."""
@@ -197,7 +240,7 @@ class MTPEngine(SingleRequestEngine):
     kernel's layout limit past some prompt length) ends drafting for that request, the target's caches
     back where the step began: plain decoding from there, said in the log and counted, the rank alive."""
 
-    _prefixes = None  # the batch engine whose token tape and snapshots the requests share (DSparkEngine's)
+    prefixes = None  # the batch engine whose token tape and snapshots the requests share (DSparkEngine's)
 
     def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 1, prefill_step_size: int = 512,
                  log=print):
@@ -221,7 +264,7 @@ class MTPEngine(SingleRequestEngine):
         return self._verify()
 
     def _begin(self, job: Job) -> None:
-        self._cache, cached = (self._prefixes.take(job) if self._prefixes is not None
+        self._cache, cached = (self.prefixes.take(job) if self.prefixes is not None
                                else (make_prompt_cache(self._model), 0))
         self._mtp_cache = self._model.make_mtp_cache()
         self._tape = list(job.prompt)  # the prompt and the tokens emitted: the target's caches hold [:_base]
@@ -288,8 +331,8 @@ class MTPEngine(SingleRequestEngine):
     def _keep(self, final: bool) -> None:
         """The request's tape so far to the shared token tape's engine: staged for its snapshot when due, at
         its end stored, so a follow-up turn prefills only its new tokens."""
-        if self._prefixes is not None:
-            self._prefixes.keep(self._active.rid, self._tape[:self._base] if final else self._tape, self._cache,
+        if self.prefixes is not None:
+            self.prefixes.keep(self._active.rid, self._tape[:self._base] if final else self._tape, self._cache,
                                 final)
 
     def _finish(self) -> None:
@@ -309,8 +352,7 @@ class MTPEngine(SingleRequestEngine):
         return learned, logprobs, sampled
 
     def _sample(self, job: Job, logprobs: mx.array) -> mx.array:
-        return mx.concatenate([sample_at(job, self._count + p, logprobs[p:p + 1])
-                               for p in range(logprobs.shape[0])]).astype(mx.uint32)
+        return sample_places(job, self._count, logprobs)
 
     @staticmethod
     def _agree(kept: int) -> None:
@@ -324,18 +366,7 @@ class MTPEngine(SingleRequestEngine):
         return self._chain(*learned, at) if learned else None
 
     def _logprobs(self, logits: mx.array, drafts: mx.array) -> mx.array:
-        """Log probabilities at each place, the request's processors run with what precedes that place:
-        what was said, then the drafts before it."""
-        if self._processors:
-            rows = []
-            for p in range(logits.shape[0]):
-                row = logits[p:p + 1]
-                seen = mx.concatenate([self._said, drafts[:p]])
-                for processor in self._processors:
-                    row = processor(seen, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return place_logprobs(logits, self._processors, self._said, drafts)
 
     def _learn(self, hidden: mx.array, next_tokens: mx.array) -> tuple[mx.array, mx.array] | None:
         """The head's cache, cut back to the kept positions, learns (hidden state at p, token at p+1) for
@@ -361,12 +392,7 @@ class MTPEngine(SingleRequestEngine):
         return None
 
     def _allowed(self, drafts: list[mx.array], row: mx.array) -> mx.array:
-        """A draft's logits with what the request's grammar refuses after what was said and the `drafts`
-        before it at -inf (the verify's mask at that place, so a draft is one the target can accept); the
-        row as it is without a grammar."""
-        if self._grammar is None:
-            return row
-        return self._grammar(mx.concatenate([self._said, *(d.astype(mx.uint32) for d in drafts)]), row)
+        return allowed_by(self._grammar, self._said, drafts, row)
 
     @contextmanager
     def _refusals(self, who: str = "drafter"):
@@ -380,15 +406,15 @@ class MTPEngine(SingleRequestEngine):
 
 
 class DraftWhenAlone:
-    """A drafter for a request alone, the batch engine for more: B>1 runs the backbone, batched. A request
-    that arrives while the drafter has one starts at the next step: the drafted answer hands over to the
-    batch at that step boundary, keeping its place exactly (`handover`: its cache, the tokens it said, the
-    sampling keys and grammar of its place), and both go on there. What waits goes to the drafter when it
-    is one request and nothing else runs, else to the batch engine, which takes arrivals while it runs. So
-    drafting resumes with the next request that comes alone."""
+    """A drafter for a request alone, a batch engine for more (DSpark's: `runtime.rowwise.RowwiseDSpark`, every
+    row drafted). A request that arrives while the drafter has one starts at the next step: the drafted answer
+    hands over to the batch at that step boundary, keeping its place exactly (`handover`: its cache, the
+    tokens it said, the sampling keys and grammar of its place), and both go on there. What waits goes to the
+    drafter when it is one request and nothing else runs, else to the batch engine, which takes arrivals while
+    it runs. The tape and snapshots are the drafter's `prefixes`, which the batch engine shares."""
 
     def __init__(self, drafter, batch, log=print):
-        self._drafter, self.batch = drafter, batch
+        self.drafter, self.batch = drafter, batch
         self._log = log
         self._waiting: deque[Job] = deque()
         self._untold: dict[str, int] = {}  # jobs that waited, then went to the batch: their cached count
@@ -401,7 +427,7 @@ class DraftWhenAlone:
     def insert(self, job: Job) -> int | None:
         if self.batch.busy:
             return self.batch.insert(job)
-        if self._drafter.busy:
+        if self.drafter.busy:
             self._arrived[job.rid] = self._steps
         self._waiting.append(job)
         return None  # said with its first token, by whichever engine takes it
@@ -410,15 +436,15 @@ class DraftWhenAlone:
         self._waiting = deque(j for j in self._waiting if j.rid != rid)
         for held in (self._untold, self._arrived, self._beside):
             held.pop(rid, None)
-        self._drafter.cancel(rid)
+        self.drafter.cancel(rid)
         self.batch.cancel(rid)
 
     def step(self) -> list[Emission]:
         self._steps += 1
         if self._waiting:
             self._admit()
-        if self._drafter.busy:
-            return self._drafter.step()
+        if self.drafter.busy:
+            return self.drafter.step()
         out = [replace(e, cached=self._untold.pop(e.rid)) if e.rid in self._untold else e for e in self.batch.step()]
         for e in out:
             if e.rid in self._beside:
@@ -431,11 +457,11 @@ class DraftWhenAlone:
         """What waits starts at this step: a lone request with the drafter when nothing runs; else in the
         batch, a drafted answer in flight handed over to it first."""
         arrived, self._arrived = self._arrived, {}
-        if not (self._drafter.busy or self.batch.busy) and len(self._waiting) == 1:
-            self._drafter.insert(self._waiting.popleft())
+        if not (self.drafter.busy or self.batch.busy) and len(self._waiting) == 1:
+            self.drafter.insert(self._waiting.popleft())
             return
-        if self._drafter.busy:
-            rest, cached = self._drafter.handover()
+        if self.drafter.busy:
+            rest, cached = self.drafter.handover()
             self.handovers += 1
             self.batch.insert(rest)
             if cached is not None:
@@ -447,18 +473,25 @@ class DraftWhenAlone:
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting) or self._drafter.busy or self.batch.busy
+        return bool(self._waiting) or self.drafter.busy or self.batch.busy
 
     def prompt_tokens_in_flight(self) -> int:
-        return (self._drafter.prompt_tokens_in_flight() + self.batch.prompt_tokens_in_flight()
+        return (self.drafter.prompt_tokens_in_flight() + self.batch.prompt_tokens_in_flight()
                 + sum(len(j.prompt) for j in self._waiting))
 
     def close(self) -> None:
-        self._drafter.close()
+        self.drafter.close()
         self.batch.close()
 
+    @property
+    def prefixes(self):
+        """The batch engine that keeps the token tape and the snapshots."""
+        return self.drafter.prefixes
+
     def stats(self) -> dict:
-        return {**self.batch.stats(), **self._drafter.stats(), "draft_handovers": self.handovers}
+        batch, drafter = self.batch.stats(), self.drafter.stats()
+        return {**batch, **drafter, "draft_handovers": self.handovers,
+                **{k: batch[k] + drafter[k] for k in DRAFT_COUNTS if k in batch}}
 
 
 class DSparkEngine(MTPEngine):
@@ -490,7 +523,7 @@ class DSparkEngine(MTPEngine):
                          prefill_step_size=prefill_step_size, log=log)
         # the stages' context needs no prefix's positions (it drafts from what it is given), so a request's
         # cache may come from the token tape, where the MTP head's could not
-        self._prefixes = prefixes
+        self.prefixes = prefixes
         self._arm = getattr(sys.modules[type(model).__module__], "set_dspark_verify_armed", lambda flag: None)
         self._windows = dspark.overlap_windows(model)
 
@@ -543,12 +576,7 @@ class DSparkEngine(MTPEngine):
 
     @staticmethod
     def _agree(kept: int) -> None:
-        """Every rank kept as many drafts, or all stop here: what comes next (feeding the kept places again)
-        runs collectives of that length, which ranks that disagree would not meet in."""
-        by_rank = mx.distributed.all_gather(mx.array([kept], dtype=mx.int32)).tolist()
-        if len(set(by_rank)) > 1:
-            raise Divergence(f"[meshd] divergence: the ranks sampled different tokens or drafted different blocks "
-                             f"(drafts kept by rank: {by_rank})")
+        agree([kept])
 
     def _cut(self, saved: rollback.Checkpoint, kept: mx.array, fed: int) -> None:
         """The target's caches back to `_base` plus the `kept` places: trimmed when a trim undoes every

@@ -6,10 +6,10 @@ answers as the plain decoder does from the same tape. The engines run in this pr
 import mlx.core as mx
 import pytest
 
-from runtime.drafting import DraftWhenAlone, DSparkEngine
 from runtime.engine import BatchEngine
 from runtime.jobs import Job
 from runtime.openai_api import SamplingParams
+from runtime.rowwise import drafted_everywhere
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
 SEEDED = SamplingParams(max_tokens=1, temperature=0.9, seed=7).sampling()
@@ -54,7 +54,7 @@ def engines(model, drafted: bool):
     batch = BatchEngine(model, {1}, prefill_step_size=32)
     if not drafted:
         return batch
-    return DraftWhenAlone(DSparkEngine(model, {1}, prefill_step_size=32, prefixes=batch), batch)
+    return drafted_everywhere(model, {1}, batch, prefill_step_size=32)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])

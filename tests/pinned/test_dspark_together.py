@@ -1,13 +1,16 @@
-"""No request waits behind a drafted answer, on omlx's REAL DeepSeek-V4 at TP2 on the ring (real meshd-rank
-processes over loopback, the tiny checkpoint of pinned.dsv4, its compressed layers' pooled caches): a request
-sent while a lone request's answer is being drafted starts at the next step, the drafted answer handed over to
-the batch keeping its place exactly, on both ranks; each answer is plain decoding's, token for token; the next
-request alone is drafted again.
+"""Every request drafted, however many run, on omlx's REAL DeepSeek-V4 (the tiny checkpoint of pinned.dsv4, its
+compressed layers' pooled caches), in this process and at TP2 on the ring (real meshd-rank processes over
+loopback): a request alone is drafted by the DSpark engine, more are drafted row by row in one batch
+(runtime/rowwise.py), each row from its own committed taps, each keeping its own count and its caches going
+back exactly; a request sent during a drafted answer starts at the next step, the drafted answer joining the
+batch keeping its place exactly, on both ranks; rows join and leave mid-answer; every answer is plain
+decoding's, token for token, greedy and seeded.
 
 Run: .venv-omlx/bin/python -m pytest tests/pinned/test_dspark_together.py"""
 
 import re
 import threading
+from dataclasses import replace
 
 import pytest
 import requests
@@ -17,12 +20,13 @@ from kit.demo_answers import endless
 from kit.ranks import start_mesh
 from kit.waiting import wait_for
 from pinned.dsv4 import OVERLAY, PROMPT, pinned_env
-from runtime.drafting import DraftWhenAlone, DSparkEngine
+from runtime import rowwise
 from runtime.engine import BatchEngine
 from runtime.jobs import Job
 from runtime.openai_api import SamplingParams
+from runtime.rowwise import RowwiseDSpark, drafted_everywhere
 
-LONG = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 96, "temperature": 0}
+LONG = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 256, "temperature": 0}
 SHORT = {"messages": [{"role": "user", "content": "And the pooled keys?"}], "max_tokens": 12, "temperature": 0.9,
          "seed": 7}
 SENT_AT = 16  # tokens of the drafted answer the client has when it sends the second request
@@ -77,17 +81,52 @@ def test_a_drafted_answer_handed_over_in_its_prompt_at_its_first_token_or_mid_wa
         model, sampling):
     a, b = Job("a", A, 40, 3, sampling), Job("b", B, 12, 4, sampling)
     plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in (a, b)}
-    batch = BatchEngine(model, set(), prefill_step_size=32)
-    engine = DraftWhenAlone(DSparkEngine(model, set(), prefill_step_size=32, prefixes=batch), batch, log=lambda m: m)
+    engine = drafted_everywhere(model, set(), BatchEngine(model, set(), prefill_step_size=32), prefill_step_size=32,
+                                log=lambda m: m)
     for at in (1, 3, 9):  # the drafter in a's prompt (90 tokens, 32 a step), at a's first verify, mid-way
         assert decoded(engine, (a, 0), (b, at)) == plain
-    assert engine.handovers == 3 and engine.stats()["draft_proposed"] > 0
+    assert engine.handovers == 3 and engine.drafter.proposed > 0 and engine.batch.proposed > 0
 
 
-def test_a_request_sent_during_a_drafted_answer_starts_at_the_next_step_and_both_answer_plainly(
+ROWS = (Job("a", A, 40, 3, GREEDY), Job("b", B, 12, 4, GREEDY), Job("c", tuple(range(200, 237)), 30, 5, GREEDY),
+        Job("d", tuple(range(10, 17)), 25, 6, GREEDY))
+COMING = (0, 2, 5, 11)  # the step each row comes at: b, c and d join mid-answer, b and d leave before a ends
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_rows_drafted_together_joining_and_leaving_mid_answer_each_answer_plain_decoding(model, sampling):
+    jobs = [replace(job, sampling=sampling) for job in ROWS]
+    plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in jobs}
+    rows = RowwiseDSpark(model, set(), prefixes=BatchEngine(model, set(), prefill_step_size=32), prefill_step_size=32,
+                         log=lambda m: m)
+    assert decoded(rows, *zip(jobs, COMING)) == plain
+    assert rows.width == 3 and rows.batched_steps > 10 and rows.fallbacks == 0  # under ratio 4: one window a row
+    if sampling is GREEDY:
+        assert rows.accepted > rows.proposed / 3  # the stages' drafts, kept; seeded ones miss at temperature 0.9
+
+
+def test_a_row_whose_window_is_masked_as_mlx_lm_masks_it_answers_otherwise(model, monkeypatch):
+    """The model answers from what each row's caches hold: d (7 prompt tokens) joins rows whose windows have
+    rotated, with left padding; masked from where a rotated window writes next (mlx-lm's mask for a forward of
+    more than one place, unless the window is put in order first), its seeded answer is not plain decoding's."""
+    monkeypatch.setattr(rowwise, "in_order", lambda caches: None)
+    jobs = [replace(job, sampling=SEEDED) for job in ROWS]
+    plain = decoded(BatchEngine(model, set(), prefill_step_size=32), (jobs[3], 0))["d"]
+    rows = RowwiseDSpark(model, set(), prefixes=BatchEngine(model, set(), prefill_step_size=32), prefill_step_size=32)
+    assert decoded(rows, *zip(jobs, COMING))["d"] != plain
+
+
+TOGETHER = [{"messages": [{"role": "user", "content": f"Say more about the {what}."}], "max_tokens": n,
+             "temperature": t, "seed": seed}
+            for what, n, t, seed in (("pooled keys", 24, 0, 1), ("window", 48, 0.9, 2), ("indexer", 32, 0, 3),
+                                     ("stages", 40, 0.9, 4))]
+
+
+def test_requests_sent_during_a_drafted_answer_or_together_start_at_once_every_row_drafted_every_answer_plain(
         checkpoint, model, tmp_path):
     bias = endless(checkpoint)
     long, short = {**LONG, **bias}, {**SHORT, **bias}
+    together = [{**body, **bias} for body in TOGETHER]
     template = load_tokenizer(checkpoint).apply_chat_template
     with start_mesh(checkpoint, 2, tmp_path, *OVERLAY, env=pinned_env()) as mesh:
         mesh.wait_ready(300)
@@ -97,26 +136,32 @@ def test_a_request_sent_during_a_drafted_answer_starts_at_the_next_step_and_both
         assert went.wait(300), mesh.log(0)[-3000:]
         stream_ids(mesh.url, short, second)
         first.join(300)
-        alone_before = mesh.status(0)["draft_proposed"]
-        again = []
-        stream_ids(mesh.url, {**short, "max_tokens": 24}, again)
+        batched_before = mesh.status(0)["draft_batched_steps"]
+        answers, clients = [[] for _ in together], []
+        for body, ids in zip(together, answers):  # each sent once the one before it has SENT_AT tokens
+            going = threading.Event()
+            clients.append(threading.Thread(target=stream_ids, args=(mesh.url, body, ids, going)))
+            clients[-1].start()
+            assert going.wait(300), mesh.log(0)[-3000:]
+        for client in clients:
+            client.join(300)
 
         def settled():
             statuses = [mesh.status(rank) for rank in range(2)]
-            return statuses if all(s and s["draft_proposed"] > alone_before and s["state"] == "ready"
-                                   for s in statuses) else None
+            return statuses if all(s and s["state"] == "ready" for s in statuses) else None
 
         statuses = wait_for(settled, 60, "both ranks' status after the last answer")
         logs = [mesh.log(rank) for rank in range(2)]
     assert len(drafted) == LONG["max_tokens"]
     assert all(s["draft_accepted"] > 0 and s["draft_fallbacks"] == 0 for s in statuses), statuses
     # every rank handed the drafted answer over once, mid-way, at the same token; the second request's first
-    # token came at the third step after it arrived: the handover's step starts its prompt, and mlx-lm's batch
-    # samples a new row's first token two steps after it takes the prompt in (as when nothing was drafted)
+    # token came in the step it was taken in: its prompt (one chunk) in, its row joined and verified at once
     handovers = [re.findall(r"came while \S+ was drafted \((\d+) tokens said\): .* first token (\d+) steps", log)
                  for log in logs]
     assert handovers[0] == handovers[1] and len(handovers[0]) == 1, logs[0][-3000:]
     [(said, steps)] = handovers[0]
-    assert SENT_AT <= int(said) < LONG["max_tokens"] and int(steps) <= 3, handovers
-    for body, said in ((long, drafted), (short, second), ({**short, "max_tokens": 24}, again)):
+    assert SENT_AT <= int(said) < LONG["max_tokens"] and int(steps) <= 2, handovers
+    # the four that came together were drafted row by row in one batch, the same steps on both ranks
+    assert statuses[0]["draft_batched_steps"] == statuses[1]["draft_batched_steps"] > batched_before, statuses
+    for body, said in ((long, drafted), (short, second), *zip(together, answers)):
         assert said == plain(model, template(body["messages"], add_generation_prompt=True), body, bias["logit_bias"])

@@ -16,10 +16,10 @@ from kit.demo_answers import endless
 from kit.snapshots import EVERY, Gen, answer_in_flight
 from kit.waiting import wait_for
 from pinned.dsv4 import PROMPT, pinned_env
-from runtime.drafting import DraftWhenAlone, DSparkEngine
 from runtime.engine import BatchEngine
 from runtime.jobs import Job
 from runtime.openai_api import SamplingParams
+from runtime.rowwise import drafted_everywhere
 from runtime.snapshot import Identity, Snapshots, read_header, segment_files, tape_id
 
 ME = Identity("v4", 1, 0, "layout")
@@ -114,7 +114,7 @@ def run(engine, job: Job) -> tuple[list[int], list[float], int | None]:
 def engine(model, drafted: bool, snapshots=None):
     """The batch engine, or DSpark's beside it, with no end-of-sequence token: every answer its full length."""
     batch = BatchEngine(model, set(), prefill_step_size=32, snapshots=snapshots)
-    return DraftWhenAlone(DSparkEngine(model, set(), prefill_step_size=32, prefixes=batch), batch) if drafted else batch
+    return drafted_everywhere(model, set(), batch, prefill_step_size=32) if drafted else batch
 
 
 ANSWER = Job("a", TOKENS, 128, 3, GREEDY, logprobs=0)
@@ -141,7 +141,7 @@ def test_an_answer_resumed_from_its_snapshot_in_flight_continues_as_plain_decodi
     assert mid.end < len(TOKENS) + 64  # the answer's first snapshot in flight, not its last
     [(tokens, cache, sid)] = again.restore([mid.sid], lambda: make_prompt_cache(model))
     second = engine(model, drafted, again)
-    (second.batch if drafted else second).tape.store(tokens, cache, sid)
+    (second.prefixes if drafted else second).tape.store(tokens, cache, sid)
     said = mid.end - len(TOKENS) + 40  # the snapshot's answer tokens and 40 more were delivered
     rest, logprobs, cached = run(second, Job("a", TOKENS + tuple(plain[:said]), 128 - said, 3, GREEDY, offset=said,
                                              logprobs=0))

@@ -1,0 +1,303 @@
+"""Row-wise DSpark: every request of a batch drafted, each row from its own committed taps, one batched verify
+a step.
+
+A request's prompt goes through the target in its own caches, as the plain decoder takes it (in chunks, a
+resumed answer's tokens in the pieces decoding gives: dspark.prompt_piece), its taps entering its own stages'
+context; once only its last token is left it joins the batch, its caches merged into the batch's. Each step
+every row feeds its pending token and its drafts (a row without drafts, its first step or its drafting
+refused, feeds its pending token in their places: a guess like any other, kept only where the target samples
+it) in one forward of `1 + width` places; each row's places are sampled with its own keys and processors and
+each keeps its drafts up to its first miss. Every rank agrees on every row's count (`drafting.agree`). Where a
+row kept fewer than it fed, the batch's caches go back to where the step began (runtime/rollback.py: omlx's
+pooled and windowed caches cannot be trimmed) and every row's kept places are fed again in one forward, the
+shorter rows right-padded (mlx-lm's `prepare`/`finalize`: the pads leave no trace). The verify's width is
+kept under the smallest pooled window that overlaps the one before it, so every row's forward completes at
+most one of them whatever its offset: each row's caches then hold what decoding it alone, one position at a
+time, would hold, and its answer is that decoding's, token for token.
+
+A row that ends leaves the batch at once, its caches taken out of it into the batch engine's token tape (so
+the next turn of its conversation prefills only its new tokens); a row that comes joins at the next step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from runtime import dspark, rollback
+from runtime.drafting import DraftWhenAlone, DSparkEngine, agree, allowed_by, place_logprobs, sample_places
+from runtime.jobs import Emission, Job, emission, finish_reason
+from runtime.sampling import GrammarMask, processors_for
+
+
+@dataclass(eq=False)
+class Row:
+    """One request as the row-wise engine decodes it."""
+
+    job: Job
+    cache: list | None  # its own caches while its prompt goes in; None once they are the batch's
+    context: list  # its stages' context (the committed positions' taps)
+    tape: list[int]  # the prompt and the tokens emitted: the caches hold [:base]
+    todo: list[int]  # the prompt not yet through the target
+    base: int
+    processors: list
+    said: mx.array | None  # what the processors see (None without processors)
+    grammar: GrammarMask | None
+    count: int = 0  # tokens emitted
+    pending: int = 0  # the last token (of the prompt, or emitted), not yet through the target
+    drafts: mx.array | None = None  # its drafts after `pending` (on the device)
+    drafting: bool = True
+    kept: list[int] = field(default_factory=list)  # this step's tokens that go out
+
+    def ends_after(self, tokens: list[int], eos: set[int]) -> int:
+        """How many of `tokens` it emits: up to the one that ends it."""
+        return next((i + 1 for i, t in enumerate(tokens)
+                     if finish_reason(t, self.count + i + 1, self.job.max_tokens, eos) is not None), len(tokens))
+
+
+def verify_width(num_draft_tokens: int, block: int, windows: tuple[int, ...]) -> int:
+    """How many drafts each row feeds a step: what was asked (the stages' whole block when 0), at most the
+    block, and fewer than the smallest overlapping pooled window so that no row's forward completes two."""
+    width = min(num_draft_tokens or block, block)
+    return min(width, min(windows) - 1) if windows else width
+
+
+def in_order(caches: list) -> None:
+    """Each rotated window of a batch's caches put back in the order of its positions, before a forward of more
+    than one place. mlx-lm's BatchRotatingKVCache masks such a forward from where a rotated window writes
+    next, though the forward first puts the window in order (`_update_concat`): a row with left padding
+    would then attend to a pad or miss one of its own keys. In order, the mask and the forward agree."""
+    for leaf in rollback.leaves(caches):
+        if getattr(leaf, "rotated", False):
+            leaf._temporal_order()
+
+
+def padding(lengths: list[int]) -> list[int]:
+    """The pads after each row's places in a forward of the longest."""
+    return [max(lengths) - n for n in lengths]
+
+
+class RowwiseDSpark:
+    """The Engine that drafts every row of a batch with DeepSeek-V4's DSpark stages; caches and tapes come
+    from and go to `prefixes` (the batch engine that keeps the token tape and the snapshots)."""
+
+    def __init__(self, model, eos_ids: set[int], *, prefixes, num_draft_tokens: int = 0,
+                 prefill_step_size: int = 512, log=print):
+        self._model = model
+        self._eos = eos_ids
+        self.prefixes = prefixes
+        self._chunk = prefill_step_size
+        self._windows = dspark.overlap_windows(model)
+        self.width = verify_width(num_draft_tokens, int(model.args.dspark_block_size), self._windows)
+        self._log = log
+        self._joining: deque[Row] = deque()  # prompts going in, first come first
+        self._rows: list[Row] = []  # the batch, in the order of its caches' rows
+        self._cache: list | None = None  # the batch's caches
+        self.proposed = self.accepted = self.fallbacks = self.batched_steps = 0
+
+    # --- Engine -------------------------------------------------------------------------------------------
+    def insert(self, job: Job) -> int:
+        cache, cached = self.prefixes.take(job)
+        processors = processors_for(job)
+        self._joining.append(Row(
+            job, cache, self._model.make_mtp_cache(), list(job.prompt), list(job.prompt[cached:]), cached,
+            processors, mx.array(job.prompt, dtype=mx.uint32) if processors else None,
+            next((p for p in processors if isinstance(p, GrammarMask)), None)))
+        return cached
+
+    def cancel(self, rid: str) -> None:
+        self._joining = deque(r for r in self._joining if r.job.rid != rid)
+        self._leave([r for r in self._rows if r.job.rid == rid], ended=False)
+        self.prefixes.cancel(rid)
+
+    def step(self) -> list[Emission]:
+        if self._joining:
+            row = self._joining[0]
+            if len(row.todo) > 1:
+                self._prefill(row)
+            if len(row.todo) == 1:
+                self._join(self._joining.popleft())
+        return self._verify() if self._rows else []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._rows or self._joining)
+
+    def prompt_tokens_in_flight(self) -> int:
+        return sum(len(r.todo) for r in self._joining)
+
+    def close(self) -> None:
+        mx.synchronize()
+        self.prefixes.close()
+
+    def stats(self) -> dict:
+        return {**self.prefixes.stats(), "draft_proposed": self.proposed, "draft_accepted": self.accepted,
+                "draft_fallbacks": self.fallbacks, "draft_batched_steps": self.batched_steps}
+
+    # --- a prompt going in --------------------------------------------------------------------------------
+    def _prefill(self, row: Row) -> None:
+        """A chunk of the row's prompt through its own caches, its taps into its stages' context."""
+        n = dspark.prompt_piece(row.base, len(row.job.prompt), row.job.offset, self._chunk, self._windows)
+        chunk, row.todo = row.todo[:n], row.todo[n:]
+        with mx.stream(generation_stream):
+            _, taps = self._model(mx.array(chunk, dtype=mx.uint32)[None], row.cache, return_hidden=True)
+        if row.drafting:
+            with self._refusals(row, "DSpark's stages"):
+                self._model.dspark_append_context(taps, row.context)
+        mx.eval([c.state for c in row.cache])
+        row.base += n
+        self.prefixes.keep(row.job.rid, row.tape, row.cache, False)
+
+    def _join(self, row: Row) -> None:
+        """The row's caches into the batch's: its last prompt token is its first pending one."""
+        (row.pending,), row.todo = row.todo, []
+        single = [c.merge([c]) for c in row.cache]
+        if self._cache is None:
+            self._cache = single
+        else:
+            for batch, one in zip(self._cache, single):
+                batch.extend(one)
+        row.cache = None
+        self._rows.append(row)
+
+    # --- a step of the batch ------------------------------------------------------------------------------
+    def _verify(self) -> list[Emission]:
+        rows = self._rows
+        width = self.width if any(r.drafting for r in rows) else 0
+        inputs = mx.stack([self._places(r, width) for r in rows])
+        if width:
+            in_order(self._cache)
+        saved = rollback.checkpoint(self._cache, 1 + width)
+        try:
+            taps, logprobs, sampled = self._target(rows, inputs)
+        except Exception as e:
+            if not width:
+                raise
+            saved.undo()  # a kernel refusing the batched verify's shape: every row plainly from here
+            for r in rows:
+                self._refused(r, "the target's batched verify", e)
+            return self._verify()
+        kept = []
+        for r, tokens, guessed in zip(rows, sampled.tolist(), inputs[:, 1:].tolist()):
+            k = next((i for i, (g, t) in enumerate(zip(guessed, tokens)) if g != t), len(guessed))
+            if r.drafts is not None:
+                self.proposed += len(guessed)
+                self.accepted += k
+            kept.append(k)
+            r.kept = tokens[:r.ends_after(tokens[:k + 1], self._eos)]
+        if width:
+            agree(kept)
+            self.batched_steps += sum(r.drafts is not None for r in rows) > 1
+        fed = [len(r.kept) for r in rows]
+        if min(fed) < 1 + width:
+            saved.undo()
+            self._feed(inputs, fed)
+        out, ended = [], []
+        for i, r in enumerate(rows):
+            mine = self._emit(r, logprobs[i])
+            out += mine
+            if mine[-1].finish_reason is not None:
+                ended.append(r)
+                continue
+            if r.said is not None:
+                r.said = mx.concatenate([r.said, sampled[i, :len(r.kept)]])
+            r.pending = r.kept[-1]
+            r.drafts = self._draft(r, taps[i:i + 1, :len(r.kept)]) if r.drafting and self.width else None
+        if ended:
+            self._leave(ended)
+        return out
+
+    def _places(self, row: Row, width: int) -> mx.array:
+        """The row's pending token and `width` drafts: its own, else its pending token in their places."""
+        pending = mx.array([row.pending], dtype=mx.uint32)
+        drafts = row.drafts if row.drafts is not None else mx.full((width,), row.pending, dtype=mx.uint32)
+        return mx.concatenate([pending, drafts[:width]])
+
+    def _target(self, rows: list[Row], inputs: mx.array):
+        """Every row's places through the target: its taps, and each row's log probabilities and samples."""
+        with mx.stream(generation_stream):
+            logits, taps = self._model(inputs, self._cache, return_hidden=True)
+            logprobs = [place_logprobs(logits[i], r.processors, r.said, inputs[i, 1:]) for i, r in enumerate(rows)]
+            sampled = mx.stack([sample_places(r.job, r.count, lp) for r, lp in zip(rows, logprobs)])
+        mx.eval(taps, logprobs, sampled)
+        return taps, logprobs, sampled
+
+    def _feed(self, inputs: mx.array, lengths: list[int]) -> None:
+        """Each row's first `lengths[i]` places through the target again, in one forward of the longest."""
+        pads = padding(lengths)
+        padded = max(pads) > 0
+        if padded:
+            for c in self._cache:
+                c.prepare(lengths=lengths, right_padding=pads)
+        with mx.stream(generation_stream):
+            self._model(inputs[:, :max(lengths)], self._cache)
+        if padded:
+            for c in self._cache:
+                c.finalize()
+        mx.eval([c.state for c in self._cache])
+
+    def _emit(self, row: Row, logprobs: mx.array) -> list[Emission]:
+        out = []
+        for i, token in enumerate(row.kept):
+            row.count += 1
+            reason = finish_reason(token, row.count, row.job.max_tokens, self._eos)
+            out.append(emission(row.job.rid, token, reason, logprobs[i], row.job.logprobs))
+        row.base += len(row.kept)
+        row.tape += row.kept
+        return out
+
+    def _leave(self, leaving: list[Row], ended: bool = True) -> None:
+        """The `leaving` rows out of the batch: those that `ended` take their caches out of the batch's, into
+        the token tape (a cancelled one's are dropped)."""
+        if not leaving:
+            return
+        keep = [i for i, r in enumerate(self._rows) if r not in leaving]
+        if ended:
+            for i, r in enumerate(self._rows):
+                if r in leaving:
+                    self.prefixes.keep(r.job.rid, r.tape[:r.base], [c.extract(i) for c in self._cache], True)
+        self._rows = [self._rows[i] for i in keep]
+        if keep:
+            for c in self._cache:
+                c.filter(keep)
+        else:
+            self._cache = None
+
+    # --- drafts -------------------------------------------------------------------------------------------
+    def _draft(self, row: Row, committed: mx.array) -> mx.array | None:
+        """The row's next drafts after its pending token, its committed places' taps entering its stages'
+        context first."""
+        with self._refusals(row, "DSpark's stages"):
+            return dspark.draft(self._model, row.context, committed, row.pending, self.width,
+                                lambda drafts, logits: allowed_by(row.grammar, row.said, drafts, logits))[0]
+        return None
+
+    @contextmanager
+    def _refusals(self, row: Row, who: str):
+        try:
+            with mx.stream(generation_stream):
+                yield
+        except Exception as e:
+            self._refused(row, who, e)
+
+    def _refused(self, row: Row, who: str, e: Exception) -> None:
+        """A kernel's refusal of a shape (the same on every rank): the row goes on without drafts."""
+        row.drafting, row.drafts = False, None
+        self.fallbacks += 1
+        self._log(f"{who} refused ({type(e).__name__}: {str(e)[:200]}); request {row.job.rid} goes on "
+                  "without drafts")
+
+
+def drafted_everywhere(model, eos_ids: set[int], prefixes, *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
+                       log=print) -> DraftWhenAlone:
+    """DSpark for every request: one alone drafted by `DSparkEngine` (its whole block a step), more drafted row
+    by row in one batch; `prefixes` the batch engine whose token tape and snapshots both share."""
+    return DraftWhenAlone(
+        DSparkEngine(model, eos_ids, num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size,
+                     prefixes=prefixes, log=log),
+        RowwiseDSpark(model, eos_ids, prefixes=prefixes, num_draft_tokens=num_draft_tokens,
+                      prefill_step_size=prefill_step_size, log=log), log)
