@@ -11,6 +11,8 @@ import secrets
 import shutil
 import socket
 import sys
+import threading
+from concurrent.futures import Future
 from importlib import metadata
 from pathlib import Path
 
@@ -67,20 +69,71 @@ async def apply_wired_limit(mb: int) -> dict:
     return {"wanted": mb, "ok": r["ok"], "was": before, **({} if r["ok"] else {"error": r["error"]})}
 
 
-def model_fingerprint(model_dir: str) -> dict:
-    """Whether the model is here whole enough to load, and its fingerprint (common/fingerprint.py)."""
+def model_files(model_dir: str) -> dict:
+    """Whether the model is here whole enough to load: its weights' bytes and files (nothing read)."""
     root = Path(model_dir)
     try:
         if not (root / "config.json").is_file():
             return {"present": False, "path": model_dir}
         if not any((root / name).is_file() for name in TOKENIZER_FILES):
             return {"present": False, "path": model_dir, "error": f"no tokenizer ({' / '.join(TOKENIZER_FILES)})"}
-        sizes = [(p.name, p.stat().st_size) for p in root.iterdir() if p.suffix == ".safetensors"]
-        fingerprint = weights_digest(root)
+        sizes = [p.stat().st_size for p in root.iterdir() if p.suffix == ".safetensors"]
+    except OSError as e:
+        return {"present": False, "path": model_dir, "error": str(e)}
+    return {"present": True, "path": model_dir, "bytes": sum(sizes), "weight_files": len(sizes)}
+
+
+def model_fingerprint(model_dir: str) -> dict:
+    """`model_files`, and the weights' fingerprint (common/fingerprint.py), waited for."""
+    found = model_files(model_dir)
+    try:
+        return {**found, "fingerprint": weights_digest(Path(model_dir))} if found["present"] else found
     except (OSError, ValueError) as e:
         return {"present": False, "path": model_dir, "error": str(e)}
-    return {"present": True, "path": model_dir, "fingerprint": fingerprint,
-            "bytes": sum(size for _, size in sizes), "weight_files": len(sizes)}
+
+
+class Hashing:
+    """One model folder's fingerprint, hashed in a thread of its own, and how far it is."""
+
+    def __init__(self, root: Path):
+        self.done, self.total = 0, sum(p.stat().st_size for p in root.glob("*.safetensors"))
+        self._lock = threading.Lock()
+        self.future: Future = Future()
+        threading.Thread(target=self._run, args=(root,), name="hashing", daemon=True).start()
+
+    def _advance(self, nbytes: int) -> None:
+        with self._lock:
+            self.done += nbytes
+
+    def _run(self, root: Path) -> None:
+        try:
+            self.future.set_result(weights_digest(root, self._advance))
+        except BaseException as e:  # the caller's to say
+            self.future.set_exception(e)
+
+
+HASH_WAIT = 1.0  # seconds a facts call waits for a fingerprint before it answers with how far its hashing is
+_hashing: dict[str, Hashing] = {}  # the agent's hashes, by model folder: one at a time each
+
+
+async def model_facts(model_dir: str) -> dict:
+    """`model_files`, and the fingerprint, or, while a first hash runs (a 100 GB model's takes minutes, more
+    than any caller waits), how far it is: "hashing" with the bytes done and in all, the fingerprint "".
+    The hash goes on behind; the caller asks again. A hash that ended is started afresh at the next call,
+    which the digest cache makes quick unless a file changed since."""
+    found = await asyncio.to_thread(model_files, model_dir)
+    if not found["present"]:
+        return found
+    job = _hashing.get(model_dir)
+    try:
+        if job is None or job.future.done():
+            job = _hashing[model_dir] = await asyncio.to_thread(Hashing, Path(model_dir))
+        fingerprint = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), HASH_WAIT)
+    except TimeoutError:
+        return {**found, "fingerprint": "", "hashing": {"done_bytes": job.done, "total_bytes": job.total}}
+    except (OSError, ValueError) as e:
+        return {"present": False, "path": model_dir, "error": str(e)}
+    return {**found, "fingerprint": fingerprint}
 
 
 def tree_files(root: Path) -> tuple[int, int]:
@@ -171,8 +224,7 @@ async def facts(model: str | None = None, node: str = "this node", package: str 
         except ModelNotFound as e:
             out["model"] = {"present": False, "path": model, "error": str(e)}
         else:
-            # hashing a model's weights the first time takes as long as reading them: off the agent's loop
-            out["model"] = {**await asyncio.to_thread(model_fingerprint, model_dir), "name": model}
+            out["model"] = {**await model_facts(model_dir), "name": model}
     where = Path(model_dir) if model_dir else Path.home()
     try:
         while not where.exists() and where != where.parent:

@@ -7,7 +7,9 @@ per change of the file: its content digest is kept in a cache (cache_path()) und
 ctime_ns, inode and device. A write through the file system moves mtime and ctime; setting mtime back
 (utime) moves ctime; a file replaced by a rename has another inode: no change of bytes leaves the five equal.
 A file changed within RACY_NS of its hashing is not cached (a second write in the same timestamp tick would
-leave them equal, as git's "racily clean" entries), and an unreadable or foreign cache is only a re-hash."""
+leave them equal, as git's "racily clean" entries), and an unreadable or foreign cache is only a re-hash.
+The first hash of a large model takes minutes: `progress` hears of each chunk's bytes as it is hashed (a cached
+file's at once), so that whoever waits can say how far it is (agents/node.py)."""
 
 from __future__ import annotations
 
@@ -31,9 +33,9 @@ def cache_path() -> Path:
     return Path(base) / "meshd" / "weights-digests.json"
 
 
-def weights_digest(model_dir: Path) -> str:
-    """The model's fingerprint (16 hex digits). Raises OSError when a file cannot be read and ValueError when
-    a weight file is not safetensors."""
+def weights_digest(model_dir: Path, progress=lambda nbytes: None) -> str:
+    """The model's fingerprint (16 hex digits); `progress(nbytes)` told of the weights' bytes as they are
+    hashed. Raises OSError when a file cannot be read and ValueError when a weight file is not safetensors."""
     h = hashlib.blake2b(digest_size=8)
     for name in EXTRA_FILES:
         if name == "config.json" or (model_dir / name).is_file():
@@ -41,13 +43,13 @@ def weights_digest(model_dir: Path) -> str:
     cache = _read_cache()
     weights = sorted(model_dir.glob("*.safetensors"))
     for path in weights:
-        h.update(f"{path.name}\0".encode() + _file_digest(path, cache))
+        h.update(f"{path.name}\0".encode() + _file_digest(path, cache, progress))
     if weights:
         _write_cache(cache)
     return h.hexdigest()
 
 
-def _file_digest(path: Path, cache: dict) -> bytes:
+def _file_digest(path: Path, cache: dict, progress) -> bytes:
     """`path`'s content digest, from `cache` while the file is unchanged, else hashed (and put there)."""
     began = time.time_ns()
     with open(path, "rb") as f:
@@ -55,6 +57,7 @@ def _file_digest(path: Path, cache: dict) -> bytes:
         key, stamp = str(path.resolve()), [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
         known = cache.get(key)
         if isinstance(known, list) and len(known) == 6 and known[:5] == stamp and isinstance(known[5], str):
+            progress(st.st_size)
             return bytes.fromhex(known[5])
         try:
             (n,) = struct.unpack("<Q", os.pread(f.fileno(), 8, 0))
@@ -62,20 +65,22 @@ def _file_digest(path: Path, cache: dict) -> bytes:
             raise ValueError(f"{path.name} is not safetensors ({st.st_size} bytes)") from None
         if n > st.st_size - 8:
             raise ValueError(f"{path.name} is not safetensors (a header of {n} bytes in {st.st_size})")
-        digest = content_digest(f.fileno(), st.st_size)
+        digest = content_digest(f.fileno(), st.st_size, progress=progress)
     if began - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS:
         cache[key] = [*stamp, digest.hex()]
     return digest
 
 
-def content_digest(fd: int, size: int, threads: int | None = None) -> bytes:
+def content_digest(fd: int, size: int, threads: int | None = None, progress=lambda nbytes: None) -> bytes:
     """SHA-256 over each CHUNK of the file (read and hashed in parallel: hashlib and pread let go of the GIL;
     the CPUs' SHA instructions make it twice BLAKE2b's speed), then over those digests in order, with the size."""
     def chunk(offset: int) -> bytes:
         data = os.pread(fd, min(CHUNK, size - offset), offset)
         if len(data) != min(CHUNK, size - offset):
             raise OSError(f"the file shrank while it was hashed (at byte {offset + len(data)} of {size})")
-        return hashlib.sha256(data).digest()
+        digest = hashlib.sha256(data).digest()
+        progress(len(data))
+        return digest
 
     top = hashlib.sha256(str(size).encode())
     with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:

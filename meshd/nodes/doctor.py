@@ -71,7 +71,7 @@ def judge_versions(facts: dict[str, dict]) -> list[Check]:
 def judge_model(facts: dict[str, dict], path: str) -> list[Check]:
     """The model is on every node, and every copy has the same fingerprint."""
     models = {node: f.get("model") or {"present": False} for node, f in facts.items()}
-    prints = Counter(m["fingerprint"] for m in models.values() if m.get("present"))
+    prints = Counter(m["fingerprint"] for m in models.values() if m.get("present") and m.get("fingerprint"))
     common = prints.most_common(1)[0][0] if prints else None
     repo = is_repo_id(path)
     out = []
@@ -79,6 +79,10 @@ def judge_model(facts: dict[str, dict], path: str) -> list[Check]:
         if not m.get("present"):
             out.append(Check("model", node, False, f"no model at {path} ({m.get('error') or 'no config.json there'})",
                              f"meshctl model pull {path}" if repo else f"copy it there: rsync -a {path}/ {node}:{path}/"))
+        elif hashing := m.get("hashing"):  # not known to differ: a start goes on, the doctor asks again
+            out.append(Check("model", node, True, f"{m['bytes'] / 2**30:.2f} GiB in {m['weight_files']} files, its "
+                             f"first hash under way: {hashing['done_bytes'] / 2**30:.2f} of "
+                             f"{hashing['total_bytes'] / 2**30:.2f} GiB hashed; run meshctl doctor again to compare"))
         elif m["fingerprint"] != common:
             out.append(Check("model", node, False, f"{path} differs from the other nodes' copy "
                              f"(fingerprint {m['fingerprint']} vs {common})",
