@@ -211,12 +211,13 @@ class RankReport:
     peer_lost: bool = False
     exit_code: int | None = None
     exit_signal: int | None = None
+    step: int | None = None  # its lockstep steps, from its status file (None without one)
 
     @classmethod
     def from_dict(cls, d: dict) -> "RankReport":
         return cls(int(d["generation"]), int(d["rank"]), int(d.get("pid", 0)), RankState(d["state"]),
                    bool(d.get("expected", True)), bool(d.get("peer_lost", False)), d.get("exit_code"),
-                   d.get("exit_signal"))
+                   d.get("exit_signal"), (d.get("status") or {}).get("step"))
 
 
 @dataclass(frozen=True)

@@ -230,12 +230,12 @@ class Controller:
     def rank_secret(self, generation: int) -> str:
         return rank_secret(self.rank_key, generation)
 
-    def _spec(self, generation: int, rank: int, hostfile: dict) -> dict:
+    def _spec(self, generation: int, rank: int, hostfile: dict) -> RankSpec:
         rt = self.cfg.runtime
-        return asdict(RankSpec(generation=generation, rank=rank, world=len(self.cfg.nodes), profile=rt.profile,
-                               model=rt.model, hostfile=hostfile, port=rt.port, host=rt.host,
-                               ring_port=rt.ring_port, seed=rt.seed, env=dict(rt.env), args=rt.launch_args(),
-                               devices=self.cfg.nodes[rank].devices, secret=self.rank_secret(generation)))
+        return RankSpec(generation=generation, rank=rank, world=len(self.cfg.nodes), profile=rt.profile,
+                        model=rt.model, hostfile=hostfile, port=rt.port, host=rt.host, ring_port=rt.ring_port,
+                        seed=rt.seed, env=dict(rt.env), args=rt.launch_args(), devices=self.cfg.nodes[rank].devices,
+                        secret=self.rank_secret(generation))
 
     async def _preflight(self) -> tuple[list[str], str]:
         """The doctor's cheap checks (hostfile, versions, model, launch) as every start passes them:
@@ -272,7 +272,7 @@ class Controller:
 
         async def one(rank: int, node: str):
             try:
-                await self.agents[node].call("POST", "/v1/ranks", self._spec(g, rank, hostfile), timeout=30)
+                await self.agents[node].start_rank(self._spec(g, rank, hostfile), timeout=30)
             except AgentError as e:
                 await self.feed(evidence.launch_refused(node, rank, g, e.status, str(e)))
 
@@ -300,8 +300,7 @@ class Controller:
 
         async def one(node: str) -> StopResult:
             try:
-                return StopResult.from_dict(await self.agents[node].call(
-                    "POST", f"/v1/generations/{g}/stop", {"mode": mode, "grace": grace}, timeout=3 * grace + 15))
+                return await self.agents[node].stop_generation(g, mode, grace, timeout=3 * grace + 15)
             except AgentError as e:
                 log.warning("stop failed", node=node, error=str(e))
                 return StopResult(g)
@@ -315,7 +314,7 @@ class Controller:
     async def _sweep(self, node: str) -> None:
         try:
             # Between generations nothing of meshd should run on a node.
-            await self.agents[node].call("POST", "/v1/sweep", {"grace": 2, "generation": None}, timeout=60)
+            await self.agents[node].sweep(2, None, timeout=60)
         except AgentError as e:
             log.warning("sweep failed", node=node, error=str(e))
 

@@ -87,7 +87,7 @@ class Intake:
         async def poll(node: str, client: AgentClient) -> None:
             seq, epoch = self._mark(node)
             try:
-                data = await client.call("GET", f"/v1/events?stream=0&since={seq}&epoch={epoch or ''}", timeout=5)
+                data = await client.events(seq, epoch, timeout=5)
                 self.errors.pop(node, None)
                 self.metrics.agent_up.labels(node=node).set(1)
             except AgentError as e:

@@ -1,6 +1,7 @@
 """What the agents say runs, asked of every agent at once: each node's rank
 records (a restarted controller adopts by them) and the mesh's status as the
-control API answers it; and rank 0's step count, asked of its agent."""
+control API answers it; and rank 0's step count, asked of its agent. All three
+read GET /v1/ranks one way, typed (`AgentClient.ranks`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ async def rank_views(agents: dict[str, AgentClient], errors: dict[str, str]) -> 
     """Every agent's rank records; None for an agent that does not answer (why, into `errors`)."""
     async def view(node: str, client: AgentClient) -> list[RankReport] | None:
         try:
-            return [RankReport.from_dict(r) for r in (await client.call("GET", "/v1/ranks", timeout=5))["ranks"]]
+            return list((await client.ranks(timeout=5)).reports)
         except AgentError as e:
             errors[node] = str(e)
             return None
@@ -30,18 +31,18 @@ async def rank0_steps(agent: AgentClient, generation: int) -> int | None:
     """The lockstep steps rank 0 of `generation` has made, from its status file as its agent reads it;
     None when the agent does not answer or has no status of that rank."""
     try:
-        ranks = (await agent.call("GET", "/v1/ranks", timeout=5))["ranks"]
+        ranks = await agent.ranks(timeout=5)
     except AgentError:
         return None
-    status = next((r["status"] for r in ranks if r["generation"] == generation and r["rank"] == 0), None)
-    return status["step"] if status else None
+    return next((r.step for r in ranks.reports if r.generation == generation and r.rank == 0), None)
 
 
 async def status(cfg: MeshConfig, s: fleet.FleetState, agents: dict[str, AgentClient], store: Store) -> dict:
     async def one(n):
         try:
-            v = await agents[n.name].call("GET", "/v1/ranks", timeout=3)
-            rank = next((r for r in reversed(v["ranks"]) if r["generation"] == s.generation), None)
+            ranks = await agents[n.name].ranks(timeout=3)
+            rank = next((view for report, view in zip(reversed(ranks.reports), reversed(ranks.views))
+                         if report.generation == s.generation), None)
             return {"node": n.name, "agent": n.agent, "agent_ok": True, "rank": rank}
         except AgentError as e:
             return {"node": n.name, "agent": n.agent, "agent_ok": False, "error": str(e), "rank": None}
