@@ -20,6 +20,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
 import queue
 import secrets
@@ -42,6 +43,7 @@ FORMAT = "meshd-snapshot/3"  # /3: digests keyed by the node's snapshot key
 # how a cache leaf is snapshotted: by its new tokens, appended to its parent's, or as its whole state
 LEAVES = {"KVCache": "append", "RotatingKVCache": "whole", "PoolingCache": "whole"}
 READERS = 4  # threads that read and hash one tape's segments
+PROGRESS_EVERY = 10_000  # files between the lines that say how far the scan of a large folder is
 
 
 def tape_id(tokens, tenant: str = "") -> str:
@@ -199,6 +201,7 @@ class Unusable(Exception):
 # safetensors' dtype names, and how numpy holds each (bfloat16 as its bits)
 DTYPES = {"F32": "float32", "F16": "float16", "BF16": "uint16", "U32": "uint32", "I32": "int32", "U8": "uint8",
           "U16": "uint16", "I64": "int64", "BOOL": "bool"}
+ITEMSIZE = {name: np.dtype(held).itemsize for name, held in DTYPES.items()}
 BY_MLX = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint32": "U32", "int32": "I32", "uint8": "U8",
           "uint16": "U16", "int64": "I64", "bool": "BOOL"}
 
@@ -249,12 +252,15 @@ def parse_header(name: str, first8: bytes, read, size: int) -> tuple[int, dict]:
         header = json.loads(read(n)) if 8 + n <= size else None
         if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):
             raise ValueError("not a safetensors header")
-        spans = {k: t["data_offsets"] for k, t in header.items() if k != "__metadata__"}
+        end = 0
         for k, t in header.items():
-            if k != "__metadata__" and int(np.prod(t["shape"])) * np.dtype(DTYPES[t["dtype"]]).itemsize != \
-                    spans[k][1] - spans[k][0]:
+            if k == "__metadata__":
+                continue
+            shape, (a, b) = t["shape"], t["data_offsets"]
+            if not (all(type(d) is int and d >= 0 for d in shape) and type(a) is int and type(b) is int
+                    and 0 <= a <= b and math.prod(shape) * ITEMSIZE[t["dtype"]] == b - a):
                 raise ValueError(f"{k}: its shape does not fit its offsets")
-        end = max((b for _, b in spans.values()), default=0)
+            end = max(end, b)
     except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
         raise Unusable("truncated", f"{name}: its header is cut short or malformed") from None
     if size != 8 + n + end:
@@ -264,10 +270,16 @@ def parse_header(name: str, first8: bytes, read, size: int) -> tuple[int, dict]:
 
 def read_header(path: Path) -> dict:
     """A segment file's safetensors metadata, its header checked (`parse_header`)."""
-    size = path.stat().st_size
+    return read_meta(path)[0]
+
+
+def read_meta(path: Path) -> tuple[dict, os.stat_result]:
+    """A segment file's safetensors metadata, its header checked, and the file's stat: one open, one read
+    for a small header."""
     with open(path, "rb") as f:
-        _, header = parse_header(path.name, f.read(8), f.read, size)
-    return header.get("__metadata__", {})
+        st = os.fstat(f.fileno())
+        _, header = parse_header(path.name, f.read(8), f.read, st.st_size)
+    return header.get("__metadata__", {}), st
 
 
 def read_tokens(path: Path) -> list[int]:
@@ -304,25 +316,32 @@ def to_mx(a: np.ndarray, dtype: str) -> mx.array:
 def segment_files(folder: Path) -> list[Path]:
     """The segment files in a rank's folder: regular files (a pipe would block its reader), not the writer's
     temporary ones (`.SID.safetensors`)."""
-    return sorted(p for p in folder.glob("*.safetensors") if not p.name.startswith(".") and p.is_file())
+    with os.scandir(folder) as entries:
+        names = sorted(e.name for e in entries
+                       if e.name.endswith(".safetensors") and not e.name.startswith(".") and e.is_file())
+    return [folder / name for name in names]
 
 
-def scan(folder: Path, me: Identity) -> tuple[dict[str, Segment], dict[Path, str]]:
+def scan(folder: Path, me: Identity, progress=lambda done, total: None) -> tuple[dict[str, Segment],
+                                                                                 dict[Path, str]]:
     """This rank's segments in `folder` (named `SID.DIGEST.safetensors`), and the files that are not usable
-    with the reason why."""
+    with the reason why: each file's header read once, `progress(done, total)` every PROGRESS_EVERY files."""
     found: dict[str, Segment] = {}
     bad: dict[Path, str] = {}
-    for path in segment_files(folder):
+    paths = segment_files(folder)
+    for done, path in enumerate(paths, 1):
+        if done % PROGRESS_EVERY == 0:
+            progress(done, len(paths))
         try:
-            meta = read_header(path)
+            meta, st = read_meta(path)
             if meta.get("format") != FORMAT:
                 raise Unusable("foreign", f"{path.name}: of snapshot format {meta.get('format')}, this rank reads "
                                           f"{FORMAT}")
             if {k: meta.get(k) for k in me.tags()} != me.tags():
                 raise Unusable("foreign", f"{path.name}: of another model, world, rank or shard layout")
             sid = path.name.split(".")[0]
-            found[sid] = Segment(sid, str(meta["parent"]), int(meta["start"]), int(meta["end"]),
-                                 path.stat().st_size, path.stat().st_mtime, path, str(meta.get("tenant", "")))
+            found[sid] = Segment(sid, str(meta["parent"]), int(meta["start"]), int(meta["end"]), st.st_size,
+                                 st.st_mtime, path, str(meta.get("tenant", "")))
         except Unusable as e:
             bad[path] = e.reason
         except (OSError, KeyError, ValueError, TypeError, AttributeError):  # a header of other shapes
@@ -423,7 +442,12 @@ class Snapshots:
         self.restores_pending = 0  # tapes the next generation is still restoring (runtime/restore.py)
         self.skipped: dict[str, int] = {}
         self._lock = threading.Lock()  # the segment index, shared with the writer
-        self.segments, bad = scan(self.folder, me)
+        began = time.monotonic()
+        self.segments, bad = scan(self.folder, me, lambda done, total: log(
+            f"snapshots: {done} of {total} files read in {self.folder} ({time.monotonic() - began:.1f}s)"))
+        if len(self.segments) + len(bad) >= PROGRESS_EVERY:  # a scan whose progress was said: its end too
+            log(f"snapshots: {len(self.segments) + len(bad)} file(s) read in {time.monotonic() - began:.1f}s: "
+                f"{len(self.segments)} segment(s) of this rank's, {len(bad)} unusable")
         for reason in sorted(set(bad.values())):  # none of them can ever serve from this folder
             self.skip_all(reason, [p.name for p, r in bad.items() if r == reason], "file(s) unusable, deleted")
         for path in bad:
@@ -572,7 +596,8 @@ class Snapshots:
             self._count_bytes()
         for seg in gone:
             self.skip("expired", f"{seg.path.name}: unused for more than {self.max_age:.0f}s (snapshot_max_age)")
-            seg.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                seg.path.unlink(missing_ok=True)
 
     # --- write ----------------------------------------------------------------------------------------------
     def base(self, sid: str, cached: int) -> tuple[str, int]:
@@ -663,44 +688,55 @@ class Snapshots:
 
     def _write(self, seg: Segment, arrays: dict[str, mx.array], about: str) -> None:
         """One segment, durable on its own once its name is in the folder: written to a temporary file whose
-        digest is hashed as it is written, renamed, the folder flushed. A folder deleted under the rank (to
-        free space) is made again, and the segments that went with it are forgotten."""
+        digest is hashed as it is written, renamed, the folder flushed. A write that finds the folder deleted
+        under the rank (to free space) fails, counted `write_failed`; the folder is made again for the next one,
+        and the segments that went with it are forgotten."""
         tmp = self.folder / f".{seg.sid}.safetensors"
         try:
-            if not self.folder.is_dir():
-                self._lost_folder()
             hashed = write_segment(tmp, arrays, {**self.me.tags(), "parent": seg.parent, "leaves": about,
                                                  "start": str(seg.start), "end": str(seg.end),
                                                  "tenant": seg.tenant}, self.key)
             path = self.folder / f"{seg.sid}.{hashed}.safetensors"
             os.replace(tmp, path)
             fsync_folder(self.folder)
+            nbytes = path.stat().st_size
         except Exception as e:  # whatever the disk raises, the writer goes on and the tape is skipped
-            tmp.unlink(missing_ok=True)
             with self._lock:
                 if self.segments.get(seg.sid) == seg:
                     del self.segments[seg.sid]
+            if not self.folder.is_dir():
+                self.skip("write_failed", f"tape {seg.sid}: {self._lost_folder()}")
+                return
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or free_bytes(self.folder) < seg.nbytes
             self.skip("disk_full" if full else "write_failed", f"tape {seg.sid}: {e}")
             return
         with self._lock:
-            self.segments[seg.sid] = replace(seg, nbytes=path.stat().st_size, path=path)
+            self.segments[seg.sid] = replace(seg, nbytes=nbytes, path=path)
             gone = [self.segments.pop(sid).path for sid in evict(self.segments, max(0, self.budget - self._others))]
             self._count_bytes()
         for path in gone:  # outside the lock: the loop's `stage` never waits on the disk
             if path is not None:
-                path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
         self.written += 1
 
-    def _lost_folder(self) -> None:
-        private_folder(self.folder)
+    def _lost_folder(self) -> str:
+        """The rank's folder, deleted under it, made again (the segments that went with it forgotten); what
+        happened, said."""
         with self._lock:
             gone = [sid for sid, seg in self.segments.items() if seg.path is not None and not seg.path.exists()]
             for sid in gone:
                 del self.segments[sid]
             self._count_bytes()
-        self.log(f"snapshot folder {self.folder} was deleted while this rank served: made again, "
-                 f"{len(gone)} segment(s) forgotten")
+        try:
+            private_folder(self.root)
+            private_folder(self.folder)
+        except OSError as e:
+            return f"the folder {self.folder} was deleted while this rank served and cannot be made again ({e})"
+        return (f"the folder {self.folder} was deleted while this rank served: made again, {len(gone)} "
+                "segment(s) that went with it forgotten")
 
 
 def private_folder(folder: Path) -> None:
