@@ -19,11 +19,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm import load
 
+from common.openai_api import SamplingParams
 from runtime import grammar
 from runtime.demo_model import build_demo_model
 from runtime.engine import BatchEngine
 from runtime.jobs import Job
-from runtime.openai_api import SamplingParams
 from runtime.sampling import GrammarMask
 
 # A document that cannot end before the answer's tokens do: every token is held, none is free text.
@@ -69,7 +69,7 @@ def main() -> None:
     grammar.serve(tokenizer)
     eos = set(tokenizer.eos_token_ids)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    held = grammar.json_grammar(ENDLESS)
+    held = grammar.builder().json(ENDLESS)
     rates: dict[str, list[float]] = {"unheld": [], "held": []}
     for n in range(args.rounds + 1):
         order = ["unheld", "held"] if n % 2 else ["held", "unheld"]
@@ -85,7 +85,7 @@ def main() -> None:
     for _ in range(20):
         grammar._served.compiled.clear()
         began = time.perf_counter()
-        grammar.json_grammar(ORDER)
+        grammar.builder().json(ORDER)
         compile_ms.append(1000 * (time.perf_counter() - began))
 
     wide = 151936

@@ -25,11 +25,11 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load_model
 
+from common.openai_api import SamplingParams
 import runtime.overlays.demo_mtp  # noqa: F401  registers model type demo_mtp
 from runtime.demo_model import build_demo_model
 from runtime.drafting import MTPEngine
 from runtime.engine import BatchEngine, Job
-from runtime.openai_api import SamplingParams
 
 PROMPT = tuple(range(5, 45))
 

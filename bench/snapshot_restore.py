@@ -25,13 +25,13 @@ from mlx_lm.utils import load_tokenizer
 
 from benchkit import ROOT, report, say, spread
 
+from common.openai_api import SamplingParams
 from kit.agents import make_agents
 from kit.demo_answers import endless
 from kit.snapshots import EVERY, Gen, answer_in_flight
 from kit.waiting import wait_for
 from runtime.demo_model import DemoModelSpec, build_demo_model
 from runtime.engine import BatchEngine, Job
-from runtime.openai_api import SamplingParams
 from runtime.snapshot import Identity, Snapshots
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "

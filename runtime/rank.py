@@ -26,12 +26,12 @@ from mlx_lm import load as load_whole
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_config, load_tokenizer
 
-from common import proctitle
+from common import openai_api as oa, proctitle
 from common.fingerprint import weights_digest
 from common.tomlcheck import loopback
 from common.states import RankState
 from common.statusfile import RankStatus
-from runtime import dspark, families, grammar, openai_api as oa
+from runtime import dspark, families, grammar
 from runtime.drafting import DraftWhenAlone, MTPEngine, SpeculativeEngine
 from runtime.engine import BatchEngine
 from runtime.jobs import Cancel, Drain, DrainMode, Insert, Message, RestoreFirst

@@ -20,9 +20,10 @@ from enum import StrEnum
 
 from aiohttp import web
 
+from common import openai_api as oa
 from common.errors import ApiError, error_body
 from common.http import Listener, bearer_matches, json_error, json_errors, read_json
-from runtime import grammar, openai_api as oa
+from runtime import grammar
 from runtime.jobs import Cancel, Drain, DrainMode, Emission, Insert, Job, Message
 
 
@@ -257,7 +258,7 @@ class Frontend:
         return list(ids)
 
     async def _complete(self, request: web.Request, kind: str) -> web.StreamResponse:
-        req = oa.parse_request(kind, await read_json(request), self.limits, internal=True)
+        req = oa.parse_request(kind, await read_json(request), self.limits, internal=True, grammars=grammar.builder())
         if req.params.grammar and not self.holds_grammars:
             raise ApiError(400, f"'{req.params.held_by}' holds the answer to a grammar, which a mesh decoding with a "
                                 "draft model cannot do exactly; serve this model without draft_model (its own MTP "

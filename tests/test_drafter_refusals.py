@@ -7,11 +7,11 @@ fallback in lockstep on four ranks runs in tests/test_dspark.py."""
 import pytest
 from mlx_lm import load
 
+from common.openai_api import SamplingParams
 import runtime.overlays.demo_mtp  # noqa: F401  (registers model type demo_mtp)
 from runtime.demo_model import DemoModelSpec, build_demo_model
 from runtime.drafting import MTPEngine, SpeculativeEngine
 from runtime.engine import BatchEngine, Job
-from runtime.openai_api import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
 SEEDED = SamplingParams(max_tokens=1, temperature=0.9, seed=7).sampling()

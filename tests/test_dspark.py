@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 
+from common import openai_api as oa
 from kit.dspark import build_dspark_model, omlx_mesh, standin_env
 from agents.signatures import classify
 from kit.demo_answers import endless
@@ -30,7 +31,6 @@ from mlx_lm.chat_templates import deepseek_v32
 
 from mlx_lm.utils import load_tokenizer
 
-from runtime import openai_api as oa
 from runtime.overlay import OMLX, drafter_off, overlay_for, unloaded
 
 OVERLAY = ("--model-package", "omlx")

@@ -5,11 +5,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from common.openai_api import SamplingParams
 from runtime.demo_model import DemoModelSpec, build_demo_model
 from runtime.drafting import MTPEngine
 from runtime.engine import BatchEngine, Job
 from runtime.lockstep import Divergence, Lockstep, PeerLost, fold
-from runtime.openai_api import SamplingParams
 from runtime.sampling import SeededSampler
 from runtime.tape import TokenTape, replaces, reusable_prefix
 

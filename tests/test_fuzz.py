@@ -23,6 +23,7 @@ from schemathesis.checks import not_a_server_error, response_schema_conformance
 from agents import config as agent_config
 from agents.server import make_app
 from agents.supervisor import Supervisor
+from common.openai_api import Limits
 from common.tomlcheck import dumps_toml
 from kit.agents import make_agents
 from kit.configs import write_mesh
@@ -35,7 +36,6 @@ from meshd.dataplane.proxy import Proxy
 from meshd.dataplane.proxyconfig import single
 from meshd.seam import rank_key, rank_secret
 from meshd.store import Store
-from runtime.openai_api import Limits
 from runtime.server import Frontend
 
 OPENAPI = Path(__file__).resolve().parents[1] / "openapi"

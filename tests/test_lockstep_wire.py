@@ -4,9 +4,9 @@ two-rank exchange, comes back as it went."""
 import mlx.core as mx
 import pytest
 
+from common.openai_api import SamplingParams
 from runtime.jobs import Cancel, Drain, DrainMode, Insert, Job, RestoreFirst, decode, encode
 from runtime.lockstep import Lockstep, fold
-from runtime.openai_api import SamplingParams
 
 SAMPLING = SamplingParams(max_tokens=5, temperature=0.7, logit_bias=((3, -1.5),), grammar="start: \"a\"").sampling()
 RESUMED = Job("chatcmpl-1", (1, 2, 3), 5, 42, SAMPLING, offset=2, logprobs=3, tenant="team")

@@ -2,8 +2,9 @@
 
 import pytest
 
+from common import openai_api as oa
+from common.grammars import DSML, Builder, ToolFormat
 from kit.openai import validate
-from runtime import openai_api as oa
 
 LIMITS = oa.Limits("demo", default_max_tokens=64, max_tokens_limit=1000, aliases=("/models/demo", "org/demo-1b"))
 MSG = [{"role": "user", "content": "hi"}]
@@ -254,6 +255,28 @@ def test_completions_take_no_response_format():
     with pytest.raises(oa.ApiError) as e:
         oa.parse_request("text", {"prompt": "a", "response_format": {"type": "json_object"}}, LIMITS)
     assert (e.value.status, e.value.param, e.value.code) == (400, "response_format", "unsupported_parameter")
+
+
+FORCED = {"messages": MSG, "tools": [WEATHER], "tool_choice": "required"}
+
+
+@pytest.mark.parametrize("tools,says", [
+    (None, "this model has no tool calling"),
+    (ToolFormat('"[TOOL_CALLS]"', '"[/TOOL_CALLS]"', "mistral", ""), "writes calls in the mistral format"),
+], ids=["no tool calling", "a format no grammar writes"])
+def test_a_forced_call_the_readers_model_cannot_write_is_a_400_naming_why(tools, says):
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_request("chat", FORCED, LIMITS, grammars=Builder(tools))
+    assert (e.value.status, e.value.param) == (400, "tool_choice") and says in e.value.message, e.value.message
+
+
+def test_the_readers_builder_writes_the_grammar_and_checks_it():
+    checked = []
+    dsml = Builder(ToolFormat(f'"<{DSML}tool_calls>"', f'"</{DSML}tool_calls>"', "deepseek_v32", "dsml"),
+                   lambda text: checked.append(text) or text)
+    req = oa.parse_request("chat", FORCED, LIMITS, grammars=dsml)
+    assert checked == [req.params.grammar] and f'<{DSML}invoke name=\\"get_weather\\">' in req.params.grammar
+    assert "<tool_call>" in oa.parse_request("chat", FORCED, LIMITS).params.grammar  # the proxy's stand-in
 
 
 @pytest.mark.parametrize("text,begin,spans,open_at", [

@@ -16,6 +16,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from common.openai_api import SamplingParams
 from kit.agents import make_agents
 from kit.demo_answers import endless
 from kit.smallfs import fill, small_filesystem
@@ -23,7 +24,6 @@ from kit.snapshots import EVERY, Gen, answer_in_flight, metric
 from kit.waiting import wait_for
 from runtime.engine import BatchEngine, Job
 from runtime.jobs import Cancel, Drain, DrainMode, Insert, RestoreFirst
-from runtime.openai_api import SamplingParams
 from runtime.rank import parse_args
 from runtime.server import WARMUP
 from runtime.restore import Rates, Restorer, plan, settled, worth_waiting

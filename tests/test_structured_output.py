@@ -18,12 +18,13 @@ from mlx_lm.utils import load_tokenizer
 from openai import APIError, OpenAI, UnprocessableEntityError
 from pydantic import BaseModel, Field
 
+from common import openai_api as oa
 from kit.held import held_tokens
 from kit.meshctl import Demo, demo_home, demo_meshctl
 from meshd.meshctl.ports import free_ports
 from kit.openai import sse_events
 import runtime.overlays.demo_mtp  # noqa: F401  (registers the demo model with an MTP head)
-from runtime import grammar, openai_api as oa
+from runtime import grammar
 from runtime.demo_model import DemoModelSpec, build_demo_model
 from runtime.drafting import MTPEngine
 from runtime.engine import BatchEngine

@@ -37,6 +37,7 @@ from typing import Protocol
 import structlog
 from aiohttp import web
 
+from common import openai_api as oa
 from common.errors import error_body
 from common.http import json_error
 from common.states import Profile
@@ -46,7 +47,6 @@ from meshd.metrics import ProxyMetrics
 from meshd.seam import Observation
 from meshd.upstream import Upstream, UpstreamError
 from meshd.dataplane.sse import sse_blocks
-from runtime import openai_api as oa
 
 RETRY_AFTER = "5"
 # A chunk carries text when its "content" (chat) or "text" (completions) is a

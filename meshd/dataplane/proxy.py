@@ -27,6 +27,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from common import openai_api as oa
 from common.errors import ApiError
 from common.http import bearer_matches, json_error, json_errors, read_json
 from common.secretfile import derive
@@ -42,7 +43,6 @@ from meshd.dataplane.routing import REASONS, Failed, MeshSeen, PrefixMemory, Rou
 from meshd.metrics import ProxyMetrics
 from meshd.seam import FleetView, Observation, Serving
 from meshd.upstream import Upstream, UpstreamError
-from runtime import openai_api as oa
 
 log = structlog.get_logger("meshd.proxy")
 

@@ -160,7 +160,7 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
     from runtime import families
     from runtime.drafting import SpeculativeEngine
     from runtime.engine import BatchEngine, Job
-    from runtime.openai_api import SamplingParams
+    from common.openai_api import SamplingParams
     from runtime.rank import load_sharded
 
     config = load_config(path)

@@ -6,9 +6,9 @@ answers as the plain decoder does from the same tape. The engines run in this pr
 import mlx.core as mx
 import pytest
 
+from common.openai_api import SamplingParams
 from runtime.engine import BatchEngine
 from runtime.jobs import Job
-from runtime.openai_api import SamplingParams
 from runtime.rowwise import drafted_everywhere
 
 GREEDY = SamplingParams(max_tokens=1).sampling()

@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.utils import load_tokenizer
 
+from common.openai_api import SamplingParams
 from kit.agents import make_agents
 from kit.demo_answers import endless
 from kit.snapshots import EVERY, Gen, answer_in_flight
@@ -18,7 +19,6 @@ from kit.waiting import wait_for
 from pinned.dsv4 import PROMPT, pinned_env
 from runtime.engine import BatchEngine
 from runtime.jobs import Job
-from runtime.openai_api import SamplingParams
 from runtime.rowwise import drafted_everywhere
 from runtime.snapshot import Identity, Snapshots, read_header, segment_files, tape_id
 

@@ -1,7 +1,7 @@
 """DeepSeek-V4's tools through meshd with the REAL omlx (flyto-mlx's omlx.patches.deepseek_v4): the tokenizer
 meshd's rank loads for a deepseek_v4 checkpoint once `[runtime] model_package = "omlx"` is set up (omlx's load
 patch puts its DSML chat template and tool parser on it), then a DeepSeek Harness (dsh) loop through rank 0's
-real frontend (runtime/server.py on a real port, requests parsed by runtime/openai_api.py, prompts rendered by
+real frontend (runtime/server.py on a real port, requests parsed by common/openai_api.py, prompts rendered by
 the template meshd applies): tools offered, the model's DSML call (the real tokenizer's tokens, played one at
 a time by a scripted stand-in for the lockstep loop, since a tiny random model writes no DSML) answered as
 OpenAI `tool_calls` with its reasoning apart, streamed and not, and the next turn's prompt carrying the call,
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from common import openai_api as oa
 from meshd.meshctl.ports import free_ports
-from runtime import openai_api as oa
 from runtime.jobs import Emission, Insert
 from runtime.server import WARMUP, Frontend
 

@@ -1,9 +1,11 @@
-"""OpenAI request validation and response shapes, as pure functions.
+"""The OpenAI wire, as pure functions: request validation and response shapes, which the proxy and rank 0
+both stand on.
 
 Every body built here validates against the official response schemas: `logprobs`
 (null unless asked for) and `refusal` are present, errors are `{"error": {message, type, param,
 code}}`. Validation turns a bad request into an `ApiError` naming the field, so a
-bad request never reaches the lockstep loop.
+bad request never reaches the lockstep loop. A request's grammar is built by the caller's `Builder`
+(common/grammars.py): the proxy's checks it without a tokenizer, rank 0's with its served model's.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from common.errors import ApiError, error_body
-from runtime import grammar
+from common.grammars import UNSERVED, Builder, GrammarError
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
@@ -36,7 +38,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted
     named: bool = True  # the request set max_tokens itself (else the answer may stop at the context's end)
     logprobs: int = -1  # -1: none; k >= 0: each token's log probability and its k most likely alternatives
-    grammar: str = ""  # llguidance's grammar the answer is held to (runtime/grammar.py); "": none
+    grammar: str = ""  # llguidance's grammar the answer is held to (common/grammars.py); "": none
     held_by: str = ""  # the parameter that asked for it: "response_format" or "tool_choice"
 
     def sampling(self) -> dict:
@@ -293,7 +295,7 @@ def _history_calls(calls: Any, where: str) -> list[dict]:
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-def _tools(body: dict) -> tuple[tuple[dict, ...], str]:
+def _tools(body: dict, grammars: Builder) -> tuple[tuple[dict, ...], str]:
     """The request's functions (none when `tool_choice` is "none"), and the grammar of the calls it forces
     ("required": one or more, a named function: one call to it; "" when it forces none)."""
     tools = body.get("tools") or []
@@ -322,8 +324,8 @@ def _tools(body: dict) -> tuple[tuple[dict, ...], str]:
             raise _bad("tool_choice", f"'tool_choice' names {named!r}, which is not among 'tools' ({', '.join(names)})")
         forced = [t for t in tools if named in (None, t["function"]["name"])]
         try:
-            return tuple(tools), grammar.tool_call_grammar(forced, several=named is None)
-        except grammar.GrammarError as e:
+            return tuple(tools), grammars.tool_calls(forced, several=named is None)
+        except GrammarError as e:
             raise ApiError(400, f"'tool_choice' forces a call, but {e}; use \"auto\", or check each function's "
                                 "'parameters'", param="tool_choice", code="unsupported_parameter")
     raise _bad("tool_choice", f"'tool_choice' must be \"none\", \"auto\", \"required\" or "
@@ -365,7 +367,7 @@ def tool_call_body(call: dict, index: int | None = None) -> dict:
 JSON_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
-def _response_format(body: dict) -> str:
+def _response_format(body: dict, grammars: Builder) -> str:
     """The grammar `response_format` holds the answer to: any JSON object ("json_object"), a document valid
     against a schema ("json_schema", held to it whether `strict` or not); "" for "text"."""
     fmt = body.get("response_format")
@@ -373,7 +375,7 @@ def _response_format(body: dict) -> str:
     if fmt is None or kind == "text":
         return ""
     if kind == "json_object":
-        return grammar.json_grammar({"type": "object"})
+        return grammars.json({"type": "object"})
     if kind != "json_schema":
         raise _bad("response_format", "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} "
                                       "or {\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": "
@@ -387,8 +389,8 @@ def _response_format(body: dict) -> str:
     if not isinstance(schema, dict):
         raise _bad(f"{where}.schema", f"'{where}.schema' must be a JSON Schema object, got {schema!r}")
     try:
-        return grammar.json_grammar(schema)
-    except grammar.GrammarError as e:
+        return grammars.json(schema)
+    except GrammarError as e:
         raise ApiError(400, f"'{where}.schema' cannot hold an answer: {e}. Leave that part out or rewrite it",
                        param=f"{where}.schema", code="invalid_value")
 
@@ -434,10 +436,12 @@ def _refuse_unhonoured(kind: str, body: dict) -> None:
                        code="unsupported_parameter")
 
 
-def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False) -> CompletionRequest:
+def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False,
+                  grammars: Builder = UNSERVED) -> CompletionRequest:
     """Validate a decoded JSON body for `/v1/chat/completions` ("chat") or
     `/v1/completions` ("text"). Raises ApiError naming the field at fault.
-    `internal`: the body comes from meshd's proxy (rank 0 takes its `meshd` object)."""
+    `internal`: the body comes from meshd's proxy (rank 0 takes its `meshd` object);
+    `grammars`: how its structured output's grammar is built (rank 0: runtime/grammar.py's `builder()`)."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object", code="invalid_json")
     _refuse_unhonoured(kind, body)
@@ -476,9 +480,9 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False) 
         logprobs=_logprobs(kind, body),
     )
     report_ids, resume, tenant = _internal(body, internal)
-    tools, forced = _tools(body) if kind == "chat" else ((), "")
+    tools, forced = _tools(body, grammars) if kind == "chat" else ((), "")
     if kind == "chat":  # a forced call wins over the answer's format: its turn is the call
-        answer_format = _response_format(body)
+        answer_format = _response_format(body, grammars)
         params = replace(params, grammar=forced or answer_format,
                          held_by="tool_choice" if forced else "response_format" if answer_format else "")
     common = dict(
