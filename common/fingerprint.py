@@ -49,6 +49,33 @@ def weights_digest(model_dir: Path, progress=lambda nbytes: None) -> str:
     return h.hexdigest()
 
 
+def stamps(model_dir: Path) -> list:
+    """What tells whether a model's files are still the ones they were: each one the fingerprint reads, with
+    the size, mtime_ns, ctime_ns, inode and device the digest cache keys it by (None where it is missing)."""
+    names = [*EXTRA_FILES, *sorted(p.name for p in model_dir.glob("*.safetensors"))]
+    out = []
+    for name in names:
+        try:
+            st = os.stat(model_dir / name)
+        except OSError:
+            out.append((name, None))
+            continue
+        out.append((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev))
+    return out
+
+
+def loaded_digest(model_dir: Path, before: list) -> str:
+    """The fingerprint of the weights a rank loaded, given the `stamps` its files had before the load: hashed
+    after it (from the digest cache where the agent hashed them), and "" unless every file is still the one
+    that was there before the load, so that a file replaced or written while it loaded is never reported as
+    either weights (nor one that cannot be read since)."""
+    try:
+        digest = weights_digest(model_dir)
+    except (OSError, ValueError):
+        return ""
+    return digest if stamps(model_dir) == before else ""
+
+
 def _file_digest(path: Path, cache: dict, progress) -> bytes:
     """`path`'s content digest, from `cache` while the file is unchanged, else hashed (and put there)."""
     began = time.time_ns()

@@ -52,6 +52,7 @@ class RankStatus:
     snapshot_pending_bytes: int = 0  # their bytes
     snapshot_restores_pending: int = 0  # tapes of the last generation still being restored while it serves
     snapshot_writer_error: str = ""  # why the snapshot writer stopped, if it did (nothing is written then)
+    weights_fingerprint: str = ""  # of the weights it loaded (common/fingerprint.py); "" when they changed meanwhile
     progress_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     started_at: float = field(default_factory=time.time)

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_config, load_tokenizer
 
 from common import openai_api as oa, proctitle
-from common.fingerprint import weights_digest
+from common.fingerprint import loaded_digest, stamps
 from common.tomlcheck import loopback
 from common.states import RankState
 from common.statusfile import RankStatus
@@ -394,14 +394,17 @@ def load(args, group, hb: Heartbeat, overlay, log) -> tuple:
         hb.update(progress=True, flush=True, load_done=done, load_total=total)
         log(f"loading {done}/{total}")
 
-    began = time.monotonic()
+    began, before = time.monotonic(), stamps(Path(args.model))
     try:
         model = load_sharded(Path(args.model), group, progress, overlay, log)
     except OverlayError as e:
         sys.exit(f"meshd-rank: {e}")
     loaded_in = time.monotonic() - began
-    log(f"loaded in {loaded_in:.1f}s from {Path(args.model)}")
-    hb.update(kernels_hidden=len(dspark.HIDDEN))  # whichever engine runs the model, drafted or not
+    args.weights_fingerprint = loaded_digest(Path(args.model), before)  # what it loaded, "" if they changed
+    log(f"loaded in {loaded_in:.1f}s from {Path(args.model)}, weights "
+        f"{args.weights_fingerprint or 'changed while it loaded'}")
+    hb.update(kernels_hidden=len(dspark.HIDDEN),  # whichever engine runs the model, drafted or not
+              weights_fingerprint=args.weights_fingerprint)
     return model, loaded_in
 
 
@@ -491,8 +494,11 @@ def open_snapshots(args, model_path: Path, model, rank: int, world: int, log) ->
         log(f"snapshots off: this model's caches ({', '.join(sorted(set(types) - set(LEAVES)))}) cannot be "
             f"snapshotted exactly, only {', '.join(LEAVES)}")
         return None
+    if not args.weights_fingerprint:
+        log("snapshots off: the weights changed while this rank loaded them, which of them it holds is not known")
+        return None
     try:
-        me = Identity(weights_digest(model_path), world, rank, shard_layout(model))
+        me = Identity(args.weights_fingerprint, world, rank, shard_layout(model))
         key = snapshot_key(Path(args.snapshot_key or args.snapshot_dir.rstrip("/") + ".key"))
         return Snapshots(Path(args.snapshot_dir), me, args.snapshot_budget_mb << 20, args.snapshot_every, log, key,
                          args.snapshot_max_age)

@@ -1,17 +1,23 @@
 """The first hash of a large model outlasts any caller's wait (a 100 GB model's, the agent's facts call's
 30 s): a real agent answers GET /v1/node at once with how far the hash is, hashes on behind, and a caller
-that asks again gets the fingerprint. The doctor reads a node still hashing as not known to differ."""
+that asks again gets the fingerprint. The doctor reads a node still hashing as not known to differ. The
+fingerprint a mesh reports is the one its rank loaded: weights replaced after the agent hashed them are
+reported as the new ones, and weights changed while the rank loaded them as unknown."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import struct
 import time
 
 import pytest
 
 from agents.node import HASH_WAIT, model_fingerprint
+from common.fingerprint import loaded_digest, stamps, weights_digest
 from kit.agents import make_agents
+from kit.snapshots import Gen
 from kit.waiting import wait_for
 from meshd.nodes import doctor
 
@@ -62,3 +68,39 @@ def test_the_doctor_reads_a_node_still_hashing_as_not_known_to_differ():
     assert [c.ok for c in checks] == [True, True]
     assert "0.50 of 1.00 GiB hashed; run meshctl doctor again to compare" in checks[1].detail
 
+
+
+def replace_weights(model) -> None:
+    """The weight file replaced by a rename (another inode), one byte of its tensors changed."""
+    path = model / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    (model / "new").write_bytes(bytes(data))
+    os.replace(model / "new", path)
+
+
+def test_a_rank_reports_the_weights_it_loaded_not_those_its_agent_hashed_before(tmp_path, demo_model, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = shutil.copytree(demo_model, tmp_path / "m")
+    [agent] = make_agents(tmp_path, 1)
+    agent.start(env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    try:
+        hashed = wait_for(lambda: agent.get("/v1/node", params={"model": str(model)}).json()["model"]["fingerprint"],
+                          60, "the agent's hash")
+        replace_weights(model)  # after the agent's hash, before the rank's load
+        g = Gen([agent], model, 1)
+        try:
+            assert g.settled(0)["weights_fingerprint"] == weights_digest(model) != hashed
+        finally:
+            g.stop()
+    finally:
+        agent.kill()
+
+
+def test_weights_changed_while_a_rank_loads_them_are_reported_as_unknown(tmp_path, demo_model, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model = shutil.copytree(demo_model, tmp_path / "m")
+    before = stamps(model)
+    assert loaded_digest(model, before) == weights_digest(model)
+    replace_weights(model)  # as if while it loaded
+    assert loaded_digest(model, before) == ""

@@ -46,10 +46,6 @@ class EpochRefused(Exception):
 
 
 
-def weights_fingerprint(facts: dict | None) -> str:
-    """The fingerprint in an agent's node facts (GET /v1/node?model=...), "" where it read none."""
-    model = (facts or {}).get("model") or {}
-    return str(model.get("fingerprint") or "") if model.get("present") else ""
 
 class Controller:
     def __init__(self, cfg: MeshConfig, store: Store, metrics: Metrics):
@@ -72,8 +68,8 @@ class Controller:
         self.agent_errors: dict[str, str] = {}
         self._steps_observed: dict[float, int] = {}  # incident -> timeline entries already in /metrics
         self._counted: float | None = None  # the last incident counted in meshd_restarts_total
-        # The weights' fingerprint of the generation that runs, as node 0's agent read it at its start (the
-        # store keeps it for a restarted controller that adopts that generation).
+        # The weights' fingerprint of the generation that runs, as its rank 0 loaded them (the store keeps it
+        # for a restarted controller that adopts that generation).
         self.weights: dict = store.get("weights", {"generation": -1, "fingerprint": ""})
 
     # --- lifecycle ------------------------------------------------------------
@@ -237,10 +233,9 @@ class Controller:
                         seed=rt.seed, env=dict(rt.env), args=rt.launch_args(), devices=self.cfg.nodes[rank].devices,
                         secret=self.rank_secret(generation))
 
-    async def _preflight(self) -> tuple[list[str], str]:
+    async def _preflight(self) -> list[str]:
         """The doctor's cheap checks (hostfile, versions, model, launch) as every start passes them:
-        the failures no restart can fix. An agent that does not answer is not one of them. With them, the
-        fingerprint of node 0's weights ("" when it could not be read)."""
+        the failures no restart can fix. An agent that does not answer is not one of them."""
         async def facts(node: str) -> tuple[str, dict | None]:
             try:
                 return node, await doctor.node_facts(self.cfg, self.agents[node])
@@ -251,7 +246,7 @@ class Controller:
         known = {node: f for node, f in answers.items() if f is not None}
         refused = [f"{c.name} on {c.node}: {c.detail} (fix: {c.fix})"
                    for c in doctor.judge_start(self.cfg, known) if not c.ok]
-        return refused, weights_fingerprint(answers[self.cfg.nodes[0].name])
+        return refused
 
     def _remember_weights(self, generation: int, fingerprint: str) -> None:
         self.weights = {"generation": generation, "fingerprint": fingerprint}
@@ -263,8 +258,8 @@ class Controller:
         except ConfigError as e:
             await self.feed(fleet.StartRefused(g, str(e)))
             return
-        refused, fingerprint = await self._preflight()
-        self._remember_weights(g, fingerprint)
+        refused = await self._preflight()
+        self._remember_weights(g, "")  # unknown until rank 0 says what it loaded
         if refused:
             await self.feed(fleet.StartRefused(g, "; ".join(refused)))
             return
@@ -287,9 +282,21 @@ class Controller:
     async def ready_probe(self) -> bool:
         return (await self.readiness())[0]
 
+    async def _rank0_weights(self, g: int) -> str:
+        """The fingerprint of the weights rank 0 of generation `g` loaded, as its status file says ("" unknown:
+        not said yet, or they changed while it loaded)."""
+        try:
+            views = (await self.agents[self.cfg.nodes[0].name].ranks()).views
+        except AgentError:
+            return ""
+        return next((str((v.get("status") or {}).get("weights_fingerprint", "")) for v in views
+                     if v.get("generation") == g and v.get("rank") == 0), "")
+
     async def _await_ready(self, g: int) -> None:
         while self.state.generation == g and self.state.phase == Phase.STARTING:
             ready, died = await self.readiness()
+            if ready:
+                self._remember_weights(g, await self._rank0_weights(g))
             if ready or died:
                 await self.feed(fleet.MeshReady(g) if ready else died)
                 return
@@ -362,12 +369,9 @@ class Controller:
         if decision is None:
             return False
         log.info("adopting", decision=repr(decision))
-        if isinstance(decision, fleet.Adopted) and self.weights["generation"] != decision.generation:
-            try:  # not started by this store's controller: what node 0 holds now is the best known
-                facts = await doctor.node_facts(self.cfg, self.agents[self.cfg.nodes[0].name])
-            except AgentError:
-                facts = None
-            self._remember_weights(decision.generation, weights_fingerprint(facts))
+        if isinstance(decision, fleet.Adopted) and (self.weights["generation"] != decision.generation
+                                                    or not self.weights["fingerprint"]):
+            self._remember_weights(decision.generation, await self._rank0_weights(decision.generation))
         await self.feed(decision)
         if isinstance(decision, fleet.Adopted) and not decision.ready:
             self._spawn(self._await_ready(decision.generation))
