@@ -45,10 +45,10 @@ def story(demo_model, tmp_path_factory):
     # own code, not of a disk other tests keep flushing
     base = Path(tempfile.mkdtemp(dir=SHM)) if os.access(SHM, os.W_OK) else tmp_path_factory.mktemp("folder")
     [agent] = make_agents(base, 1)
-    agent.start()
     root = agent.dir / "state" / "snapshots"
     out: dict = {}
     try:
+        agent.start()
         g = Gen([agent], demo_model, 1)
         try:
             rss = psutil.Process(pid_of(agent, 1)).memory_info
