@@ -11,7 +11,7 @@ from pathlib import Path
 from common.statusfile import write_atomic
 
 
-@dataclass(frozen=True)
+@dataclass
 class ManifestEntry:
     """One started rank as the manifest keeps it."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -28,17 +28,9 @@ Emit = Callable[[Event], Awaitable[None]]
 
 
 @dataclass
-class RankRecord:
-    generation: int
-    rank: int
-    pid: int
-    create_time: float
-    spawned_at: float
-    log_path: Path
-    status_path: Path | None
-    port: int
-    host: str
-    profile: str
+class RankRecord(ManifestEntry):
+    """A rank this agent watches: its manifest entry and what watching it learned."""
+
     proc: asyncio.subprocess.Process | None = None  # None when adopted
     state: RankState = RankState.SPAWNED
     status: RankStatus | None = None
@@ -61,12 +53,10 @@ class RankRecord:
     @classmethod
     def adopted(cls, e: ManifestEntry) -> RankRecord:
         """A rank an earlier agent started, as its manifest entry says."""
-        return cls(e.generation, e.rank, e.pid, e.create_time, e.spawned_at, e.log_path, e.status_path, e.port,
-                   e.host, e.profile, proc=None)
+        return cls(**{f.name: getattr(e, f.name) for f in fields(ManifestEntry)}, proc=None)
 
     def manifest_entry(self) -> ManifestEntry:
-        return ManifestEntry(self.generation, self.rank, self.pid, self.create_time, self.spawned_at,
-                             self.log_path, self.status_path, self.port, self.host, self.profile)
+        return ManifestEntry(**{f.name: getattr(self, f.name) for f in fields(ManifestEntry)})
 
     def view(self) -> dict:
         res = procs.resources(self.target) if not self.done else {"rss_bytes": 0, "cpu_seconds": 0.0}
