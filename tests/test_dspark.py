@@ -3,9 +3,9 @@ here (tests/kit/dspark.py) and omlx's entry points played by the stand-in in tes
 overlay set up before load by meshd's adapter, an omlx that lacks an entry point or stages that did not load
 named at load; a DeepSeek Harness (dsh) turn, reasoning_content and tool calls, through DeepSeek's template.
 One TP4 mesh on the ring under real agents, a controller and meshd-proxy, every request through the proxy:
-DSpark armed in the lockstep loop with drafted greedy and seeded answers the plain ones token for token (the
-same questions at once, batched on the backbone, undrafted), its counts in the agents' /metrics, several
-clients let through at once, the stand-in's 8-head kernel hidden at load (2 heads per rank) and counted, a
+DSpark armed in the lockstep loop with drafted greedy and seeded answers the same token for token whether
+asked alone (DSparkEngine) or at once (drafted row by row in one batch; plain decoding's answers are proven on
+omlx's own model in tests/pinned), its counts in the agents' /metrics, several clients let through at once, the stand-in's 8-head kernel hidden at load (2 heads per rank) and counted, a
 refusal in the target's verify falling back for that request with the ranks alive, a dsh turn through the
 proxy; and at TP2, stages split without their all-reduce caught by the lockstep digests."""
 
@@ -156,8 +156,7 @@ def metric(agents, name: str) -> list[str]:
 def served(dspark_model, tmp_path_factory):
     """One TP4 mesh under real agents, a controller and meshd-proxy: each question alone (drafted), a dsh
     turn, then the three questions at once while a lone request drafts (it hands over to the batch at the
-    next step and all four run batched on the backbone, undrafted: the plain answers), then one alone again
-    (the drafter re-armed)."""
+    next step and all four are drafted there row by row), then one alone again."""
     with omlx_mesh(tmp_path_factory.mktemp("mesh"), dspark_model, 4, {"MESHD_FAULT_TARGET_REFUSE_AT": str(REFUSE_AT)},
                    runtime={"model_package": "omlx", "args": {"prefill_step_size": 16}}) as (mesh, agents):
         proxy = json.loads(meshctl(mesh, "status", "--json").stdout)["urls"]["proxy"]
@@ -179,7 +178,7 @@ def served(dspark_model, tmp_path_factory):
             "meshd_agent_rank_kernels_hidden")}
         # B>1 through the proxy: a lone request drafts; three arrive meanwhile, the proxy lets them all
         # through to rank 0, where the lone one hands over to the batch and the three join it; the lone one
-        # cancelled, the three go on batched
+        # cancelled, the three go on drafted row by row
         blocker = requests.post(f"{proxy}/chat/completions", stream=True, timeout=300,
                                 json={**ASKS["greedy"], "max_tokens": 4000, "stream": True, **endless(dspark_model)})
         lines = blocker.iter_lines(decode_unicode=True)
@@ -189,22 +188,22 @@ def served(dspark_model, tmp_path_factory):
             held = wait_for(lambda: (n := rank0()["requests_in_flight"]) == 4 and n, 120,
                             "rank 0 to hold the lone request and the three", interval=0.1)
             blocker.close()
-            plain = {name: f.result() for name, f in waiting.items()}
+            together = {name: f.result() for name, f in waiting.items()}
         idle()
         batched = rank0()
         again = requests.post(f"{proxy}/chat/completions", timeout=300, json={**ASKS["greedy"], "max_tokens": 4})
         idle()
         yield {"drafted": drafted, "dsh": dsh, "alone": alone, "metrics": metrics, "held": held,
-               "plain": plain, "batched": batched, "again": again, "after": rank0(),
+               "together": together, "batched": batched, "again": again, "after": rank0(),
                "logs": [(a.dir / "state" / "gen-1" / f"rank-{r}" / "rank.log").read_text()
                         for r, a in enumerate(agents)],
                "generation": json.loads(meshctl(mesh, "status", "--json").stdout)["generation"]}
 
 
-def test_dspark_drafts_at_tp4_and_its_answers_are_the_plain_ones_token_for_token(served):
-    plain = served["plain"]
-    assert served["drafted"] == plain  # greedy, seeded (and its log probabilities), and the long one
-    assert plain["greedy"][1] == 8 and plain["seeded"][2]
+def test_dspark_drafts_at_tp4_alone_and_row_by_row_and_the_answers_are_the_same_token_for_token(served):
+    together = served["together"]
+    assert served["drafted"] == together  # greedy, seeded (and its log probabilities), and the long one
+    assert together["greedy"][1] == 8 and together["seeded"][2]
     first = served["alone"][0]
     assert first["drafter"] == "dspark" and 0 < first["draft_accepted"] <= first["draft_proposed"]
     counts = {(s["draft_proposed"], s["draft_accepted"], s["draft_fallbacks"]) for s in served["alone"]}
@@ -221,13 +220,14 @@ def test_the_drafters_counts_reach_the_agents_metrics(served):
     assert [v for _, v in served["metrics"]["meshd_agent_rank_draft_fallbacks_total"]] == [f"{fallbacks:.1f}"] * 4
 
 
-def test_more_than_one_request_through_the_proxy_runs_batched_and_the_drafter_rearms(served):
+def test_more_than_one_request_through_the_proxy_is_drafted_row_by_row(served):
     assert served["held"] == 4  # the proxy admitted them at once: it knows this drafter batches
     before, batched, after = served["alone"][0], served["batched"], served["after"]
     lookups = lambda s: s["tape_hits"] + s["tape_misses"] + s["tape_not_reusable"]  # noqa: E731
     # the lone one drafted, its handover to the batch (its own cache, through the tape) and the three batched
     # each looked the token tape up, which they share
     assert lookups(batched) - lookups(before) == 5
+    assert batched["draft_batched_steps"] > before["draft_batched_steps"] == 0  # drafted rows, one verify
     assert served["again"].status_code == 200, served["again"].text
     assert after["draft_proposed"] > batched["draft_proposed"] and lookups(after) == lookups(batched) + 1
 
