@@ -1,0 +1,120 @@
+"""Row-wise DSpark against undrafted batching, in one process on one device: B requests at once (B = 1, 2, 4),
+greedy, decoded by the engines a DSpark mesh runs (`drafted_everywhere`: DSparkEngine for a request alone,
+the row-wise batch for more) and by the batch engine alone (what `--drafter off` runs), in alternating rounds.
+For each: aggregate tokens/s over the answers (prompts included, as a client meets them), target forwards
+(counted at the model's call) and tokens per forward per row, the acceptance; whether every answer was the
+undrafted one, token for token.
+
+The target is omlx's own DeepSeek-V4 (flyto-mlx's, in .venv-omlx) with the DSpark stages of
+tests/standins/dspark_v4, the tiny checkpoint of tests/pinned/dsv4.py: ratio-4 layers with pooled caches, a
+window of 16, blocks of 5 (3 drafts a row in a batch).
+
+    .venv-omlx/bin/python bench/rowwise.py [--rounds 3] [--tokens 64] [--write]
+
+--write appends the table to docs/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from benchkit import report, say, spread
+
+from common.openai_api import SamplingParams
+from pinned.dsv4 import build_v4_checkpoint, set_up_omlx
+from runtime.engine import BatchEngine
+from runtime.jobs import Job
+from runtime.overlay import OMLX
+from runtime.rank import load_sharded
+from runtime.rowwise import drafted_everywhere
+
+GREEDY = SamplingParams(max_tokens=1).sampling()
+
+
+class Counted:
+    """The model, its forwards counted."""
+
+    def __init__(self, model):
+        self.model, self.forwards = model, 0
+
+    def __call__(self, *args, **kwargs):
+        self.forwards += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def jobs(batch: int, tokens: int) -> list[Job]:
+    return [Job(f"r{i}", tuple(range(20 + 40 * i, 60 + 40 * i)), tokens, i, GREEDY) for i in range(batch)]
+
+
+def run(engine, counted: Counted, batch: int, tokens: int) -> tuple[float, int, dict[str, list[int]]]:
+    """Seconds to answer `batch` requests sent at once, the target's forwards, and the answers."""
+    counted.forwards = 0
+    said: dict[str, list[int]] = {}
+    began = time.perf_counter()
+    for job in jobs(batch, tokens):
+        engine.insert(job)
+    while engine.busy:
+        for e in engine.step():
+            said.setdefault(e.rid, []).append(e.token)
+    mx.synchronize()
+    return time.perf_counter() - began, counted.forwards, said
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--batches", default="1,2,4")
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    set_up_omlx()
+    checkpoint = build_v4_checkpoint(Path(tempfile.mkdtemp(prefix="meshd-rowwise-bench-")) / "v4")
+    counted = Counted(load_sharded(checkpoint, mx.distributed.init(), lambda done, total: None, OMLX))
+    engines = {"undrafted": lambda: BatchEngine(counted, set(), prefill_step_size=128),
+               "drafted": lambda: drafted_everywhere(counted, set(), BatchEngine(counted, set(), prefill_step_size=128),
+                                                     prefill_step_size=128, log=lambda m: None)}
+    rows, same = [], True
+    for batch in (int(b) for b in args.batches.split(",")):
+        rate = {name: [] for name in engines}
+        per_forward, answers, acceptance = {name: [] for name in engines}, {}, []
+        for r in range(args.rounds):
+            for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                engine = engines[name]()
+                seconds, forwards, said = run(engine, counted, batch, args.tokens)
+                rate[name].append(batch * args.tokens / seconds)
+                per_forward[name].append(args.tokens / forwards)
+                answers.setdefault(name, said)
+                if name == "drafted":
+                    s = engine.stats()
+                    acceptance.append(s["draft_accepted"] / max(1, s["draft_proposed"]))
+                say(f"B={batch} round {r + 1} {name}: {rate[name][-1]:.1f} tok/s, {forwards} forwards")
+        same &= answers["drafted"] == answers["undrafted"]
+        rows.append(f"| {batch} | {spread(rate['undrafted'], '{:.1f}')} | {spread(rate['drafted'], '{:.1f}')} | "
+                    f"{statistics.median(rate['drafted']) / statistics.median(rate['undrafted']):.2f}x | "
+                    f"{statistics.median(per_forward['undrafted']):.2f} | {statistics.median(per_forward['drafted']):.2f} | "
+                    f"{statistics.median(acceptance):.0%} |")
+    report(["", f"## Row-wise DSpark against undrafted batching, one process (`bench/rowwise.py`, "
+            f"{time.strftime('%Y-%m-%d')})", "",
+            "omlx's own DeepSeek-V4 (flyto-mlx 0.7.0 at mlx 0.32.3 / mlx-lm 0.31.3; 5 layers 64 wide, compress "
+            "ratios [0, 4, 128, 4, 0], window 16) with the DSpark stand-in's 3 stages (blocks of 5: 5 drafts for a "
+            "request alone, 3 a row in a batch), on this machine's CPU. B requests of 40 prompt tokens sent at "
+            f"once, {args.tokens} greedy tokens each; {args.rounds} alternating rounds, median (min-max). "
+            "Forwards are the target's, prompts' and re-fed places' included.", "",
+            "| B | undrafted tok/s | drafted tok/s | drafted / undrafted | tokens a forward a row, undrafted | "
+            "drafted | acceptance |", "|---|---|---|---|---|---|---|", *rows, "",
+            "Every drafted answer was the undrafted one, token for token." if same
+            else "The answers were NOT the same.", "",
+            f"Command: `{Path(sys.executable).parent.parent.name}/bin/python bench/rowwise.py --rounds {args.rounds} "
+            f"--tokens {args.tokens}`"], args.write)
+
+
+if __name__ == "__main__":
+    main()
