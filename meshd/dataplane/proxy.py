@@ -279,18 +279,13 @@ class Proxy:
         p = self.settings
         if self.quarantined_until.get(request_digest(request.path, body), 0) > time.monotonic():
             return quarantined(p)
-        try:
-            return await Exchange(gate, request, req, body, body, time.monotonic() + p.queue_wait,
-                                  self._tenant(request)).run()
-        except QueueFull:
-            return json_error(429, f"The proxy queue is full ({gate.full_at} waiting); retry later",
-                              code="queue_full", type_="rate_limit_error", headers={"Retry-After": RETRY_AFTER})
-        finally:
-            if gate.slot is not None:
-                gate.slot.admission.release()
-                self.metrics.in_flight.dec()
-                gate.slot.last_request_at = time.monotonic()
-            self._gauge_queue()
+        with gate:
+            try:
+                return await Exchange(gate, request, req, body, body, time.monotonic() + p.queue_wait,
+                                      self._tenant(request)).run()
+            except QueueFull:
+                return json_error(429, f"The proxy queue is full ({gate.full_at} waiting); retry later",
+                                  code="queue_full", type_="rate_limit_error", headers={"Retry-After": RETRY_AFTER})
 
     def _gauge_queue(self) -> None:
         self.metrics.queue_depth.set(sum(link.admission.depth for link in self.links.values()))
@@ -351,7 +346,8 @@ class Proxy:
 class Routed:
     """One request's way through the meshes, the `Gate` its exchange goes through: each attempt's mesh as
     routing.route decides it, a place in that mesh's admission (moved with the request), what to tell
-    that mesh's fleet."""
+    that mesh's fleet. Its place is its own from admission to the end of the `with` block around the
+    exchange, which gives it back once however the exchange ends (answered, failed, cancelled)."""
 
     def __init__(self, proxy: Proxy, model: str, keys: list[str], req: oa.CompletionRequest):
         self.proxy, self.model, self.keys, self.req = proxy, model, keys, req
@@ -361,6 +357,17 @@ class Routed:
         self.failed: Failed | None = None
         self.why = ""  # why the last wait ended without a mesh, when it was not the fleets
         self.full_at = 0
+
+    def __enter__(self) -> Routed:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if (slot := self.slot) is not None:
+            self.slot = None
+            slot.admission.release()
+            self.metrics.in_flight.dec()
+            slot.last_request_at = time.monotonic()
+        self.proxy._gauge_queue()
 
     def _route(self, affinity: tuple[str, int] | None = None) -> Route:
         seen = [link.seen() for link in self.proxy.links.values()]
