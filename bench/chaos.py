@@ -57,23 +57,27 @@ HUNG_AFTER = 300.0  # seconds: longer than the proxy's queue wait (120 s) plus a
 def gdb(pid: int, command: str, cwd: Path) -> str:
     """Make a running rank do something itself; what gdb printed. gdb may crash once the process it called
     into is gone: no core file from it."""
-    return subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", command], cwd=cwd, capture_output=True,
-                          text=True, timeout=60,
+    return subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", command], cwd=cwd, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=60,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0))).stdout
 
 
-def jaccl_line(pid: int, cwd: Path, tries: int = 3) -> str | None:
-    """Have the rank write JACCL's fatal line to its own stderr: None once the write returned its length,
-    else what gdb said on the last try (an attach can fail under load, a thread gone as gdb stopped it:
-    the fault did not land, which is the harness's failure, not the mesh's)."""
+def jaccl_line(pid: int, cwd: Path, tries: int = 2) -> str | None:
+    """Have the rank write JACCL's fatal line to its own stderr: None once written, else why not. gdb makes
+    the rank call write(2) itself; where gdb cannot drive it (an attach that loses a thread under load:
+    "Couldn't get registers: No such process", no libthread_db for it), the line is appended to what the
+    rank's stderr is (/proc/PID/fd/2), the same file at the same moment, the rank running on."""
     said = ""
     for _ in range(tries):
         said = gdb(pid, f"call (long)write(2, {json.dumps(JACCL_LINE)}, {len(JACCL_LINE)})", cwd)
         if re.search(rf"^\$\d+ = {len(JACCL_LINE)}$", said, re.M):
             return None
-        if not psutil.pid_exists(pid):
-            break
-    return said
+    try:
+        with open(f"/proc/{pid}/fd/2", "a") as stderr:
+            stderr.write(JACCL_LINE)
+        return None
+    except OSError as e:
+        return f"{said[-400:]}\n/proc/{pid}/fd/2: {e}"
 
 
 @dataclass
