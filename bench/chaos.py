@@ -190,20 +190,24 @@ class Chaos:
             time.sleep(1)
             self.restart_daemons()
         else:
+            injected = time.time()  # before a JACCL line's write, whose evidence can arrive at once
             target = self.rank_pid()
+            while kind == "rank-jaccl" and target is not None and (said := jaccl_line(target[2], self.home)):
+                if psutil.pid_exists(target[2]):  # the rank runs and still could not be made to write
+                    self.tally.examples.setdefault("jaccl line not written", said[-600:])
+                    return
+                target = self.rank_pid()  # it ended (another fault's recovery) after it was chosen
             if target is None:
                 return
             node, generation, pid = target
-            injected = time.time()
+            if kind != "rank-jaccl":
+                injected = time.time()
             if kind == "rank-sigkill":
                 os.kill(pid, signal.SIGKILL)
             elif kind == "rank-sigstop":
                 os.kill(pid, signal.SIGSTOP)
             elif kind == "rank-exit0":
                 gdb(pid, "call (void)_exit(0)", self.home)
-            elif kind == "rank-jaccl" and (said := jaccl_line(pid, self.home)) is not None:
-                self.tally.examples.setdefault("jaccl line not written", said[-600:])
-                return
             self.tally.faults[kind] += 1
             seen, replaced = self.wait_handled(kind, f"node{node}", generation, pid, injected)
             self.tally.detected[kind] += seen

@@ -15,7 +15,7 @@ from meshd.config import load
 from meshd.control import fleet
 from meshd.control.controller import Controller
 from meshd.metrics import Metrics
-from meshd.nodes.agentclient import AgentError
+from meshd.nodes.agentclient import AgentError, Ranks
 from meshd.seam import FleetRecord
 
 NODES = ("n0", "n1")
@@ -47,6 +47,10 @@ class FakeAgent:
         self.specs.append(spec)
         self._answer("start_rank", spec.generation)
         return True
+
+    async def ranks(self, timeout=5.0) -> Ranks:
+        """What runs, as the controller reads rank 0's weights from it: no rank's status yet."""
+        return Ranks(self.node, None, (), (), None, False)
 
     async def stop_generation(self, generation, mode, grace=None, timeout=10.0) -> StopResult:
         self._answer("stop_generation", generation, mode, grace)
