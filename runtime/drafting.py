@@ -20,6 +20,12 @@ from runtime.lockstep import Divergence
 from runtime.sampling import GrammarMask, processors_for, sample_at, sampler_for
 
 
+def ends_after(tokens: list[int], count: int, max_tokens: int, eos_ids: set[int]) -> int:
+    """How many of `tokens` an answer that said `count` tokens emits: up to the one that ends it."""
+    return next((i + 1 for i, token in enumerate(tokens)
+                 if finish_reason(token, count + i + 1, max_tokens, eos_ids) is not None), len(tokens))
+
+
 DRAFT_COUNTS = ("draft_proposed", "draft_accepted", "draft_fallbacks")  # each drafting engine's, as RankStatus counts
 
 
@@ -114,11 +120,7 @@ class SingleRequestEngine(ABC):
         self._active = None
 
     def _ends_after(self, tokens: list[int]) -> int:
-        """How many of `tokens` the active job emits: up to the one that ends it."""
-        job = self._active
-        return next((i + 1 for i, token in enumerate(tokens)
-                     if finish_reason(token, self._count + i + 1, job.max_tokens, self._eos) is not None),
-                    len(tokens))
+        return ends_after(tokens, self._count, self._active.max_tokens, self._eos)
 
     def _refused(self, who: str, e: Exception) -> None:
         """A kernel's refusal of a shape (the same on every rank, so all go on plainly), said and counted."""

@@ -29,7 +29,8 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from runtime import dspark, rollback
-from runtime.drafting import DraftWhenAlone, DSparkEngine, agree, allowed_by, place_logprobs, sample_places
+from runtime.drafting import (DraftWhenAlone, DSparkEngine, agree, allowed_by, ends_after, place_logprobs,
+                              sample_places)
 from runtime.jobs import Emission, Job, emission, finish_reason
 from runtime.sampling import GrammarMask, processors_for
 
@@ -52,11 +53,6 @@ class Row:
     drafts: mx.array | None = None  # its drafts after `pending` (on the device)
     drafting: bool = True
     kept: list[int] = field(default_factory=list)  # this step's tokens that go out
-
-    def ends_after(self, tokens: list[int], eos: set[int]) -> int:
-        """How many of `tokens` it emits: up to the one that ends it."""
-        return next((i + 1 for i, t in enumerate(tokens)
-                     if finish_reason(t, self.count + i + 1, self.job.max_tokens, eos) is not None), len(tokens))
 
 
 def verify_width(num_draft_tokens: int, block: int, windows: tuple[int, ...]) -> int:
@@ -188,7 +184,7 @@ class RowwiseDSpark:
                 self.proposed += len(guessed)
                 self.accepted += k
             kept.append(k)
-            r.kept = tokens[:r.ends_after(tokens[:k + 1], self._eos)]
+            r.kept = tokens[:ends_after(tokens[:k + 1], r.count, r.job.max_tokens, self._eos)]
         if width:
             agree(kept)
             self.batched_steps += sum(r.drafts is not None for r in rows) > 1
