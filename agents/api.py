@@ -21,13 +21,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from agents import node as node_facts
 from agents.config import AgentConfig
 from agents.events import EventLog
-from agents.fencing import Fencing, command_refusal, promise_refusal
+from agents.fencing import OTHER_MESH, Fencing, caller_mesh, command_refusal, mesh_refusal, promise_refusal
 from agents.launch import BadSpec
 from agents.supervisor import Conflict
 from agents.watch import RankRecord
 from common.errors import ApiError
 from common.http import bearer_matches, json_error, json_errors, log_answer, read_json, read_object
-from common.protocol import CONTROLLER_EPOCH, CONTROLLER_ID, EPOCH_ROUTE, Ballot, BallotError, RankSpec, StopResult
+from common.protocol import (CONTROLLER_EPOCH, CONTROLLER_ID, CONTROLLER_MESH, EPOCH_ROUTE, Ballot, BallotError,
+                             RankSpec, StopResult)
 from common.states import StopMode
 
 log = structlog.get_logger("meshd.agent")
@@ -63,30 +64,42 @@ def auth_middleware(token: str, metrics_token: str | None):
     return check
 
 
-HELD = web.RequestKey("held", bool)  # the request carried a ballot: its answer names the promised one
+HELD = web.RequestKey("held", bool)  # the request carried a ballot of this agent's mesh: its answer names the promised one
+MESH = web.RequestKey("mesh", object)  # the mesh the call names (None: none)
 
 
 def fence_middleware(fencing: Fencing, node: str):
     """After the token: a command (POST) from a controller other than the one this agent promised is refused
-    with 409, naming the promised ballot; `POST /v1/epoch` asks for the promise itself. Every answer to a call
-    that carries a ballot names the promised one, so a controller learns on any call that another took over
-    or that this agent has not promised it yet. Calls without a ballot (doctor, an operator) pass. Each command
-    let through is logged with whose it was."""
+    with 409, naming the promised ballot, and one of another mesh with 409 naming both meshes; `POST /v1/epoch`
+    asks for the promise itself. Every answer to a call that carries a ballot of this agent's mesh names the
+    promised one, so a controller learns on any call that another took over or that this agent has not promised
+    it yet. Calls without a ballot (doctor, an operator) pass. A malformed ballot is refused with 400, and no
+    controller at all while the promise file cannot be trusted (503). Each command let through is logged with
+    whose it was."""
     @web.middleware
     async def check(request: web.Request, handler):
         try:
-            caller = Ballot.from_headers(request.headers)
+            caller, mesh = Ballot.from_headers(request.headers), caller_mesh(request.headers)
         except BallotError as e:
+            log.warning("ballot refused", node=node, route=request.path, header=e.header, reason=str(e))
             raise ApiError(400, str(e), param=e.header)
-        if caller is not None:
-            request[HELD] = True
+        request[MESH] = mesh
+        if caller is None:
+            return await handler(request)
+        if unreadable := fencing.check():
+            log.warning("controller refused", node=node, controller=str(caller), route=request.path,
+                        code=unreadable.code)
+            return json_error(503, unreadable.message, code=unreadable.code, param=CONTROLLER_EPOCH)
+        request[HELD] = mesh_refusal(fencing.held, mesh) is None
         if request.method != "POST" or request.path == EPOCH_ROUTE:
             return await handler(request)
-        refusal = command_refusal(fencing.held, caller) if caller is not None else None
+        refusal = command_refusal(fencing.held, caller, mesh)
         if refusal is not None:
-            log.warning("controller refused", node=node, controller=str(caller), promised=str(fencing.held),
-                        route=request.path, code=refusal.code)
-            return json_error(409, refusal.message, code=refusal.code, param=CONTROLLER_EPOCH)
+            log.warning("controller refused", node=node, controller=str(caller), mesh=mesh,
+                        promised=str(fencing.held.ballot), serves=fencing.held.mesh, route=request.path,
+                        code=refusal.code)
+            return json_error(409, refusal.message, code=refusal.code,
+                              param=CONTROLLER_MESH if refusal.code == OTHER_MESH else CONTROLLER_EPOCH)
         log.info("command", node=node, route=request.path, controller=str(caller) if caller else "none (unfenced)")
         return await handler(request)
     return check
@@ -96,7 +109,7 @@ def held_headers(fencing: Fencing):
     """Names the promised ballot in the answer to every call that carried one (a stream's too)."""
     async def name(request: web.Request, response: web.StreamResponse) -> None:
         if request.get(HELD):
-            response.headers.update(fencing.held.headers())
+            response.headers.update(fencing.held.ballot.headers())
     return name
 
 
@@ -234,23 +247,45 @@ def routes(sup: AgentView, fencing: Fencing, registry: CollectorRegistry, token:
                 since = record["seq"]
 
     def promise_view() -> dict:
+        if unreadable := fencing.check():
+            raise ApiError(503, unreadable.message, code=unreadable.code)
         return {"node": cfg.node, **fencing.view(), "highest_generation": sup.highest_generation()}
 
     async def epoch(request):
         return web.json_response(promise_view())
 
     async def promise(request):
-        asked = Ballot.from_headers(request.headers)
-        if asked is None:
+        asked, mesh = Ballot.from_headers(request.headers), request[MESH]
+        if asked is None or mesh is None:
             raise ApiError(400, f"send the ballot to promise in {CONTROLLER_EPOCH} (and the controller's id in "
-                                f"{CONTROLLER_ID})", param=CONTROLLER_EPOCH)
-        refusal = promise_refusal(fencing.held, asked)
+                                f"{CONTROLLER_ID}) and its mesh's name in {CONTROLLER_MESH}",
+                           param=CONTROLLER_EPOCH if asked is None else CONTROLLER_MESH)
+        refusal = promise_refusal(fencing.held, asked, mesh)
         if refusal is not None:
-            log.warning("promise refused", node=cfg.node, asked=str(asked), promised=str(fencing.held))
-            return json_error(409, refusal.message, code=refusal.code, param=CONTROLLER_EPOCH)
-        if asked != fencing.held:
-            log.info("promised", node=cfg.node, controller=str(asked), before=str(fencing.held))
-        fencing.promise(asked)
+            log.warning("promise refused", node=cfg.node, asked=str(asked), mesh=mesh,
+                        promised=str(fencing.held.ballot), serves=fencing.held.mesh, code=refusal.code)
+            return json_error(409, refusal.message, code=refusal.code,
+                              param=CONTROLLER_MESH if refusal.code == OTHER_MESH else CONTROLLER_EPOCH)
+        if (asked, mesh) != (fencing.held.ballot, fencing.held.mesh):
+            log.info("promised", node=cfg.node, controller=str(asked), mesh=mesh, before=str(fencing.held.ballot),
+                     served=fencing.held.mesh)
+        fencing.promise(asked, mesh)
+        return web.json_response(promise_view())
+
+    async def release(request):
+        """An operator's: this agent serves no mesh from now on (`?mesh=` names the one it serves, so a release
+        meant for another node's mesh changes nothing here); the promised ballot stays."""
+        mesh = request.query.get("mesh")
+        if not mesh:
+            raise ApiError(400, "name the mesh this agent is released from: ?mesh=NAME (GET /v1/epoch says which "
+                                "it serves)", param="mesh")
+        promise_view()  # 503 while the promise file cannot be trusted
+        if fencing.held.mesh not in (None, mesh):
+            return json_error(409, f"this agent serves mesh {fencing.held.mesh!r}, not {mesh!r}; nothing was "
+                                   "released", code=OTHER_MESH, param="mesh")
+        if fencing.held.mesh is not None:
+            log.warning("released from its mesh", node=cfg.node, mesh=mesh, promised=str(fencing.held.ballot))
+            fencing.release()
         return web.json_response(promise_view())
 
     async def clear_snapshots(request):
@@ -284,4 +319,5 @@ def routes(sup: AgentView, fencing: Fencing, registry: CollectorRegistry, token:
     app.router.add_delete("/v1/snapshots", clear_snapshots)
     app.router.add_get(EPOCH_ROUTE, epoch)
     app.router.add_post(EPOCH_ROUTE, promise)
+    app.router.add_delete(EPOCH_ROUTE, release)
     return app

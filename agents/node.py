@@ -151,7 +151,7 @@ def tree_files(root: Path) -> tuple[int, int]:
 def clear_folder(root: Path) -> dict:
     """Delete what `root` holds, `root` itself kept (its mode stays). Each entry is first renamed aside (a hidden
     name in `root`) and deleted there: a rank writing into its folder meanwhile fails that one write and makes
-    its folder again (runtime/snapshot.py `_lost_folder`), never racing the deletion. Returns the files and
+    its folder again (runtime/prefix/snapshot.py `_lost_folder`), never racing the deletion. Returns the files and
     bytes deleted, and what could not be (an aside left from such a failure goes at the next clear)."""
     files = nbytes = 0
     problems: list[str] = []

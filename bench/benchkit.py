@@ -37,7 +37,7 @@ def add_gpu_run_args(ap: argparse.ArgumentParser) -> None:
 
 
 def build_llama_shape(args: argparse.Namespace, path: Path) -> Path:
-    from runtime.demo_model import DemoModelSpec, build_demo_model
+    from runtime.models.demo_model import DemoModelSpec, build_demo_model
 
     return build_demo_model(path, DemoModelSpec(
         hidden_size=args.hidden, num_hidden_layers=args.layers, intermediate_size=args.intermediate,

@@ -30,7 +30,7 @@ from kit.demo_answers import endless
 from kit.meshctl import mesh_up, meshctl
 from kit.waiting import wait_for
 from meshd.meshctl.ports import free_ports
-from runtime.demo_model import build_demo_model
+from runtime.models.demo_model import build_demo_model
 
 PATHS = ("two meshes", "one mesh")
 ARGS = {"model_name": "demo", "max_tokens_limit": 4096}

@@ -29,7 +29,7 @@ from benchkit import parser, report
 from kit.agents import make_agents
 from kit.configs import write_mesh
 from kit.meshctl import stop_controller
-from runtime.demo_model import DemoModelSpec, build_demo_model
+from runtime.models.demo_model import DemoModelSpec, build_demo_model
 
 BASE = 2.0  # the agents' base stall window, seconds
 PROBE_TIMEOUT = 10.0

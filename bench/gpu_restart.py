@@ -30,7 +30,7 @@ from kit.agents import make_agents, pid_of, stop_generation
 from kit.snapshots import Gen
 from kit.waiting import wait_for
 from mlx_lm.utils import load_tokenizer
-from runtime.demo_model import DemoModelSpec, build_demo_model
+from runtime.models.demo_model import DemoModelSpec, build_demo_model
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 

@@ -20,11 +20,11 @@ import numpy as np
 from mlx_lm import load
 
 from common.openai_api import SamplingParams
-from runtime import grammar
-from runtime.demo_model import build_demo_model
-from runtime.engine import BatchEngine
-from runtime.jobs import Job
-from runtime.sampling import GrammarMask
+from runtime.engine import grammar
+from runtime.models.demo_model import build_demo_model
+from runtime.engine.batch import BatchEngine
+from runtime.engine.jobs import Job
+from runtime.engine.sampling import GrammarMask
 
 # A document that cannot end before the answer's tokens do: every token is held, none is free text.
 ENDLESS = {"type": "object", "additionalProperties": False, "required": ["rows"], "properties": {"rows": {

@@ -18,7 +18,7 @@ from pathlib import Path
 from benchkit import report
 
 from kit.ranks import start_mesh
-from runtime.demo_model import build_demo_model
+from runtime.models.demo_model import build_demo_model
 
 
 def main() -> None:

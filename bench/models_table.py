@@ -17,7 +17,7 @@ from pathlib import Path
 from benchkit import ROOT
 
 from kit.families import FAMILIES
-from runtime.families import PADDING_BLIND, needs_of
+from runtime.models.families import PADDING_BLIND, needs_of
 
 BATCH = "test_four_concurrent_requests_answer_as_each_alone"
 ONE_AT_A_TIME = "test_a_family_served_one_at_a_time_does_answer_otherwise_in_a_batch"
@@ -108,7 +108,7 @@ two layers, one of each kind where a family mixes kinds, sliding windows of 8 to
   its repeat, another question after the same system prompt, its next turn, and four questions at once through
   the proxy, each answered as mlx-lm's single process answers it.
 
-A refusal is meshd-rank's own, at load (runtime/families.py): the rank exits 1 naming why and the way out.
+A refusal is meshd-rank's own, at load (runtime/models/families.py): the rank exits 1 naming why and the way out.
 
 {table(results, caches)}
 """ + (heading + written_by_hand if heading else ""))

@@ -25,9 +25,9 @@ from benchkit import ROOT, alternate, pace, report
 
 from kit.demo_answers import endless
 from kit.ranks import start_mesh
-from runtime.demo_model import DemoModelSpec, build_demo_model
+from runtime.models.demo_model import DemoModelSpec, build_demo_model
 
-OVERLAY = ("--model-package", "runtime.overlays.demo_mtp")
+OVERLAY = ("--model-package", "runtime.models.overlays.demo_mtp")
 PROMPT = "When one rank dies the generation ends on every node and a new one starts."
 
 

@@ -26,10 +26,10 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load_model
 
 from common.openai_api import SamplingParams
-import runtime.overlays.demo_mtp  # noqa: F401  registers model type demo_mtp
-from runtime.demo_model import build_demo_model
-from runtime.drafting import MTPEngine
-from runtime.engine import BatchEngine, Job
+import runtime.models.overlays.demo_mtp  # noqa: F401  registers model type demo_mtp
+from runtime.models.demo_model import build_demo_model
+from runtime.engine.drafting import MTPEngine
+from runtime.engine.batch import BatchEngine, Job
 
 PROMPT = tuple(range(5, 45))
 

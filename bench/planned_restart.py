@@ -28,7 +28,7 @@ from benchkit import report, say
 from kit.demo_answers import endless
 from kit.meshctl import mesh_up, meshctl
 from kit.waiting import wait_for
-from runtime.demo_model import build_demo_model
+from runtime.models.demo_model import build_demo_model
 
 SETTINGS = ("drain", "cut")
 ARGS = {"model_name": "demo", "max_tokens_limit": 4096}

@@ -24,7 +24,7 @@ from benchkit import ROOT, report
 
 from kit.waiting import wait_for
 from meshd.meshctl.ports import free_ports
-from runtime.demo_model import DemoModelSpec, build_demo_model  # noqa: E402
+from runtime.models.demo_model import DemoModelSpec, build_demo_model  # noqa: E402
 
 
 def launch(kind: str, model: Path, world: int, workdir: Path) -> tuple[list[subprocess.Popen], int]:

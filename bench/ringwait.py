@@ -20,7 +20,7 @@ from benchkit import ROOT, report, say
 from mtp import decode
 
 from kit.ranks import start_mesh
-from runtime.demo_model import build_demo_model
+from runtime.models.demo_model import build_demo_model
 
 
 def build_shim(out: Path) -> Path:

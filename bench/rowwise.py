@@ -27,11 +27,11 @@ from benchkit import report, say, spread
 
 from common.openai_api import SamplingParams
 from pinned.dsv4 import build_v4_checkpoint, set_up_omlx
-from runtime.engine import BatchEngine
-from runtime.jobs import Job
-from runtime.overlay import OMLX
+from runtime.engine.batch import BatchEngine
+from runtime.engine.jobs import Job
+from runtime.models.overlay import OMLX
 from runtime.rank import load_sharded
-from runtime.rowwise import drafted_everywhere
+from runtime.engine.rowwise import drafted_everywhere
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
 

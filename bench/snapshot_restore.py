@@ -30,9 +30,9 @@ from kit.agents import make_agents
 from kit.demo_answers import endless
 from kit.snapshots import EVERY, Gen, answer_in_flight
 from kit.waiting import wait_for
-from runtime.demo_model import DemoModelSpec, build_demo_model
-from runtime.engine import BatchEngine, Job
-from runtime.snapshot import Identity, Snapshots
+from runtime.models.demo_model import DemoModelSpec, build_demo_model
+from runtime.engine.batch import BatchEngine, Job
+from runtime.prefix.snapshot import Identity, Snapshots
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 

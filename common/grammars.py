@@ -2,7 +2,7 @@
 the answer to (llguidance's: a JSON schema, or a Lark grammar around the model's tool-call markers), built and
 checked here by whoever reads the request: the proxy without a tokenizer (a forced call in a stand-in of the
 json_tools format: the schemas are what a client can get wrong), rank 0 with its served model's tool format and
-its compiler (runtime/grammar.py's `builder`). The text travels to every rank inside the request's sampling
+its compiler (runtime/engine/grammar.py's `builder`). The text travels to every rank inside the request's sampling
 settings.
 """
 

@@ -77,7 +77,7 @@ class CompletionRequest:
     prompt: str = ""
     report_ids: bool = False
     resume: Resume | None = None
-    tenant: str = ""  # whose prefix cache the answer uses (runtime/tape.py)
+    tenant: str = ""  # whose prefix cache the answer uses (runtime/prefix/tape.py)
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, for the chat template
     tools: tuple[dict, ...] = ()  # the functions the answer may call (none when tool_choice is "none")
 
@@ -441,7 +441,7 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False,
     """Validate a decoded JSON body for `/v1/chat/completions` ("chat") or
     `/v1/completions` ("text"). Raises ApiError naming the field at fault.
     `internal`: the body comes from meshd's proxy (rank 0 takes its `meshd` object);
-    `grammars`: how its structured output's grammar is built (rank 0: runtime/grammar.py's `builder()`)."""
+    `grammars`: how its structured output's grammar is built (rank 0: runtime/engine/grammar.py's `builder()`)."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object", code="invalid_json")
     _refuse_unhonoured(kind, body)
@@ -601,7 +601,7 @@ GRAMMAR_STUCK = "grammar_stuck"  # the finish_reason and error code of an answer
 
 
 def grammar_stuck(req: CompletionRequest, why: str, said: str) -> dict:
-    """The error of an answer whose grammar allowed no token after what it said (runtime/grammar.py's
+    """The error of an answer whose grammar allowed no token after what it said (runtime/engine/grammar.py's
     `dead_end`): the answer so far cannot become a valid one."""
     where = "response_format.json_schema.schema" if req.params.held_by == "response_format" else "tool_choice"
     tail = said if len(said) <= 80 else "..." + said[-80:]

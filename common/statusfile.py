@@ -44,7 +44,7 @@ class RankStatus:
     tape_hit_tokens: int = 0  # the tokens it served, not prefilled: a resumed answer's own among them
     tape_misses: int = 0  # prompts no tape shared a prefix with
     tape_not_reusable: int = 0  # prompts that shared one with a tape whose cache could not be cut back to it
-    snapshots_written: int = 0  # prefix snapshot segments this rank wrote (runtime/snapshot.py)
+    snapshots_written: int = 0  # prefix snapshot segments this rank wrote (runtime/prefix/snapshot.py)
     snapshots_restored: int = 0  # tapes restored from them
     snapshots_skipped: dict = field(default_factory=dict)  # by reason: missing, truncated, corrupt, foreign, ...
     snapshot_bytes: int = 0  # what its snapshot directory holds

@@ -14,7 +14,7 @@ from common.modelref import is_repo_id
 from common.states import LadderStep, Profile
 from common.tomlcheck import (ConfigError, Problems, listen_host, loopback, port_in_range, read_toml, split_listen,
                               table, wildcard)
-from runtime.overlay import overlay_for
+from runtime.models.overlay import overlay_for
 
 
 PLANNED_RESTARTS = ("drain", "cut")  # what a planned restart does with the streams in flight

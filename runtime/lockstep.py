@@ -1,5 +1,5 @@
-"""Lockstep control channel: rank 0 shares a list of control messages (runtime/jobs.py's
-`Message`s) with every rank once per loop iteration, through the same collective the model uses.
+"""Lockstep control channel: rank 0 shares a list of control messages (`Message`s,
+below) with every rank once per loop iteration, through the same collective the model uses.
 
 Each exchange is one `all_sum` of a header (payload size, doze, steps, and a
 digest of every token each rank has sampled) and, when there is a payload, one
@@ -14,15 +14,71 @@ transport error instead of a silent wait.
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
 
-from runtime.jobs import Message, decode, encode
+from runtime.engine.jobs import Divergence, Job
 
 
-class Divergence(RuntimeError):
-    """The ranks sampled different tokens: the generation cannot go on."""
+class DrainMode(StrEnum):
+    """How a generation drains (POST /internal/drain's `mode`, SIGTERM's `finish`): `finish` lets the answers
+    in flight end and admits no more; `cancel` ends them now, each client told `draining`. A cancelling
+    drain never goes back to finishing."""
+
+    FINISH = "finish"
+    CANCEL = "cancel"
+
+
+@dataclass(frozen=True)
+class Insert:
+    job: Job
+
+
+@dataclass(frozen=True)
+class Cancel:
+    rid: str
+
+
+@dataclass(frozen=True)
+class Drain:
+    mode: DrainMode
+
+
+@dataclass(frozen=True)
+class RestoreFirst:
+    """Read this pending tape next: a request waits for it (runtime/restore.py)."""
+
+    sid: str
+
+
+Message = Insert | Cancel | Drain | RestoreFirst
+OPS = {Insert: "insert", Cancel: "cancel", Drain: "drain", RestoreFirst: "restore_first"}
+KINDS = {op: kind for kind, op in OPS.items()}
+
+
+def encode(messages: list[Message]) -> bytes:
+    """Messages as the lockstep exchange carries them: a JSON list of `{"op": ..., fields}`."""
+    return json.dumps([{"op": OPS[type(m)], **asdict(m.job if isinstance(m, Insert) else m)}
+                       for m in messages]).encode()
+
+
+def decode(data: bytes) -> list[Message]:
+    """`encode`'s messages back, as every rank applies them."""
+    return [_message(fields) for fields in json.loads(data)]
+
+
+def _message(fields: dict) -> Message:
+    kind = KINDS[fields.pop("op")]
+    if kind is Insert:
+        return Insert(Job(**{**fields, "prompt": tuple(fields["prompt"])}))
+    if kind is Drain:
+        return Drain(DrainMode(fields["mode"]))
+    return kind(**fields)
 
 
 class PeerLost(RuntimeError):

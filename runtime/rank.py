@@ -31,16 +31,19 @@ from common.fingerprint import loaded_digest, stamps
 from common.tomlcheck import loopback
 from common.states import RankState
 from common.statusfile import RankStatus
-from runtime import dspark, families, grammar
-from runtime.drafting import DraftWhenAlone, MTPEngine, SpeculativeEngine
-from runtime.engine import BatchEngine
-from runtime.jobs import Cancel, Drain, DrainMode, Insert, Message, RestoreFirst
+from runtime.engine import grammar
+from runtime.models import dspark, families
+from runtime.engine.drafting import DraftWhenAlone, MTPEngine, SpeculativeEngine
+from runtime.engine.batch import BatchEngine
+from runtime.lockstep import Cancel, Drain, DrainMode, Insert, Message, RestoreFirst
 from runtime.join import join_mesh
-from runtime.lockstep import Divergence, Lockstep, fold
-from runtime.overlay import OverlayError, check_loaded, checkpoint_tensors, disarm, drafter_off, overlay_for, set_up
-from runtime.restore import Rates, Restorer
-from runtime.rowwise import drafted_everywhere
-from runtime.snapshot import LEAVES, Identity, Snapshots, leaf_types, shard_layout, snapshot_key, snapshot_kind
+from runtime.engine.jobs import Divergence
+from runtime.lockstep import Lockstep, fold
+from runtime.models.overlay import OverlayError, check_loaded, checkpoint_tensors, disarm, drafter_off, overlay_for, set_up
+from runtime.prefix.rates import Rates
+from runtime.restore import Restorer
+from runtime.engine.rowwise import drafted_everywhere
+from runtime.prefix.snapshot import LEAVES, Identity, Snapshots, leaf_types, shard_layout, snapshot_key, snapshot_kind
 from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend
 from runtime.status import Heartbeat
@@ -90,7 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--snapshots", choices=["on", "off"], default="on",
                    help="prefix snapshots: each rank writes its shard of the token tape's caches to local disk, and "
                         "the next generation restores the tapes every rank holds whole while it serves "
-                        "(runtime/snapshot.py, runtime/restore.py)")
+                        "(runtime/prefix/snapshot.py, runtime/restore.py)")
     agent = os.environ.get("MESHD_AGENT")
     p.add_argument("--snapshot-dir", default=os.path.join(agent, "snapshots") if agent else "",
                    help="where this rank's snapshots live (default: snapshots/ in its agent's state_dir, "
@@ -315,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(model_path)
     families.refuse(config, draft=args.draft_model, drafter=args.drafter, batch=args.completion_batch_size)
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
-    grammar.serve(tokenizer)  # every rank compiles the grammars answers are held to (runtime/grammar.py)
+    grammar.serve(tokenizer)  # every rank compiles the grammars answers are held to (runtime/engine/grammar.py)
     context = args.max_context or int(config.get("max_position_embeddings", 4096))
     frontend = open_frontend(args, tokenizer, context, secret) if rank == 0 else None
     model, loaded_in = load(args, group, hb, overlay, log)

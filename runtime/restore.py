@@ -1,5 +1,5 @@
 """Serve first, restore behind: a restarted generation is ready as soon as its weights are, and the tapes
-its ranks hold in their prefix snapshots (runtime/snapshot.py) join the token tape while it serves.
+its ranks hold in their prefix snapshots (runtime/prefix/snapshot.py) join the token tape while it serves.
 
 At load the ranks exchange what each holds whole and agree on a plan: the tapes every rank has, most
 recently used first, as many as the token tape keeps. A thread on each rank reads and checks them in that
@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 
-from common.statusfile import write_atomic
-from runtime.jobs import Cancel, Drain, Insert, Message, RestoreFirst
-from runtime.snapshot import Snapshots, agree, ends, leaf_types, serving, snapshot_kind
-from runtime.tape import TokenTape, common_prefix, reusable_prefix
+from runtime.lockstep import Cancel, Drain, Insert, Message, RestoreFirst
+from runtime.prefix.rates import Rates
+from runtime.prefix.snapshot import Snapshots, agree, ends, leaf_types, serving, snapshot_kind
+from runtime.prefix.tape import TokenTape, common_prefix, reusable_prefix
 
 
 # --- the decisions -------------------------------------------------------------------------------------------
@@ -47,37 +46,6 @@ def settled(results: list[dict[str, bool]]) -> dict[str, bool]:
 
 
 # --- the mechanism -------------------------------------------------------------------------------------------
-
-class Rates:
-    """What restoring and prefilling cost on this rank (bytes read a second, tokens prefilled a second),
-    kept beside its snapshots for the next generation, which has measured nothing yet when it starts."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self._saving = threading.Lock()  # held while a thread writes the file
-        try:
-            saved = json.loads(path.read_text()) if path else {}
-        except (OSError, ValueError):
-            saved = {}
-        self.read_bps = float(saved.get("read_bps", 0.0)) if isinstance(saved, dict) else 0.0
-        self.prefill_tps = float(saved.get("prefill_tps", 0.0)) if isinstance(saved, dict) else 0.0
-
-    def note(self, **rates: float) -> None:
-        """New figures, kept on disk by a thread of their own: a small write on a disk busy with snapshots can
-        wait behind their flushes, and the loop must not."""
-        for name, value in rates.items():
-            setattr(self, name, value)
-        if self.path is not None and self._saving.acquire(blocking=False):
-            threading.Thread(target=self._save, name="rates", daemon=True).start()
-
-    def _save(self) -> None:
-        try:
-            write_atomic(self.path, {"read_bps": self.read_bps, "prefill_tps": self.prefill_tps})
-        except OSError:
-            pass  # the next generation measures afresh
-        finally:
-            self._saving.release()
-
 
 class Restorer:
     """One rank's restores behind serving. `pending` (the plan's tapes not yet joined or dropped) is the same

@@ -1,7 +1,7 @@
 """Rank 0's HTTP frontend: the OpenAI API, readiness and drain routes.
 
 It runs an aiohttp server on its own thread and event loop. Requests are
-validated and tokenized here, then handed to the lockstep loop as runtime/jobs.py's
+validated and tokenized here, then handed to the lockstep loop as runtime/engine/jobs.py's
 messages through `collect()` (called by the loop, on the main thread); the loop
 hands each request's answer back through `started()` / `emit()` / `fail()`, which
 reach the request's handler as `Answered` events. Nothing here touches MLX.
@@ -23,8 +23,9 @@ from aiohttp import web
 from common import openai_api as oa
 from common.errors import ApiError, error_body
 from common.http import Listener, bearer_matches, json_error, json_errors, read_json
-from runtime import grammar
-from runtime.jobs import Cancel, Drain, DrainMode, Emission, Insert, Job, Message
+from runtime.engine import grammar
+from runtime.engine.jobs import Emission, Job
+from runtime.lockstep import Cancel, Drain, DrainMode, Insert, Message
 
 
 class FrontendPhase(StrEnum):

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.demo_model import DemoModelSpec, build_demo_model
+from runtime.models.demo_model import DemoModelSpec, build_demo_model
 
 # tests/pinned runs on its own, named, in .venv-omlx at omlx's pins (scripts/test runs it after the rest)
 collect_ignore = ["pinned"]

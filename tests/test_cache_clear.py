@@ -11,7 +11,7 @@ from kit.configs import write_mesh
 from kit.meshctl import meshctl
 from kit.snapshots import Gen
 from kit.waiting import wait_for
-from runtime.snapshot import segment_files
+from runtime.prefix.snapshot import segment_files
 
 CONVO = [{"role": "user", "content": "Tell me about the mesh and its ranks. " * 3}]
 LATER = [{"role": "user", "content": "And now something else entirely, please."}]

@@ -330,7 +330,7 @@ def test_the_proxy_answers_health_cors_every_name_of_its_model_and_tools(two_age
         assert offered["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]  # the tools reached the prompt
         forced = requests.post(f"{proxy}/chat/completions", timeout=60,
                                json={**ask, "max_tokens": 64, "tools": [tool], "tool_choice": "required"})
-        call = forced.json()["choices"][0]  # held to a call by its grammar (runtime/grammar.py)
+        call = forced.json()["choices"][0]  # held to a call by its grammar (runtime/engine/grammar.py)
         assert forced.status_code == 200 and call["finish_reason"] == "tool_calls", forced.text
         assert call["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
         unknown = requests.post(f"{proxy}/chat/completions", timeout=30,

@@ -1,17 +1,17 @@
 """A kernel that refuses a shape past some length (as omlx's ring GEMM refuses a layout), in the target's
 verify or in the MTP head's draft, falls back for that request and the engine steps on, for the model's own
 MTP head and for a draft model: the answer is the plain decoder's and the next request drafts again. The
-engines run here on the real demo model with an MTP head (runtime.overlays.demo_mtp's faults); the same
+engines run here on the real demo model with an MTP head (runtime.models.overlays.demo_mtp's faults); the same
 fallback in lockstep on four ranks runs in tests/test_dspark.py."""
 
 import pytest
 from mlx_lm import load
 
 from common.openai_api import SamplingParams
-import runtime.overlays.demo_mtp  # noqa: F401  (registers model type demo_mtp)
-from runtime.demo_model import DemoModelSpec, build_demo_model
-from runtime.drafting import MTPEngine, SpeculativeEngine
-from runtime.engine import BatchEngine, Job
+import runtime.models.overlays.demo_mtp  # noqa: F401  (registers model type demo_mtp)
+from runtime.models.demo_model import DemoModelSpec, build_demo_model
+from runtime.engine.drafting import MTPEngine, SpeculativeEngine
+from runtime.engine.batch import BatchEngine, Job
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
 SEEDED = SamplingParams(max_tokens=1, temperature=0.9, seed=7).sampling()

@@ -31,7 +31,7 @@ from mlx_lm.chat_templates import deepseek_v32
 
 from mlx_lm.utils import load_tokenizer
 
-from runtime.overlay import OMLX, drafter_off, overlay_for, unloaded
+from runtime.models.overlay import OMLX, drafter_off, overlay_for, unloaded
 
 OVERLAY = ("--model-package", "omlx")
 
@@ -46,7 +46,7 @@ def test_tensors_the_model_holds_no_place_for_are_named():
     assert unloaded(("mtp.",), checkpoint, ["lm_head.weight", "model.norm.weight"]) == checkpoint[2:]
     assert unloaded(("mtp.",), checkpoint, ["lm_head.weight", "mtp.0.main_proj.weight"]) == []
     assert unloaded(("mtp.",), checkpoint[:2], ["lm_head.weight"]) == []  # a checkpoint without stages
-    assert overlay_for("omlx") is OMLX and overlay_for("runtime.overlays.demo_mtp").before_load == ()
+    assert overlay_for("omlx") is OMLX and overlay_for("runtime.models.overlays.demo_mtp").before_load == ()
     assert overlay_for(None) is None
 
 
@@ -74,7 +74,7 @@ LOAD = """
 import sys
 from pathlib import Path
 import mlx.core as mx
-from runtime.overlay import OMLX, OverlayError, set_up
+from runtime.models.overlay import OMLX, OverlayError, set_up
 from runtime.rank import load_sharded
 set_up(OMLX)
 try:

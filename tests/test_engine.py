@@ -6,12 +6,13 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from common.openai_api import SamplingParams
-from runtime.demo_model import DemoModelSpec, build_demo_model
-from runtime.drafting import MTPEngine
-from runtime.engine import BatchEngine, Job
-from runtime.lockstep import Divergence, Lockstep, PeerLost, fold
-from runtime.sampling import SeededSampler
-from runtime.tape import TokenTape, replaces, reusable_prefix
+from runtime.models.demo_model import DemoModelSpec, build_demo_model
+from runtime.engine.drafting import MTPEngine
+from runtime.engine.batch import BatchEngine, Job
+from runtime.engine.jobs import Divergence
+from runtime.lockstep import Lockstep, PeerLost, fold
+from runtime.engine.sampling import SeededSampler
+from runtime.prefix.tape import TokenTape, replaces, reusable_prefix
 
 
 def cache_of(n: int) -> list:
@@ -278,7 +279,7 @@ def test_an_exchange_is_judged_only_with_every_ranks_share(peer_share, raises):
 
 @pytest.fixture(scope="module")
 def mtp_demo(tmp_path_factory):
-    import runtime.overlays.demo_mtp  # noqa: F401  registers model type demo_mtp
+    import runtime.models.overlays.demo_mtp  # noqa: F401  registers model type demo_mtp
     from mlx_lm.utils import load_model
 
     path = build_demo_model(tmp_path_factory.mktemp("models") / "mtp", DemoModelSpec(mtp=True, mtp_train_steps=30))

@@ -14,7 +14,7 @@ import requests
 from kit.families import FAMILIES, NEAR_TIE, Walk, build_family, disagreement, tokens
 from kit.meshctl import mesh_up, meshctl
 from kit.ranks import start_mesh
-from runtime.families import PADDING_BLIND, TRIMMABLE, Needs, refusal
+from runtime.models.families import PADDING_BLIND, TRIMMABLE, Needs, refusal
 
 WORLDS = (2, 1)
 FAMILY = pytest.mark.parametrize("family", list(FAMILIES))
@@ -99,7 +99,7 @@ def test_four_concurrent_requests_answer_as_each_alone(matrix, family, world):
 
 @pytest.mark.parametrize("family", sorted(PADDING_BLIND))
 def test_a_family_served_one_at_a_time_does_answer_otherwise_in_a_batch(matrix, family):
-    """What the one-at-a-time refusal spares a client (runtime.families.PADDING_BLIND): batched, some
+    """What the one-at-a-time refusal spares a client (runtime.models.families.PADDING_BLIND): batched, some
     answer changes; every other family batches exactly (the test above)."""
     r = row(matrix, family, 1)
     assert r["batch_size"] == 1, "a padding-blind family is served one request at a time"

@@ -18,7 +18,7 @@ from common import fingerprint
 from common.fingerprint import weights_digest
 from kit.agents import make_agents
 from kit.snapshots import Gen
-from runtime.demo_model import DemoModelSpec, build_demo_model
+from runtime.models.demo_model import DemoModelSpec, build_demo_model
 
 BIG = DemoModelSpec(hidden_size=256, intermediate_size=512, seed=3)  # 3.7 MB in one file
 NUDGED = "model.layers.1.self_attn.v_proj.weight"

@@ -1,7 +1,8 @@
 """The import map runs downwards only (docs/ARCHITECTURE.md): common <- agents, runtime <- meshd's base
 <- meshd/nodes <- meshd/control, meshd/dataplane <- meshd/meshctl <- bench. Rooms of one layer do not import
 each other: the control plane and the data plane meet only in meshd/seam.py. The data plane imports nothing of
-the runtime (APART). A project import sits at the top of its module, but for the few listed in LATE with the
+the runtime (APART). Inside the runtime its rooms run downwards too (RUNTIME_ROOMS): the rank process at its top,
+then the engine, the prefix store, the models. A project import sits at the top of its module, but for the few listed in LATE with the
 reason each is late."""
 
 import ast
@@ -16,6 +17,10 @@ TOPS = ("common", "agents", "runtime", "meshd", "bench")
 # Rooms kept off a room below them: the data plane checks requests with the OpenAI wire both planes stand on
 # (common/openai_api.py), not with rank code.
 APART = {"meshd.dataplane": {"runtime"}}
+# The runtime's rooms, bottom first: the models (overlays, families, DSpark's stages, pooled windows, the demo
+# model), the prefix store (tape, snapshots, rates, cache cut-backs), the engine (requests, sampling, grammar,
+# decoding and drafting), and the rank process at runtime/'s top (rank, lockstep, server, restore, wake, ...).
+RUNTIME_ROOMS = {"runtime.models": 0, "runtime.prefix": 1, "runtime.engine": 2, "runtime": 3}
 BENCH = {p.stem for p in (ROOT / "bench").glob("*.py")}  # a bench imports its neighbours by their bare names
 
 # Project imports inside a function, each with why it waits until it runs.
@@ -33,8 +38,8 @@ LATE = {
     ("meshd.meshctl.cli", "meshd.nodes.agentclient"): MESHCTL,
     ("meshd.meshctl.cli", "common.buildinfo"): MESHCTL,
     ("meshd.config", "common.tls"): "cryptography only where TLS is in play: meshctl starts fast",
-    ("runtime.demo_model", "runtime.overlays.demo_mtp"): "importing it registers its model type into mlx-lm",
-    ("bench.benchkit", "runtime.demo_model"): "MLX only for the benches that build a model",
+    ("runtime.models.demo_model", "runtime.models.overlays.demo_mtp"): "importing it registers its model type into mlx-lm",
+    ("bench.benchkit", "runtime.models.demo_model"): "MLX only for the benches that build a model",
 }
 
 
@@ -85,6 +90,20 @@ def wrong(module: str, imported: set[str]) -> list[str]:
                   and (ROOMS[theirs] >= ROOMS[mine] or theirs in APART.get(mine, ())))
 
 
+def runtime_room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "runtime":
+        return None
+    return ".".join(parts[:2]) if ".".join(parts[:2]) in RUNTIME_ROOMS else "runtime"
+
+
+def wrong_in_runtime(module: str, imported: set[str]) -> list[str]:
+    """The imports of a runtime module that run upwards between the runtime's rooms."""
+    mine = runtime_room(module)
+    return sorted(n for n in imported if mine is not None and (theirs := runtime_room(n)) is not None
+                  and RUNTIME_ROOMS[theirs] > RUNTIME_ROOMS[mine])
+
+
 def modules():
     for path in sorted(p for top in TOPS for p in (ROOT / top).rglob("*.py")):
         yield ".".join(path.relative_to(ROOT).with_suffix("").parts), path
@@ -101,10 +120,27 @@ def modules():
     ("runtime.rank", {"bench.ringwait"}, ["bench.ringwait"]),
     ("meshd.dataplane.proxy", {"common.openai_api", "meshd.seam"}, []),
     ("meshd.dataplane.exchange", {"runtime.openai_api", "runtime"}, ["runtime", "runtime.openai_api"]),
-    ("meshd.control.controller", {"runtime.overlay"}, []),
+    ("meshd.control.controller", {"runtime.models.overlay"}, []),
 ])
 def test_the_rule_itself(module, imported, expected):
     assert wrong(module, imported) == expected
+
+
+@pytest.mark.parametrize("module,imported,expected", [
+    ("runtime.rank", {"runtime.engine.batch", "runtime.prefix.snapshot", "runtime.models.dspark"}, []),
+    ("runtime.engine.drafting", {"runtime.prefix.rollback", "runtime.models.pools", "runtime.engine.jobs"}, []),
+    ("runtime.engine.drafting", {"runtime.lockstep"}, ["runtime.lockstep"]),
+    ("runtime.prefix.tape", {"runtime.engine.jobs", "runtime.models.overlay"}, ["runtime.engine.jobs"]),
+    ("runtime.models.dspark", {"runtime.prefix", "runtime.models.pools"}, ["runtime.prefix"]),
+    ("meshd.control.controller", {"runtime.lockstep"}, []),
+])
+def test_the_runtime_rule_itself(module, imported, expected):
+    assert wrong_in_runtime(module, imported) == expected
+
+
+def test_the_runtime_rooms_import_downwards():
+    found = {module: bad for module, path in modules() if (bad := wrong_in_runtime(module, imports(path)))}
+    assert found == {}
 
 
 @pytest.mark.parametrize("source,late", [

@@ -5,7 +5,8 @@ import mlx.core as mx
 import pytest
 
 from common.openai_api import SamplingParams
-from runtime.jobs import Cancel, Drain, DrainMode, Insert, Job, RestoreFirst, decode, encode
+from runtime.engine.jobs import Job
+from runtime.lockstep import Cancel, Drain, DrainMode, Insert, RestoreFirst, decode, encode
 from runtime.lockstep import Lockstep, fold
 
 SAMPLING = SamplingParams(max_tokens=5, temperature=0.7, logit_bias=((3, -1.5),), grammar="start: \"a\"").sampling()

@@ -1,5 +1,5 @@
 """The checkpoint's own drafter at TP4: a demo model with a DeepSeek-style MTP
-head (model type demo_mtp, registered by the overlay runtime.overlays.demo_mtp)
+head (model type demo_mtp, registered by the overlay runtime.models.overlays.demo_mtp)
 on four real ranks over the ring, through real agents and a controller.
 Drafted answers are the plain answers token for token, past the prefill chunk;
 a head sharded without its all-reduce is caught by the lockstep digests. (A
@@ -19,9 +19,9 @@ from kit.demo_answers import endless
 from kit.meshctl import meshctl, stop_controller
 from kit.ranks import start_mesh
 from kit.waiting import wait_for
-from runtime.demo_model import DemoModelSpec, build_demo_model
+from runtime.models.demo_model import DemoModelSpec, build_demo_model
 
-OVERLAY = ("--model-package", "runtime.overlays.demo_mtp")
+OVERLAY = ("--model-package", "runtime.models.overlays.demo_mtp")
 PROMPT = "The ranks step in lockstep: each token needs an all-reduce across the ring. " * 3  # > 16 tokens
 
 

@@ -25,7 +25,7 @@ from kit.waiting import wait_for
 from meshd.config import load
 from meshd.control.controllerd import urls
 from meshd.meshctl.ports import free_ports
-from runtime.demo_model import DemoModelSpec, build_demo_model
+from runtime.models.demo_model import DemoModelSpec, build_demo_model
 
 TOKENS = 1500
 SLOWER = DemoModelSpec(hidden_size=256, intermediate_size=1024, num_hidden_layers=6, seed=3)  # outlasts 2 restarts

@@ -1,5 +1,5 @@
-"""What undoes a verify's cache writes (runtime/rollback.py) and where a verify and a prompt are cut
-(runtime/dspark.py `pieces`, `prompt_piece`), at the newest mlx-lm: a trim where a trim gives back exactly what
+"""What undoes a verify's cache writes (runtime/prefix/rollback.py) and where a verify and a prompt are cut
+(runtime/models/pools.py `pieces`, `prompt_piece`), at the newest mlx-lm: a trim where a trim gives back exactly what
 the step wrote, else each cache leaf (a CacheList's members, a sliding window past its size, a recurrent state) as
 the step found it, however often it is undone. The same on omlx's own DeepSeek-V4 caches:
 tests/pinned/test_rollback.py."""
@@ -8,8 +8,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-from runtime import rollback
-from runtime.dspark import pieces, prompt_piece
+from runtime.prefix import rollback
+from runtime.models.pools import pieces, prompt_piece
 
 
 def kv(n: int, value: float = 0.0):

@@ -20,7 +20,7 @@ import pytest
 from kit.agents import make_agents, pid_of
 from kit.snapshots import Gen, metric
 from kit.waiting import wait_for
-from runtime.snapshot import PROGRESS_EVERY, header_of, read_header, segment_files, tape_id
+from runtime.prefix.snapshot import PROGRESS_EVERY, header_of, read_header, segment_files, tape_id
 
 ROUNDS = 12  # requests, each after the folder was deleted
 FULL = 8  # of them, after which the token tape is full (its capacity) and the rank's memory should stay flat

@@ -1,4 +1,4 @@
-"""Prefix snapshots (runtime/snapshot.py): the agreement, eviction and kind decisions as tables; the writer on
+"""Prefix snapshots (runtime/prefix/snapshot.py): the agreement, eviction and kind decisions as tables; the writer on
 real caches (chained for plain KV caches, whole for a sliding window), a budget and a full disk; and one real
 2-rank ring mesh of agents: after a SIGKILL mid-stream the next generation answers the next turn and the cut
 stream exactly, their prefixes from the snapshots, and ignores a corrupted, truncated or foreign snapshot on one
@@ -22,14 +22,15 @@ from kit.demo_answers import endless
 from kit.smallfs import fill, small_filesystem
 from kit.snapshots import EVERY, Gen, answer_in_flight, metric
 from kit.waiting import wait_for
-from runtime.engine import BatchEngine, Job
-from runtime.jobs import Cancel, Drain, DrainMode, Insert, RestoreFirst
+from runtime.engine.batch import BatchEngine, Job
+from runtime.lockstep import Cancel, Drain, DrainMode, Insert, RestoreFirst
 from runtime.rank import parse_args
 from runtime.server import WARMUP
-from runtime.restore import Rates, Restorer, plan, settled, worth_waiting
-from runtime.snapshot import (Identity, Segment, Snapshots, agree, digest, due, ends, evict, expired, read_header,
+from runtime.prefix.rates import Rates
+from runtime.restore import Restorer, plan, settled, worth_waiting
+from runtime.prefix.snapshot import (Identity, Segment, Snapshots, agree, digest, due, ends, evict, expired, read_header,
                               scan, segment_files, serving, snapshot_key, snapshot_kind, tape_id, whole)
-from runtime.tape import TokenTape
+from runtime.prefix.tape import TokenTape
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~670 tokens: a prefill of seconds on two ranks
 

@@ -23,11 +23,11 @@ from kit.held import held_tokens
 from kit.meshctl import Demo, demo_home, demo_meshctl
 from meshd.meshctl.ports import free_ports
 from kit.openai import sse_events
-import runtime.overlays.demo_mtp  # noqa: F401  (registers the demo model with an MTP head)
-from runtime import grammar
-from runtime.demo_model import DemoModelSpec, build_demo_model
-from runtime.drafting import MTPEngine
-from runtime.engine import BatchEngine
+import runtime.models.overlays.demo_mtp  # noqa: F401  (registers the demo model with an MTP head)
+from runtime.engine import grammar
+from runtime.models.demo_model import DemoModelSpec, build_demo_model
+from runtime.engine.drafting import MTPEngine
+from runtime.engine.batch import BatchEngine
 from runtime.server import Frontend, FrontendPhase
 
 ASK = [{"role": "user", "content": "hi"}]

@@ -15,7 +15,7 @@ from common.tomlcheck import write_toml
 from meshd.config import load
 from meshd.meshctl import background
 from meshd.meshctl.ports import free_run, run_free
-from runtime.demo_model import build_demo_model
+from runtime.models.demo_model import build_demo_model
 
 WORLD = 4  # nodes unless `meshctl up --nodes` says otherwise
 NODES = (1, 2, 4, 8)  # the ways the demo model's heads and widths divide

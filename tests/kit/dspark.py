@@ -39,7 +39,7 @@ def build_dspark_model(path: Path, markov_steps: int = 150, seed: int = 0) -> Pa
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from runtime.demo_model import DemoModelSpec, build_demo_model
+    from runtime.models.demo_model import DemoModelSpec, build_demo_model
 
     if str(STANDINS) not in sys.path:
         sys.path.insert(0, str(STANDINS))

@@ -157,9 +157,9 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_config
 
-    from runtime import families
-    from runtime.drafting import SpeculativeEngine
-    from runtime.engine import BatchEngine, Job
+    from runtime.models import families
+    from runtime.engine.drafting import SpeculativeEngine
+    from runtime.engine.batch import BatchEngine, Job
     from common.openai_api import SamplingParams
     from runtime.rank import load_sharded
 
@@ -212,7 +212,7 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
             families.refuse(config, draft=str(draft_path), drafter="off", batch=1)
         e = SpeculativeEngine(model, draft, eos, num_draft_tokens=2)
         out = answer(e, {0: [job("p1", PROMPTS["p1"])]})
-        if e.fallbacks:  # mlx-lm raised in a drafted step; the engine went on undrafted (runtime/drafting.py)
+        if e.fallbacks:  # mlx-lm raised in a drafted step; the engine went on undrafted (runtime/engine/drafting.py)
             out["error"] = f"mlx-lm raised in {e.fallbacks} drafted step(s), which fell back to plain decoding"
         return out
 

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kit.agents import pid_of, start_generation, stop_generation, wait_mesh_ready
 from kit.waiting import wait_for
-from runtime.snapshot import read_header, segment_files
+from runtime.prefix.snapshot import read_header, segment_files
 
 EVERY = 16  # tokens between the snapshots of an answer in flight
 

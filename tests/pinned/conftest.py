@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from pinned.dsv4 import build_v4_checkpoint, set_up_omlx
-from runtime.overlay import OMLX
+from runtime.models.overlay import OMLX
 from runtime.rank import load_sharded
 
 

@@ -148,7 +148,7 @@ def build_v4_checkpoint(path, *, mtp: str = "dspark", markov_fitted: bool = True
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from runtime.demo_model import DemoModelSpec, build_demo_model
+    from runtime.models.demo_model import DemoModelSpec, build_demo_model
 
     path = Path(path)
     dsv4 = set_up_omlx()

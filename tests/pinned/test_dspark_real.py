@@ -52,15 +52,15 @@ def test_the_checkpoints_answer_depends_on_omlxs_real_caches(checkpoints):
 def test_omlxs_real_model_answers_a_verify_in_meshds_pieces_as_it_decodes_one_by_one(checkpoints):
     """omlx pools a ratio-4 window over the one before it only when both come in one forward: a block that
     completes two windows is not always what one-by-one decoding gives, the pieces meshd feeds it in are
-    (runtime/dspark.pieces), wherever the block starts."""
+    (runtime/models/pools.py `pieces`), wherever the block starts."""
     import mlx.core as mx
     import mlx_lm.utils
 
-    from runtime import dspark
+    from runtime.models import pools
 
     set_up_omlx()
     model, _ = mlx_lm.utils.load_model(checkpoints[True])
-    windows = dspark.overlap_windows(model)
+    windows = pools.overlap_windows(model)
     assert windows == (4,)
     whole = []
     for start in range(300, 304):
@@ -77,6 +77,6 @@ def test_omlxs_real_model_answers_a_verify_in_meshds_pieces_as_it_decodes_one_by
                 return mx.concatenate(out)
 
             one_by_one = logits([1] * length)
-            assert mx.abs(logits(dspark.pieces(start, length, windows)) - one_by_one).max().item() < 1e-4
+            assert mx.abs(logits(pools.pieces(start, length, windows)) - one_by_one).max().item() < 1e-4
             whole.append(mx.abs(logits([length]) - one_by_one).max().item())
     assert max(whole) > 1e-3, whole  # the whole block at once is not, somewhere

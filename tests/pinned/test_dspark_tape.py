@@ -7,9 +7,9 @@ import mlx.core as mx
 import pytest
 
 from common.openai_api import SamplingParams
-from runtime.engine import BatchEngine
-from runtime.jobs import Job
-from runtime.rowwise import drafted_everywhere
+from runtime.engine.batch import BatchEngine
+from runtime.engine.jobs import Job
+from runtime.engine.rowwise import drafted_everywhere
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
 SEEDED = SamplingParams(max_tokens=1, temperature=0.9, seed=7).sampling()

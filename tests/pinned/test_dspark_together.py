@@ -1,7 +1,7 @@
 """Every request drafted, however many run, on omlx's REAL DeepSeek-V4 (the tiny checkpoint of pinned.dsv4, its
 compressed layers' pooled caches), in this process and at TP2 on the ring (real meshd-rank processes over
 loopback): a request alone is drafted by the DSpark engine, more are drafted row by row in one batch
-(runtime/rowwise.py), each row from its own committed taps, each keeping its own count and its caches going
+(runtime/engine/rowwise.py), each row from its own committed taps, each keeping its own count and its caches going
 back exactly; a request sent during a drafted answer starts at the next step, the drafted answer joining the
 batch keeping its place exactly, on both ranks; rows join and leave mid-answer; every answer is plain
 decoding's, token for token, greedy and seeded.
@@ -21,10 +21,10 @@ from kit.demo_answers import endless
 from kit.ranks import start_mesh
 from kit.waiting import wait_for
 from pinned.dsv4 import OVERLAY, PROMPT, pinned_env
-from runtime import rowwise
-from runtime.engine import BatchEngine
-from runtime.jobs import Job
-from runtime.rowwise import RowwiseDSpark, drafted_everywhere
+from runtime.engine import rowwise
+from runtime.engine.batch import BatchEngine
+from runtime.engine.jobs import Job
+from runtime.engine.rowwise import RowwiseDSpark, drafted_everywhere
 
 LONG = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 256, "temperature": 0}
 SHORT = {"messages": [{"role": "user", "content": "And the pooled keys?"}], "max_tokens": 12, "temperature": 0.9,

@@ -25,9 +25,9 @@ from dspark_mlx.model.drafter import DSparkDrafter
 from mlx.utils import tree_flatten
 
 from common.openai_api import SamplingParams
-from runtime import dspark
-from runtime.drafting import DSparkEngine
-from runtime.jobs import Job
+from runtime.models import dspark
+from runtime.engine.drafting import DSparkEngine
+from runtime.engine.jobs import Job
 
 TOL = 2e-5  # the two implementations' float32 logprobs differ by under 1e-5
 TAPS = 48  # positions of target taps the blocks draft from: three windows

@@ -14,10 +14,10 @@ from mlx_lm.utils import load_model
 from common.openai_api import SamplingParams
 from kit.ranks import start_mesh
 from pinned.dsv4 import build_v4_checkpoint, pinned_env
-from runtime import dspark
-from runtime.engine import BatchEngine
-from runtime.jobs import Job
-from runtime.overlay import OMLX, set_up
+from runtime.models import dspark
+from runtime.engine.batch import BatchEngine
+from runtime.engine.jobs import Job
+from runtime.models.overlay import OMLX, set_up
 from runtime.rank import load_sharded
 
 set_up(OMLX)

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
 
 from pinned.dsv4 import CONFIG
-from runtime import rollback
+from runtime.prefix import rollback
 
 omlx_v4.apply_deepseek_v4_patch()  # what follows is omlx's, registered by its patch
 from mlx_lm.models import deepseek_v4 as v4

@@ -1,4 +1,4 @@
-"""Prefix snapshots of omlx's own DeepSeek-V4 caches (runtime/snapshot.py: a rotating window, or a CacheList of one
+"""Prefix snapshots of omlx's own DeepSeek-V4 caches (runtime/prefix/snapshot.py: a rotating window, or a CacheList of one
 and one or two pools, written in place: each snapshot their whole state), in the pinned env: a snapshot restores
 the live caches' next-token logits, a spoiled one is skipped with its reason, an answer resumed from one
 continues as plain decoding does, drafted or not; and on real ranks at TP2, started by their agents, a drafted
@@ -17,10 +17,10 @@ from kit.demo_answers import endless
 from kit.snapshots import EVERY, Gen, answer_in_flight
 from kit.waiting import wait_for
 from pinned.dsv4 import PROMPT, pinned_env
-from runtime.engine import BatchEngine
-from runtime.jobs import Job
-from runtime.rowwise import drafted_everywhere
-from runtime.snapshot import Identity, Snapshots, read_header, segment_files, tape_id
+from runtime.engine.batch import BatchEngine
+from runtime.engine.jobs import Job
+from runtime.engine.rowwise import drafted_everywhere
+from runtime.prefix.snapshot import Identity, Snapshots, read_header, segment_files, tape_id
 
 ME = Identity("v4", 1, 0, "layout")
 TOKENS = tuple(int(t) for t in mx.random.randint(0, 500, (150,), key=mx.random.key(5)).tolist())
@@ -129,7 +129,7 @@ def plain_answer(model):
 @pytest.mark.parametrize("drafted", [False, True], ids=["plain", "drafted"])
 def test_an_answer_resumed_from_its_snapshot_in_flight_continues_as_plain_decoding(model, plain_answer, tmp_path,
                                                                                    drafted):
-    """The answer's tokens past its snapshot go through the target as decoding fed them (dspark.prompt_piece):
+    """The answer's tokens past its snapshot go through the target as decoding fed them (pools.prompt_piece):
     fed as a prompt's chunks, its pools would differ, and its log probabilities by 1e-2."""
     plain, plain_logprobs = plain_answer
     first = engine(model, drafted, Snapshots(tmp_path, ME, 1 << 30, every=EVERY))

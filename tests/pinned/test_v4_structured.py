@@ -17,9 +17,9 @@ import pytest
 
 from kit.held import held_tokens
 from pinned.test_v4_tools import build_v4_tokenizer_checkpoint, build_v4_weights
-from runtime import grammar
-from runtime.drafting import DSparkEngine
-from runtime.engine import BatchEngine
+from runtime.engine import grammar
+from runtime.engine.drafting import DSparkEngine
+from runtime.engine.batch import BatchEngine
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
     "type": "object", "additionalProperties": False, "required": ["city", "days", "units"],
@@ -35,7 +35,7 @@ ORDER = {"type": "object", "additionalProperties": False, "required": ["sku", "q
 def v4(tmp_path_factory):
     """omlx's V4 with the tokenizer meshd-rank loads for it (V4's DSML template and tool parser on it)."""
     from runtime import rank
-    from runtime.overlay import OMLX, set_up
+    from runtime.models.overlay import OMLX, set_up
 
     set_up(OMLX)
     path = build_v4_weights(build_v4_tokenizer_checkpoint(tmp_path_factory.mktemp("v4") / "ckpt"))

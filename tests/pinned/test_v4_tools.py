@@ -19,7 +19,8 @@ import requests
 
 from common import openai_api as oa
 from meshd.meshctl.ports import free_ports
-from runtime.jobs import Emission, Insert
+from runtime.engine.jobs import Emission
+from runtime.lockstep import Insert
 from runtime.server import WARMUP, Frontend
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -58,7 +59,7 @@ def dsml(*calls: tuple[str, dict]) -> str:
 def build_v4_tokenizer_checkpoint(path: Path) -> Path:
     """A deepseek_v4 checkpoint's tokenizer side: a byte-level BPE with DeepSeek's special tokens and think
     tokens, the minimal jinja, no chat_template_type nor tool_parser_type (what omlx's patch fills in)."""
-    from runtime.demo_model import _train_tokenizer
+    from runtime.models.demo_model import _train_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     tok = _train_tokenizer(512, SPECIAL)
@@ -105,7 +106,7 @@ def tokenizer(checkpoint):
     """The tokenizer as meshd-rank's main() gets it: the overlay set up first, then runtime.rank's own
     load_tokenizer with the config's eos."""
     from runtime import rank
-    from runtime.overlay import OMLX, set_up
+    from runtime.models.overlay import OMLX, set_up
 
     set_up(OMLX)
     config = json.loads((checkpoint / "config.json").read_text())

@@ -6,7 +6,7 @@ sliding window (RotatingKVCache) once past its size, SSM state (ArraysCache)
 always; such a cache serves only a prompt that extends its whole tape, and
 any other prompt is prefilled afresh, so a tape that extends it does not
 replace it. Each entry carries the id its snapshot was written or restored
-under (runtime/snapshot.py), "" when it has none, and its tenant: a request
+under (runtime/prefix/snapshot.py), "" when it has none, and its tenant: a request
 is served only from its own tenant's entries (the proxy scopes tenants by
 API key), so neither its cached count nor its speed tells one tenant what
 another sent.

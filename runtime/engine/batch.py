@@ -1,6 +1,6 @@
 """The batch engine: continuous batching over mlx-lm's BatchGenerator, with the
-token tape (runtime/tape.py) as its prefix cache, snapshotted to disk when
-given `snapshots` (runtime/snapshot.py). A request alone runs in `SoloDecode`
+token tape (runtime/prefix/tape.py) as its prefix cache, snapshotted to disk when
+given `snapshots` (runtime/prefix/snapshot.py). A request alone runs in `SoloDecode`
 (the plain loop's speed) until a second one arrives and it joins the batch."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
-from runtime import dspark
-from runtime.jobs import Emission, Job, emission, finish_reason
-from runtime.sampling import greedy, processors_for, sampler_for
-from runtime.restore import Rates
-from runtime.snapshot import Snapshots, leaf_types, snapshot_kind
-from runtime.tape import TokenTape
+from runtime.models import pools
+from runtime.engine.jobs import Emission, Job, emission, finish_reason
+from runtime.engine.sampling import greedy, processors_for, sampler_for
+from runtime.prefix.rates import Rates
+from runtime.prefix.snapshot import Snapshots, leaf_types, snapshot_kind
+from runtime.prefix.tape import TokenTape
 
 
 class SoloDecode:
@@ -25,7 +25,7 @@ class SoloDecode:
     at batch one this is the plain loop's speed, which BatchGenerator's
     per-step bookkeeping does not reach. Each `step` is one prefill chunk or
     one token; a resumed answer's tokens are prefilled in the pieces decoding
-    gives (`dspark.prompt_piece`), so that they answer as the decode that said
+    gives (`pools.prompt_piece`), so that they answer as the decode that said
     them."""
 
     def __init__(self, model, job: Job, cache: list, cached: int, eos_ids: set[int], prefill_step_size: int,
@@ -58,7 +58,7 @@ class SoloDecode:
 
     def step(self) -> Emission | None:
         if len(self.todo) > 1:
-            n = dspark.prompt_piece(len(self.fed), len(self.job.prompt), self.job.offset, self._chunk,
+            n = pools.prompt_piece(len(self.fed), len(self.job.prompt), self.job.offset, self._chunk,
                                     self._windows)
             began = time.perf_counter()
             chunk = mx.array(self.todo[:n], dtype=mx.uint32)
@@ -124,7 +124,7 @@ class BatchEngine:
         self._model = model
         self._eos = eos_ids
         self._prefill_step_size = prefill_step_size
-        self._windows = dspark.overlap_windows(model)
+        self._windows = pools.overlap_windows(model)
         self._solo: SoloDecode | None = None
         self._carried: list[Emission] = []  # a handed-over solo job's last token, out at the next step
         self._rid_by_uid: dict[int, str] = {}

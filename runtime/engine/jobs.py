@@ -1,6 +1,5 @@
-"""What every engine takes and gives: a `Job` in, `Emission`s out, behind the `Engine` protocol; and the
-messages rank 0 sends every rank through the lockstep exchange (`Insert`, `Cancel`, `Drain`, `RestoreFirst`),
-with their one wire encoding.
+"""What every engine takes and gives: a `Job` in, `Emission`s out, behind the `Engine` protocol; and
+`Divergence`, how an engine says the ranks no longer agree.
 
 Every rank owns an engine and calls the same methods in the same order (the
 lockstep loop guarantees it), so each decision an engine makes must be a
@@ -10,9 +9,7 @@ evictions are then identical on every rank without further talk.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
-from enum import StrEnum
+from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
@@ -80,57 +77,5 @@ class Engine(Protocol):
         """The engine's counters, as RankStatus fields."""
 
 
-class DrainMode(StrEnum):
-    """How a generation drains (POST /internal/drain's `mode`, SIGTERM's `finish`): `finish` lets the answers
-    in flight end and admits no more; `cancel` ends them now, each client told `draining`. A cancelling
-    drain never goes back to finishing."""
-
-    FINISH = "finish"
-    CANCEL = "cancel"
-
-
-@dataclass(frozen=True)
-class Insert:
-    job: Job
-
-
-@dataclass(frozen=True)
-class Cancel:
-    rid: str
-
-
-@dataclass(frozen=True)
-class Drain:
-    mode: DrainMode
-
-
-@dataclass(frozen=True)
-class RestoreFirst:
-    """Read this pending tape next: a request waits for it (runtime/restore.py)."""
-
-    sid: str
-
-
-Message = Insert | Cancel | Drain | RestoreFirst
-OPS = {Insert: "insert", Cancel: "cancel", Drain: "drain", RestoreFirst: "restore_first"}
-KINDS = {op: kind for kind, op in OPS.items()}
-
-
-def encode(messages: list[Message]) -> bytes:
-    """Messages as the lockstep exchange carries them: a JSON list of `{"op": ..., fields}`."""
-    return json.dumps([{"op": OPS[type(m)], **asdict(m.job if isinstance(m, Insert) else m)}
-                       for m in messages]).encode()
-
-
-def decode(data: bytes) -> list[Message]:
-    """`encode`'s messages back, as every rank applies them."""
-    return [_message(fields) for fields in json.loads(data)]
-
-
-def _message(fields: dict) -> Message:
-    kind = KINDS[fields.pop("op")]
-    if kind is Insert:
-        return Insert(Job(**{**fields, "prompt": tuple(fields["prompt"])}))
-    if kind is Drain:
-        return Drain(DrainMode(fields["mode"]))
-    return kind(**fields)
+class Divergence(RuntimeError):
+    """The ranks sampled different tokens or drafted different blocks: the generation cannot go on."""

@@ -3,7 +3,7 @@ request) compiled on each rank and masking its logits.
 
 A request's grammar travels to every rank as data, llguidance's grammar text, inside its sampling settings;
 each rank compiles it against its own copy of the model's tokenizer (`serve`), the compiled grammar cached by
-its text, and masks the answer's logits with it (runtime/sampling.py's `GrammarMask`). Rank 0 builds its
+its text, and masks the answer's logits with it (runtime/engine/sampling.py's `GrammarMask`). Rank 0 builds its
 requests' grammars with the served model's tool format and this compiler (`builder`).
 
 llguidance rather than xgrammar: one 3 MB wheel with no dependencies on Linux and macOS alike (xgrammar's

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 
-from runtime.overlay import OMLX
+from runtime.models.overlay import OMLX
+from runtime.models.pools import attention
 
 
 def stages(model) -> list:
@@ -25,11 +26,6 @@ def stages(model) -> list:
     if not (hasattr(model, "dspark_forward") and getattr(model, OMLX.armed, False)):
         return []
     return list(getattr(model, "mtp", None) or [])
-
-
-def attention(layer):
-    """A layer's attention (None for a layer without: a recurrent one)."""
-    return getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
 
 
 def heads(layer) -> int:
@@ -106,34 +102,6 @@ def gate_kernels(package: str | None, model, config: dict, log) -> None:
                 f"({type(e).__name__}: {str(e)[:120]}); the model takes its portable path")
 
 
-def overlap_windows(model) -> tuple[int, ...]:
-    """The window sizes of the model's compressors whose pooled row overlaps the window before it (omlx's
-    DeepSeek-V4 at ratio 4, in its attention and its indexer). omlx overlaps only windows that arrive in one
-    forward: the first window of a forward pools alone, as every window of a one-position decode does."""
-    sizes = set()
-    for layer in model.layers:
-        attn = attention(layer)
-        for compressor in (getattr(attn, "compressor", None), getattr(getattr(attn, "indexer", None), "compressor", None)):
-            if getattr(compressor, "overlap", False):
-                sizes.add(int(compressor.compress_ratio))
-    return tuple(sorted(sizes))
-
-
-def pieces(offset: int, length: int, windows: tuple[int, ...]) -> list[int]:
-    """The lengths in which to feed `length` positions from position `offset` so that each forward completes
-    at most one window of each size in `windows`: then each is what decoding its positions one at a time
-    gives (a window completes at position p when p + 1 is a multiple of its size)."""
-    out, start, end = [], offset, offset + length
-    while start < end:
-        stop = end
-        for w in windows:
-            first = -(-(start + 1) // w) * w - 1  # the first completion at or after `start`
-            stop = min(stop, first + w)  # the next one starts the next piece
-        out.append(stop - start)
-        start = stop
-    return out
-
-
 def draft(model, cache: list, committed: mx.array, anchor: int, width: int,
           allowed=lambda drafts, row: row) -> tuple[mx.array, mx.array]:
     """The first `width` drafts of DeepSeek's DSpark block after `anchor` (the token the target sampled last,
@@ -152,14 +120,3 @@ def draft(model, cache: list, committed: mx.array, anchor: int, width: int,
         prev = mx.argmax(rows[-1], axis=-1).astype(mx.uint32)
         drafts.append(prev)
     return mx.concatenate(drafts), mx.concatenate(rows)
-
-
-def prompt_piece(at: int, length: int, said: int, chunk: int, windows: tuple[int, ...]) -> int:
-    """How many positions from `at` of a prompt of `length` tokens its next forward feeds (never its last,
-    left for the step that samples): `chunk` at a time, as the plain decoder prefills, up to a resumed
-    answer's tokens (the `said` its prompt ends with) and the token before them; those, which decoding fed one
-    at a time, in the next of `pieces`, at most `chunk`, so that the caches hold what that decoding's held."""
-    last, answer = length - 1, length - 1 - said
-    if at < answer:
-        return min(chunk, answer - at)
-    return min(chunk, pieces(at, last - at, windows)[0])

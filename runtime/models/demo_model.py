@@ -63,7 +63,7 @@ class DemoModelSpec:
     model_vocab: int = 0  # rows of the embedding and head when larger than the tokenizer's (a real model's shape)
     thinking: bool = False  # <think> and </think> tokens, and a template that opens a think block
     dtype: str = "float32"  # or bfloat16, float16
-    mtp: bool = False  # a DeepSeek-style MTP head (model type demo_mtp, from runtime.overlays.demo_mtp)
+    mtp: bool = False  # a DeepSeek-style MTP head (model type demo_mtp, from runtime.models.overlays.demo_mtp)
     mtp_train_steps: int = 0  # steps distilling the head on the model's own greedy text (0: random weights)
 
 
@@ -130,7 +130,7 @@ def build_demo_model(path: str | Path, spec: DemoModelSpec = DemoModelSpec()) ->
 
     mx.random.seed(spec.seed)
     if spec.mtp:
-        from runtime.overlays import demo_mtp as family
+        from runtime.models.overlays import demo_mtp as family
     else:
         family = llama
     model = family.Model(family.ModelArgs.from_dict(config))

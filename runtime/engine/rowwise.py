@@ -2,13 +2,13 @@
 a step.
 
 A request's prompt goes through the target in its own caches, as the plain decoder takes it (in chunks, a
-resumed answer's tokens in the pieces decoding gives: dspark.prompt_piece), its taps entering its own stages'
+resumed answer's tokens in the pieces decoding gives: pools.prompt_piece), its taps entering its own stages'
 context; once only its last token is left it joins the batch, its caches merged into the batch's. Each step
 every row feeds its pending token and its drafts (a row without drafts, its first step or its drafting
 refused, feeds its pending token in their places: a guess like any other, kept only where the target samples
 it) in one forward of `1 + width` places; each row's places are sampled with its own keys and processors and
 each keeps its drafts up to its first miss. Every rank agrees on every row's count (`drafting.agree`). Where a
-row kept fewer than it fed, the batch's caches go back to where the step began (runtime/rollback.py: omlx's
+row kept fewer than it fed, the batch's caches go back to where the step began (runtime/prefix/rollback.py: omlx's
 pooled and windowed caches cannot be trimmed) and every row's kept places are fed again in one forward, the
 shorter rows right-padded (mlx-lm's `prepare`/`finalize`: the pads leave no trace). The verify's width is
 kept under the smallest pooled window that overlaps the one before it, so every row's forward completes at
@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from runtime import dspark, rollback
-from runtime.drafting import (DraftWhenAlone, DSparkEngine, agree, allowed_by, ends_after, place_logprobs,
+from runtime.models import dspark, pools
+from runtime.prefix import rollback
+from runtime.engine.drafting import (DraftWhenAlone, DSparkEngine, agree, allowed_by, ends_after, place_logprobs,
                               sample_places)
-from runtime.jobs import Emission, Job, emission, finish_reason
-from runtime.sampling import GrammarMask, processors_for
+from runtime.engine.jobs import Emission, Job, emission, finish_reason
+from runtime.engine.sampling import GrammarMask, processors_for
 
 
 @dataclass(eq=False)
@@ -87,7 +88,7 @@ class RowwiseDSpark:
         self._eos = eos_ids
         self.prefixes = prefixes
         self._chunk = prefill_step_size
-        self._windows = dspark.overlap_windows(model)
+        self._windows = pools.overlap_windows(model)
         self.width = verify_width(num_draft_tokens, int(model.args.dspark_block_size), self._windows)
         self._log = log
         self._joining: deque[Row] = deque()  # prompts going in, first come first
@@ -137,7 +138,7 @@ class RowwiseDSpark:
     # --- a prompt going in --------------------------------------------------------------------------------
     def _prefill(self, row: Row) -> None:
         """A chunk of the row's prompt through its own caches, its taps into its stages' context."""
-        n = dspark.prompt_piece(row.base, len(row.job.prompt), row.job.offset, self._chunk, self._windows)
+        n = pools.prompt_piece(row.base, len(row.job.prompt), row.job.offset, self._chunk, self._windows)
         chunk, row.todo = row.todo[:n], row.todo[n:]
         with mx.stream(generation_stream):
             _, taps = self._model(mx.array(chunk, dtype=mx.uint32)[None], row.cache, return_hidden=True)

@@ -1,5 +1,5 @@
 """The demo model with a multi-token-prediction head in DeepSeek's layout, as
-a model overlay (`[runtime] model_package = "runtime.overlays.demo_mtp"`):
+a model overlay (`[runtime] model_package = "runtime.models.overlays.demo_mtp"`):
 importing it registers model type `demo_mtp` into mlx-lm.
 
 The MTP head takes the backbone's last hidden state and the next token's

@@ -14,10 +14,10 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from runtime import dspark, rollback
-from runtime.jobs import Emission, Job, emission, finish_reason
-from runtime.lockstep import Divergence
-from runtime.sampling import GrammarMask, processors_for, sample_at, sampler_for
+from runtime.models import dspark, pools
+from runtime.prefix import rollback
+from runtime.engine.jobs import Divergence, Emission, Job, emission, finish_reason
+from runtime.engine.sampling import GrammarMask, processors_for, sample_at, sampler_for
 
 
 def ends_after(tokens: list[int], count: int, max_tokens: int, eos_ids: set[int]) -> int:
@@ -217,7 +217,7 @@ class SpeculativeEngine(SingleRequestEngine):
 
 def trim_to(cache: list, length: int) -> None:
     """Cut the cache back to `length` tokens. A cache that cannot give tokens back (a sliding window past its
-    size, a recurrent state) is refused drafting at load (runtime/families.py); one that still trims short
+    size, a recurrent state) is refused drafting at load (runtime/models/families.py); one that still trims short
     here is an error, never a draft kept on top of rejected tokens."""
     cut = cache[0].offset - length
     if trim_prompt_cache(cache, cut) != cut:
@@ -408,7 +408,7 @@ class MTPEngine(SingleRequestEngine):
 
 
 class DraftWhenAlone:
-    """A drafter for a request alone, a batch engine for more (DSpark's: `runtime.rowwise.RowwiseDSpark`, every
+    """A drafter for a request alone, a batch engine for more (DSpark's: `runtime.engine.rowwise.RowwiseDSpark`, every
     row drafted). A request that arrives while the drafter has one starts at the next step: the drafted answer
     hands over to the batch at that step boundary, keeping its place exactly (`handover`: its cache, the
     tokens it said, the sampling keys and grammar of its place), and both go on there. What waits goes to the
@@ -507,14 +507,14 @@ class DSparkEngine(MTPEngine):
     the answer is the plain decoder's token for token.
 
     The target's caches go back to the kept places by trimming when a trim undoes every layer exactly,
-    else by undoing the step (runtime/rollback.py: pooled and windowed layers back to their state before
+    else by undoing the step (runtime/prefix/rollback.py: pooled and windowed layers back to their state before
     it) and feeding the kept places again. A refusal anywhere in a drafted step (the
     target's verify, the stages) ends drafting for that request, the caches restored: plain from there,
     the rank alive. One request at a time: `DraftWhenAlone` gives it the requests that are alone, and takes
     the one it drafts to the batch (`handover`) when another arrives.
 
     The prompt goes through the target as the plain decoder takes it, and every forward after it in the
-    pieces decoding one position at a time gives (dspark.pieces): omlx's pooled windows make a forward
+    pieces decoding one position at a time gives (pools.pieces): omlx's pooled windows make a forward
     depend on where it starts. A request's cache comes from the batch engine's token tape (`prefixes`) and
     its tape goes back there when it ends, so the next turn of a conversation prefills only its new tokens."""
 
@@ -527,7 +527,7 @@ class DSparkEngine(MTPEngine):
         # cache may come from the token tape, where the MTP head's could not
         self.prefixes = prefixes
         self._arm = getattr(sys.modules[type(model).__module__], "set_dspark_verify_armed", lambda flag: None)
-        self._windows = dspark.overlap_windows(model)
+        self._windows = pools.overlap_windows(model)
 
     def stats(self) -> dict:
         return {**super().stats(), "drafter": "dspark"}
@@ -555,7 +555,7 @@ class DSparkEngine(MTPEngine):
         answer's tokens in the pieces decoding gives): a target whose forward depends on where its chunks
         start (omlx's pooled windows) answers as plainly."""
         job = self._active
-        n = dspark.prompt_piece(self._base, len(job.prompt), job.offset, self._chunk, self._windows)
+        n = pools.prompt_piece(self._base, len(job.prompt), job.offset, self._chunk, self._windows)
         chunk, self._todo = self._todo[:n], self._todo[n:]
         with mx.stream(generation_stream):
             _, taps = self._model(mx.array(chunk, dtype=mx.uint32)[None], self._cache, return_hidden=True)
@@ -595,9 +595,9 @@ class DSparkEngine(MTPEngine):
 
     def _forward(self, inputs: mx.array, armed: bool) -> tuple[mx.array, mx.array]:
         """The positions through the target from `_base` on, in the pieces decoding them one at a time would
-        give (dspark.pieces), its verify armed for a piece of drafts when `armed`: the logits and the taps."""
+        give (pools.pieces), its verify armed for a piece of drafts when `armed`: the logits and the taps."""
         outs, at = [], 0
-        for n in dspark.pieces(self._base, inputs.shape[0], self._windows):
+        for n in pools.pieces(self._base, inputs.shape[0], self._windows):
             self._arm(armed and n > 1)
             try:
                 outs.append(self._model(inputs[None, at:at + n], self._cache, return_hidden=True))

@@ -7,9 +7,9 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from runtime import grammar
-from runtime.jobs import Job
-from runtime.tape import common_prefix
+from runtime.engine import grammar
+from runtime.engine.jobs import Job
+from runtime.prefix.tape import common_prefix
 
 
 def greedy(logprobs: mx.array) -> mx.array:

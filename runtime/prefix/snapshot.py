@@ -1,7 +1,7 @@
 """Prefix snapshots: each rank's shard of its token-tape caches on local disk, restored by the next generation.
 
 A snapshot is a chain of segments, one safetensors file each, holding every cache leaf's own state (its
-`state`, and its `meta_state` where mlx-lm has one; a CacheList's members in its place, as runtime/rollback.py
+`state`, and its `meta_state` where mlx-lm has one; a CacheList's members in its place, as runtime/prefix/rollback.py
 walks them) at a point of a tape. Plain KV caches grow by appending: a segment holds their tokens
 [start, end) and names its parent (the same tape's [0, start)), so a follow-up turn writes only its new
 tokens. Caches written in place (a sliding window, DeepSeek-V4's pools) have no slice of tokens: each of
@@ -37,7 +37,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 
-from runtime.rollback import leaves
+from runtime.prefix.rollback import leaves
 
 FORMAT = "meshd-snapshot/3"  # /3: digests keyed by the node's snapshot key
 # how a cache leaf is snapshotted: by its new tokens, appended to its parent's, or as its whole state
@@ -91,7 +91,7 @@ class Segment:
     nbytes: int
     used_at: float
     path: Path | None = None
-    tenant: str = ""  # whose tape it is (runtime/tape.py)
+    tenant: str = ""  # whose tape it is (runtime/prefix/tape.py)
 
     @property
     def needs(self) -> str:
