@@ -1,11 +1,15 @@
 """The token tape: the batch engine's prefix cache, keyed by post-template token ids.
 
 A cache is reused only where that is exact. A plain KV cache is cut back to
-the prefix a prompt shares with its tape. Some caches cannot be cut back: a
-sliding window (RotatingKVCache) once past its size, SSM state (ArraysCache)
-always; such a cache serves only a prompt that extends its whole tape, and
-any other prompt is prefilled afresh, so a tape that extends it does not
-replace it. Each entry carries the id its snapshot was written or restored
+the prefix a prompt shares with its tape. Some caches cannot be trimmed: a
+sliding window (RotatingKVCache) once past its size, SSM state (ArraysCache),
+omlx's DeepSeek-V4 pools; such a cache serves a prompt that extends its whole
+tape, or is cut back to the longest of its checkpoints (runtime/prefix/
+checkpoints.py) that lies within what the prompt shares with it and where the
+prompt's own prefill stops (`stops`: there a cut cache answers as a fresh
+prefill does). A tape that extends such a tape does not replace it. The
+checkpoints' held bytes are bounded (`checkpoint_budget`): past it the least
+recently used tapes lose theirs, oldest first. Each entry carries the id its snapshot was written or restored
 under (runtime/prefix/snapshot.py), "" when it has none, and its tenant: a request
 is served only from its own tenant's entries (the proxy scopes tenants by
 API key), so neither its cached count nor its speed tells one tenant what
@@ -16,8 +20,11 @@ from __future__ import annotations
 
 import copy
 from collections import deque
+from dataclasses import dataclass
 
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+from runtime.prefix.checkpoints import Checkpoint, cut
 
 
 def reusable_prefix(shared: int, stored: int, prompt: int, trimmable: bool) -> int:
@@ -26,6 +33,26 @@ def reusable_prefix(shared: int, stored: int, prompt: int, trimmable: bool) -> i
     cache that cannot be cut back only its whole tape."""
     n = min(shared, prompt - 1)
     return n if trimmable or n == stored else 0
+
+
+def best_checkpoint(at: list[int], shared: int, prompt: int, stops: tuple[int, ...]) -> int | None:
+    """Of checkpoints `at`, the longest a prompt of `prompt` tokens that shares `shared` with their tape can start
+    from: within the shared prefix, short of the prompt's last token, and where the prompt's prefill stops."""
+    usable = [a for a in at if 0 < a <= min(shared, prompt - 1) and a in stops]
+    return max(usable, default=None)
+
+
+@dataclass
+class Entry:
+    tokens: tuple[int, ...]
+    cache: list
+    sid: str  # its snapshot's id ("" without)
+    tenant: str
+    checkpoints: tuple[Checkpoint, ...] = ()
+
+    @property
+    def held(self) -> int:
+        return sum(c.nbytes for c in self.checkpoints)
 
 
 def replaces(shared: int, stored: int, new: int, trimmable: bool) -> bool:
@@ -38,72 +65,100 @@ class TokenTape:
     """Tapes of post-template token ids with their caches, kept in LRU order
     up to `capacity` (one dropped for a new one that `replaces` it); each
     `take` counts as a hit, a miss (no tape shares a prefix) or not reusable
-    (one does, but its cache cannot be cut back to it); `hit_tokens` sums the
-    prefixes the hits served."""
+    (one does, but no cut back of its cache reaches it); `hit_tokens` sums the
+    prefixes the hits served, `checkpoint_hits` the hits a checkpoint served."""
 
-    def __init__(self, capacity: int = 8):
+    def __init__(self, capacity: int = 8, checkpoint_budget: int = 1 << 30):
         self.capacity = capacity
-        self._entries: deque[tuple[tuple[int, ...], list, str, str]] = deque()  # tokens, cache, sid, tenant
-        self.hits = self.misses = self.not_reusable = self.hit_tokens = 0
+        self.checkpoint_budget = checkpoint_budget
+        self._entries: deque[Entry] = deque()
+        self.hits = self.misses = self.not_reusable = self.hit_tokens = self.checkpoint_hits = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _best(self, prompt: tuple[int, ...], tenant: str) -> tuple[int | None, int, bool]:
-        """The entry of `tenant` that serves the longest reusable prefix of `prompt`, its length, and whether
-        any of its entries shares a prefix with it at all (another tenant's never does)."""
-        best, best_len, shared = None, 0, False
-        for i, (tape, cache, _, owner) in enumerate(self._entries):
-            if owner != tenant:
+    @property
+    def checkpoint_bytes(self) -> int:
+        return sum(e.held for e in self._entries)
+
+    @property
+    def checkpoint_count(self) -> int:
+        return sum(len(e.checkpoints) for e in self._entries)
+
+    def _best(self, prompt: tuple[int, ...], tenant: str, stops: tuple[int, ...]):
+        """The entry of `tenant` that serves the longest reusable prefix of `prompt`, its length, the checkpoint
+        that serves it (None: a trim, or the whole tape), and whether any of its entries shares a prefix with
+        it at all (another tenant's never does)."""
+        best, best_len, best_point, shared = None, 0, None, False
+        for i, e in enumerate(self._entries):
+            if e.tenant != tenant:
                 continue
-            n = common_prefix(tape, prompt)
+            n = common_prefix(e.tokens, prompt)
             shared = shared or min(n, len(prompt) - 1) > 0
-            n = reusable_prefix(n, len(tape), len(prompt), can_trim_prompt_cache(cache))
-            if n > best_len:
-                best, best_len = i, n
-        return best, best_len, shared
+            whole = reusable_prefix(n, len(e.tokens), len(prompt), can_trim_prompt_cache(e.cache))
+            at = best_checkpoint([c.at for c in e.checkpoints], n, len(prompt), stops)
+            if whole > best_len:
+                best, best_len, best_point = i, whole, None
+            if at is not None and at > max(whole, best_len):
+                best, best_len, best_point = i, at, next(c for c in e.checkpoints if c.at == at)
+        return best, best_len, best_point, shared
 
-    def served(self, prompt: tuple[int, ...], tenant: str = "") -> int:
+    def served(self, prompt: tuple[int, ...], tenant: str = "", stops: tuple[int, ...] = ()) -> int:
         """How much of `prompt` a `take` would serve now (nothing counted)."""
-        return self._best(prompt, tenant)[1]
+        return self._best(prompt, tenant, stops)[1]
 
-    def take(self, prompt: tuple[int, ...], tenant: str = "") -> tuple[list | None, int, str]:
+    def take(self, prompt: tuple[int, ...], tenant: str = "",
+             stops: tuple[int, ...] = ()) -> tuple[list | None, int, str]:
         """A copy of the cache of `tenant` that serves the longest reusable prefix of `prompt`, cut back to it,
-        that prefix's length and the snapshot id of the entry it came from; (None, 0, "") when none does."""
-        best, best_len, shared = self._best(prompt, tenant)
+        that prefix's length and the snapshot id of the entry it came from; (None, 0, "") when none does.
+        `stops`: where the prompt's own prefill stops (runtime/prefix/checkpoints.py `stops`)."""
+        best, best_len, point, shared = self._best(prompt, tenant, stops)
         if best is None:
             if shared:
                 self.not_reusable += 1
             else:
                 self.misses += 1
             return None, 0, ""
-        tape, stored, sid, _ = entry = self._entries[best]
-        cache = copy.deepcopy(stored)
-        if trim_prompt_cache(cache, len(tape) - best_len) != len(tape) - best_len:
+        entry = self._entries[best]
+        cache = copy.deepcopy(entry.cache)
+        if point is not None:
+            cut(cache, point)
+            self.checkpoint_hits += 1
+        elif trim_prompt_cache(cache, len(entry.tokens) - best_len) != len(entry.tokens) - best_len:
             self.not_reusable += 1
             return None, 0, ""
         del self._entries[best]
         self._entries.append(entry)
         self.hits += 1
         self.hit_tokens += best_len
-        return cache, best_len, sid
+        return cache, best_len, entry.sid
 
-    def store(self, tape: tuple[int, ...], cache: list, sid: str = "", tenant: str = "") -> None:
+    def store(self, tape: tuple[int, ...], cache: list, sid: str = "", tenant: str = "",
+              checkpoints: tuple[Checkpoint, ...] = ()) -> None:
         trimmable = can_trim_prompt_cache(cache)
-        self._entries = deque(e for e in self._entries if e[3] != tenant or
-                              not replaces(common_prefix(e[0], tape), len(e[0]), len(tape), trimmable))
-        self._entries.append((tape, cache, sid, tenant))
+        self._entries = deque(e for e in self._entries if e.tenant != tenant or
+                              not replaces(common_prefix(e.tokens, tape), len(e.tokens), len(tape), trimmable))
+        self._entries.append(Entry(tape, cache, sid, tenant, tuple(c for c in checkpoints if c.at < len(tape))))
         while len(self._entries) > self.capacity:
             self._entries.popleft()
+        self._thin()
+
+    def _thin(self) -> None:
+        """The least recently used tapes' checkpoints dropped, oldest first, until they fit the budget."""
+        over = self.checkpoint_bytes - self.checkpoint_budget
+        for e in self._entries:
+            while over > 0 and e.checkpoints:
+                over -= e.checkpoints[0].nbytes
+                e.checkpoints = e.checkpoints[1:]
 
     def store_older(self, tape: tuple[int, ...], cache: list, sid: str, tenant: str = "") -> bool:
         """A tape older than every one held (restored while serving): kept as the least recently used while
         there is room and no entry of its tenant serves every prompt it serves; whether it was kept."""
         if len(self._entries) >= self.capacity or any(
-                e[3] == tenant and replaces(common_prefix(e[0], tape), len(tape), len(e[0]),
-                                            can_trim_prompt_cache(e[1])) for e in self._entries):
+                e.tenant == tenant and replaces(common_prefix(e.tokens, tape), len(tape), len(e.tokens),
+                                                can_trim_prompt_cache(e.cache)) for e in self._entries):
             return False
-        self._entries.appendleft((tape, cache, sid, tenant))
+        self._entries.appendleft(Entry(tape, cache, sid, tenant))
         return True
 
 

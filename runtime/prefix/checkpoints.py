@@ -1,0 +1,127 @@
+"""Caches cut back to checkpoints: a cache that went on past a position is brought back to exactly what it held
+there, for every cache type the runtime serves, without a fork of the model's cache classes.
+
+A cache's parts are of two kinds. The append-only ones (a plain KV cache's keys and values, a pool's pooled
+rows) are shared: a checkpoint keeps only their length, and cutting back truncates them. The parts written in
+place (a rotating window, a pool's partial window and its gates, a recurrent state) are small: a checkpoint
+holds them as they were, each array a view of that moment's buffer (no copy; the cache's next write copies
+on write, never into the view), and cutting back puts them back. A checkpoint is taken between two forwards,
+at a position every run of the same prompt also stops at (`stops`), so that a cache cut back there and fed
+the rest answers as a fresh prefill of the whole prompt does, also on omlx's DeepSeek-V4, whose pooled
+windows depend on where each forward starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
+
+from runtime.prefix.rollback import leaves
+
+GROWING = (KVCache, QuantizedKVCache, ConcatenateKVCache)  # what a trim cuts back exactly, whatever came after
+POOL = "PoolingCache"  # omlx's DeepSeek-V4 compressor and indexer pools (cache_extras.py)
+
+
+@dataclass(frozen=True)
+class Trim:
+    """A growing cache's length: cut back by trimming."""
+
+    offset: int
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A pool's rows (shared, truncated) and its partial window as it was (held)."""
+
+    rows: int
+    buf_kv: mx.array | None
+    buf_gate: mx.array | None
+    remainder: int
+
+
+@dataclass(frozen=True)
+class Held:
+    """Any other cache's attributes as they were, its arrays held as views."""
+
+    attributes: dict
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A cache as it was once it held `at` tokens, leaf by leaf; `nbytes` what its held parts take."""
+
+    at: int
+    parts: tuple
+    nbytes: int
+
+
+def _view(value):
+    if isinstance(value, mx.array):
+        return value[...]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_view(v) for v in value)
+    return value
+
+
+def _bytes(value) -> int:
+    if isinstance(value, mx.array):
+        return value.nbytes
+    if isinstance(value, (list, tuple)):
+        return sum(_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_bytes(v) for v in value.values())
+    return 0
+
+
+def _part(leaf):
+    if type(leaf) in GROWING:
+        return Trim(leaf.offset)
+    if type(leaf).__name__ == POOL:
+        return Pool(leaf.offset, _view(leaf.buf_kv), _view(leaf.buf_gate), leaf.remainder)
+    return Held({k: _view(v) for k, v in vars(leaf).items()})
+
+
+def checkpoint(caches, at: int) -> Checkpoint:
+    """`caches` (a request's, between two forwards) as they are now, when they hold `at` tokens."""
+    parts = tuple(_part(leaf) for leaf in leaves(caches))
+    held = sum(_bytes(p.attributes) if isinstance(p, Held) else _bytes((p.buf_kv, p.buf_gate))
+               for p in parts if not isinstance(p, Trim))
+    return Checkpoint(at, parts, held)
+
+
+def cut(caches, point: Checkpoint) -> None:
+    """`caches`, which went on from where `point` was taken (or are a copy of caches that did), back to it."""
+    found = leaves(caches)
+    if len(found) != len(point.parts):
+        raise ValueError(f"a checkpoint of {len(point.parts)} cache leaves cannot cut caches of {len(found)}")
+    for leaf, part in zip(found, point.parts):
+        if isinstance(part, Trim):
+            leaf.trim(leaf.offset - part.offset)
+        elif isinstance(part, Pool):
+            leaf.pooled = None if part.rows == 0 else leaf.pooled[:, :part.rows]
+            leaf.buf_kv, leaf.buf_gate, leaf.remainder = part.buf_kv, part.buf_gate, part.remainder
+        else:
+            leaf.__dict__.clear()
+            leaf.__dict__.update({k: _view(v) for k, v in part.attributes.items()})
+
+
+def needed(caches) -> bool:
+    """Whether these caches need checkpoints to be cut back: some part of them is written in place."""
+    return any(type(leaf) not in GROWING for leaf in leaves(caches))
+
+
+def stops(prompt, markers: frozenset[int], every: int, messages: int = 4) -> tuple[int, ...]:
+    """Where every prefill of `prompt` breaks its forwards and takes a checkpoint, a function of its tokens
+    alone (so a later prompt that shares them stops at the same places): each multiple of `every` (the
+    prefill's chunk), before each of its last `messages` message markers (the tokens a chat template opens a
+    message with), and before its last token (which the step that samples takes)."""
+    last = len(prompt) - 1
+    if last <= 0:
+        return ()
+    found = {p for p in range(every, last, every)}
+    opened = [i for i, t in enumerate(prompt[:last]) if t in markers and i > 0]
+    found.update(opened[-messages:] if messages else ())
+    found.add(last)
+    return tuple(sorted(found))

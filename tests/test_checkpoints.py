@@ -1,0 +1,168 @@
+"""Caches cut back to checkpoints (runtime/prefix/checkpoints.py) on mlx-lm's own model classes whose caches write
+in place: a sliding window that rotates (llama's and gpt-oss's sliding layers), a recurrent state (qwen3.5's
+linear attention), DeepSeek-V4.1's layer cache (its window, closed groups and open group). A cache that went
+on past a checkpoint (its window rotated, its groups closed, its state moved) and is cut back there answers a
+new prompt sharing that prefix as a fresh prefill of the new prompt does, token for token and logprob for
+logprob; a trim in its place does not, which shows these models' answers depend on their caches."""
+
+import copy
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes
+
+from kit.families import FAMILIES
+from runtime.prefix import checkpoints
+from runtime.prefix.checkpoints import Checkpoint, Held, Pool, Trim, checkpoint, cut, stops
+
+MARK = 7  # a message marker in the prompts below
+EVERY = 8  # the prefill's chunk
+ANSWER = 10  # greedy tokens compared: every sliding window (8) rotates meanwhile
+
+
+def model_of(family: str):
+    config = FAMILIES[family]
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(0)
+    model = model_class(args_class.from_dict(config))
+    model.load_weights([(k, v * 4.0 if k.endswith(("lm_head.weight", "embed_tokens.weight")) else v)
+                        for k, v in tree_flatten(model.parameters())])  # clear winners, as kit.families' models
+    mx.eval(model.parameters())
+    return model
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [8 + (seed * 7919 + i * 104729) % 480 for i in range(n)]
+
+
+def prefill(model, cache, prompt: list[int], start: int, marked: dict | None = None) -> mx.array:
+    """`prompt` from `start` through `cache` in forwards that end at its stops (a checkpoint taken at each
+    into `marked`); the logits after its last token."""
+    at = start
+    for stop in [s for s in stops(prompt, frozenset({MARK}), EVERY) if s > start]:
+        model(mx.array(prompt[at:stop])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        at = stop
+        if marked is not None:
+            marked[stop] = checkpoint(cache, stop)
+    return model(mx.array(prompt[at:])[None], cache=cache)[:, -1]
+
+
+def decode(model, cache, logits: mx.array, n: int = ANSWER) -> tuple[list[int], list[float]]:
+    said, logprobs = [], []
+    for _ in range(n):
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = mx.argmax(lp, axis=-1)
+        said.append(token.item())
+        logprobs.append(lp[0, said[-1]].item())
+        logits = model(token[None], cache=cache)[:, -1]
+    return said, logprobs
+
+
+def fresh(model, prompt: list[int]):
+    cache = model.make_cache()
+    return decode(model, cache, prefill(model, cache, prompt, 0))
+
+
+FAMILIES_IN_PLACE = ["gpt_oss", "qwen3_5", "deepseek_v41"]  # llama's sliding layer barely moves its answer
+
+
+@pytest.mark.parametrize("family", FAMILIES_IN_PLACE)
+def test_a_cache_cut_back_to_a_checkpoint_answers_as_a_fresh_prefill(family):
+    model = model_of(family)
+    first = tokens(1, 12) + [MARK] + tokens(2, 17)  # 30 tokens: stops 8, 12 (the marker), 16, 24, 29
+    cache, marked = model.make_cache(), {}
+    decode(model, cache, prefill(model, cache, first, 0, marked))
+    assert sorted(marked) == [8, 12, 16, 24, 29]
+    assert checkpoints.needed(cache)
+    seconds = {12: first[:13] + tokens(3, 9),  # the next message after the same first one
+               16: first[:16] + tokens(3, 9),  # a prompt sharing two chunks
+               29: first}  # the same prompt again
+    for at, second in seconds.items():
+        assert at in stops(second, frozenset({MARK}), EVERY)
+        ours = copy.deepcopy(cache)
+        cut(ours, marked[at])
+        said, logprobs = decode(model, ours, prefill(model, ours, second, at))
+        plain, plain_logprobs = fresh(model, second)
+        assert said == plain, (family, at)
+        assert logprobs == pytest.approx(plain_logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES_IN_PLACE)
+def test_a_trim_in_place_of_the_cut_changes_the_answer(family):
+    """Each cache's length set back but what it wrote in place left as it is (a rotated window, a recurrent
+    state, closed groups): the model answers otherwise, so the test above can fail."""
+    model = model_of(family)
+    first = tokens(1, 12) + [MARK] + tokens(2, 17)
+    cache = model.make_cache()
+    decode(model, cache, prefill(model, cache, first, 0))
+    second = first[:16] + tokens(3, 9)
+    for leaf in cache:
+        if isinstance(getattr(leaf, "offset", None), int):
+            leaf.offset = 16
+        if hasattr(leaf, "_idx"):
+            leaf._idx = min(leaf._idx, 16)
+    trimmed = decode(model, cache, prefill(model, cache, second, 16))
+    assert trimmed != fresh(model, second)
+
+
+def test_a_checkpoint_keeps_growing_parts_by_length_and_holds_what_is_written_in_place():
+    model = model_of("llama")  # a full-attention layer, then a sliding one
+    cache = model.make_cache()
+    prefill(model, cache, tokens(1, 20), 0)
+    point = checkpoint(cache, 19)
+    assert isinstance(point.parts[0], Trim) and point.parts[0].offset == cache[0].offset
+    assert isinstance(point.parts[1], Held) and point.nbytes == cache[1].keys.nbytes + cache[1].values.nbytes
+
+
+def test_a_checkpoint_of_other_caches_cannot_cut_these():
+    cache = model_of("llama").make_cache()
+    with pytest.raises(ValueError, match="3 cache leaves cannot cut caches of 2"):
+        cut(cache, Checkpoint(4, (Trim(4), Trim(4), Trim(4)), 0))
+
+
+class FakePool:
+    """omlx's PoolingCache as far as a checkpoint reads it (its class name is what marks it a pool)."""
+
+    def __init__(self, rows: int, remainder: int):
+        self.pooled = mx.arange(rows * 2, dtype=mx.float32).reshape(1, rows, 2) if rows else None
+        self.buf_kv = mx.full((1, 4, 2), float(remainder))
+        self.buf_gate = mx.full((1, 4, 2), -float(remainder))
+        self.remainder = remainder
+
+    @property
+    def offset(self):
+        return 0 if self.pooled is None else self.pooled.shape[1]
+
+
+FakePool.__name__ = checkpoints.POOL
+
+
+def test_a_pool_is_cut_to_its_rows_and_its_open_window_put_back():
+    pool = FakePool(3, 2)
+    point = checkpoint([pool], 14)
+    assert isinstance(point.parts[0], Pool) and point.nbytes == 2 * 4 * 2 * 4
+    pool.pooled = mx.concatenate([pool.pooled, mx.ones((1, 2, 2))], axis=1)
+    pool.buf_kv[:, 0:1] = 9.0
+    pool.remainder = 1
+    cut([pool], point)
+    assert pool.offset == 3 and pool.remainder == 2
+    assert pool.buf_kv.tolist() == mx.full((1, 4, 2), 2.0).tolist()
+    assert pool.pooled.tolist() == mx.arange(6, dtype=mx.float32).reshape(1, 3, 2).tolist()
+
+
+@pytest.mark.parametrize("length,markers,every,messages,expected", [
+    (30, {7: [12]}, 8, 4, (8, 12, 16, 24, 29)),
+    (10, {}, 8, 4, (8, 9)),
+    (9, {}, 8, 4, (8,)),  # the last token's place is a chunk's end too
+    (1, {}, 8, 4, ()),
+    (40, {7: [3, 10, 20, 30, 35]}, 64, 2, (30, 35, 39)),  # only the last `messages` markers
+    (12, {7: [0]}, 64, 4, (11,)),  # a marker that opens the prompt is no stop
+])
+def test_where_a_prefill_stops(length, markers, every, messages, expected):
+    prompt = [1] * length
+    for token, places in markers.items():
+        for p in places:
+            prompt[p] = token
+    assert stops(prompt, frozenset(markers), every, messages) == expected
