@@ -3,6 +3,7 @@ is found, --version, Ctrl-C, a control address another mesh's controller holds, 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -16,10 +17,11 @@ import pytest
 
 from kit.agents import make_agents
 from kit.configs import write_mesh
-from kit.meshctl import another_controller, meshctl
+from kit.meshctl import another_controller, mesh_up, meshctl
 from kit.waiting import wait_for
 from meshd.meshctl import background
-from meshd.meshctl.cli import CliError, Control, log_generation, may_have_ranks, silent_controller
+from meshd.meshctl.cli import (CliError, Control, agents_down, log_generation, may_have_ranks, silent_controller,
+                               stopped_line)
 from meshd.config import Node, load
 from meshd.meshctl import cache
 from meshd.meshctl.progress import frame
@@ -206,8 +208,49 @@ def test_down_on_a_mesh_that_never_ran_starts_no_controller(tmp_path, demo_model
     mesh = write_mesh(tmp_path, make_agents(tmp_path, 2), demo_model)
     down = run("down", "--config", str(mesh))
     assert down.returncode == 0, down.stdout + down.stderr
-    assert "nothing to stop" in down.stdout and "starting the controller" not in down.stdout, down.stdout
+    assert "no rank to stop" in down.stdout and "starting the controller" not in down.stdout, down.stdout
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(mesh) in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.parametrize("daemons,strays,said", [
+    ({"agent-node0": 11, "controller": 12, "proxy": 13}, [21, 22],
+     "stopped node0's agent (pid 11), the controller (pid 12), meshd-proxy (pid 13), 2 rank or standby processes "
+     "that agents left running (pid 21, 22)"),
+    ({"controller": 12}, [], "stopped the controller (pid 12)"),
+    ({}, [21], "stopped 1 rank or standby process that agents left running (pid 21)"),
+    ({}, [], "no process that meshctl started was running"),
+])
+def test_down_says_what_it_stopped(daemons, strays, said):
+    assert stopped_line(daemons, strays) == said
+
+
+def test_the_agents_the_controller_does_not_reach_are_named_with_why():
+    nodes = [{"node": "node0", "agent": "http://a:7701", "agent_ok": True},
+             {"node": "node1", "agent": "http://b:7701", "agent_ok": False, "error": "connection refused"}]
+    assert agents_down({"nodes": nodes}) == ["node1's agent (http://b:7701: connection refused)"]
+    assert agents_down({"nodes": nodes[:1]}) == []
+
+
+def named(mesh: Path) -> list[int]:
+    """The processes whose command line (or title) names this mesh.toml: its controller's and proxy's."""
+    return [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+            if str(mesh) in " ".join(p.info["cmdline"] or [])]
+
+
+def test_down_on_a_configured_mesh_stops_its_ranks_controller_and_proxy_and_says_so(tmp_path, demo_model):
+    with mesh_up(tmp_path, demo_model) as (mesh, agents):
+        ranks = [n["rank"]["pid"] for n in json.loads(meshctl(mesh, "status", "--json").stdout)["nodes"]]
+        run = mesh.parent / "state" / "run"
+        daemons = {name: background.pid_of(run / f"{name}.pid") for name in ("controller", "proxy")}
+        assert None not in daemons.values() and set(daemons.values()) <= set(named(mesh))
+        down = meshctl(mesh, "down")
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert (f"stopped the controller (pid {daemons['controller']}), meshd-proxy (pid {daemons['proxy']})"
+                in down.stdout), down.stdout
+        assert not [p for p in [*ranks, *daemons.values()]
+                    if background.process_state(p) not in (None, psutil.STATUS_ZOMBIE)]  # (init reaps none here)
+        assert named(mesh) == [] and background.agents_children(tmp_path) == []
+        assert all(a.proc.poll() is None for a in agents)  # the agents are the nodes' own, not meshctl's
 
 
 @pytest.mark.parametrize("pid,state,says", [

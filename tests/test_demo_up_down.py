@@ -6,6 +6,7 @@ drives one demo through deaths and restarts.)"""
 import http.server
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,4 +94,30 @@ def test_an_up_whose_control_port_another_process_took_meanwhile_stops_what_it_s
         other.server_close()
     demo_meshctl(home, "up", "--nodes", "2")  # the port free again: the demo comes up on it
     assert Demo(home).chat().status_code == 200
+    assert "no process of the mesh remains" in demo_meshctl(home, "down").stdout
+
+
+def pidfile(home, name: str) -> int:
+    return background.pid_of(home / "demo" / "run" / f"{name}.pid")
+
+
+def test_up_starts_a_dead_agent_again_and_down_after_the_controller_and_an_agent_died_leaves_nothing(
+        tmp_path_factory):
+    home = demo_home(tmp_path_factory, "meshd-home-dead")
+    demo_meshctl(home, "up", "--nodes", "2")
+    mesh = Demo(home)
+    agent = pidfile(home, "agent-node1")
+    os.kill(agent, signal.SIGKILL)
+    up = demo_meshctl(home, "up").stdout
+    assert f"node1's agent (pid {agent}) had exited; started it again" in up and "ready: generation" in up, up
+    assert all(n["agent_ok"] for n in mesh.status()["nodes"]) and mesh.chat().status_code == 200
+    ranks = [n["rank"]["pid"] for n in mesh.status()["nodes"]]
+    for name in ("controller", "agent-node1"):
+        os.kill(pidfile(home, name), signal.SIGKILL)
+    down = demo_meshctl(home, "down").stdout
+    left = re.search(r"that agents left running \(pid ([\d, ]+)\)", down)
+    assert left and set(ranks) <= {int(p) for p in left[1].split(", ")}, down
+    assert "no process of the mesh remains" in down and background.pids_below(home) == []
+    demo_meshctl(home, "up")  # the rank port free again
+    assert mesh.chat().status_code == 200
     assert "no process of the mesh remains" in demo_meshctl(home, "down").stdout

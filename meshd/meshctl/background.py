@@ -66,12 +66,18 @@ def running_in(run: Path) -> dict[Path, int]:
     return {f: pid for f in sorted(run.glob("*.pid")) if (pid := pid_of(f)) is not None}
 
 
-def stop(pidfiles: list[Path], grace: float = 10.0) -> None:
-    """SIGTERM every daemon at once, wait up to `grace`, SIGKILL what is left."""
-    targets = [t for t in map(_read_pid, pidfiles) if t is not None]
-    asyncio.run(procs.stop_ladder(targets, grace=grace, kill_grace=5.0))
+def stop(pidfiles: list[Path], grace: float = 10.0) -> dict[str, int]:
+    """SIGTERM every daemon at once, wait up to `grace`, SIGKILL what is left. Returns what ran, by its
+    pidfile's name (`controller`, `proxy`, `agent-node0`): the pids it stopped."""
+    running = {f.stem: t for f in pidfiles if (t := _read_pid(f)) is not None}
+    stop_targets(list(running.values()), grace)
     for f in pidfiles:
         f.unlink(missing_ok=True)
+    return {name: t.pid for name, t in running.items()}
+
+
+def stop_targets(targets: list[procs.Target], grace: float) -> None:
+    asyncio.run(procs.stop_ladder(targets, grace=grace, kill_grace=5.0))
 
 
 STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)  # SIGSTOP, or a debugger holds it
@@ -124,10 +130,20 @@ def answers(url: str) -> bool:
 def pids_below(root: Path) -> list[int]:
     """Live processes whose command line mentions `root`, or whose agent's state directory (MESHD_AGENT, as
     ranks and standbys carry it: their titles name no path) is below it: what a demo left behind."""
-    needle, below = str(root), str(root.resolve()) + os.sep
-    out = []
-    for p in psutil.process_iter(["pid", "cmdline", "environ"]):
-        if p.info["pid"] != os.getpid() and (any(needle in part for part in (p.info["cmdline"] or []))
-                                             or (p.info["environ"] or {}).get("MESHD_AGENT", "").startswith(below)):
-            out.append(p.info["pid"])
-    return out
+    needle = str(root)
+    return [p.info["pid"] for p in _others() if any(needle in part for part in (p.info["cmdline"] or []))
+            or _agent_below(p, root)]
+
+
+def agents_children(root: Path) -> list[procs.Target]:
+    """The live ranks and standbys that agents whose state directories are below `root` started (MESHD_AGENT in
+    their environment): a rank outlives its agent, and an agent that died leaves it to whoever stops the mesh."""
+    return [t for p in _others() if _agent_below(p, root) and (t := procs.identify(p.info["pid"])) and procs.alive(t)]
+
+
+def _others():
+    return (p for p in psutil.process_iter(["pid", "cmdline", "environ"]) if p.info["pid"] != os.getpid())
+
+
+def _agent_below(p: psutil.Process, root: Path) -> bool:
+    return (p.info["environ"] or {}).get("MESHD_AGENT", "").startswith(str(root.resolve()) + os.sep)

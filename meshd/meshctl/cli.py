@@ -334,7 +334,12 @@ def cmd_up(args) -> int:
                        f"--nodes {args.nodes}`" if cfg.path and demo.is_demo(cfg.path) else
                        f"--nodes is the demo mesh's; {cfg.path} lists this mesh's {n} nodes")
     ctl = Control(cfg)
-    status = ctl.call("GET", "/v1/status") if ctl.alive() else start_or_undo(cfg, ctl)
+    if ctl.alive():
+        if cfg.path and demo.is_demo(cfg.path):
+            revive_demo_agents(cfg.path)
+        status = ctl.call("GET", "/v1/status")
+    else:
+        status = start_or_undo(cfg, ctl)
     if not args.skip_preflight and status["phase"] in ("stopped", "failed"):
         checks = preflight(cfg)
         failed = [c for c in checks if not c.ok]
@@ -349,6 +354,11 @@ def cmd_up(args) -> int:
     status = follow_until_ready(ctl, args.timeout)
     if status["phase"] == "failed":
         return 1
+    if down := agents_down(status):
+        raise CliError(f"generation {status['generation']} serves, but {', '.join(down)} "
+                       f"{'does' if len(down) == 1 else 'do'} not answer: no agent watches or restarts "
+                       f"{'its' if len(down) == 1 else 'their'} rank. Start it on its node (`sudo systemctl start "
+                       "meshd-agent`; macOS: `sudo launchctl kickstart system/com.meshd.agent`), then `meshctl up`")
     if not background.wait_until(lambda: background.answers(f"{cfg.proxy.url}/health"), 60, 0.2):
         raise CliError(f"the mesh serves but meshd-proxy does not answer on {cfg.proxy.listen}; see "
                        f"{run_dir(cfg) / 'proxy.log'}")
@@ -362,6 +372,22 @@ def cmd_up(args) -> int:
     return 0
 
 
+def revive_demo_agents(mesh: Path) -> None:
+    """Start again the demo's agents that died under its running controller (CliError when one cannot)."""
+    try:
+        exited = demo.start_agents(demo.home(), mesh)
+    except background.NotStarted as e:
+        raise CliError(f"{e}: the demo does not serve without it; `meshctl down`, then `meshctl up`")
+    for node, pid in exited.items():
+        say(f"demo: {node}'s agent (pid {pid}) had exited; started it again")
+
+
+def agents_down(status: dict) -> list[str]:
+    """The agents the controller does not reach, as `node0's agent (URL: why)`."""
+    return [f"{n['node']}'s agent ({n['agent']}: {n.get('error', 'no answer')})" for n in status["nodes"]
+            if not n["agent_ok"]]
+
+
 def may_have_ranks(cfg: MeshConfig) -> bool:
     """Whether ranks of this mesh may run while no controller does: the store's last record of the fleet is
     not `stopped`, or the store is there but cannot be read here (another user's)."""
@@ -371,32 +397,60 @@ def may_have_ranks(cfg: MeshConfig) -> bool:
     return fleet.phase != Phase.STOPPED
 
 
+def daemon_words(name: str) -> str:
+    """A pidfile's name (`background.stop`) as `meshctl down` says it."""
+    if name.startswith("agent-"):
+        return f"{name.removeprefix('agent-')}'s agent"
+    return {"proxy": "meshd-proxy"}.get(name, f"the {name}")
+
+
+def stopped_line(daemons: dict[str, int], strays: list[int]) -> str:
+    """What `meshctl down` stopped of what `meshctl up` started, in words."""
+    words = [f"{daemon_words(name)} (pid {pid})" for name, pid in daemons.items()]
+    if strays:
+        words.append(f"{len(strays)} rank or standby process{'es' if len(strays) > 1 else ''} that agents left "
+                     f"running (pid {', '.join(map(str, strays))})")
+    return "stopped " + ", ".join(words) if words else "no process that meshctl started was running"
+
+
 def cmd_down(args) -> int:
     cfg = resolve_config(args.config)
     ctl = Control(cfg)
     demo_mesh = cfg.path is not None and demo.is_demo(cfg.path)
-    if not ctl.alive() and not demo_mesh:
-        if not may_have_ranks(cfg):
-            say(f"no controller runs for {cfg.name} and its store ({cfg.store_path}) records no generation "
-                "left running: nothing to stop")
-            return 0
+    run = run_dir(cfg)
+    if not ctl.alive() and not demo_mesh and may_have_ranks(cfg):
         # Its ranks may still run (the controller died, or was stopped, under a generation): the controller
         # adopts them as it starts, and stops them below.
         start_controller(cfg, ctl)
-    if demo_mesh and ctl.alive() and not background.running(run_dir(cfg) / "controller.pid"):
+    if demo_mesh and ctl.alive() and not background.running(run / "controller.pid"):
         say(f"what answers at {cfg.control.listen} is not the demo's controller (meshctl started none that runs): "
             "nothing to drain")
     elif ctl.alive():
         say("draining" if not args.force else "stopping (force)")
         ctl.call("POST", "/v1/down", {"force": args.force})
-        if not background.wait_until(lambda: ctl.call("GET", "/v1/status")["phase"] == "stopped", args.timeout, 0.3):
+        if background.wait_until(lambda: ctl.call("GET", "/v1/status")["phase"] == "stopped", args.timeout, 0.3):
+            say("the mesh is stopped")
+        elif demo_mesh:  # its ranks are this machine's processes: they are stopped below
+            say(f"the mesh did not stop within {args.timeout:.0f}s: stopping its processes")
+        else:
             raise CliError(f"the mesh did not stop within {args.timeout:.0f}s; try `meshctl down --force`")
-        say("the mesh is stopped")
+    elif not demo_mesh:
+        say(f"no controller runs for {cfg.name} and its store ({cfg.store_path}) records no generation left running: "
+            "no rank to stop")
     if demo_mesh:
-        left = demo.stop_daemons(demo.home())
-        if left:
-            raise CliError(f"processes of the demo are still running: {left}")
-        say("the demo's controller, proxy and agents are stopped; no process of the mesh remains")
+        stopped = demo.stop_daemons(demo.home())
+        say(stopped_line(stopped.daemons, stopped.strays))
+        if stopped.left:
+            raise CliError(f"processes of the demo are still running: {stopped.left}")
+        say("no process of the mesh remains")
+        return 0
+    say(stopped_line(background.stop(sorted(run.glob("*.pid"))), []))
+    if ctl.alive():
+        say(f"the controller at {cfg.control.listen} is not one meshctl started (a service's): it goes on running, "
+            "its mesh stopped; its service manager stops it (`sudo systemctl stop meshd`; macOS: `sudo launchctl bootout "
+            "system/com.meshd.controller`)")
+    else:
+        say(f"no controller or meshd-proxy that meshctl started for {cfg.name} remains")
     return 0
 
 

@@ -107,7 +107,18 @@ def start_daemons(root: Path, mesh: Path) -> None:
     controller that starts a generation before its agents listen only
     records a launch failure."""
     run = run_dir(root)
+    start_agents(root, mesh)
+    background.start(background.python_module("meshd.control.controllerd", "--config", str(mesh)), run / "controller.pid",
+                  run / "controller.log")
+
+
+def start_agents(root: Path, mesh: Path) -> dict[str, int]:
+    """Start the agents that do not run (all of them, or those that died under a running demo) and wait until
+    every agent answers; returns the nodes whose agent had exited, with its pid. NotStarted when one does not
+    come up."""
+    run = run_dir(root)
     nodes = load(mesh).nodes
+    exited = {n.name: pid for n in nodes if (pid := background.exited(run / f"agent-{n.name}.pid")) is not None}
     for n in nodes:
         cfg = root / "agents" / n.name / "agent.toml"
         background.start(background.python_module("agents.server", "--config", str(cfg)), run / f"agent-{n.name}.pid",
@@ -115,14 +126,23 @@ def start_daemons(root: Path, mesh: Path) -> None:
     for n in nodes:
         if not background.wait_until(lambda: background.answers(f"{n.agent}/healthz"), 60):
             raise background.NotStarted(f"agent {n.name} did not come up; see {run / f'agent-{n.name}.log'}")
-    background.start(background.python_module("meshd.control.controllerd", "--config", str(mesh)), run / "controller.pid",
-                  run / "controller.log")
+    return exited
 
 
-def stop_daemons(root: Path) -> list[int]:
-    """Stop the proxy, the controller and the agents; returns any process still there."""
-    background.stop(sorted(run_dir(root).glob("*.pid")))
-    return background.pids_below(root)
+@dataclass(frozen=True)
+class Stopped:
+    daemons: dict[str, int]  # what meshctl started, by pidfile name: pid
+    strays: list[int]  # ranks and standbys that agents left running (one that died, or the controller with it)
+    left: list[int]  # any process of the demo still there
+
+
+def stop_daemons(root: Path) -> Stopped:
+    """Stop the proxy, the controller and the agents, then the ranks and standbys they leave (an agent's
+    ranks outlive it: one that died, or one that stops, leaves them)."""
+    daemons = background.stop(sorted(run_dir(root).glob("*.pid")))
+    strays = background.agents_children(root)
+    background.stop_targets(strays, grace=5.0)
+    return Stopped(daemons, [t.pid for t in strays], background.pids_below(root))
 
 
 def any_running(root: Path) -> bool:
