@@ -29,7 +29,8 @@ DEFAULT_PROFILES = {
                  "heartbeat_interval": "--heartbeat-interval", "drain_deadline": "--drain-deadline",
                  "max_context": "--max-context", "model_package": "--model-package", "drafter": "--drafter",
                  "snapshots": "--snapshots", "snapshot_budget_mb": "--snapshot-budget-mb",
-                 "snapshot_every": "--snapshot-every", "snapshot_max_age": "--snapshot-max-age"},
+                 "snapshot_every": "--snapshot-every", "snapshot_max_age": "--snapshot-max-age",
+                 "checkpoint_budget_mb": "--checkpoint-budget-mb"},
         "status_file": True,
     },
     # The transport check `meshctl doctor --canary` runs before a model load.

@@ -41,6 +41,9 @@ class AgentMetrics:
                                    "outcome: hit (a cache reused exactly), miss (no shared prefix), not_reusable "
                                    "(a shared prefix the cache could not be cut back to)",
                                    labels=["node", "rank", "outcome"])
+        checkpoint_bytes = GaugeMetricFamily("meshd_agent_rank_tape_checkpoint_bytes", "Memory the token tape's "
+                                             "checkpoints hold (the windows and open pools of caches a trim cannot "
+                                             "cut back), within --checkpoint-budget-mb", labels=["node", "rank"])
         snapshots = CounterMetricFamily("meshd_agent_rank_snapshots", "Prefix snapshots: segments written, tapes "
                                         "restored at load", labels=["node", "rank", "outcome"])
         snapshots_skipped = CounterMetricFamily("meshd_agent_rank_snapshots_skipped", "Prefix snapshots not used "
@@ -68,6 +71,7 @@ class AgentMetrics:
             hidden.add_metric([node, str(rec.rank)], status.kernels_hidden)
             for outcome, field in TAPE_OUTCOMES:
                 tape.add_metric([node, str(rec.rank), outcome], getattr(status, field))
+            checkpoint_bytes.add_metric([node, str(rec.rank)], status.tape_checkpoint_bytes)
             snapshots.add_metric([node, str(rec.rank), "written"], status.snapshots_written)
             snapshots.add_metric([node, str(rec.rank), "restored"], status.snapshots_restored)
             for reason, n in sorted(status.snapshots_skipped.items()):
@@ -97,6 +101,6 @@ class AgentMetrics:
         memory.add_metric([node, "available"], mem.available)
         events = CounterMetricFamily("meshd_agent_events", "Events emitted", labels=["node"])
         events.add_metric([node], self.sup.events.seq)
-        yield from (up, rss, cpu, mlx, armed, drafts, refusals, hidden, tape, snapshots, snapshots_skipped,
-                    snapshot_bytes, gen, exits, sigs, orphans, survivors, reboot, memory, events)
+        yield from (up, rss, cpu, mlx, armed, drafts, refusals, hidden, tape, checkpoint_bytes, snapshots,
+                    snapshots_skipped, snapshot_bytes, gen, exits, sigs, orphans, survivors, reboot, memory, events)
 

@@ -44,6 +44,9 @@ class RankStatus:
     tape_hit_tokens: int = 0  # the tokens it served, not prefilled: a resumed answer's own among them
     tape_misses: int = 0  # prompts no tape shared a prefix with
     tape_not_reusable: int = 0  # prompts that shared one with a tape whose cache could not be cut back to it
+    tape_checkpoint_hits: int = 0  # tape hits a checkpoint served (a cache a trim cannot cut back, cut back to it)
+    tape_checkpoints: int = 0  # the checkpoints the tape holds (runtime/prefix/checkpoints.py)
+    tape_checkpoint_bytes: int = 0  # the memory they hold, within --checkpoint-budget-mb
     snapshots_written: int = 0  # prefix snapshot segments this rank wrote (runtime/prefix/snapshot.py)
     snapshots_restored: int = 0  # tapes restored from them
     snapshots_skipped: dict = field(default_factory=dict)  # by reason: missing, truncated, corrupt, foreign, ...

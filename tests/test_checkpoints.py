@@ -14,7 +14,8 @@ from mlx_lm.utils import _get_classes
 
 from kit.families import FAMILIES
 from runtime.prefix import checkpoints
-from runtime.prefix.checkpoints import Checkpoint, Held, Pool, Trim, checkpoint, cut, stops
+from runtime.models.pools import prompt_piece
+from runtime.prefix.checkpoints import Checkpoint, Held, Pool, Stopping, Taken, Trim, checkpoint, cut, stops
 
 MARK = 7  # a message marker in the prompts below
 EVERY = 8  # the prefill's chunk
@@ -150,6 +151,9 @@ def test_a_pool_is_cut_to_its_rows_and_its_open_window_put_back():
     assert pool.offset == 3 and pool.remainder == 2
     assert pool.buf_kv.tolist() == mx.full((1, 4, 2), 2.0).tolist()
     assert pool.pooled.tolist() == mx.arange(6, dtype=mx.float32).reshape(1, 3, 2).tolist()
+    pool.buf_kv[:, 2:3] = 5.0  # the cut cache writes on: the checkpoint keeps what it held
+    cut([pool], point)
+    assert pool.buf_kv.tolist() == mx.full((1, 4, 2), 2.0).tolist()
 
 
 @pytest.mark.parametrize("length,markers,every,messages,expected", [
@@ -166,3 +170,28 @@ def test_where_a_prefill_stops(length, markers, every, messages, expected):
         for p in places:
             prompt[p] = token
     assert stops(prompt, frozenset(markers), every, messages) == expected
+
+
+@pytest.mark.parametrize("at,length,said,stops,expected", [
+    (0, 300, 0, (), 64),  # a chunk
+    (0, 300, 0, (20, 64), 20),  # up to the next stop
+    (20, 300, 0, (20, 64), 44),  # from a stop, to the next
+    (256, 300, 0, (256, 273, 299), 17),
+    (273, 300, 0, (256, 273, 299), 26),  # the last stop is the prompt's end: the last token is the step's
+    (290, 300, 8, (295,), 1),  # a resumed answer's tokens in decoding's pieces, a stop or not
+])
+def test_a_prompt_is_fed_in_chunks_that_end_at_its_stops(at, length, said, stops, expected):
+    assert prompt_piece(at, length, said, 64, (4,), stops) == expected
+
+
+def test_a_request_keeps_the_checkpoints_it_inherited_and_takes_one_at_each_stop_it_reaches_once():
+    model = model_of("gpt_oss")
+    cache = model.make_cache()
+    prefill(model, cache, tokens(1, 12), 0)
+    inherited = checkpoint(cache, 8)
+    taken = Taken((8, 11, 16), (inherited,))
+    for at in (10, 11, 11, 16):
+        taken.reached(cache, at)
+    assert [p.at for p in taken.points] == [8, 11, 16] and taken.points[0] is inherited
+    assert Stopping(frozenset({MARK}), EVERY, on=False).stops([1] * 30) == ()
+    assert Stopping(frozenset({MARK}), EVERY, on=True).stops([1] * 30) == (8, 16, 24, 29)

@@ -39,12 +39,13 @@ def pieces(offset: int, length: int, windows: tuple[int, ...]) -> list[int]:
     return out
 
 
-def prompt_piece(at: int, length: int, said: int, chunk: int, windows: tuple[int, ...]) -> int:
+def prompt_piece(at: int, length: int, said: int, chunk: int, windows: tuple[int, ...],
+                 stops: tuple[int, ...] = ()) -> int:
     """How many positions from `at` of a prompt of `length` tokens its next forward feeds (never its last,
     left for the step that samples): `chunk` at a time, as the plain decoder prefills, up to a resumed
     answer's tokens (the `said` its prompt ends with) and the token before them; those, which decoding fed one
-    at a time, in the next of `pieces`, at most `chunk`, so that the caches hold what that decoding's held."""
+    at a time, in the next of `pieces`, at most `chunk`, so that the caches hold what that decoding's held.
+    A forward also ends at each of `stops` (where the prompt's caches take checkpoints)."""
     last, answer = length - 1, length - 1 - said
-    if at < answer:
-        return min(chunk, answer - at)
-    return min(chunk, pieces(at, last - at, windows)[0])
+    n = min(chunk, answer - at) if at < answer else min(chunk, pieces(at, last - at, windows)[0])
+    return min(n, next((s - at for s in stops if s > at), n))

@@ -101,7 +101,8 @@ def cut(caches, point: Checkpoint) -> None:
             leaf.trim(leaf.offset - part.offset)
         elif isinstance(part, Pool):
             leaf.pooled = None if part.rows == 0 else leaf.pooled[:, :part.rows]
-            leaf.buf_kv, leaf.buf_gate, leaf.remainder = part.buf_kv, part.buf_gate, part.remainder
+            # views of their own: a write into the cache must not reach into the checkpoint's
+            leaf.buf_kv, leaf.buf_gate, leaf.remainder = _view(part.buf_kv), _view(part.buf_gate), part.remainder
         else:
             leaf.__dict__.clear()
             leaf.__dict__.update({k: _view(v) for k, v in part.attributes.items()})
@@ -125,3 +126,43 @@ def stops(prompt, markers: frozenset[int], every: int, messages: int = 4) -> tup
     found.update(opened[-messages:] if messages else ())
     found.add(last)
     return tuple(sorted(found))
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """Where a model's prompts stop and take checkpoints: only where its caches need them (`on`), before the
+    chat template's message `markers` and every `every` tokens."""
+
+    markers: frozenset[int] = frozenset()
+    every: int = 2048
+    on: bool = False
+
+    def stops(self, prompt) -> tuple[int, ...]:
+        return stops(prompt, self.markers, self.every) if self.on else ()
+
+
+class Taken:
+    """One request's checkpoints: those its cache inherited from the tape it came from, and one taken each time
+    its prefill reaches one of its `stops`."""
+
+    def __init__(self, stops: tuple[int, ...], inherited: tuple[Checkpoint, ...] = ()):
+        self.stops = stops
+        self.points: list[Checkpoint] = list(inherited)
+
+    def reached(self, caches, at: int) -> None:
+        if at in self.stops and not any(p.at == at for p in self.points):
+            self.points.append(checkpoint(caches, at))
+
+
+def message_markers(tokenizer) -> frozenset[int]:
+    """The special tokens the model's chat template opens and closes messages with (its role markers, a think
+    block's), read off a short conversation it renders; none without a template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return frozenset()
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    try:
+        ids = tokenizer.apply_chat_template([{"role": "system", "content": "s"}, *turns], add_generation_prompt=True)
+    except Exception:  # a template that refuses a system message
+        ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+    special = set(getattr(tokenizer, "all_special_ids", ())) - {getattr(tokenizer, "bos_token_id", None)}
+    return frozenset(int(t) for t in ids if t in special)

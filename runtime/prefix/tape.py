@@ -108,17 +108,18 @@ class TokenTape:
         return self._best(prompt, tenant, stops)[1]
 
     def take(self, prompt: tuple[int, ...], tenant: str = "",
-             stops: tuple[int, ...] = ()) -> tuple[list | None, int, str]:
+             stops: tuple[int, ...] = ()) -> tuple[list | None, int, str, tuple[Checkpoint, ...]]:
         """A copy of the cache of `tenant` that serves the longest reusable prefix of `prompt`, cut back to it,
-        that prefix's length and the snapshot id of the entry it came from; (None, 0, "") when none does.
-        `stops`: where the prompt's own prefill stops (runtime/prefix/checkpoints.py `stops`)."""
+        that prefix's length, the snapshot id of the entry it came from and the entry's checkpoints up to it
+        (the copy went through them: they cut it back too); (None, 0, "", ()) when none does. `stops`: where
+        the prompt's own prefill stops (runtime/prefix/checkpoints.py `stops`)."""
         best, best_len, point, shared = self._best(prompt, tenant, stops)
         if best is None:
             if shared:
                 self.not_reusable += 1
             else:
                 self.misses += 1
-            return None, 0, ""
+            return None, 0, "", ()
         entry = self._entries[best]
         cache = copy.deepcopy(entry.cache)
         if point is not None:
@@ -126,12 +127,12 @@ class TokenTape:
             self.checkpoint_hits += 1
         elif trim_prompt_cache(cache, len(entry.tokens) - best_len) != len(entry.tokens) - best_len:
             self.not_reusable += 1
-            return None, 0, ""
+            return None, 0, "", ()
         del self._entries[best]
         self._entries.append(entry)
         self.hits += 1
         self.hit_tokens += best_len
-        return cache, best_len, entry.sid
+        return cache, best_len, entry.sid, tuple(c for c in entry.checkpoints if c.at <= best_len)
 
     def store(self, tape: tuple[int, ...], cache: list, sid: str = "", tenant: str = "",
               checkpoints: tuple[Checkpoint, ...] = ()) -> None:
