@@ -4,6 +4,10 @@ checked here by whoever reads the request: the proxy without a tokenizer (a forc
 json_tools format: the schemas are what a client can get wrong), rank 0 with its served model's tool format and
 its compiler (runtime/engine/grammar.py's `builder`). The text travels to every rank inside the request's sampling
 settings.
+
+A grammar too costly to compile is refused here, before any rank sees it (`too_costly`): llguidance's compile
+time and memory grow with its text (bench/grammar.py: an enum of 10,000 values is a 240 KB grammar, ~0.1-0.3 s
+and megabytes a compile), so a request's grammar is held to MAX_GRAMMAR_BYTES.
 """
 
 from __future__ import annotations
@@ -19,8 +23,22 @@ import llguidance
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+MAX_GRAMMAR_BYTES = 128 << 10
+
+
 class GrammarError(ValueError):
     """A grammar llguidance cannot hold an answer to; the message names the part at fault."""
+
+
+def too_costly(text: str, limit: int = MAX_GRAMMAR_BYTES) -> str | None:
+    """Why the grammar is refused before it is compiled (None when it is not): its text past `limit` bytes,
+    which is what its compile's time and memory grow with."""
+    size = len(text.encode())
+    if size <= limit:
+        return None
+    return (f"it is {size // 1024} KiB, more than the {limit // 1024} KiB of grammar meshd compiles (the "
+            "compile's time and memory grow with it); shorten its enums (thousands of values, say) or its schema, "
+            "or split the request")
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,13 @@ def validated(text: str) -> str:
     return text
 
 
+def asks_for_grammar(body) -> bool:
+    """Whether a request body may hold its answer to a grammar (`response_format` or a `tool_choice` that
+    forces a call), whose check then runs off a serving loop."""
+    return isinstance(body, dict) and bool(body.get("response_format") or
+                                           body.get("tool_choice") not in (None, "none", "auto"))
+
+
 @dataclass(frozen=True)
 class Builder:
     """How a reader of requests builds their grammars: the served model's tool format (None: it calls no tools)
@@ -66,12 +91,15 @@ class Builder:
 
     def json(self, schema: dict) -> str:
         """The grammar of documents valid against `schema` (a JSON Schema object), or GrammarError naming what
-        llguidance cannot hold (an unknown keyword, a bad $ref, an impossible pattern)."""
+        llguidance cannot hold (an unknown keyword, a bad $ref, an impossible pattern) or that it costs too much
+        to compile."""
+        if why := too_costly(json.dumps(schema)):  # before building its grammar, which takes as long as it is big
+            raise GrammarError(why)
         try:
             text = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_STYLE)
         except ValueError as e:
             raise GrammarError(str(e)) from None
-        return self.check(text)
+        return self._checked(text)
 
     def tool_calls(self, tools: list[dict], several: bool) -> str:
         """The grammar of the served model's calls to `tools`, or GrammarError when its tool format is not one
@@ -81,7 +109,12 @@ class Builder:
             why = "has no tool calling" if fmt is None else f"writes calls in the {fmt.parser} format"
             raise GrammarError(f"this model {why}, which meshd cannot hold an answer to yet (it holds the "
                                "json_tools format of Qwen and Hermes, and DeepSeek's DSML)")
-        return self.check(llguidance.LLMatcher.grammar_from_lark(tool_call_lark(tools, fmt, several)))
+        return self._checked(llguidance.LLMatcher.grammar_from_lark(tool_call_lark(tools, fmt, several)))
+
+    def _checked(self, text: str) -> str:
+        if why := too_costly(text):
+            raise GrammarError(why)
+        return self.check(text)
 
 
 UNSERVED = Builder()  # the proxy's: no tokenizer

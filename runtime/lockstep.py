@@ -56,8 +56,16 @@ class RestoreFirst:
     sid: str
 
 
-Message = Insert | Cancel | Drain | RestoreFirst
-OPS = {Insert: "insert", Cancel: "cancel", Drain: "drain", RestoreFirst: "restore_first"}
+@dataclass(frozen=True)
+class CompileGrammar:
+    """Compile this grammar in the background: answers held to it wait for every rank's (runtime/compiles.py)."""
+
+    grammar: str
+
+
+Message = Insert | Cancel | Drain | RestoreFirst | CompileGrammar
+OPS = {Insert: "insert", Cancel: "cancel", Drain: "drain", RestoreFirst: "restore_first",
+       CompileGrammar: "compile_grammar"}
 KINDS = {op: kind for kind, op in OPS.items()}
 
 

@@ -35,12 +35,13 @@ from runtime.engine import grammar
 from runtime.models import dspark, families
 from runtime.engine.drafting import DraftWhenAlone, MTPEngine, SpeculativeEngine
 from runtime.engine.batch import BatchEngine
-from runtime.lockstep import Cancel, Drain, DrainMode, Insert, Message, RestoreFirst
+from runtime.lockstep import Cancel, CompileGrammar, Drain, DrainMode, Insert, Message, RestoreFirst
 from runtime.join import join_mesh
 from runtime.engine.jobs import Divergence
 from runtime.lockstep import Lockstep, fold
 from runtime.models.overlay import OverlayError, check_loaded, checkpoint_tensors, disarm, drafter_off, overlay_for, set_up
 from runtime.prefix.rates import Rates
+from runtime.compiles import Compiles
 from runtime.restore import Restorer
 from runtime.engine.rowwise import drafted_everywhere
 from runtime.prefix.snapshot import LEAVES, Identity, Snapshots, leaf_types, shard_layout, snapshot_key, snapshot_kind
@@ -108,6 +109,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "allows); older ones are deleted at the start and as the writer goes")
     p.add_argument("--snapshot-every", type=int, default=256,
                    help="tokens between the snapshots of a tape as it grows (a prefill's chunks, an answer in flight)")
+    p.add_argument("--grammar-cache-mb", type=int, default=grammar.CACHE_BYTES >> 20,
+                   help="memory the compiled grammars of structured output may hold on each rank "
+                        "(runtime/engine/grammar.py); past it the least recently used go first")
     p.add_argument("--backend", default="any",
                    help="mx.distributed backend (default: $MESHD_BACKEND, which the agent sets from the hostfile)")
     args = p.parse_args(argv)
@@ -115,6 +119,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)} "
                     "(to write no snapshots: --snapshots off)")
+    if args.grammar_cache_mb < 1:
+        p.error(f"--grammar-cache-mb must be at least 1, got {args.grammar_cache_mb}")
     return args
 
 
@@ -198,6 +204,7 @@ class LockstepLoop:
         self.wake = wake  # rank 0: rouse the dozing ranks (runtime.wake)
         self.doze = doze  # the others: sleep until the next exchange or until roused
         self.restorer = restorer  # snapshots restored while serving
+        self.compiles = Compiles(frontend.fail if frontend else None)  # held answers' grammars, compiled behind
         self._active_at = time.monotonic()
 
     def _apply(self, msg: Message) -> None:
@@ -216,6 +223,8 @@ class LockstepLoop:
                     self.engine.cancel(rid)
             case RestoreFirst(sid):
                 self.restorer.first(sid)
+            case CompileGrammar(text):
+                self.compiles.start(text)
             case Drain(mode):
                 self.draining = DrainMode.CANCEL if self.draining == DrainMode.CANCEL else mode
                 if self.draining == DrainMode.CANCEL:
@@ -243,7 +252,7 @@ class LockstepLoop:
             outbox, idle_next, burst = None, 0.0, 1
             restoring = self.restorer is not None and bool(self.restorer.pending)
             if self.fe:
-                outbox = self.fe.collect(block=not self.engine.busy, timeout=doze)
+                outbox = self.compiles.screen(self.fe.collect(block=not self.engine.busy, timeout=doze))
                 if restoring or (self.restorer and self.restorer.holding):
                     outbox = self.restorer.screen(outbox, through=WARMUP)
                 if outbox and doze and self.wake:
@@ -255,13 +264,16 @@ class LockstepLoop:
                     # Short dozes right after activity keep a burst of requests
                     # snappy; a mesh idle for long settles at idle_interval.
                     idle_for = time.monotonic() - self._active_at
-                    idle_next = min(self.idle_interval, max(0.01, idle_for / 4), 0.05 if restoring else 1.0)
+                    idle_next = min(self.idle_interval, max(0.01, idle_for / 4),
+                                    0.05 if restoring or self.compiles.waiting else 1.0)
             try:
                 msgs, doze, steps = self.lockstep.exchange(outbox, idle_next, burst, self.digest)
             except Divergence as e:
                 raise Divergence(f"{e} at step {self.steps}") from None
             for msg in msgs:
                 self._apply(msg)
+            if self.compiles.pending:
+                self.compiles.agree(self.lockstep.gather)
             if restoring and self._adopting():
                 self.restorer.adopt(self.lockstep.gather)
             if self.draining and not self.engine.busy:
@@ -318,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(model_path)
     families.refuse(config, draft=args.draft_model, drafter=args.drafter, batch=args.completion_batch_size)
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
-    grammar.serve(tokenizer)  # every rank compiles the grammars answers are held to (runtime/engine/grammar.py)
+    # every rank compiles the grammars answers are held to (runtime/engine/grammar.py)
+    grammar.serve(tokenizer, args.grammar_cache_mb << 20)
     context = args.max_context or int(config.get("max_position_embeddings", 4096))
     frontend = open_frontend(args, tokenizer, context, secret) if rank == 0 else None
     model, loaded_in = load(args, group, hb, overlay, log)

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from common import openai_api as oa
 from common.errors import ApiError, error_body
+from common.grammars import GrammarError
 from common.http import Listener, bearer_matches, json_error, json_errors, read_json
 from runtime.engine import grammar
 from runtime.engine.jobs import Emission, Job
@@ -265,6 +266,12 @@ class Frontend:
                                 "draft model cannot do exactly; serve this model without draft_model (its own MTP "
                                 "head or DSpark hold answers exactly), or leave structured output out",
                            param=req.params.held_by, code="unsupported_parameter")
+        if req.params.grammar:  # compiled in the grammar worker, off this loop (runtime/engine/grammar.py)
+            try:
+                await asyncio.wrap_future(grammar.prepare(req.params.grammar))
+            except GrammarError as e:
+                raise ApiError(400, f"'{req.params.held_by}' cannot hold an answer on this model: {e}. Leave that "
+                                    "part out or rewrite it", param=req.params.held_by, code="invalid_value")
         if self.phase != FrontendPhase.ADMITTING:
             return self._unavailable()
         prompt = self._tokenize(req)

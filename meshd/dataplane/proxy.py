@@ -29,6 +29,7 @@ from prometheus_client import generate_latest
 
 from common import openai_api as oa
 from common.errors import ApiError
+from common.grammars import asks_for_grammar
 from common.http import bearer_matches, json_error, json_errors, read_json
 from common.secretfile import derive
 from common.states import Phase, Profile
@@ -255,7 +256,9 @@ class Proxy:
                 return self._unauthorized()
             body = await read_json(request)
             limits = self._limits_for(body)
-            req = oa.parse_request(kind, body, limits)
+            # a grammar's check takes as long as the grammar is big: off this loop (common/grammars.py)
+            req = await asyncio.to_thread(oa.parse_request, kind, body, limits) if asks_for_grammar(body) else \
+                oa.parse_request(kind, body, limits)
             gate = Routed(self, limits.model_name, prefix_keys(body["messages"]) if kind == "chat" else [], req)
             resp = await self._serve(request, gate, req, body)
             status = resp.status

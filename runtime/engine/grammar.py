@@ -2,9 +2,15 @@
 request) compiled on each rank and masking its logits.
 
 A request's grammar travels to every rank as data, llguidance's grammar text, inside its sampling settings;
-each rank compiles it against its own copy of the model's tokenizer (`serve`), the compiled grammar cached by
-its text, and masks the answer's logits with it (runtime/engine/sampling.py's `GrammarMask`). Rank 0 builds its
-requests' grammars with the served model's tool format and this compiler (`builder`).
+each rank compiles it against its own copy of the model's tokenizer (`serve`) and masks the answer's logits
+with it (runtime/engine/sampling.py's `GrammarMask`). Rank 0 builds its requests' grammars with the served
+model's tool format and this compiler (`builder`).
+
+Compiles never run on a serving loop: each rank compiles in one worker thread (`prepare`, llguidance drops the
+GIL), once per grammar text however many ask at once, and keeps the compiled grammars in a cache bounded by
+bytes (`--grammar-cache-mb`), each entry's size measured as the memory its compile and first mask took; the
+least recently used go first. An answer held to a grammar joins the batch once every rank has it
+(runtime/compiles.py).
 
 llguidance rather than xgrammar: one 3 MB wheel with no dependencies on Linux and macOS alike (xgrammar's
 brings torch and CUDA, gigabytes on a CPU host), JSON Schema with `$ref`, `anyOf`, formats and patterns, an
@@ -14,18 +20,136 @@ tens of microseconds without a precompile of the whole vocabulary (bench/grammar
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from copy import copy
 from dataclasses import dataclass
+from functools import lru_cache
 
 import llguidance
+import mlx.core as mx
 import numpy as np
+import psutil
 
 from common.grammars import UNSERVED, Builder, GrammarError, ToolFormat, tool_format
 
-CACHED_GRAMMARS = 64
+CACHE_BYTES = 256 << 20  # --grammar-cache-mb's default
+
+
+class ByteBoundCache:
+    """Compiled grammars by their text, least recently used first, their sizes summing to at most `budget`
+    bytes: a put evicts the oldest until they fit (the newest stays, even alone past the budget)."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.nbytes = 0
+        self._items: OrderedDict = OrderedDict()  # key -> (value, nbytes)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key):
+        item = self._items.get(key)
+        if item is None:
+            return None
+        self._items.move_to_end(key)
+        return item[0]
+
+    def put(self, key, value, nbytes: int) -> list:
+        """Keep `value`; returns the keys evicted to make room."""
+        if key in self._items:
+            self.nbytes -= self._items.pop(key)[1]
+        self._items[key] = (value, nbytes)
+        self.nbytes += nbytes
+        evicted = []
+        while self.nbytes > self.budget and len(self._items) > 1:
+            old, (_, size) = self._items.popitem(last=False)
+            self.nbytes -= size
+            evicted.append(old)
+        return evicted
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    lib = ctypes.CDLL(name) if name else None
+    return lib if lib is not None and hasattr(lib, "mallinfo2") else None
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+_LIBC = _libc()
+if _LIBC is not None:
+    _LIBC.mallinfo2.restype = _MallInfo2
+
+
+def allocated() -> int:
+    """The bytes this process holds from the allocator (glibc's count of what is in use; elsewhere, the
+    resident set)."""
+    if _LIBC is None:
+        return psutil.Process().memory_info().rss
+    info = _LIBC.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def _give_back() -> None:
+    """Return freed heap to the system (glibc keeps it otherwise: evicted grammars would leave the rank's
+    resident set where it peaked)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+class Compiler:
+    """One process's grammars compiled against its tokenizer: in one worker thread, each text once while it
+    is compiling or cached (`prepare`), kept in a ByteBoundCache."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, budget: int):
+        self.tokenizer = tokenizer
+        self.cache = ByteBoundCache(budget)
+        self._compiling: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+
+    def prepare(self, text: str) -> Future:
+        """The compiled grammar of `text`, as a future: done when it is cached, else its compile in the worker
+        (the one already under way, when there is one); it fails with GrammarError."""
+        with self._lock:
+            matcher = self.cache.get(text)
+            if matcher is not None:
+                done: Future = Future()
+                done.set_result(matcher)
+                return done
+            if text not in self._compiling:
+                self._compiling[text] = self._pool.submit(self._compile, text)
+            return self._compiling[text]
+
+    def _compile(self, text: str) -> llguidance.LLMatcher:
+        try:
+            before = allocated()
+            matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+            if matcher.is_error():
+                raise GrammarError(matcher.get_error())
+            matcher.deep_copy().compute_bitmask()  # the first mask builds the lexer's start: part of its cost
+            size = max(allocated() - before, len(text))
+            with self._lock:
+                evicted = self.cache.put(text, matcher, size)
+        finally:
+            with self._lock:
+                self._compiling.pop(text, None)
+        if evicted:
+            _give_back()
+        return matcher
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"grammars_cached": len(self.cache), "grammar_cache_bytes": self.cache.nbytes}
 
 
 @dataclass
@@ -33,8 +157,7 @@ class _Served:
     tokenizer: llguidance.LLTokenizer
     tools: ToolFormat | None
     think: tuple[int, int] | None  # the ids of <think> and </think>, for a model that thinks
-    compiled: OrderedDict  # grammar text -> its compiled matcher, fresh (copied for each answer)
-    lock: threading.Lock
+    compiler: Compiler
 
 
 _served: _Served | None = None
@@ -48,8 +171,9 @@ def _terminal(tokenizer, text: str) -> str:
     return json.dumps(text)
 
 
-def serve(tokenizer) -> None:
-    """Compile grammars against this mlx-lm tokenizer from now on (every rank, once it is loaded)."""
+def serve(tokenizer, cache_bytes: int = CACHE_BYTES) -> None:
+    """Compile grammars against this mlx-lm tokenizer from now on (every rank, once it is loaded), keeping
+    at most `cache_bytes` of them."""
     global _served
     hf = tokenizer._tokenizer
     backend = copy(hf.backend_tokenizer)  # llguidance reads the fast tokenizer's own JSON, without padding
@@ -63,8 +187,9 @@ def serve(tokenizer) -> None:
     think = None
     if tokenizer.has_thinking:
         think = (hf.convert_tokens_to_ids(tokenizer.think_start), hf.convert_tokens_to_ids(tokenizer.think_end))
-    _served = _Served(llguidance.LLTokenizer(backend.to_str(), eos_token=sorted(tokenizer.eos_token_ids)), tools,
-                      think, OrderedDict(), threading.Lock())
+    compiler = Compiler(llguidance.LLTokenizer(backend.to_str(), eos_token=sorted(tokenizer.eos_token_ids)),
+                        cache_bytes)
+    _served = _Served(compiler.tokenizer, tools, think, compiler)
 
 
 def eos_tokens() -> list[int]:
@@ -73,31 +198,29 @@ def eos_tokens() -> list[int]:
 
 def builder() -> Builder:
     """How this process builds its requests' grammars: once a tokenizer is served, with its model's tool format,
-    each grammar compiled against it (and kept for the answer); before, checked without one."""
-    return UNSERVED if _served is None else Builder(_served.tools, _compiled_text)
+    each grammar's compile against it started in the background (`prepare`: await it for its errors); before,
+    checked without one."""
+    return UNSERVED if _served is None else Builder(_served.tools, _compile_behind)
 
 
-def _compiled_text(text: str) -> str:
-    compiled(text)
+def _compile_behind(text: str) -> str:
+    prepare(text)
     return text
 
 
+def prepare(text: str) -> Future:
+    """The grammar compiled in the background (Compiler.prepare)."""
+    return _served.compiler.prepare(text)
+
+
 def compiled(text: str) -> llguidance.LLMatcher:
-    """A fresh matcher of the grammar (compiled once per text, kept while it is among the recent ones)."""
-    s = _served
-    with s.lock:
-        matcher = s.compiled.get(text)
-        if matcher is not None:
-            s.compiled.move_to_end(text)
-            return matcher.deep_copy()
-    matcher = llguidance.LLMatcher(s.tokenizer, text, log_level=0)
-    if matcher.is_error():
-        raise GrammarError(matcher.get_error())
-    with s.lock:
-        s.compiled[text] = matcher
-        while len(s.compiled) > CACHED_GRAMMARS:
-            s.compiled.popitem(last=False)
-    return matcher.deep_copy()
+    """A fresh matcher of the grammar, waiting for its compile when it is not cached."""
+    return prepare(text).result().deep_copy()
+
+
+def stats() -> dict:
+    """The grammar cache's entries and bytes (none before a tokenizer is served)."""
+    return _served.compiler.stats() if _served else {"grammars_cached": 0, "grammar_cache_bytes": 0}
 
 
 def think_open(prompt) -> bool:
@@ -140,21 +263,29 @@ def dead_end(text: str, prompt, answer: list[int]) -> str | None:
     return "no token of the model's vocabulary continues it"
 
 
-def allowed_tokens(bitmask: bytes, width: int, eos: list[int]) -> np.ndarray:
-    """llguidance's bitmask (a bit per token, little-endian words) as one bool per logit of a row `width`
-    wide; a mask that allows nothing allows the end instead, so a stuck grammar ends the answer (which rank
-    0's frontend then reports: `dead_end`)."""
-    bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")[:width].astype(bool)
-    if bits.shape[0] < width:
-        bits = np.concatenate([bits, np.zeros(width - bits.shape[0], dtype=bool)])
-    if not bits.any():
-        bits[[t for t in eos if t < width]] = True
-    return bits
+def allowed_tokens(bitmask: bytes, width: int, eos: list[int]) -> mx.array:
+    """llguidance's bitmask (a bit per token, little-endian 32-bit words) as one bool per logit of a row
+    `width` wide, unpacked on the device (the host sends a bit a token, not a byte); a mask that allows
+    nothing allows the end instead, so a stuck grammar ends the answer (which rank 0's frontend then
+    reports: `dead_end`)."""
+    words = np.zeros(-(-width // 32), dtype=np.uint32)
+    got = np.frombuffer(bitmask, dtype=np.uint32)[:len(words)]
+    words[:len(got)] = got
+    if not words.any():
+        for t in eos:
+            if t < width:
+                words[t >> 5] |= np.uint32(1 << (t & 31))
+    bits = (mx.array(words)[:, None] >> _SHIFTS) & 1
+    return bits.reshape(-1)[:width].astype(mx.bool_)
 
 
-def reasoning_tokens(width: int, eos: list[int]) -> np.ndarray:
+_SHIFTS = mx.arange(32, dtype=mx.uint32)[None, :]
+
+
+@lru_cache(maxsize=8)
+def reasoning_tokens(width: int, eos: tuple[int, ...]) -> mx.array:
     """What a held answer may say inside its think block: anything but the end (its grammar is still to
     come)."""
     bits = np.ones(width, dtype=bool)
     bits[[t for t in eos if t < width]] = False
-    return bits
+    return mx.array(bits)

@@ -62,29 +62,44 @@ def sample_at(job: Job, i: int, logprobs: mx.array) -> mx.array:
         SeededSampler(job.seed, job.sampling, job.offset + i)(logprobs)
 
 
+REREAD = 64  # the answer's last tokens a mask reads again: only a verify's drafts, fewer, change under it
+
+
 class GrammarMask:
     """mlx-lm's logits processor for one answer held to a grammar: logits of tokens the grammar does not
     allow next become -inf. `answer_start`: where the answer begins in the tokens it is shown (the prompt's
     length, less the tokens of a resumed answer that the prompt carries). A prompt that leaves a think block
     open lets the answer reason first: the grammar holds what follows the block's close, and the reasoning
-    may say anything but the end."""
+    may say anything but the end.
+
+    Per token it reads from the device only the answer's new tokens (and the last REREAD), lets the step's
+    forward run while the host computes the mask, and sends the mask as bits."""
 
     def __init__(self, text: str, prompt, answer_start: int):
         self._text = text
         self._matcher = grammar.compiled(text)
         self._start = answer_start
         self._reasoning_first = grammar.think_open(prompt[:answer_start])
+        self._eos = tuple(grammar.eos_tokens())
+        self._answer: list[int] = []  # the answer as the last call read it
         self._said: list[int] = []  # the held tokens the matcher consumed
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        held = grammar.held(tokens[self._start:].tolist(), self._reasoning_first)
+        mx.async_eval(logits)  # the forward goes on on the device while the host reads the answer and masks
+        held = grammar.held(self._read(tokens), self._reasoning_first)
         if held is None:
-            bits = grammar.reasoning_tokens(logits.shape[-1], grammar.eos_tokens())
+            allowed = grammar.reasoning_tokens(logits.shape[-1], self._eos)
         elif self._follow(held) or self._matcher.is_error():  # an errored matcher allows nothing: the end
-            bits = grammar.allowed_tokens(self._matcher.compute_bitmask(), logits.shape[-1], grammar.eos_tokens())
+            allowed = grammar.allowed_tokens(self._matcher.compute_bitmask(), logits.shape[-1], self._eos)
         else:
             return logits  # past a draft the grammar refuses: the verify keeps nothing from this place
-        return mx.where(mx.array(bits), logits, mx.array(-mx.inf, dtype=logits.dtype))
+        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def _read(self, tokens: mx.array) -> list[int]:
+        """The answer in `tokens`: the last call's, but for its last REREAD tokens, and what follows them."""
+        keep = max(0, min(len(self._answer) - REREAD, tokens.shape[0] - self._start))
+        self._answer[keep:] = tokens[self._start + keep:].tolist()
+        return self._answer
 
     def _follow(self, answer: list[int]) -> bool:
         """Bring the matcher to `answer`; False when a token of it is one the grammar does not allow."""
