@@ -64,7 +64,7 @@ def auth_middleware(token: str, metrics_token: str | None):
     return check
 
 
-HELD = web.RequestKey("held", bool)  # the request carried a ballot of this agent's mesh: its answer names the promised one
+HELD = web.RequestKey("held", bool)  # a ballot of this agent's mesh came: its answer names the promised one
 MESH = web.RequestKey("mesh", object)  # the mesh the call names (None: none)
 
 
@@ -73,9 +73,9 @@ def fence_middleware(fencing: Fencing, node: str):
     with 409, naming the promised ballot, and one of another mesh with 409 naming both meshes; `POST /v1/epoch`
     asks for the promise itself. Every answer to a call that carries a ballot of this agent's mesh names the
     promised one, so a controller learns on any call that another took over or that this agent has not promised
-    it yet. Calls without a ballot (doctor, an operator) pass. A malformed ballot is refused with 400, and no
-    controller at all while the promise file cannot be trusted (503). Each command let through is logged with
-    whose it was."""
+    it yet. Calls without a ballot (doctor, an operator) pass. A malformed ballot is refused with 400, and every
+    controller's command with 503 while the promise file cannot be trusted (its reads pass, naming no ballot).
+    Each command let through is logged with whose it was."""
     @web.middleware
     async def check(request: web.Request, handler):
         try:
@@ -86,13 +86,14 @@ def fence_middleware(fencing: Fencing, node: str):
         request[MESH] = mesh
         if caller is None:
             return await handler(request)
-        if unreadable := fencing.check():
+        unreadable = fencing.check()
+        request[HELD] = unreadable is None and mesh_refusal(fencing.held, mesh) is None
+        if request.method != "POST" or request.path == EPOCH_ROUTE:
+            return await handler(request)
+        if unreadable:
             log.warning("controller refused", node=node, controller=str(caller), route=request.path,
                         code=unreadable.code)
             return json_error(503, unreadable.message, code=unreadable.code, param=CONTROLLER_EPOCH)
-        request[HELD] = mesh_refusal(fencing.held, mesh) is None
-        if request.method != "POST" or request.path == EPOCH_ROUTE:
-            return await handler(request)
         refusal = command_refusal(fencing.held, caller, mesh)
         if refusal is not None:
             log.warning("controller refused", node=node, controller=str(caller), mesh=mesh,
@@ -248,7 +249,7 @@ def routes(sup: AgentView, fencing: Fencing, registry: CollectorRegistry, token:
 
     def promise_view() -> dict:
         if unreadable := fencing.check():
-            raise ApiError(503, unreadable.message, code=unreadable.code)
+            raise ApiError(503, unreadable.message, code=unreadable.code, type="server_error")
         return {"node": cfg.node, **fencing.view(), "highest_generation": sup.highest_generation()}
 
     async def epoch(request):
@@ -260,6 +261,7 @@ def routes(sup: AgentView, fencing: Fencing, registry: CollectorRegistry, token:
             raise ApiError(400, f"send the ballot to promise in {CONTROLLER_EPOCH} (and the controller's id in "
                                 f"{CONTROLLER_ID}) and its mesh's name in {CONTROLLER_MESH}",
                            param=CONTROLLER_EPOCH if asked is None else CONTROLLER_MESH)
+        promise_view()  # 503 while the promise file cannot be trusted
         refusal = promise_refusal(fencing.held, asked, mesh)
         if refusal is not None:
             log.warning("promise refused", node=cfg.node, asked=str(asked), mesh=mesh,

@@ -19,8 +19,11 @@ from common.states import RankState, Role, Severity
 # checks them on every command (agents/fencing.py) and answers every such call with the ballot it has promised.
 CONTROLLER_EPOCH = "X-Meshd-Controller-Epoch"
 CONTROLLER_ID = "X-Meshd-Controller"
+CONTROLLER_MESH = "X-Meshd-Mesh"  # the calling controller's mesh (its mesh.toml's name, percent-encoded)
 EPOCH_ROUTE = "/v1/epoch"  # the agent's route for a controller's ballot: GET what it promised, POST to ask
-EPOCH_MAX = 2**63 - 1
+# The highest epoch there is: a controller start takes one above the highest promised, so a billion starts (one a
+# second for 31 years); a larger value on the wire or in a promise file is corrupt, refused with its reason.
+EPOCH_MAX = 10**9
 CONTROLLER_ID_FORM = re.compile(r"[0-9A-Za-z._-]{1,64}")
 
 
@@ -57,7 +60,7 @@ class Ballot(NamedTuple):
         if raw is None:
             return None
         if not (raw.isascii() and raw.isdigit()) or len(raw) > 19 or int(raw) > EPOCH_MAX:
-            raise BallotError(CONTROLLER_EPOCH, f"{CONTROLLER_EPOCH} must be a non-negative integer, "
+            raise BallotError(CONTROLLER_EPOCH, f"{CONTROLLER_EPOCH} must be an integer from 0 to {EPOCH_MAX}, "
                                                 f"got {raw[:40]!r}")
         return cls(int(raw), controller)
 

@@ -24,7 +24,8 @@ from typing import Callable
 import structlog
 
 from common.protocol import Ballot
-from meshd.epochs import Fence
+from common.protocol import EPOCH_MAX
+from meshd.epochs import Fence, stored_epoch
 
 log = structlog.get_logger("meshd.store")
 
@@ -114,13 +115,21 @@ class Store:
         self.fence: Fence | None = None
 
     def last_epoch(self) -> int:
-        """The epoch the newest controller of this store took (0: none yet)."""
-        return self.get(EPOCH) or 0
+        """The epoch the newest controller of this store took (0: none yet, or a corrupt one, logged and
+        ignored: `epochs.stored_epoch`)."""
+        last = stored_epoch(self.get(EPOCH))
+        if isinstance(last, str):
+            log.error("store epoch ignored", reason=last)
+            return 0
+        return last
 
-    def take_epoch(self, ballot: Ballot) -> Fence:
-        """This controller's ballot (its epoch above the store's last and the agents'), recorded: every older
-        controller's writes are refused from now on. Called while holding the state directory's lock."""
-        self.fence = Fence(ballot)
+    def take_epoch(self, ballot: Ballot, mesh: str) -> Fence:
+        """This controller's ballot of `mesh` (its epoch above the store's last and the agents'), recorded: every
+        older controller's writes are refused from now on. Called while holding the state directory's lock. An
+        epoch out of range is never stored (ValueError)."""
+        if not 0 < ballot.epoch <= EPOCH_MAX:
+            raise ValueError(f"epoch {ballot.epoch} is not one a controller takes (1 to {EPOCH_MAX})")
+        self.fence = Fence(ballot, mesh)
         self.put(EPOCH, ballot.epoch)
         return self.fence
 
@@ -167,8 +176,9 @@ class Store:
         try:
             if self.fence is not None:
                 row = self.db.execute("SELECT value FROM kv WHERE key = ?", (EPOCH,)).fetchone()
-                if row and json.loads(row[0]) > self.fence.epoch:
-                    raise Superseded(json.loads(row[0]))
+                newest = stored_epoch(json.loads(row[0])) if row else 0
+                if isinstance(newest, int) and newest > self.fence.epoch:
+                    raise Superseded(newest)
             for sql, params in statements:
                 self.db.execute(sql, params)
             self.db.execute("COMMIT")

@@ -11,12 +11,13 @@ from importlib import metadata
 
 import pytest
 
-from common.protocol import Ballot, RankReport
+from common.protocol import EPOCH_MAX, Ballot, RankReport
 from common.states import RankState
 from kit.agents import make_agents
 from kit.configs import write_mesh
 from kit.meshctl import meshctl, stop_controller
 from kit.sshd import STANDINS, start_fleet
+from meshd.epochs import Held, Reach
 from meshd.nodes import doctor
 from meshd.config import Runtime, parse
 
@@ -140,6 +141,20 @@ def test_each_agents_epoch_is_judged_against_the_controllers(held, ours, running
     assert check.ok and check.warn == warn and words in check.detail
     assert held.epoch == 0 or str(held) in check.detail
     assert not warn or check.fix
+
+
+@pytest.mark.parametrize("held,words,fix", [
+    (Held(RUNS, 4, "auth"), None, None),
+    (Held(RUNS, 4), None, None),
+    (Held(Ballot(5, "abc"), 4, "other"), "it serves mesh 'other' (it promised epoch 5 (abc)), not 'auth'",
+     "curl -X DELETE -H \"Authorization: Bearer $(cat /m/n1.token)\" 'http://n1:7701/v1/epoch?mesh=other'"),
+    (Held(Ballot(EPOCH_MAX, "abc"), 4, "auth"), f"the highest epoch there is ({EPOCH_MAX})", "delete controller_epoch"),
+    ("n1: GET /v1/epoch -> 503: the promise file /s/controller_epoch cannot be trusted: it is not JSON",
+     "the promise file /s/controller_epoch cannot be trusted", "delete the promise file"),
+], ids=["its-mesh", "no-mesh-yet", "another-mesh", "the-highest-epoch", "unreadable"])
+def test_a_promise_that_blocks_every_start_fails_with_its_fix(held, words, fix):
+    check = doctor.judge_promise("n1", held, "auth", Reach("http://n1:7701", "/m/n1.token"))
+    assert check is None if words is None else (not check.ok and words in check.detail and fix in check.fix)
 
 
 # --- the whole gate ---------------------------------------------------------------------

@@ -5,12 +5,12 @@ and the audit trail's tally of refusals."""
 
 import pytest
 
-from common.protocol import Ballot
+from common.protocol import EPOCH_MAX, Ballot
 from kit.smallfs import fill, free, small_filesystem
 from meshd.control.audit import OTHERS, Refusals, Row
 from meshd.control.fleet import Incident
 from meshd import store as store_module
-from meshd.store import WAL_LIMIT, Store
+from meshd.store import EPOCH, WAL_LIMIT, Store
 
 
 def test_writes_to_a_full_disk_wait_in_order_and_land_once_there_is_room(tmp_path):
@@ -54,10 +54,10 @@ def test_the_wal_is_checkpointed_and_stays_small(tmp_path):
 
 def test_a_controller_of_an_older_epoch_writes_nothing_once_a_newer_one_took_the_store(tmp_path):
     old = Store(tmp_path / "meshd.sqlite")
-    stale = old.take_epoch(Ballot(old.last_epoch() + 1, "a"))
+    stale = old.take_epoch(Ballot(old.last_epoch() + 1, "a"), "test")
     old.put("desired", "up")
     new = Store(tmp_path / "meshd.sqlite")
-    fence = new.take_epoch(Ballot(new.last_epoch() + 1, "b"))
+    fence = new.take_epoch(Ballot(new.last_epoch() + 1, "b"), "test")
     assert (stale.epoch, fence.epoch) == (1, 2)
     old.open_incident(Incident(5.0, "exit", "node0", 0, 3, "exit code 1"))
     old.put("desired", "down")
@@ -100,3 +100,16 @@ def test_refused_calls_become_a_row_at_first_and_a_summary_when_their_window_end
     tally = Refusals(window=60.0, tallies=3)
     written = [row for remote, action, at in calls for row in tally.note(remote, action, "missing or wrong token", at)]
     assert written + tally.due(then) == rows
+
+
+@pytest.mark.parametrize("kept", [2**63, EPOCH_MAX, -4, "x"], ids=["past-int64", "the-bound", "negative", "string"])
+def test_a_corrupt_epoch_in_the_store_is_ignored_and_replaced_and_none_out_of_range_is_stored(tmp_path, kept):
+    store = Store(tmp_path / "meshd.sqlite")
+    store.put(EPOCH, kept)
+    assert store.last_epoch() == 0
+    fence = store.take_epoch(Ballot(3, "a"), "test")
+    store.put("desired", "up")
+    assert store.last_epoch() == 3 and store.get("desired") == "up" and not fence.superseded.is_set()
+    with pytest.raises(ValueError):
+        store.take_epoch(Ballot(EPOCH_MAX + 1, "b"), "test")
+    assert Store(tmp_path / "meshd.sqlite").last_epoch() == 3

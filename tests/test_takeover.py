@@ -1,18 +1,25 @@
-"""The mesh's authority on real processes: epochs the agents grant.
+"""The mesh's authority on real processes: epochs the agents grant, bound to
+their mesh.
 
 Two agents that served other controllers (their promise and their generations
 far ahead of a fresh store) are served by a controller with a fresh state
-directory from a generation above theirs, then taken over by another, which
+directory from a generation above theirs; a controller of another mesh.toml
+(another mesh's name) that lists one of them is refused there, naming both
+meshes, and takes nothing down (doctor says why and how to release the node);
+then they are taken over by another controller of the same mesh, which
 serves from a generation above that one's and shows both older generations'
 rank logs; the old controller, resumed from SIGSTOP, acts on nothing and exits
 saying why, and meshctl tells its words; two controllers started at once on
 two state directories end with one commanding. Three agents without ranks: a
 controller that no majority answers refuses to start and `meshctl up` prints
 its reason; an agent away during the round promises when it is back, before
-its first command. The pure parts: tests/test_epochs.py."""
+its first command; an absurd epoch is refused on the wire and in a promise file
+(which an operator deletes, no restart), and no later start is blocked by it.
+The pure parts: tests/test_epochs.py."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,13 +29,14 @@ import psutil
 import pytest
 import requests
 
-from common.protocol import Ballot
+from common.protocol import CONTROLLER_EPOCH, CONTROLLER_ID, CONTROLLER_MESH, EPOCH_MAX, Ballot
 from common.tomlcheck import write_toml
 from kit.agents import make_agents, stop_generation
 from kit.configs import write_mesh
-from kit.meshctl import meshctl
+from kit.meshctl import meshctl, stop_controller
 from kit.waiting import wait_for
 from meshd.meshctl.ports import free_ports
+from meshd.store import EPOCH, read_value
 
 FAR_AHEAD = 17  # the agents' promise before this module: earlier controllers, another state directory's
 EARLIER = 40  # the newest generation those controllers ran: its rank logs are in the agents' state directories
@@ -118,6 +126,45 @@ def served(tmp_path_factory, demo_model):
             stop_generation(agents, g)
         for a in agents:
             a.kill()
+
+
+def ask_promise(agent, epoch: int, mesh: str) -> requests.Response:
+    """POST /v1/epoch as a controller of `mesh` asking for `epoch` would."""
+    return requests.post(f"{agent.url}/v1/epoch", timeout=30, headers={
+        **agent.headers(), CONTROLLER_EPOCH: str(epoch), CONTROLLER_ID: "someone", CONTROLLER_MESH: mesh})
+
+
+def test_a_controller_of_another_mesh_listing_a_serving_node_is_refused_there_and_takes_nothing_down(served):
+    a_mesh, agents = served["a"], served["agents"]
+    before, pid = status(a_mesh), run_pid(a_mesh, "controller")
+    ruling = Ballot(before["epoch"], before["controller_id"])
+    rank1 = next(r for r in agents[1].ranks() if r["generation"] == before["generation"])
+    other = another_state_dir(a_mesh, served["tmp"] / "other")
+    raw = tomllib.loads(other.read_text())
+    write_toml(other, {**raw, "name": "other", "nodes": [n for n in raw["nodes"] if n["name"] == "node1"],
+                       "recovery": {**raw["recovery"], "adopt_wait": 1.0}})
+    served["meshes"].append(other)
+
+    refused = ask_promise(agents[1], ruling.epoch + 5, "other")
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "other_mesh", refused.text
+    said = refused.json()["error"]["message"]
+    assert "serves mesh 'test'" in said and "mesh 'other' is refused" in said and "DELETE /v1/epoch?mesh=test" in said
+    doctor = json.loads(meshctl(other, "doctor", "--json").stdout)
+    (epoch,) = [c for c in doctor if c["name"] == "epoch"]
+    assert not epoch["ok"] and "it serves mesh 'test'" in epoch["detail"] and \
+        f"'{agents[1].url}/v1/epoch?mesh=test'" in epoch["fix"], epoch
+
+    up = meshctl(other, "up", "--skip-preflight", timeout=120)
+    assert up.returncode == 1 and "meshd: mesh other: 0 of 1 agents answered" in up.stderr, up.stdout + up.stderr
+    assert "node1: it serves mesh 'test'" in up.stderr and "free or remove the nodes of another mesh" in up.stderr
+    assert "start those agents" not in up.stderr and "has taken" not in up.stderr
+    assert promised(agents[1]) == ruling
+    assert [line for line in agent_log(agents[1]) if "promise refused" in line and "mesh=other" in line]
+    after = status(a_mesh)
+    assert (after["phase"], after["generation"], after["epoch"]) == ("ready", before["generation"], ruling.epoch)
+    assert run_pid(a_mesh, "controller") == pid and not gone(pid)
+    assert next(r for r in agents[1].ranks() if r["generation"] == before["generation"])["pid"] == rank1["pid"]
+    assert not gone(rank1["pid"]), "the other mesh's controller killed the serving mesh's rank"
 
 
 def test_a_fresh_state_dir_takes_over_agents_far_ahead_and_serves_and_the_old_one_resumed_acts_on_nothing(served):
@@ -241,3 +288,34 @@ def test_an_agent_away_during_the_round_promises_when_back_before_its_first_comm
     (promise,) = [i for i, line in enumerate(log) if "] promised " in line]
     assert commands and promise < commands[0] and all(str(ours) in log[i] for i in commands), log
     assert not [line for line in log if "controller refused" in line], log
+
+
+def test_an_absurd_epoch_is_refused_on_the_wire_and_in_a_promise_file_and_blocks_no_start(three):
+    mesh, agents = three  # all three promised the running controller's ballot (the tests above)
+    held = promised(agents[0])
+    absurd = ask_promise(agents[0], 2**63 - 1, "test")
+    assert absurd.status_code == 400 and f"from 0 to {EPOCH_MAX}" in absurd.json()["error"]["message"], absurd.text
+    assert promised(agents[0]) == held and [line for line in agent_log(agents[0]) if "ballot refused" in line]
+
+    agents[1].kill()  # a promise file an older agent wrote
+    (agents[1].dir / "state" / "controller_epoch").write_text(f"{2**63 - 1}\n")
+    agents[1].start()
+    unread = agents[1].get("/v1/epoch")
+    assert unread.status_code == 503 and "cannot be trusted" in unread.json()["error"]["message"], unread.text
+    assert [line for line in agent_log(agents[1]) if "promise file cannot be trusted" in line]
+    doctor = json.loads(meshctl(mesh, "doctor", "--json").stdout)
+    (epoch,) = [c for c in doctor if c["name"] == "epoch" and c["node"] == "node1"]
+    assert not epoch["ok"] and f"{2**63 - 1}" in epoch["detail"] and "delete the promise file" in epoch["fix"], epoch
+
+    stop_controller(mesh)
+    up = meshctl(mesh, "up", "--skip-preflight", timeout=120)  # two of three promise: it starts
+    assert up.returncode == 1 and "no model at" in up.stdout, up.stdout + up.stderr
+    ours = Ballot(status(mesh)["epoch"], status(mesh)["controller_id"])
+    assert ours.epoch == held.epoch + 1 == read_value(mesh.parent / "state" / "meshd.sqlite", EPOCH)
+    assert promised(agents[0]) == promised(agents[2]) == ours
+    assert (agents[1].dir / "state" / "controller_epoch").read_text() == f"{2**63 - 1}\n", "the file was rewritten"
+
+    (agents[1].dir / "state" / "controller_epoch").unlink()  # the fix doctor names; the agent runs on
+    wait_for(lambda: agents[1].get("/v1/epoch").ok and promised(agents[1]) == ours, 60,
+             "node1 to promise the controller once its promise file is gone")
+    assert re.search(r"promised .*mesh=test", "\n".join(agent_log(agents[1])))

@@ -99,14 +99,18 @@ class Controller:
         recorded, then promised by a majority. Asked again each second until `adopt_wait` has passed. Returns
         the highest generation the agents that answered have run or recorded."""
         deadline = time.monotonic() + self.policy.adopt_wait
+        mesh = self.cfg.name
+        reach = {n.name: epochs.Reach(n.agent, str(n.token_file)) for n in self.cfg.nodes}
         ballot, heard = None, {}
         while True:
             if ballot is None:
                 found = await self._ask(AgentClient.held, self.agents)
-                verdict = epochs.choose_epoch(self.store.last_epoch(), found)
+                verdict = epochs.choose_epoch(mesh, self.store.last_epoch(), found, reach)
+                if isinstance(verdict, epochs.NoEpochLeft):
+                    raise EpochRefused(verdict.reason())
                 if isinstance(verdict, int):
                     ballot = Ballot(verdict, secrets.token_hex(6))
-                    fence = self.store.take_epoch(ballot)
+                    fence = self.store.take_epoch(ballot, mesh)
                     for client in self.agents.values():
                         client.fence = fence
                     continue
@@ -117,7 +121,7 @@ class Controller:
                     case epochs.Granted(missing=missing):
                         log.info("epoch promised", epoch=str(ballot), promised=len(heard) - len(missing),
                                  away=missing or None)
-                        return epochs.generations_used(found)
+                        return epochs.generations_used(mesh, found)
                     case epochs.Beaten(newer=newer, node=node):
                         raise EpochRefused(
                             f"controller {newer} took this mesh over as this one ({ballot}) started ({node}'s agent "

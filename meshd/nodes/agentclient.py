@@ -79,7 +79,7 @@ class AgentClient:
 
     @property
     def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.token}", **(self.fence.ballot.headers() if self.fence else {})}
+        return {"Authorization": f"Bearer {self.token}", **(self.fence.headers() if self.fence else {})}
 
     async def call(self, method: str, path: str, body=None, timeout: float = 10.0):
         """The agent's JSON answer. A controller's call goes only to an agent that promised its ballot (it is
@@ -171,17 +171,20 @@ class AgentClient:
         return held
 
     async def held(self) -> Held:
-        """The ballot this agent has promised and the highest generation it has run (AgentError when it does
-        not answer)."""
+        """The ballot this agent has promised, the highest generation it has run and the mesh it serves
+        (AgentError when it does not answer, or cannot say: its promise file cannot be trusted)."""
         data = await self.call("GET", EPOCH_ROUTE, timeout=5)
-        return Held(Ballot(int(data["epoch"]), str(data["controller"])), int(data["highest_generation"]))
+        return Held(Ballot(int(data["epoch"]), str(data["controller"])), int(data["highest_generation"]),
+                    data.get("mesh"))
 
     async def promise(self) -> Ballot:
         """Ask for the promise of this controller's ballot; the ballot the agent holds after it (this one's, or
-        a newer one's that refused it). AgentError when it does not answer."""
+        a newer one's of this mesh that refused it). AgentError when it does not answer, serves another mesh or
+        cannot trust its promise file."""
         status, data, held = await self._request("POST", EPOCH_ROUTE, None, 5)
         if status not in (200, 409) or held is None:
-            raise AgentError(f"{self.node.name}: POST {EPOCH_ROUTE} -> {status}: {data}", status)
+            message = data.get("error", {}).get("message", data) if isinstance(data, dict) else data
+            raise AgentError(f"{self.node.name}: POST {EPOCH_ROUTE} -> {status}: {message}", status)
         return held
 
     async def ensure_promised(self) -> None:

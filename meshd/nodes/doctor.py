@@ -15,11 +15,13 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from common.checkpoint import Report
 from common.hostfile import HostfileError
 from common.modelref import is_repo_id
-from common.protocol import Ballot, RankReport, RankSpec
+from common.protocol import EPOCH_MAX, Ballot, RankReport, RankSpec
 from common.states import RankState, StopMode
 from common.tomlcheck import ConfigError
+from meshd.epochs import RESET_PROMISE, Held, Reach, foreign
 from meshd.nodes import provision
 from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
 from meshd.config import MeshConfig, Runtime, hostfile_for
@@ -92,6 +94,24 @@ def judge_model(facts: dict[str, dict], path: str) -> list[Check]:
             out.append(Check("model", node, True, f"{m['bytes'] / 2**30:.2f} GiB in {m['weight_files']} files, "
                                                   f"fingerprint {m['fingerprint']}"))
     return out
+
+
+def judge_checkpoint(facts: dict[str, dict]) -> list[Check]:
+    """The checkpoint as each agent read it from its index and headers (common/checkpoint.py): each finding
+    once, on the nodes whose copy has it ("mesh" when every copy does), failing when the load would fail;
+    whether it drafts with DSpark said once."""
+    reports = {node: Report.from_dict(r) for node, f in facts.items()
+               if (r := (f.get("model") or {}).get("checkpoint"))}
+    seen: dict[str, tuple[Check, list[str]]] = {}
+    for node, r in reports.items():
+        said = [Check("checkpoint", "", not f.fatal, f"{f.key}: {f.problem}", f.fix, warn=not f.fatal)
+                for f in r.findings]
+        if d := r.drafting:
+            said.append(Check("checkpoint", "", True, d.why if d.dspark else f"serves undrafted: {d.why}", d.fix,
+                              warn=not d.dspark))
+        for c in said:
+            seen.setdefault(c.detail, (c, []))[1].append(node)
+    return [replace(c, node="mesh" if len(nodes) == len(reports) else ",".join(nodes)) for c, nodes in seen.values()]
 
 
 def judge_memory(facts: dict[str, dict], world: int) -> list[Check]:
@@ -189,6 +209,20 @@ def judge_epoch(node: str, held: Ballot, ours: Ballot | None, running: bool) -> 
                  "has not promised it yet (it was away during the controller's round, or its state directory was "
                  "wiped)", "nothing while it passes: the controller asks for the promise before its next call to "
                  "the agent; if it stays, the controller cannot reach the agent (`meshctl status` says why)", warn=True)
+
+
+def judge_promise(node: str, held: Held | str, mesh: str, reach: Reach) -> Check | None:
+    """A promise that blocks every start of `mesh`'s controller (`held`: the agent's answer, or why it gave
+    none): one it cannot trust, another mesh's, or the highest epoch there is. None: it blocks nothing."""
+    if isinstance(held, str):
+        return Check("epoch", node, False, held, f"delete the promise file it names on {node}: the agent reads it "
+                                                 "again at the next ask")
+    if why := foreign(held, mesh, reach):
+        return Check("epoch", node, False, f"{why[0]}: this mesh's controller is refused there", why[1])
+    if held.ballot.epoch >= EPOCH_MAX:
+        return Check("epoch", node, False, f"promised {held.ballot}, the highest epoch there is ({EPOCH_MAX}): "
+                                           "no controller can take one above it", RESET_PROMISE)
+    return None
 
 
 def judge_space(node: str, what: str, path: str, free: int | None) -> list[Check]:
@@ -296,7 +330,8 @@ def _free(path) -> int | None:
 def judge_start(cfg: MeshConfig, facts: dict[str, dict]) -> list[Check]:
     """The cheap checks every start passes (the controller's too): mistakes no restart can fix."""
     return ([judge_hostfile(cfg)] + judge_versions(facts) + judge_model(facts, cfg.runtime.model)
-            + judge_package(facts, cfg.runtime.model_package) + judge_launch(facts, cfg.runtime))
+            + judge_checkpoint(facts) + judge_package(facts, cfg.runtime.model_package)
+            + judge_launch(facts, cfg.runtime))
 
 
 def judge_package(facts: dict[str, dict], name: str) -> list[Check]:
@@ -357,7 +392,6 @@ async def _agent_node(client: AgentClient, n, cfg: MeshConfig, current: int | No
     try:
         facts = await node_facts(cfg, client)
         ranks = list((await client.ranks()).reports)
-        held = (await client.held()).ballot
     except AgentError as e:
         fix = (f"put the token from {n.name}'s agent config into {n.token_file}" if "401" in str(e) else
                f"start the agent at {n.agent}: `meshctl agents install {n.name}` installs and starts it "
@@ -366,8 +400,13 @@ async def _agent_node(client: AgentClient, n, cfg: MeshConfig, current: int | No
     except (OSError, ValueError) as e:  # the token file itself
         return [Check("agent", n.name, False, f"cannot read the token: {e}",
                       f"write {n.name}'s agent token to {n.token_file} (chmod 600)")], None
+    try:
+        held: Held | str = await client.held()
+    except AgentError as e:
+        held = str(e)
+    blocked = judge_promise(n.name, held, cfg.name, Reach(n.agent, str(n.token_file)))
     return [Check("agent", n.name, True, f"{n.agent}, token accepted"), judge_stale(n.name, ranks, current),
-            judge_epoch(n.name, held, controller, running)], facts
+            blocked or judge_epoch(n.name, held.ballot, controller, running)], facts
 
 
 async def canary(cfg: MeshConfig, hostfile: dict, seconds: float = 3.0, timeout: float = 120) -> list[Check]:
