@@ -1,7 +1,9 @@
 """A rank's launch, built before anything is spawned (TorchElastic's `_start_workers` shape): from the
 start request and the agent's config, the command line, environment, working directory, log and status
 files and the files the environment points to. Pure but for the model's resolution, which the caller
-passes in; every refusal (`BadSpec`) comes before the supervisor touches the disk."""
+passes in, and a read of its checkpoint's headers (common/checkpoint.py: a checkpoint that will not load is
+refused, named, before any rank loads it); every refusal (`BadSpec`) comes before the supervisor writes to
+the disk."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Callable
 
 from agents.config import AgentConfig, Profile
 from agents.standby import early_env
+from common.checkpoint import survey
 from common.hostfile import MLX_BACKEND, HostfileError, launch_env
 from common.modelref import ModelNotFound
 from common.protocol import RankSpec
@@ -73,6 +76,8 @@ def launch_plan(spec: RankSpec, config: AgentConfig, environ: dict[str, str],
         model = resolve(spec.model, config.node)
     except ModelNotFound as e:
         raise BadSpec("model", str(e))
+    if refusal := survey(model).refusal():
+        raise BadSpec("model", f"{spec.model}: {refusal}")
     try:
         launch = launch_env(spec.hostfile, spec.rank, starting_port=spec.ring_port, nccl_port=spec.ring_port)
     except HostfileError as e:

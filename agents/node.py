@@ -20,6 +20,7 @@ import psutil
 
 from common import procs
 from common.buildinfo import installed
+from common.checkpoint import survey
 from common.fingerprint import weights_digest
 from common.modelref import ModelNotFound, resolve
 
@@ -117,13 +118,15 @@ _hashing: dict[str, Hashing] = {}  # the agent's hashes, by model folder: one at
 
 
 async def model_facts(model_dir: str) -> dict:
-    """`model_files`, and the fingerprint, or, while a first hash runs (a 100 GB model's takes minutes, more
-    than any caller waits), how far it is: "hashing" with the bytes done and in all, the fingerprint "".
+    """`model_files`, the checkpoint's findings (common/checkpoint.py, from its headers), and the fingerprint,
+    or, while a first hash runs (a 100 GB model's takes minutes, more than any caller waits), how far it is:
+    "hashing" with the bytes done and in all, the fingerprint "".
     The hash goes on behind; the caller asks again. A hash that ended is started afresh at the next call,
     which the digest cache makes quick unless a file changed since."""
     found = await asyncio.to_thread(model_files, model_dir)
     if not found["present"]:
         return found
+    found["checkpoint"] = (await asyncio.to_thread(survey, Path(model_dir))).to_dict()
     job = _hashing.get(model_dir)
     try:
         if job is None or job.future.done():

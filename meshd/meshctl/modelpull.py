@@ -2,8 +2,10 @@
 node (its network, its `huggingface_hub`), then the repo's cache directory
 (blobs, snapshot links, refs) is copied to every other node's Hugging Face
 cache over SSH, relayed through this machine, with progress; files already
-there with the right size are kept. Last, every node computes the fingerprint
-`meshctl doctor` compares, and they must agree."""
+there with the right size are kept. Before any copy, the source checks the
+checkpoint from its index and headers (common/checkpoint.py): one that will not
+load is not copied, and each finding is said with its key and fix. Last, every
+node computes the fingerprint `meshctl doctor` compares, and they must agree."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Callable
 
+from common.checkpoint import Report
 from common.modelref import is_repo_id
 from meshd.nodes import provision
 from meshd.config import MeshConfig
@@ -32,6 +35,8 @@ LISTING = ("import json, os, sys; from pathlib import Path; root = Path(sys.argv
            "        else: out.append(['file', rel, '', p.stat().st_size])\n"
            "print(json.dumps(out))")
 CACHE = "from huggingface_hub import constants; print(constants.HF_HUB_CACHE)"
+CHECKPOINT = ("import json, sys; from pathlib import Path; from common.checkpoint import survey; "
+              "print(json.dumps(survey(Path(sys.argv[1])).to_dict()))")
 FINGERPRINT = ("import json, sys; from agents.node import model_fingerprint; from common.modelref import resolve; "
                "print(json.dumps(model_fingerprint(str(resolve(sys.argv[1])))))")
 
@@ -60,6 +65,14 @@ def wanted(entries: list[Entry], have: dict[str, int], force: bool) -> list[Entr
     return [e for e in entries if e.kind == "file" and (force or have.get(e.path) != e.size)]
 
 
+def said(report: Report) -> list[str]:
+    """The source's check of the checkpoint, a line for each finding and one for its drafting."""
+    lines = [f"{'FAIL' if f.fatal else 'WARN'} {f.key}: {f.problem}\n     fix: {f.fix}" for f in report.findings]
+    if d := report.drafting:
+        lines.append((d.why if d.dspark else f"serves undrafted: {d.why}") + (f"\n     fix: {d.fix}" if d.fix else ""))
+    return lines
+
+
 def pull(cfg: MeshConfig, repo: str, *, source: str | None = None, force: bool = False, trust_new: bool = False,
          say: Callable[[str], None] = print) -> dict[str, str]:
     """Download `repo` on `source` (the first node by default), copy it to the others; the fingerprints."""
@@ -78,6 +91,11 @@ def pull(cfg: MeshConfig, repo: str, *, source: str | None = None, force: bool =
             entries = [Entry(*e) for e in json.loads(python(src, LISTING, repo_dir))]
             total = sum(e.size for e in entries if e.kind == "file")
             say(f"{source}: {repo} is {total / 2**30:.2f} GiB in {sum(e.kind == 'file' for e in entries)} files")
+            report = Report.from_dict(json.loads(python(src, CHECKPOINT, snapshot)))
+            for line in said(report):
+                say(f"{source}: {repo}: {line}")
+            if refusal := report.refusal():
+                raise PullError(f"{repo}: {refusal}; it is downloaded on {source} only, not copied to the other nodes")
             src_sftp = src.client.open_sftp()
             for node in (n.name for n in cfg.nodes if n.name != source):
                 with Session(targets[node], cfg.ssh, trust_new=trust_new) as dst:
