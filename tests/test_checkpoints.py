@@ -10,12 +10,14 @@ import copy
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache
 from mlx_lm.utils import _get_classes
 
 from kit.families import FAMILIES
 from runtime.prefix import checkpoints
 from runtime.models.pools import prompt_piece
 from runtime.prefix.checkpoints import Checkpoint, Held, Pool, Stopping, Taken, Trim, checkpoint, cut, stops
+from runtime.prefix.tape import TokenTape
 
 MARK = 7  # a message marker in the prompts below
 EVERY = 8  # the prefill's chunk
@@ -156,20 +158,21 @@ def test_a_pool_is_cut_to_its_rows_and_its_open_window_put_back():
     assert pool.buf_kv.tolist() == mx.full((1, 4, 2), 2.0).tolist()
 
 
-@pytest.mark.parametrize("length,markers,every,messages,expected", [
-    (30, {7: [12]}, 8, 4, (8, 12, 16, 24, 29)),
-    (10, {}, 8, 4, (8, 9)),
-    (9, {}, 8, 4, (8,)),  # the last token's place is a chunk's end too
-    (1, {}, 8, 4, ()),
-    (40, {7: [3, 10, 20, 30, 35]}, 64, 2, (30, 35, 39)),  # only the last `messages` markers
-    (12, {7: [0]}, 64, 4, (11,)),  # a marker that opens the prompt is no stop
+@pytest.mark.parametrize("length,markers,every,first,last,expected", [
+    (30, {7: [12]}, 8, 2, 12, (8, 12, 16, 24, 29)),
+    (10, {}, 8, 2, 12, (8, 9)),
+    (9, {}, 8, 2, 12, (8,)),  # the last token's place is a chunk's end too
+    (1, {}, 8, 2, 12, ()),
+    (40, {7: [3, 10, 20, 30, 35]}, 64, 1, 2, (3, 30, 35, 39)),  # the first and the last markers
+    (40, {7: [3, 10]}, 64, 2, 2, (3, 10, 39)),  # a marker both first and last, once
+    (12, {7: [0]}, 64, 2, 12, (11,)),  # a marker that opens the prompt is no stop
 ])
-def test_where_a_prefill_stops(length, markers, every, messages, expected):
+def test_where_a_prefill_stops(length, markers, every, first, last, expected):
     prompt = [1] * length
     for token, places in markers.items():
         for p in places:
             prompt[p] = token
-    assert stops(prompt, frozenset(markers), every, messages) == expected
+    assert stops(prompt, frozenset(markers), every, first, last) == expected
 
 
 @pytest.mark.parametrize("at,length,said,stops,expected", [
@@ -195,3 +198,26 @@ def test_a_request_keeps_the_checkpoints_it_inherited_and_takes_one_at_each_stop
     assert [p.at for p in taken.points] == [8, 11, 16] and taken.points[0] is inherited
     assert Stopping(frozenset({MARK}), EVERY, on=False).stops([1] * 30) == ()
     assert Stopping(frozenset({MARK}), EVERY, on=True).stops([1] * 30) == (8, 16, 24, 29)
+
+
+def state_cache(value: float) -> list:
+    cache = [ArraysCache(1)]
+    cache[0][0] = mx.full((1, 4), value)  # 16 bytes a checkpoint holds
+    return cache
+
+
+def test_the_tape_serves_the_longest_checkpoint_the_new_prompt_stops_at_and_counts_shared_ones_once():
+    tape = TokenTape(checkpoint_budget=40)
+    points = []
+    for at in (5, 10, 19):
+        points.append(checkpoint(state_cache(float(at)), at))
+    tokens = tuple(range(30))
+    tape.store(tokens[:20], state_cache(20.0), checkpoints=tuple(points))
+    assert tape.checkpoint_count == 2 and tape.checkpoint_bytes == 32  # the oldest went for the budget
+    assert tape.served(tokens[:12] + (99, 98), stops=(5, 10, 13)) == 10
+    assert tape.served(tokens[:12] + (99, 98), stops=(5, 13)) == 0  # 10 is not where this prompt stops
+    assert tape.served(tokens[:25]) == 20  # a prompt that extends the whole tape: all of it
+    cache, cached, _, inherited = tape.take(tokens[:19] + (77, 78, 79), stops=(10, 19, 21))
+    assert cached == 19 and cache[0][0].tolist() == [[19.0] * 4] and inherited == tuple(points[1:])
+    tape.store(tokens[:19] + (77, 78), state_cache(21.0), checkpoints=inherited)
+    assert tape.checkpoint_count == 2 and tape.checkpoint_bytes == 32 and tape.checkpoint_hits == 1

@@ -113,18 +113,19 @@ def needed(caches) -> bool:
     return any(type(leaf) not in GROWING for leaf in leaves(caches))
 
 
-def stops(prompt, markers: frozenset[int], every: int, messages: int = 4) -> tuple[int, ...]:
+def stops(prompt, markers: frozenset[int], every: int, first: int = 2, last: int = 12) -> tuple[int, ...]:
     """Where every prefill of `prompt` breaks its forwards and takes a checkpoint, a function of its tokens
-    alone (so a later prompt that shares them stops at the same places): each multiple of `every` (the
-    prefill's chunk), before each of its last `messages` message markers (the tokens a chat template opens a
-    message with), and before its last token (which the step that samples takes)."""
-    last = len(prompt) - 1
-    if last <= 0:
+    alone (so a later prompt that shares them stops at the same places): each multiple of `every`, before its
+    `first` and its `last` message markers (the tokens a chat template opens and closes messages with: the
+    system prompt's end, what the last turns share), and before its last token (which the step that samples
+    takes)."""
+    end = len(prompt) - 1
+    if end <= 0:
         return ()
-    found = {p for p in range(every, last, every)}
-    opened = [i for i, t in enumerate(prompt[:last]) if t in markers and i > 0]
-    found.update(opened[-messages:] if messages else ())
-    found.add(last)
+    found = set(range(every, end, every))
+    opened = [i for i, t in enumerate(prompt[:end]) if t in markers and i > 0]
+    found.update(opened[:first] + opened[len(opened) - last:])
+    found.add(end)
     return tuple(sorted(found))
 
 

@@ -50,10 +50,6 @@ class Entry:
     tenant: str
     checkpoints: tuple[Checkpoint, ...] = ()
 
-    @property
-    def held(self) -> int:
-        return sum(c.nbytes for c in self.checkpoints)
-
 
 def replaces(shared: int, stored: int, new: int, trimmable: bool) -> bool:
     """Whether a new tape of `new` tokens, sharing `shared` with a stored one of `stored`, serves every prompt
@@ -77,13 +73,17 @@ class TokenTape:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _checkpoints(self) -> list[Checkpoint]:
+        """Every checkpoint held, once (a tape cut from another shares its checkpoints up to the cut)."""
+        return list({id(c): c for e in self._entries for c in e.checkpoints}.values())
+
     @property
     def checkpoint_bytes(self) -> int:
-        return sum(e.held for e in self._entries)
+        return sum(c.nbytes for c in self._checkpoints())
 
     @property
     def checkpoint_count(self) -> int:
-        return sum(len(e.checkpoints) for e in self._entries)
+        return len(self._checkpoints())
 
     def _best(self, prompt: tuple[int, ...], tenant: str, stops: tuple[int, ...]):
         """The entry of `tenant` that serves the longest reusable prefix of `prompt`, its length, the checkpoint
@@ -146,10 +146,8 @@ class TokenTape:
 
     def _thin(self) -> None:
         """The least recently used tapes' checkpoints dropped, oldest first, until they fit the budget."""
-        over = self.checkpoint_bytes - self.checkpoint_budget
         for e in self._entries:
-            while over > 0 and e.checkpoints:
-                over -= e.checkpoints[0].nbytes
+            while e.checkpoints and self.checkpoint_bytes > self.checkpoint_budget:
                 e.checkpoints = e.checkpoints[1:]
 
     def store_older(self, tape: tuple[int, ...], cache: list, sid: str, tenant: str = "") -> bool:
