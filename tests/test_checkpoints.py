@@ -158,21 +158,29 @@ def test_a_pool_is_cut_to_its_rows_and_its_open_window_put_back():
     assert pool.buf_kv.tolist() == mx.full((1, 4, 2), 2.0).tolist()
 
 
-@pytest.mark.parametrize("length,markers,every,first,last,expected", [
-    (30, {7: [12]}, 8, 2, 12, (8, 12, 16, 24, 29)),
-    (10, {}, 8, 2, 12, (8, 9)),
-    (9, {}, 8, 2, 12, (8,)),  # the last token's place is a chunk's end too
-    (1, {}, 8, 2, 12, ()),
-    (40, {7: [3, 10, 20, 30, 35]}, 64, 1, 2, (3, 30, 35, 39)),  # the first and the last markers
-    (40, {7: [3, 10]}, 64, 2, 2, (3, 10, 39)),  # a marker both first and last, once
-    (12, {7: [0]}, 64, 2, 12, (11,)),  # a marker that opens the prompt is no stop
+@pytest.mark.parametrize("length,markers,every,gap,expected", [
+    (30, {7: [12]}, 8, 4, (8, 12, 16, 24, 29)),
+    (10, {}, 8, 4, (8, 9)),
+    (9, {}, 8, 4, (8,)),  # the last token's place is a chunk's end too
+    (1, {}, 8, 4, ()),
+    (30, {7: [12, 13, 14, 20]}, 64, 4, (12, 20, 29)),  # a cluster of markers: its first
+    (60, {7: [3, 10, 20, 30, 35, 50]}, 64, 10, (3, 20, 30, 50, 59)),  # markers closer than the gap: once
+    (12, {7: [0]}, 64, 4, (11,)),  # a marker that opens the prompt is no stop
 ])
-def test_where_a_prefill_stops(length, markers, every, first, last, expected):
+def test_where_a_prefill_stops(length, markers, every, gap, expected):
     prompt = [1] * length
     for token, places in markers.items():
         for p in places:
             prompt[p] = token
-    assert stops(prompt, frozenset(markers), every, first, last) == expected
+    assert stops(prompt, frozenset(markers), every, gap) == expected
+
+
+def test_a_prompts_stops_before_its_last_token_are_those_of_every_prompt_that_shares_them():
+    first = [1, 7, 2, 3, 7, 7, 4, 5, 6, 7, 8, 7, 9] * 6
+    for cut in range(1, len(first)):
+        longer = first[:cut] + [7, 7, 3, 7] * 5
+        assert [s for s in stops(first, frozenset({7}), 16, 5) if s < cut] == \
+            [s for s in stops(longer, frozenset({7}), 16, 5) if s < cut]
 
 
 @pytest.mark.parametrize("at,length,said,stops,expected", [
@@ -221,3 +229,13 @@ def test_the_tape_serves_the_longest_checkpoint_the_new_prompt_stops_at_and_coun
     assert cached == 19 and cache[0][0].tolist() == [[19.0] * 4] and inherited == tuple(points[1:])
     tape.store(tokens[:19] + (77, 78), state_cache(21.0), checkpoints=inherited)
     assert tape.checkpoint_count == 2 and tape.checkpoint_bytes == 32 and tape.checkpoint_hits == 1
+
+
+def test_past_the_budget_a_tape_keeps_its_first_and_last_checkpoints_longest():
+    points = tuple(checkpoint(state_cache(float(at)), at) for at in range(1, 14))  # 13 of 16 bytes each
+    tape = TokenTape(checkpoint_budget=16 * 11)
+    tape.store(tuple(range(20)), state_cache(0.0), checkpoints=points)
+    assert [c.at for c in tape._entries[0].checkpoints] == [1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    tape.checkpoint_budget = 16 * 9
+    tape.store(tuple(range(50, 70)), state_cache(0.0))
+    assert [c.at for c in tape._entries[0].checkpoints] == [2, 6, 7, 8, 9, 10, 11, 12, 13]  # then the oldest

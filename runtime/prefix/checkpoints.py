@@ -113,18 +113,23 @@ def needed(caches) -> bool:
     return any(type(leaf) not in GROWING for leaf in leaves(caches))
 
 
-def stops(prompt, markers: frozenset[int], every: int, first: int = 2, last: int = 12) -> tuple[int, ...]:
-    """Where every prefill of `prompt` breaks its forwards and takes a checkpoint, a function of its tokens
-    alone (so a later prompt that shares them stops at the same places): each multiple of `every`, before its
-    `first` and its `last` message markers (the tokens a chat template opens and closes messages with: the
-    system prompt's end, what the last turns share), and before its last token (which the step that samples
-    takes)."""
+def stops(prompt, markers: frozenset[int], every: int, gap: int = 4) -> tuple[int, ...]:
+    """Where every prefill of `prompt` breaks its forwards (and may take a checkpoint): each multiple of
+    `every`, before each message marker (the tokens a chat template opens and closes messages with) at least
+    `gap` tokens past the last marker it stopped before (one of a cluster: a message's end and the next one's
+    start), and before its last token (which the step that samples
+    takes). Whether a place before the last token is a stop depends on the tokens up to it alone, so any prompt
+    that shares them breaks its forwards there too: a cache cut back to a checkpoint was fed as a fresh prefill
+    of the new prompt would feed it (omlx's DeepSeek-V4 pools a window otherwise when a forward starts
+    elsewhere)."""
     end = len(prompt) - 1
     if end <= 0:
         return ()
-    found = set(range(every, end, every))
-    opened = [i for i, t in enumerate(prompt[:end]) if t in markers and i > 0]
-    found.update(opened[:first] + opened[len(opened) - last:])
+    found, last = set(range(every, end, every)), -gap
+    for i, t in enumerate(prompt[:end]):
+        if i > 0 and t in markers and i - last >= gap:
+            found.add(i)
+            last = i
     found.add(end)
     return tuple(sorted(found))
 

@@ -9,7 +9,7 @@ checkpoints.py) that lies within what the prompt shares with it and where the
 prompt's own prefill stops (`stops`: there a cut cache answers as a fresh
 prefill does). A tape that extends such a tape does not replace it. The
 checkpoints' held bytes are bounded (`checkpoint_budget`): past it the least
-recently used tapes lose theirs, oldest first. Each entry carries the id its snapshot was written or restored
+recently used tapes lose theirs first (`_thin`). Each entry carries the id its snapshot was written or restored
 under (runtime/prefix/snapshot.py), "" when it has none, and its tenant: a request
 is served only from its own tenant's entries (the proxy scopes tenants by
 API key), so neither its cached count nor its speed tells one tenant what
@@ -145,10 +145,16 @@ class TokenTape:
         self._thin()
 
     def _thin(self) -> None:
-        """The least recently used tapes' checkpoints dropped, oldest first, until they fit the budget."""
-        for e in self._entries:
-            while e.checkpoints and self.checkpoint_bytes > self.checkpoint_budget:
-                e.checkpoints = e.checkpoints[1:]
+        """Checkpoints dropped until they fit the budget: the least recently used tapes' first, oldest first, and
+        of each tape its first two (a system prompt's end) and last eight (its last turns' ends) last."""
+        for middle_only in (True, False):
+            for e in self._entries:
+                while self.checkpoint_bytes > self.checkpoint_budget:
+                    n = len(e.checkpoints)
+                    going = next((c for i, c in enumerate(e.checkpoints) if not middle_only or 2 <= i < n - 8), None)
+                    if going is None:
+                        break
+                    e.checkpoints = tuple(c for c in e.checkpoints if c is not going)
 
     def store_older(self, tape: tuple[int, ...], cache: list, sid: str, tenant: str = "") -> bool:
         """A tape older than every one held (restored while serving): kept as the least recently used while
