@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from agents import ringwait
 from agents.config import AgentConfig, Profile
 from agents.standby import early_env
 from common.checkpoint import survey
@@ -61,9 +62,10 @@ def argv(profile: Profile, spec: RankSpec, python: str, model: Path, status_file
 
 
 def launch_plan(spec: RankSpec, config: AgentConfig, environ: dict[str, str],
-                resolve: Callable[[str, str], Path]) -> LaunchPlan:
+                resolve: Callable[[str, str], Path], ring_wait: Path | None = None) -> LaunchPlan:
     """How this agent starts `spec`'s rank, its environment on top of `environ` (the agent's own);
-    `resolve(model, node)` finds the model's directory (ModelNotFound when it cannot). BadSpec naming the
+    `resolve(model, node)` finds the model's directory (ModelNotFound when it cannot); `ring_wait`: the built
+    agents/ringwait.c, preloaded into a ring rank that shares its host. BadSpec naming the
     field when the request asks for what this agent does not allow or cannot run."""
     profile = config.profiles.get(spec.profile)
     if profile is None:
@@ -93,6 +95,8 @@ def launch_plan(spec: RankSpec, config: AgentConfig, environ: dict[str, str],
         env[var] = str(cwd / f"{var.lower()}.json")
     if spec.devices and "CUDA_VISIBLE_DEVICES" in launch.env:
         env["CUDA_VISIBLE_DEVICES"] = spec.devices
+    if preload := ringwait.preload(spec.hostfile, spec.rank, env.get("LD_PRELOAD"), ring_wait):
+        env["LD_PRELOAD"] = preload
     env["MESHD_BACKEND"] = MLX_BACKEND[spec.hostfile.get("backend", "ring")]
     env["MESHD_GENERATION"] = str(spec.generation)
     env["MESHD_NODE"] = config.node

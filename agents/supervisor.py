@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from agents import node as node_facts
-from agents import orphans
+from agents import orphans, ringwait
 from agents.config import AgentConfig
 from agents.events import EventLog
 from agents.launch import LaunchPlan, launch_plan, rank_dir
@@ -160,7 +160,7 @@ class Supervisor:
                 o = others[0]
                 raise Conflict(f"generation {o.generation} rank {o.rank} is running here (pid {o.pid}); "
                                f"stop it first (POST /v1/generations/{o.generation}/stop)")
-            plan = launch_plan(spec, self.config, dict(os.environ), resolve)
+            plan = launch_plan(spec, self.config, dict(os.environ), resolve, ringwait.built())
             plan.cwd.mkdir(parents=True, exist_ok=True)
             for path, content in plan.files.items():
                 path.write_text(content)

@@ -1,4 +1,4 @@
-"""What tests/ringwait.c (preloaded into every process of a test run by scripts/test) does for the suite: a
+"""What agents/ringwait.c (which agents preload into ring ranks that share a host) does: a
 4-rank demo mesh on the ring over loopback decoding with the library preloaded into its ranks and without, one
 mesh up at a time (an idle mesh's ranks would take CPU from the other), in alternating rounds. Decode tokens/s
 after the first token; the answers must be the same.
@@ -10,23 +10,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchkit import ROOT, report, say
+from benchkit import report, say
 from mtp import decode
 
+from agents import ringwait
 from kit.ranks import start_mesh
 from runtime.models.demo_model import build_demo_model
-
-
-def build_shim(out: Path) -> Path:
-    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(out), str(ROOT / "tests" / "ringwait.c"), "-ldl"],
-                   check=True)
-    return out
 
 
 def main() -> None:
@@ -38,7 +32,9 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="meshd-ringwait-bench-"))
     model = build_demo_model(work / "model")
-    shim = build_shim(work / "ringwait.so")
+    shim = work / "ringwait.so"
+    if (why := ringwait.build(shim)) is not None:
+        sys.exit(f"ringwait.c: {why}")
     preloaded = ":".join(filter(None, [str(shim), os.environ.get("LD_PRELOAD")]))
     ways = {"spinning (MLX as shipped)": {}, "ringwait.c preloaded": {"LD_PRELOAD": preloaded}}
     rate, texts = {name: [] for name in ways}, {name: set() for name in ways}

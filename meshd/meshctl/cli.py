@@ -28,6 +28,7 @@ import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
+from agents import ringwait
 from agents.config import DEFAULT_ENV_ALLOWLIST, DEFAULT_PROFILES
 from common.protocol import Ballot
 from common.states import Phase
@@ -283,6 +284,8 @@ def start_controller(cfg: MeshConfig, ctl: Control) -> None:
     if cfg.path and demo.is_demo(cfg.path):
         say(f"demo: starting {len(cfg.nodes)} agent{'s' if len(cfg.nodes) > 1 else ''} and the controller on "
             f"127.0.0.1 (logs in {run})")
+        if len(cfg.nodes) > 1 and (spins := ringwait.unbuilt()):
+            say(f"demo: {spins}")
         demo.start_daemons(demo.home(), cfg.path)
     else:
         say(f"starting the controller for {cfg.name} (log in {log})")
