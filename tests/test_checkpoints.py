@@ -11,12 +11,13 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.utils import _get_classes
+from mlx_lm.utils import _get_classes, load_tokenizer
 
 from kit.families import FAMILIES
 from runtime.prefix import checkpoints
 from runtime.models.pools import prompt_piece
-from runtime.prefix.checkpoints import Checkpoint, Held, Pool, Stopping, Taken, Trim, checkpoint, cut, stops
+from runtime.prefix.checkpoints import (Checkpoint, Held, Pool, Stopping, Taken, Trim, checkpoint, cut, message_markers,
+                                        stops)
 from runtime.prefix.tape import TokenTape
 
 MARK = 7  # a message marker in the prompts below
@@ -239,3 +240,11 @@ def test_past_the_budget_a_tape_keeps_its_first_and_last_checkpoints_longest():
     tape.checkpoint_budget = 16 * 9
     tape.store(tuple(range(50, 70)), state_cache(0.0))
     assert [c.at for c in tape._entries[0].checkpoints] == [2, 6, 7, 8, 9, 10, 11, 12, 13]  # then the oldest
+
+
+def test_the_markers_are_the_added_tokens_the_chat_template_writes_between_messages(demo_model):
+    tokenizer = load_tokenizer(demo_model)
+    assert {tokenizer._tokenizer.convert_ids_to_tokens(t) for t in message_markers(tokenizer)} == \
+        {"<|im_start|>", "<|im_end|>"}
+    tokenizer.chat_template = None
+    assert message_markers(tokenizer) == frozenset()

@@ -161,8 +161,9 @@ class Taken:
 
 
 def message_markers(tokenizer) -> frozenset[int]:
-    """The special tokens the model's chat template opens and closes messages with (its role markers, a think
-    block's), read off a short conversation it renders; none without a template."""
+    """The tokens the model's chat template opens and closes messages with (its role markers, a think block's),
+    read off a short conversation it renders: those of its tokenizer's added tokens, special or not (DeepSeek's
+    `<｜User｜>` and `<｜Assistant｜>` are not), but its first; none without a template."""
     if not getattr(tokenizer, "chat_template", None):
         return frozenset()
     turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
@@ -170,5 +171,6 @@ def message_markers(tokenizer) -> frozenset[int]:
         ids = tokenizer.apply_chat_template([{"role": "system", "content": "s"}, *turns], add_generation_prompt=True)
     except Exception:  # a template that refuses a system message
         ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True)
-    special = set(getattr(tokenizer, "all_special_ids", ())) - {getattr(tokenizer, "bos_token_id", None)}
-    return frozenset(int(t) for t in ids if t in special)
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    added = set(getattr(hf, "all_special_ids", ()) or ()) | set(getattr(hf, "get_added_vocab", dict)().values())
+    return frozenset(int(t) for t in ids[1:] if t in added)
