@@ -28,24 +28,32 @@ class Compiles:
     """One rank's compiles of held answers' grammars. `fail(rid, why)`: rank 0 ends a request whose grammar
     some rank could not compile."""
 
-    def __init__(self, fail=None):
+    def __init__(self, fail=None, prepare=None):
         self.pending: list[str] = []  # grammar ids, in the order rank 0 sent them (the same on every rank)
         self._compiling: dict[str, Future] = {}
         self._held: dict[str, list[Insert]] = {}  # rank 0: inserts waiting for their grammar
         self._settled: dict[str, bool] = {}  # rank 0: grammars agreed since the last screen, compiled or not
         self._fail = fail
+        self._prepare = prepare or grammar.prepare  # text -> the future of its compile
 
     def start(self, text: str) -> None:
         """Compile this grammar in the background (every rank, at the same message)."""
         gid = grammar_id(text)
         if gid not in self._compiling:
             self.pending.append(gid)
-            self._compiling[gid] = grammar.prepare(text)
+            self._compiling[gid] = self._prepare(text)
 
     def agree(self, gather) -> None:
         """With every rank (`gather` is a collective): settle the grammars every rank is done compiling."""
-        done = {gid: f.exception() is None for gid, f in self._compiling.items() if f.done()}
-        for gid, ok in settled([json.loads(b) for b in gather(json.dumps(done).encode())]).items():
+        self.settle(gather(self.offer()))
+
+    def offer(self) -> bytes:
+        """What this rank says at an agreement: the grammars it is done with, each whether it compiled."""
+        return json.dumps({gid: f.exception() is None for gid, f in self._compiling.items() if f.done()}).encode()
+
+    def settle(self, offers: list[bytes]) -> None:
+        """The grammars every rank's offer says it is done with leave `pending`."""
+        for gid, ok in settled([json.loads(b) for b in offers]).items():
             self.pending.remove(gid)
             del self._compiling[gid]
             self._settled[gid] = ok

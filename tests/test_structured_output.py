@@ -7,6 +7,8 @@ import json
 import os
 import signal
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import jsonschema
@@ -193,6 +195,61 @@ def test_four_answers_at_once_each_hold_to_their_own_schema(client):
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(document, formats[i]["json_schema"]["schema"] if i != 2 else {"type": "object"})
     assert len(answers) == 4
+
+
+def big_enum(tag: object, values: int) -> dict:
+    """A schema of one enum of `values` distinct strings: compiling it takes its size's time and memory."""
+    return {"type": "object", "additionalProperties": False, "required": ["k"],
+            "properties": {"k": {"enum": [f"item-{tag}-{j:05d}-abcdefghij" for j in range(values)]}}}
+
+
+def test_large_schemas_compile_while_another_clients_stream_goes_on(demo):
+    """Ten distinct schemas near the cost limit (each ~0.1 s a compile, on the proxy and on every rank) sent
+    while another client streams: its tokens keep coming, the gaps between them within a generous multiple of
+    those while ten plain requests arrive instead; the held answers all start with their enum's key."""
+    eos = load_tokenizer(demo.home / "demo" / "model").eos_token_ids
+    streamed = {"messages": ASK, "max_tokens": 300, "stream": True, "logit_bias": {str(t): -100 for t in eos}}
+
+    def largest_gap(others: list[dict]) -> tuple[float, list]:
+        times, going = [], threading.Event()
+
+        def stream() -> None:
+            r = requests.post(f"{demo.proxy}/chat/completions", json=streamed, stream=True, timeout=300)
+            for line in r.iter_lines(decode_unicode=True):
+                if line.startswith("data: {"):
+                    times.append(time.monotonic())
+                    if len(times) == 5:
+                        going.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert going.wait(120), "the stream did not start"
+        fired = time.monotonic()
+        with ThreadPoolExecutor(len(others)) as pool:
+            answers = list(pool.map(lambda body: requests.post(f"{demo.proxy}/chat/completions", json=body,
+                                                               timeout=300), others))
+        reader.join()
+        assert len(times) > 100, len(times)  # chunks: a chunk may carry more than one token
+        return max(b - a for a, b in zip(times, times[1:]) if b >= fired), answers
+
+    plain_gap, _ = largest_gap([{"messages": ASK, "max_tokens": 8} for _ in range(10)])
+    held_gap, answers = largest_gap([{"messages": ASK, "max_tokens": 8, "response_format": schema_format(
+        f"big{i}", big_enum(i, 3500))} for i in range(10)])
+    print(f"largest gap: {plain_gap:.3f}s beside plain requests, {held_gap:.3f}s beside large schemas")
+    assert [r.status_code for r in answers] == [200] * 10, [r.text for r in answers if r.status_code != 200]
+    assert all(r.json()["choices"][0]["message"]["content"].startswith('{"k": "') for r in answers)
+    assert held_gap < 3 * plain_gap + 0.3, (held_gap, plain_gap)
+
+
+def test_a_schema_too_costly_to_compile_is_refused_before_any_rank_compiles_it(demo):
+    body = {"messages": ASK, "max_tokens": 8, "response_format": schema_format("huge", big_enum("x", 6000))}
+    r = requests.post(f"{demo.proxy}/chat/completions", json=body, timeout=60)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "response_format.json_schema.schema", r.text
+    assert "KiB of grammar meshd compiles" in error["message"] and "shorten its enums" in error["message"], error
+    url, auth = demo.rank0(demo.wait_ready()["generation"])  # rank 0 asked directly refuses it the same way
+    r = requests.post(f"{url}/v1/chat/completions", json=body, headers=auth, timeout=60)
+    assert r.status_code == 400 and "KiB of grammar meshd compiles" in r.json()["error"]["message"], r.text
 
 
 def test_a_rank_killed_mid_answer_resumes_it_into_a_valid_document(demo):
