@@ -48,7 +48,8 @@ class AgentMetrics:
                                         "restored at load", labels=["node", "rank", "outcome"])
         snapshots_skipped = CounterMetricFamily("meshd_agent_rank_snapshots_skipped", "Prefix snapshots not used "
                                                 "or not written, by reason (missing, truncated, corrupt, foreign, "
-                                                "disk_full, budget, write_failed)", labels=["node", "rank", "reason"])
+                                                "disk_full, budget, write_failed, capacity, superseded)",
+                                                labels=["node", "rank", "reason"])
         snapshot_bytes = GaugeMetricFamily("meshd_agent_rank_snapshot_bytes", "What the rank's snapshot directory "
                                            "holds on disk", labels=["node", "rank"])
         gen = GaugeMetricFamily("meshd_agent_generation", "Generation of the live rank (-1 when none)",

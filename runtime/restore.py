@@ -93,7 +93,10 @@ class Restorer:
         snaps.skip_all("missing", ends([s for s in held if s not in everywhere], parents),
                        "tape(s) not whole on every rank")
         whole_states = snapshot_kind(leaf_types(fresh())) == "whole"
-        return cls(snaps, tape, plan(agreed, parents, whole_states, tape.capacity), fresh, rates, log, rank)
+        planned = plan(agreed, parents, whole_states, tape.capacity)
+        snaps.skip_all("capacity", [s for s in ends(agreed, parents) if s not in planned],
+                       f"tape(s) past the token tape's {tape.capacity} entries (the most recently used are restored)")
+        return cls(snaps, tape, planned, fresh, rates, log, rank)
 
     def _run(self) -> None:
         types = leaf_types(self.fresh())
@@ -148,7 +151,12 @@ class Restorer:
             if ok and self.tape.store_older(*built):
                 adopted.append(sid)
                 tokens += len(built[0])
-            elif not ok and built is not None:
+            elif ok:  # the tape filled meanwhile, or a newer tape serves every prompt it serves
+                full = len(self.tape) >= self.tape.capacity
+                self.snaps.skip("capacity" if full else "superseded",
+                                f"tape {sid}: the token tape holds {len(self.tape)} newer tapes" if full else
+                                f"tape {sid}: a newer tape of its tenant serves every prompt it serves")
+            elif built is not None:
                 self.snaps.skip("missing", f"tape {sid}: another rank could not restore its part")
         self.snaps.restored_as(adopted)
         self.snaps.restores_pending = len(self.pending)
