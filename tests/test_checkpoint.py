@@ -6,6 +6,7 @@ V3-shaped config over DSpark stages, stage counts, shapes against the config."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,6 +17,7 @@ from kit.meshctl import meshctl
 from meshd.meshctl.ports import free_ports, free_run
 from meshd.meshctl import modelpull
 from meshd.nodes import doctor
+from runtime.models.overlay import OMLX, drafter_off
 
 HIDDEN, VOCAB, LAYERS, EXPERTS, Q_LORA = 64, 128, 3, 4, 32
 MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
@@ -281,3 +283,14 @@ def test_a_real_agent_reports_the_finding_and_refuses_the_launch_before_any_rank
         assert agent.ranks() == []
     finally:
         agent.kill()
+
+
+def test_the_rank_names_the_same_layouts_and_points_undeclared_stages_at_the_config():
+    stages = [n for n in v4() if n.startswith("mtp.")]
+    assert ck.mtp_layout(stages) == "DSpark's 3 stages"
+    assert ck.mtp_layout([n for n in v4(1, v3_head=True) if n.startswith("mtp.")]) == (
+        "a V3-shaped MTP head (e_proj/h_proj)")
+    unarmed = SimpleNamespace(**{m: None for m in OMLX.methods})
+    assert drafter_off(OMLX, unarmed, stages) == (
+        "drafter off, serving undrafted: the checkpoint holds DSpark's 3 stages but its config.json does not "
+        "declare them (dspark_block_size, dspark_target_layer_ids); `meshctl doctor` names the fix")

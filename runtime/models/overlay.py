@@ -10,9 +10,10 @@ looked up before any is called, so an old version fails naming what it lacks, no
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from common.checkpoint import mtp_layout, tensors
 
 
 class OverlayError(Exception):
@@ -95,16 +96,8 @@ def set_up(overlay: Overlay) -> None:
 
 
 def checkpoint_tensors(model_path: Path) -> list[str]:
-    """The tensor names a checkpoint holds, from its index or its safetensors headers (no tensor is read)."""
-    index = model_path / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted(json.loads(index.read_text())["weight_map"])
-    names = []
-    for f in sorted(model_path.glob("*.safetensors")):
-        with f.open("rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            names += [k for k in json.loads(fh.read(size)) if k != "__metadata__"]
-    return sorted(names)
+    """The tensor names a checkpoint holds, from its safetensors headers (no tensor is read)."""
+    return sorted(tensors(model_path))
 
 
 def unloaded(prefixes: tuple[str, ...], checkpoint: list[str], parameters: list[str]) -> list[str]:
@@ -125,14 +118,6 @@ def check_loaded(overlay: Overlay | None, model, checkpoint: list[str], paramete
                            f"without them. The overlay {overlay.package} was set up ({overlay.fix or 'check it'})")
 
 
-def _mtp_layout(names: list[str]) -> str:
-    if not names:
-        return "no MTP tensors"
-    if any(".e_proj." in n or ".h_proj." in n for n in names):
-        return "a V3-shaped MTP head (e_proj/h_proj)"
-    return f"{len(names)} MTP tensors in another layout"
-
-
 def drafter_off(overlay: Overlay | None, model, checkpoint: list[str]) -> str | None:
     """Why the overlay's drafter does not arm on this model, in one line that says how to get one that does;
     None when it arms (or the overlay has none)."""
@@ -141,10 +126,14 @@ def drafter_off(overlay: Overlay | None, model, checkpoint: list[str]) -> str | 
     missing = [m for m in overlay.methods if not hasattr(model, m)]
     if not missing and getattr(model, overlay.armed, False):
         return None
-    held = _mtp_layout([n for n in checkpoint if n.startswith(overlay.loads)])
+    names = [n for n in checkpoint if n.startswith(overlay.loads)]
+    held = mtp_layout(names)
     if missing:
         why = (f"this {overlay.package} has no drafter for it (it lacks {', '.join(missing)}) and the checkpoint "
                f"holds {held}; {overlay.fix}, and {overlay.draft_fix}")
+    elif any(".main_proj." in n for n in names):
+        why = (f"the checkpoint holds {held} but its config.json does not declare them (dspark_block_size, "
+               "dspark_target_layer_ids); `meshctl doctor` names the fix")
     else:
         why = f"the checkpoint holds {held}, not DSpark's stages; {overlay.draft_fix}"
     return f"drafter off, serving undrafted: {why}"
