@@ -57,6 +57,21 @@ def decode(model, eos: set[int], prompt: list[int], tokens: int, text: str | Non
     return tokens / (time.perf_counter() - began)
 
 
+def mask_steps_us(text: str, prompt: list[int], width: int, tokens: int) -> list[float]:
+    """The host's time of each step of a held answer's mask (GrammarMask on a `width`-wide row, its result
+    evaluated), the answer growing by the first token the mask allows."""
+    mask = GrammarMask(text, prompt, len(prompt))
+    logits = mx.zeros((1, width))
+    said, times = list(prompt), []
+    for _ in range(tokens):
+        began = time.perf_counter()
+        masked = mask(mx.array(said, dtype=mx.uint32), logits)
+        mx.eval(masked)
+        times.append(1e6 * (time.perf_counter() - began))
+        said.append(int(mx.argmax(masked, axis=-1).item()))
+    return times
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3g} (min {min(values):.3g}, max {max(values):.3g})"
 
@@ -100,6 +115,7 @@ def main() -> None:
         compile_ms.append(1000 * (time.perf_counter() - began))
 
     wide = 151936
+    steps_us = mask_steps_us(held, prompt, wide, args.tokens)
     mask = GrammarMask(held, prompt, len(prompt))
     logits = mx.zeros((1, wide))
     said = mx.array(prompt, dtype=mx.uint32)
@@ -126,6 +142,8 @@ def main() -> None:
         f"| a held token's time / an unheld one's, per round | {spread(cost)} |",
         f"| time a held token adds, us | {spread(added_us)} |",
         f"| compile of a nested schema with $ref, enums and arrays (cold), ms | {spread(compile_ms)} |",
+        f"| a held step's mask on a {wide:,}-logit row (GrammarMask: read the answer, the matcher, the mask "
+        f"applied), us, over {args.tokens} steps | {spread(steps_us)} |",
         f"| the mask applied to a {wide:,}-logit row (bits sent, unpacked on the device, mx.where), us | "
         f"{spread(apply_us)} |",
         "",

@@ -264,22 +264,16 @@ def dead_end(text: str, prompt, answer: list[int]) -> str | None:
 
 
 def allowed_tokens(bitmask: bytes, width: int, eos: list[int]) -> mx.array:
-    """llguidance's bitmask (a bit per token, little-endian 32-bit words) as one bool per logit of a row
-    `width` wide, unpacked on the device (the host sends a bit a token, not a byte); a mask that allows
-    nothing allows the end instead, so a stuck grammar ends the answer (which rank 0's frontend then
-    reports: `dead_end`)."""
-    words = np.zeros(-(-width // 32), dtype=np.uint32)
-    got = np.frombuffer(bitmask, dtype=np.uint32)[:len(words)]
-    words[:len(got)] = got
-    if not words.any():
-        for t in eos:
-            if t < width:
-                words[t >> 5] |= np.uint32(1 << (t & 31))
-    bits = (mx.array(words)[:, None] >> _SHIFTS) & 1
-    return bits.reshape(-1)[:width].astype(mx.bool_)
-
-
-_SHIFTS = mx.arange(32, dtype=mx.uint32)[None, :]
+    """llguidance's bitmask (a bit per token, little-endian words) as one bool per logit of a row `width`
+    wide; a mask that allows nothing allows the end instead, so a stuck grammar ends the answer (which rank
+    0's frontend then reports: `dead_end`). Unpacked on the host: numpy's unpack is cheaper than the
+    device's, whose work would queue behind the step's forward (bench/grammar.py)."""
+    bits = np.zeros(width, dtype=bool)
+    got = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")[:width]
+    bits[:len(got)] = got
+    if not bits.any():
+        bits[[t for t in eos if t < width]] = True
+    return mx.array(bits)
 
 
 @lru_cache(maxsize=8)
