@@ -3,8 +3,9 @@ its ranks hold in their prefix snapshots (runtime/prefix/snapshot.py) join the t
 
 At load the ranks exchange what each holds whole and agree on a plan: the tapes every rank has, most
 recently used first, as many as the token tape keeps. A thread on each rank reads and checks them in that
-order (no MLX: the model runs meanwhile); at each loop iteration while any is pending, every rank builds the
-caches its thread finished and the ranks exchange which they have, and a tape every rank has ready joins
+order (no MLX: the model runs meanwhile); at a loop iteration while any is pending, every rank builds a part
+of a cache its thread finished (`build_some`: a request that arrives meanwhile waits for a part, never for a
+whole tape) and the ranks exchange which they have, and a tape every rank has ready joins
 the token tape at that same iteration on all of them (one that any rank could not restore is dropped by
 all). Rank 0 holds back a request whose prompt a pending tape serves further than the token tape, and moves
 that tape to the front of every rank's queue, only when reading it is sooner than prefilling what it adds
@@ -21,6 +22,9 @@ from runtime.lockstep import Cancel, Drain, Insert, Message, RestoreFirst
 from runtime.prefix.rates import Rates
 from runtime.prefix.snapshot import Snapshots, agree, ends, leaf_types, serving, snapshot_kind
 from runtime.prefix.tape import TokenTape, common_prefix, reusable_prefix
+
+
+BUILD_BYTES = 64 << 20  # of a restored tape's cache built at one iteration of the loop, at most (a leaf at least)
 
 
 # --- the decisions -------------------------------------------------------------------------------------------
@@ -65,6 +69,8 @@ class Restorer:
         self._queue = list(plan_)
         self._read: dict = {}  # by the thread: tape -> Read, or None when it could not be read
         self._built: dict[str, tuple | None] = {}
+        self._building: tuple | None = None  # the cache being built: its tape, tenant and the build's steps
+        self.build_bytes = BUILD_BYTES
         self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="snapshot-reader", daemon=True)
@@ -118,6 +124,28 @@ class Restorer:
             with self._cv:
                 self._read[sid] = got
 
+    def build_some(self) -> None:
+        """At most `build_bytes` of the next cache the thread read, a leaf at least, built now (a build stalls the
+        loop: the requests it serves step between the parts of a tape, never behind a whole one)."""
+        if self._building is None:
+            with self._cv:
+                sid = next(iter(self._read), None)
+                got = self._read.pop(sid) if sid is not None else None
+            if sid is None:
+                return
+            if got is None:
+                self._built[sid] = None
+                return
+            self._building = (sid, got.tenant, self.snaps.building(got, self.fresh))
+        sid, tenant, steps = self._building
+        done = 0
+        try:
+            while done < self.build_bytes:
+                done += next(steps)
+        except StopIteration as end:
+            self._built[sid] = (*end.value, tenant) if end.value is not None else None
+            self._building = None
+
     def first(self, sid: str) -> None:
         """Read `sid` next (a request waits for it)."""
         self.awaited.add(sid)
@@ -132,14 +160,9 @@ class Restorer:
             self._cv.notify()
 
     def adopt(self, gather) -> list[str]:
-        """Build one cache this rank's thread read (a build stalls the loop: one an iteration), then, with every
-        rank (`gather` is a collective), put into the token tape the tapes every rank has ready; returns them."""
-        with self._cv:
-            sid = next(iter(self._read), None)
-            got = self._read.pop(sid) if sid is not None else None
-        if sid is not None:
-            built = self.snaps.build(got, self.fresh) if got is not None else None
-            self._built[sid] = (*built, got.tenant) if built is not None else None
+        """Build a part of a cache this rank's thread read (`build_some`), then, with every rank (`gather` is a
+        collective), put into the token tape the tapes every rank has ready; returns them."""
+        self.build_some()
         agreed = settled([json.loads(b) for b in gather(json.dumps(
             {sid: built is not None for sid, built in self._built.items()}).encode())])
         adopted, tokens = [], 0

@@ -402,12 +402,15 @@ def tokens_held(parts: list) -> int:
     return next((leaf.offset for leaf in parts if hasattr(leaf, "keys")), 0)
 
 
-def rebuilt(cache: list, parts: list[tuple[dict, list]]) -> list:
-    """`cache` (a fresh one) given the state the segments `parts` (`Read.parts`) hold, first to last: each leaf's arrays
-    concatenated along the token axis (one part: a whole state), the rest of its state and its meta state as
-    the last part says."""
+def rebuilding(cache: list, parts: list[tuple[dict, list]]):
+    """`cache` (a fresh one) given the state the segments `parts` (`Read.parts`) hold, first to last, leaf by leaf:
+    each leaf's arrays concatenated along the token axis (one part: a whole state), the rest of its state and
+    its meta state as the last part says, evaluated; between two leaves, yields the bytes of the one built."""
     _, about = parts[-1]
+    built = 0
     for i, leaf in enumerate(leaves(cache)):
+        if i:
+            yield built
         _, meta, values = about[i]
         if meta is not None:
             leaf.meta_state = meta
@@ -416,7 +419,9 @@ def rebuilt(cache: list, parts: list[tuple[dict, list]]) -> list:
             got = [to_mx(*arrays[f"{i}.{j}"]) for arrays, _ in parts if f"{i}.{j}" in arrays]
             state.append(values[j] if not got else got[0] if len(got) == 1 else mx.concatenate(got, axis=2))
         leaf.state = tuple(state)
-    return cache
+        arrays = [a for a in leaf.state if isinstance(a, mx.array)]
+        mx.eval(arrays)
+        built = sum(a.nbytes for a in arrays)
 
 
 # --- the mechanism -------------------------------------------------------------------------------------------
@@ -559,9 +564,19 @@ class Snapshots:
     def build(self, read: Read, fresh) -> tuple[tuple, list, str] | None:
         """A tape read from its files as (tokens, cache, sid), its cache a `fresh()` one given its state; None
         when that state does not fit (counted)."""
+        steps = self.building(read, fresh)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def building(self, read: Read, fresh):
+        """`build`, leaf by leaf: between two leaves yields the bytes of the one built (so that a loop can step
+        between them), returns what `build` returns."""
+        cache = fresh()
         try:
-            cache = rebuilt(fresh(), read.parts)
-            mx.eval([a for leaf in leaves(cache) for a in leaf.state if isinstance(a, mx.array)])
+            yield from rebuilding(cache, read.parts)
             fits = tokens_held(leaves(cache)) == len(read.tokens)
         except (KeyError, IndexError, TypeError, ValueError) as e:
             self.skip("corrupt", f"tape {read.sid}: its state does not fit this model's caches ({e})")
