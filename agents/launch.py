@@ -62,10 +62,12 @@ def argv(profile: Profile, spec: RankSpec, python: str, model: Path, status_file
 
 
 def launch_plan(spec: RankSpec, config: AgentConfig, environ: dict[str, str],
-                resolve: Callable[[str, str], Path], ring_wait: Path | None = None) -> LaunchPlan:
+                resolve: Callable[[str, str], Path], ring_wait: Path | None = None,
+                mesh: str | None = None) -> LaunchPlan:
     """How this agent starts `spec`'s rank, its environment on top of `environ` (the agent's own);
     `resolve(model, node)` finds the model's directory (ModelNotFound when it cannot); `ring_wait`: the built
-    agents/ringwait.c, preloaded into a ring rank that shares its host. BadSpec naming the
+    agents/ringwait.c, preloaded into a ring rank that shares its host; `mesh`: the name of the mesh whose
+    controller asked (the rank's title names it). BadSpec naming the
     field when the request asks for what this agent does not allow or cannot run."""
     profile = config.profiles.get(spec.profile)
     if profile is None:
@@ -100,6 +102,9 @@ def launch_plan(spec: RankSpec, config: AgentConfig, environ: dict[str, str],
     env["MESHD_BACKEND"] = MLX_BACKEND[spec.hostfile.get("backend", "ring")]
     env["MESHD_GENERATION"] = str(spec.generation)
     env["MESHD_NODE"] = config.node
+    env.pop("MESHD_MESH", None)
+    if mesh:
+        env["MESHD_MESH"] = mesh
     env["MESHD_AGENT"] = str(config.state_dir.resolve())
     env["MESHD_STATUS_FILE"] = str(status_path)
     env.pop("MESHD_RANK_SECRET", None)

@@ -45,9 +45,10 @@ def rank_args(argv: list[str], python: str) -> list[str] | None:
 def early_env(env: dict[str, str], names: tuple[str, ...]) -> dict[str, str]:
     """What of a rank's environment a standby reads before it takes one: what its imports and device init
     read (`names`: the variables a start may set, and the GPUs it sees), what is preloaded into it (at its
-    exec: agents/ringwait.py) and its node (its process title); a standby started in another one cannot take
-    it."""
-    return {k: env[k] for k in sorted({*names, "CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "MESHD_NODE"}) if k in env}
+    exec: agents/ringwait.py) and its node and mesh (its process title); a standby started in another one cannot
+    take it."""
+    return {k: env[k] for k in sorted({*names, "CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "MESHD_MESH", "MESHD_NODE"})
+            if k in env}
 
 
 @dataclass(frozen=True)

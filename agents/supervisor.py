@@ -146,8 +146,9 @@ class Supervisor:
         self.manifest.write(keep)
 
     # --- start ------------------------------------------------------------------
-    async def start(self, spec: RankSpec) -> tuple[RankRecord, bool]:
-        """Start rank G/r; returns (record, created). Idempotent for the same G/r."""
+    async def start(self, spec: RankSpec, mesh: str | None = None) -> tuple[RankRecord, bool]:
+        """Start rank G/r of `mesh` (the commanding controller's); returns (record, created). Idempotent for the
+        same G/r."""
         async with self._lock:
             existing = self.records.get((spec.generation, spec.rank))
             if existing is not None and not existing.done:
@@ -160,7 +161,7 @@ class Supervisor:
                 o = others[0]
                 raise Conflict(f"generation {o.generation} rank {o.rank} is running here (pid {o.pid}); "
                                f"stop it first (POST /v1/generations/{o.generation}/stop)")
-            plan = launch_plan(spec, self.config, dict(os.environ), resolve, ringwait.built())
+            plan = launch_plan(spec, self.config, dict(os.environ), resolve, ringwait.built(), mesh)
             plan.cwd.mkdir(parents=True, exist_ok=True)
             for path, content in plan.files.items():
                 path.write_text(content)

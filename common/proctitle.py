@@ -22,18 +22,22 @@ def set_title(title: str) -> None:
     del os.environ["SPT_NOENV"]
 
 
-def rank(generation: int, index: int, world: int | None, node: str) -> str:
-    """A rank's title; its world is known once it joined the mesh, its node when an agent started it."""
+def rank(generation: int, index: int, world: int | None, node: str, mesh: str | None = None) -> str:
+    """A rank's title; its world is known once it joined the mesh, its node and its mesh when an agent started it
+    (`mesh` None: this process's, MESHD_MESH: two meshes on one host look different)."""
     title = f"{RANK} gen={generation} rank={index}"
     if world:
         title += f"/{world}"
-    if node:
-        title += f" node={node}"
-    return title
+    return title + _placed(node, mesh)
 
 
-def standby(node: str) -> str:
-    return f"{STANDBY} node={node}" if node else STANDBY
+def standby(node: str, mesh: str | None = None) -> str:
+    return STANDBY + _placed(node, mesh)
+
+
+def _placed(node: str, mesh: str | None) -> str:
+    mesh = os.environ.get("MESHD_MESH", "") if mesh is None else mesh
+    return (f" node={node}" if node else "") + (f" mesh={mesh}" if mesh else "")
 
 
 def daemon(prog: str, what: str, config: str) -> str:

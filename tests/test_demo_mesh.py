@@ -61,7 +61,8 @@ def test_ps_says_what_each_process_of_the_mesh_is(demo):
     s = demo.wait_ready()
     root = demo.home / "demo"
     for i, node in enumerate(s["nodes"]):
-        assert shown(node["rank"]["pid"]) == f"meshd-rank gen={s['generation']} rank={i}/{NODES} node=node{i}"
+        assert shown(node["rank"]["pid"]) == (f"meshd-rank gen={s['generation']} rank={i}/{NODES} node=node{i} "
+                                              "mesh=demo")
         agent = background.pid_of(run_dir(root) / f"agent-node{i}.pid")
         assert shown(agent) == f"meshd-agent node=node{i} config={root / 'agents' / f'node{i}' / 'agent.toml'}"
     assert shown(background.pid_of(run_dir(root) / "controller.pid")) == f"meshd mesh=demo config={root / 'mesh.toml'}"

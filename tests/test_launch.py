@@ -70,6 +70,26 @@ def test_a_plan_gives_the_rank_its_gpus(name, changes, gpus):
     assert plan.env.get("CUDA_VISIBLE_DEVICES") == gpus
 
 
+@pytest.mark.parametrize("mesh,environ,expected", [
+    ("left", {}, "left"),
+    (None, {}, None),  # a caller that names no mesh
+    ("left", {"MESHD_MESH": "the agent's own"}, "left"),
+    (None, {"MESHD_MESH": "the agent's own"}, None),
+])
+def test_a_plan_names_the_controllers_mesh_for_the_ranks_title(mesh, environ, expected):
+    plan = launch_plan(spec(), config(), environ, found, mesh=mesh)
+    assert plan.env.get("MESHD_MESH") == expected
+    assert plan.early.get("MESHD_MESH") == expected  # a standby started for another mesh does not take it
+
+
+def test_a_ring_rank_that_shares_its_host_preloads_the_ring_wait_and_a_standby_must_have_been_started_with_it():
+    lib = Path("/venv/ringwait.so")
+    one_host = {"backend": "ring", "hosts": [{"ssh": "a", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["127.0.0.1"]}]}
+    plan = launch_plan(spec(hostfile=one_host), config(), {"PATH": "/bin"}, found, lib)
+    assert plan.env["LD_PRELOAD"] == plan.early["LD_PRELOAD"] == str(lib)
+    assert "LD_PRELOAD" not in launch_plan(spec(), config(), {}, found, lib).env  # RING: a host each
+
+
 @pytest.mark.parametrize("name,changes,param,says", [
     ("a profile this node does not allow", {"profile": "bash"}, "profile", "allowed: meshd-canary"),
     ("an environment variable off the allowlist", {"env": {"LD_PRELOAD": "x"}}, "env", "env_allowlist"),

@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 
 from agents import ringwait
-from agents.launch import launch_plan
-from agents.standby import early_env
 
 ONE_HOST = {"backend": "ring", "hosts": [{"ssh": "a", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["127.0.0.1"]}]}
 TWO_HOSTS = {"backend": "ring", "hosts": [{"ssh": "a", "ips": ["10.0.0.1"]}, {"ssh": "b", "ips": ["10.0.0.2"]}]}
@@ -36,19 +34,6 @@ LIB = Path("/venv/ringwait.so")
         "the third", "no backend named", "jaccl"])
 def test_ring_ranks_that_share_a_host_preload_it(hostfile, rank, preloaded, lib, expected):
     assert ringwait.preload(hostfile, rank, preloaded, lib) == expected
-
-
-def test_the_agent_plans_it_into_the_rank_and_a_standby_must_have_been_started_with_it():
-    from agents.config import DEFAULT_PROFILES, AgentConfig, Profile
-    from common.protocol import RankSpec
-
-    config = AgentConfig(node="n0", host="127.0.0.1", port=7701, token_file=Path("/s/token"), state_dir=Path("/s"),
-                         profiles={n: Profile(n, tuple(p["command"]), p["args"], p["status_file"])
-                                   for n, p in DEFAULT_PROFILES.items()}, python="/py", standby=False)
-    spec = RankSpec(generation=1, rank=1, world=2, profile="meshd-rank", model="m", hostfile=ONE_HOST)
-    plan = launch_plan(spec, config, {"PATH": "/bin"}, lambda model, node: Path("/models") / model, LIB)
-    assert plan.env["LD_PRELOAD"] == str(LIB) and plan.early["LD_PRELOAD"] == str(LIB)
-    assert early_env({"PATH": "/bin"}, ()) != plan.early  # a standby started without it does not take the rank
 
 
 def test_it_builds_and_a_recv_with_nothing_to_read_still_says_eagain(tmp_path):
