@@ -419,8 +419,9 @@ def check(config: dict, checkpoint: dict[str, Tensor], takes_default: bool = Tru
 
 
 def takes_default(config: dict, mlx_lm: str | None) -> bool:
-    """Whether this node's loader gives a module no override names the default quantization: omlx's
-    DeepSeek-V4 loader always, mlx-lm before 0.32 (which reads the packing from the scales), or unknown."""
+    """Whether this node's loader gives a module no override names the default quantization (rather than
+    the packing its scales say, as mlx-lm 0.32 does): omlx's DeepSeek-V4 loader always, mlx-lm before 0.32,
+    and an mlx-lm this machine does not have."""
     if str(config.get("model_type", "")).startswith("deepseek_v4") or not mlx_lm:
         return True
     try:
@@ -436,6 +437,8 @@ def survey(model_dir: Path) -> Report:
         return Report((), None, 0)
     try:
         config = json.loads((model_dir / "config.json").read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"it holds a JSON {type(config).__name__}, not an object")
         checkpoint = tensors(model_dir)
     except (OSError, ValueError) as e:
         return Report((Finding("config.json", f"cannot be read ({e})", "download the model again", True),), None, 0)
@@ -445,4 +448,10 @@ def survey(model_dir: Path) -> Report:
         version = metadata.version("mlx-lm")
     except metadata.PackageNotFoundError:
         version = None
-    return check(config, checkpoint, takes_default(config, version))
+    try:
+        return check(config, checkpoint, takes_default(config, version))
+    except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError) as e:
+        return Report((Finding("config.json", f"a field is not what its family's loader reads, so the checkpoint "
+                                              f"was not checked ({type(e).__name__}: {e})",
+                               "compare config.json with the config this checkpoint came with", False),),
+                      None, len(checkpoint))

@@ -294,3 +294,23 @@ def test_the_rank_names_the_same_layouts_and_points_undeclared_stages_at_the_con
     assert drafter_off(OMLX, unarmed, stages) == (
         "drafter off, serving undrafted: the checkpoint holds DSpark's 3 stages but its config.json does not "
         "declare them (dspark_block_size, dspark_target_layer_ids); `meshctl doctor` names the fix")
+
+
+@pytest.mark.parametrize("model_type,mlx_lm,takes", [
+    ("deepseek_v4", "0.32.2", True),  # omlx's loader, whatever mlx-lm is under it
+    ("qwen3_moe", "0.31.3", True),
+    ("qwen3_moe", "0.32.2", False),  # reads a module's packing from its scales
+    ("qwen3_moe", None, True),
+])
+def test_which_loader_gives_an_unnamed_module_the_default(model_type, mlx_lm, takes):
+    assert ck.takes_default({"model_type": model_type}, mlx_lm) is takes
+
+
+def test_a_config_the_check_cannot_read_is_said_not_crashed_on(tmp_path):
+    odd = write_checkpoint(tmp_path / "odd", config(quantization={"group_size": "x", "bits": 4}), v4())
+    [finding] = ck.survey(odd).findings
+    assert finding.key == "config.json" and not finding.fatal and "was not checked" in finding.problem
+    listed = write_checkpoint(tmp_path / "listed", config(), v4())
+    (listed / "config.json").write_text("[]")
+    [finding] = ck.survey(listed).findings
+    assert finding.fatal and "it holds a JSON list, not an object" in finding.problem
