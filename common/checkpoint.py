@@ -436,14 +436,42 @@ def survey(model_dir: Path) -> Report:
     if not (model_dir / "config.json").is_file():
         return Report((), None, 0)
     try:
-        config = json.loads((model_dir / "config.json").read_text())
-        if not isinstance(config, dict):
-            raise ValueError(f"it holds a JSON {type(config).__name__}, not an object")
+        config = _object((model_dir / "config.json").read_text())
         checkpoint = tensors(model_dir)
     except (OSError, ValueError) as e:
         return Report((Finding("config.json", f"cannot be read ({e})", "download the model again", True),), None, 0)
     except CheckpointError as e:
         return Report((Finding("weights", str(e), "download the model again", True),), None, 0)
+    return judged(config, checkpoint)
+
+
+def survey_repo(repo: str) -> Report:
+    """A Hugging Face repo's checkpoint checked before it is downloaded: its config.json, and its safetensors
+    headers read by range requests (huggingface_hub's get_safetensors_metadata), in seconds."""
+    from huggingface_hub import get_safetensors_metadata, hf_hub_download
+    from huggingface_hub.errors import NotASafetensorsRepoError
+
+    try:
+        config = _object(Path(hf_hub_download(repo, "config.json")).read_text())
+        held = get_safetensors_metadata(repo).files_metadata.values()
+    except ValueError as e:
+        return Report((Finding("config.json", f"cannot be read ({e})", "use another revision of the checkpoint",
+                               True),), None, 0)
+    except NotASafetensorsRepoError:
+        return Report((Finding("weights", f"{repo} holds no safetensors weights, the only ones mlx-lm loads",
+                               "use an MLX conversion of the model (safetensors)", True),), None, 0)
+    return judged(config, {name: Tensor(t.dtype, tuple(t.shape)) for f in held for name, t in f.tensors.items()})
+
+
+def _object(text: str) -> dict:
+    config = json.loads(text)
+    if not isinstance(config, dict):
+        raise ValueError(f"it holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def judged(config: dict, checkpoint: dict[str, Tensor]) -> Report:
+    """`check` for this machine's loader; a config whose fields it cannot read is said, not crashed on."""
     try:
         version = metadata.version("mlx-lm")
     except metadata.PackageNotFoundError:

@@ -314,3 +314,25 @@ def test_a_config_the_check_cannot_read_is_said_not_crashed_on(tmp_path):
     (listed / "config.json").write_text("[]")
     [finding] = ck.survey(listed).findings
     assert finding.fatal and "it holds a JSON list, not an object" in finding.problem
+
+
+def test_a_repo_is_checked_from_its_config_and_headers_before_it_is_downloaded(tmp_path, monkeypatch):
+    """survey_repo over huggingface_hub's answers (its config.json, its safetensors headers by range request),
+    played here by their own types: the same findings as on disk, and a repo without safetensors refused."""
+    import huggingface_hub
+    from huggingface_hub.errors import NotASafetensorsRepoError
+    from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
+
+    (tmp_path / "config.json").write_text(json.dumps(config(quantization={**MXFP4, **mxfp8_modules(lambda n: n)})))
+    held = {n: TensorInfo(t.dtype, list(t.shape), (0, 0)) for n, t in v4().items()}
+    files = {"model-00001-of-00001.safetensors": SafetensorsFileMetadata({}, held)}
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name: str(tmp_path / name))
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", lambda repo: SafetensorsRepoMetadata(
+        None, False, {n: next(iter(files)) for n in held}, files))
+    report = ck.survey_repo("org/miskeyed")
+    assert set(fatal(report)) == {"quantization.layers.0.attn.wq_a"} and report.tensors == len(v4())
+
+    def gguf(repo):
+        raise NotASafetensorsRepoError(f"{repo} is not a safetensors repo")
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", gguf)
+    assert "org/gguf holds no safetensors weights" in ck.survey_repo("org/gguf").refusal()

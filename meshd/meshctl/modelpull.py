@@ -2,10 +2,12 @@
 node (its network, its `huggingface_hub`), then the repo's cache directory
 (blobs, snapshot links, refs) is copied to every other node's Hugging Face
 cache over SSH, relayed through this machine, with progress; files already
-there with the right size are kept. Before any copy, the source checks the
-checkpoint from its index and headers (common/checkpoint.py): one that will not
-load is not copied, and each finding is said with its key and fix. Last, every
-node computes the fingerprint `meshctl doctor` compares, and they must agree."""
+there with the right size are kept. Before the download, the source checks the
+checkpoint from its config and its safetensors headers (range requests;
+common/checkpoint.py), each finding said with its key and fix: one that will
+not load is not downloaded; after it, the downloaded copy is checked again
+before any copy. Last, every node computes the fingerprint `meshctl doctor`
+compares, and they must agree."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ LISTING = ("import json, os, sys; from pathlib import Path; root = Path(sys.argv
            "        else: out.append(['file', rel, '', p.stat().st_size])\n"
            "print(json.dumps(out))")
 CACHE = "from huggingface_hub import constants; print(constants.HF_HUB_CACHE)"
+PRECHECK = ("import json, sys; from common.checkpoint import survey_repo; "
+            "print(json.dumps(survey_repo(sys.argv[1]).to_dict()))")
 CHECKPOINT = ("import json, sys; from pathlib import Path; from common.checkpoint import survey; "
               "print(json.dumps(survey(Path(sys.argv[1])).to_dict()))")
 FINGERPRINT = ("import json, sys; from agents.node import model_fingerprint; from common.modelref import resolve; "
@@ -85,16 +89,18 @@ def pull(cfg: MeshConfig, repo: str, *, source: str | None = None, force: bool =
         raise PullError(f"--from {source}: no such node; nodes: {', '.join(targets)}")
     try:
         with Session(targets[source], cfg.ssh, trust_new=trust_new) as src:
+            report = Report.from_dict(json.loads(python(src, PRECHECK, repo)))
+            for line in said(report):
+                say(f"{source}: {repo}: {line}")
+            if refusal := report.refusal():
+                raise PullError(f"{repo}: {refusal}; nothing was downloaded")
             say(f"{source}: downloading {repo} into its Hugging Face cache (huggingface_hub, its network)")
             snapshot = python(src, DOWNLOAD, repo, timeout=24 * 3600)
             repo_dir = snapshot.rsplit("/snapshots/", 1)[0]
             entries = [Entry(*e) for e in json.loads(python(src, LISTING, repo_dir))]
             total = sum(e.size for e in entries if e.kind == "file")
             say(f"{source}: {repo} is {total / 2**30:.2f} GiB in {sum(e.kind == 'file' for e in entries)} files")
-            report = Report.from_dict(json.loads(python(src, CHECKPOINT, snapshot)))
-            for line in said(report):
-                say(f"{source}: {repo}: {line}")
-            if refusal := report.refusal():
+            if refusal := Report.from_dict(json.loads(python(src, CHECKPOINT, snapshot))).refusal():
                 raise PullError(f"{repo}: {refusal}; it is downloaded on {source} only, not copied to the other nodes")
             src_sftp = src.client.open_sftp()
             for node in (n.name for n in cfg.nodes if n.name != source):
