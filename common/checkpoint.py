@@ -111,6 +111,10 @@ def tensors(model_dir: Path) -> dict[str, Tensor]:
 DEEPSEEK_V4_TOP = {"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"}
 DEEPSEEK_V4_W = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 EXPERT = re.compile(r"\.ffn\.experts\.\d+\.(w[123])$")
+SHARED = re.compile(r"\.shared_experts\.(w[123])$")
+LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+EXPERTS = re.compile(r"(.*\.experts)\.(\d+)\.")
+STAGE = re.compile(r"mtp\.(\d+)\.")
 
 
 def module_path(module: str, model_type: str) -> str:
@@ -122,7 +126,7 @@ def module_path(module: str, model_type: str) -> str:
     if module.startswith("layers."):
         module = "model." + module
     module = EXPERT.sub(lambda m: f".ffn.switch_mlp.{DEEPSEEK_V4_W[m.group(1)]}", module)
-    return re.sub(r"\.shared_experts\.(w[123])$", lambda m: f".shared_experts.{DEEPSEEK_V4_W[m.group(1)]}", module)
+    return SHARED.sub(lambda m: f".shared_experts.{DEEPSEEK_V4_W[m.group(1)]}", module)
 
 
 @dataclass(frozen=True)
@@ -249,7 +253,7 @@ def check_quantization(config: dict, mods: dict[str, Module], names: set[str], t
 
 def mtp_stages(names) -> list[int]:
     """The MTP stages the checkpoint holds (`mtp.N.*`)."""
-    return sorted({int(n.split(".")[1]) for n in names if re.match(r"mtp\.\d+\.", n)})
+    return sorted({int(m.group(1)) for n in names if (m := STAGE.match(n))})
 
 
 def mtp_layout(names: list[str]) -> str:
@@ -365,7 +369,7 @@ def check_shapes(config: dict, checkpoint: dict[str, Tensor], mods: dict[str, Mo
             out.append(Finding(key, f"is {want} but {' and '.join(wrong)}: the load fails on its shape",
                                f"set {key} to {got}, or use the config this checkpoint came with", True))
     layers = _field(config, "num_hidden_layers", "n_layers")
-    held = {int(m.group(1)) for n in checkpoint if (m := re.match(r"(?:model\.)?layers\.(\d+)\.", n))}
+    held = {int(m.group(1)) for n in checkpoint if (m := LAYER.match(n))}
     if layers and held and max(held) + 1 < layers:
         out.append(Finding("num_hidden_layers", f"is {layers} but the checkpoint holds layers 0-{max(held)}: layers "
                                                 f"{max(held) + 1}-{layers - 1} are missing and the load fails",
@@ -374,7 +378,7 @@ def check_shapes(config: dict, checkpoint: dict[str, Tensor], mods: dict[str, Mo
     if experts:
         counts = {}
         for n in checkpoint:
-            if m := re.match(r"(.*\.experts)\.(\d+)\.", n):
+            if m := EXPERTS.match(n):
                 counts.setdefault(m.group(1), set()).add(int(m.group(2)))
         per_layer = {k: len(v) for k, v in counts.items()}
         per_layer |= {m.path: m.weight.shape[0] for m in mods.values()
