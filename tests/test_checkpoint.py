@@ -1,8 +1,10 @@
-"""The checkpoint checked before any rank loads it (common/checkpoint.py): tiny checkpoints in DeepSeek-V4's
-published layout (checkpoint tensor names, MXFP4 experts, MXFP8 attention, DSpark stages under mtp.*) written
-here as safetensors headers with no tensor data behind them, so a check that loaded a tensor could not pass.
-Each fault is named with its config key and fix: overrides keyed by checkpoint tensor name, stripped MTP, a
-V3-shaped config over DSpark stages, stage counts, shapes against the config."""
+"""The checkpoint checked before any rank loads it (common/checkpoint.py), on tiny checkpoints in DeepSeek-V4's
+published layout (checkpoint tensor names, MXFP4 experts, MXFP8 attention, DSpark stages under mtp.*): as
+tables of dtypes and shapes, and on disk as safetensors headers with no tensor data behind them, so a check
+that loaded a tensor could not pass. Each fault is named with its config key and fix: overrides keyed by
+checkpoint tensor name, stripped MTP, a V3-shaped config over DSpark stages, stage counts, shapes against the
+config. Then where it is said: doctor's judgement, model pull's lines and its check of a repo before the
+download, the rank's drafter line, and a real agent that reports a finding and refuses a start on it."""
 
 import json
 from pathlib import Path
