@@ -16,6 +16,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from common.errors import ApiError
 from common.http import bearer_matches, json_error, json_errors, log_answer, read_object
+from common.tomlcheck import ConfigError
+from meshd import configdiff
+from meshd.config import MeshConfig, load
 from meshd.control import statuspage
 from meshd.control.audit import Refusals, Row
 from meshd.nodes.agentclient import AgentError
@@ -44,6 +47,8 @@ class ControlView(statuspage.PageSource, Protocol):
     async def up(self) -> None: ...
     async def down(self, force: bool) -> None: ...
     async def restart(self) -> None: ...
+    def config(self) -> MeshConfig: ...  # what the next generation starts with
+    async def apply(self, cfg: MeshConfig) -> None: ...  # the next generation's, started now
     async def node_log(self, node: str, rank_log: bool, generation: int, lines: int, after: int | None) -> dict: ...
 
 
@@ -168,6 +173,34 @@ def routes(ctl: ControlView, registry: CollectorRegistry, token: str, log_file: 
         trail.accepted(request, "restart")
         return web.json_response(ctl.now(), status=202)
 
+    async def apply(request):
+        """The controller's mesh.toml read again: what changed, and (unless `dry_run`) the next generation started
+        with it when a new generation applies every change; else 409 naming what needs more, nothing applied."""
+        dry_run = (await read_object(request)).get("dry_run", False)
+        if not isinstance(dry_run, bool):
+            raise ApiError(400, "'dry_run' must be true or false", param="dry_run")
+        running = ctl.config()
+        if running.path is None:
+            raise ApiError(409, "this controller was started without a mesh.toml: there is none to read again",
+                           code="no_config_file")
+        try:
+            edited = load(running.path)
+        except ConfigError as e:
+            raise ApiError(400, f"{running.path}: {'; '.join(e.problems)}; nothing was applied (`meshctl "
+                                f"config check {running.path}` shows every mistake)", code="invalid_config")
+        found = configdiff.changes(running, edited)
+        more = [c for c in found if not c.needs.applies]
+        answer = {"config": str(running.path), "changes": [c.wire() for c in found], "applies": not more,
+                  "digest": configdiff.digest(edited), **ctl.now()}
+        if dry_run:
+            return web.json_response(answer)
+        if more:
+            return json_error(409, "nothing was applied: " + "; ".join(c.line() for c in more), code="needs_more")
+        if found:
+            await ctl.apply(edited)
+            trail.accepted(request, "apply")
+        return web.json_response(answer, status=202 if found else 200)
+
     async def incidents(request):
         return web.json_response({**ctl.history(), "store_problems": ctl.problems()})
 
@@ -204,6 +237,7 @@ def routes(ctl: ControlView, registry: CollectorRegistry, token: str, log_file: 
     app.router.add_post("/v1/up", up)
     app.router.add_post("/v1/down", down)
     app.router.add_post("/v1/restart", restart)
+    app.router.add_post("/v1/apply", apply)
     app.router.add_get("/v1/incidents", incidents)
     app.router.add_get("/v1/serving", serving)
     app.router.add_post("/v1/observations", observation)

@@ -27,6 +27,7 @@ from meshd.control import evidence, fleet, survey
 from meshd.control.intake import Intake
 from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
 from meshd import epochs
+from meshd import configdiff
 from meshd.config import MeshConfig, hostfile_for
 from meshd.metrics import Metrics
 from meshd.seam import FleetRecord, Observation, Serving, rank_key, rank_secret, wait_until
@@ -223,6 +224,12 @@ class Controller:
         self.metrics.desired_up.set(0)
         await self.feed(fleet.DownRequested(force))
 
+    async def apply(self, cfg: MeshConfig) -> None:
+        """Start the next generation with `cfg`, which differs from the running config only where a new generation
+        applies it (`configdiff.changes`)."""
+        self.cfg = cfg
+        await self.restart()
+
     async def restart(self) -> None:
         await self.feed(fleet.RestartRequested())
 
@@ -267,7 +274,9 @@ class Controller:
         if refused:
             await self.feed(fleet.StartRefused(g, "; ".join(refused)))
             return
-        log.info("starting generation", generation=g, nodes=len(self.cfg.nodes))
+        log.info("starting generation", generation=g, nodes=len(self.cfg.nodes), config=configdiff.digest(self.cfg))
+        self.store.put(configdiff.KEY, configdiff.remember(self.store.get(configdiff.KEY, {}), g,
+                                                           configdiff.digest(self.cfg)))
 
         async def one(rank: int, node: str):
             try:

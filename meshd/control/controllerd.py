@@ -25,6 +25,7 @@ from common.http import run_daemon, start_sites, until_stopped
 from common.secretfile import ensure_secret
 from common.tls import Pair, ensure_ca, ensure_issued, local_names, server_context
 from common.tomlcheck import ConfigError, listen_host, split_listen
+from meshd import configdiff
 from meshd.config import MeshConfig, load
 from meshd.control import api, survey
 from meshd.control.audit import Row
@@ -90,7 +91,14 @@ class ControllerView:
     async def status(self) -> dict:
         ctl = self._ctl
         return {**await survey.status(ctl.cfg, ctl.state, ctl.agents, ctl.store), "urls": urls(ctl.cfg),
-                "agent_errors": ctl.agent_errors}
+                "agent_errors": ctl.agent_errors,
+                "config": configdiff.view(ctl.cfg, ctl.store.get(configdiff.KEY, {}), ctl.state.generation)}
+
+    def config(self) -> MeshConfig:
+        return self._ctl.cfg
+
+    async def apply(self, cfg: MeshConfig) -> None:
+        await self._ctl.apply(cfg)
 
     def incidents(self, n: int) -> list[dict]:
         return self._ctl.store.incidents(n)

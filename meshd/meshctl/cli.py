@@ -1,4 +1,4 @@
-"""`meshctl`: up, down, status, restart, events, logs, config check,
+"""`meshctl`: up, down, status, restart, apply, events, logs, config check,
 provision, doctor, reboot, agents install, service install, proxy restart,
 cache clear.
 
@@ -33,6 +33,7 @@ from agents.config import DEFAULT_ENV_ALLOWLIST, DEFAULT_PROFILES
 from common.protocol import Ballot
 from common.states import Phase
 from common.tomlcheck import ConfigError, listen_host, read_toml, split_listen
+from meshd import configdiff
 from meshd.meshctl import background, demo, service
 from meshd.config import MeshConfig, hostfile_for, load
 from meshd.dataplane.proxyconfig import Front, check_twins, is_proxy_config, load_front
@@ -458,9 +459,13 @@ def cmd_down(args) -> int:
 
 
 def cmd_proxy_restart(args) -> int:
-    """Hand meshd-proxy's socket to a new process: no connection refused, the streams in flight finish on
-    the old one."""
-    cfg = resolve_config(args.config)
+    hand_proxy_over(resolve_config(args.config), args.timeout)
+    return 0
+
+
+def hand_proxy_over(cfg: MeshConfig, timeout: float) -> None:
+    """Hand meshd-proxy's socket to a new process, which reads mesh.toml as it starts: no connection refused,
+    the streams in flight finish on the old one."""
     pidfile = run_dir(cfg) / "proxy.pid"
     old = background.pid_of(pidfile)
     if old is None:
@@ -468,11 +473,50 @@ def cmd_proxy_restart(args) -> int:
                        "restarted by its manager without refusing a connection: `sudo systemctl reload "
                        "meshd-proxy`, or `sudo launchctl kickstart -k system/com.meshd.proxy`")
     os.kill(old, signal.SIGHUP)
-    if not background.wait_until(lambda: background.pid_of(pidfile) not in (None, old), args.timeout, 0.2):
-        raise CliError(f"the new meshd-proxy did not take over within {args.timeout:.0f}s; the old one (pid {old}) "
+    if not background.wait_until(lambda: background.pid_of(pidfile) not in (None, old), timeout, 0.2):
+        raise CliError(f"the new meshd-proxy did not take over within {timeout:.0f}s; the old one (pid {old}) "
                        f"goes on serving; see {run_dir(cfg) / 'proxy.log'}")
     say(f"meshd-proxy handed over: pid {old} -> {background.pid_of(pidfile)}; the old one finishes the requests in "
         "flight and exits")
+
+
+def cmd_apply(args) -> int:
+    """Apply an edited mesh.toml: what changed, the next generation started with it when a new generation applies
+    it all (and meshd-proxy handed over when it reads a change), else what needs more, with its command."""
+    cfg = resolve_config(args.config)  # every mistake in it, before the controller is asked
+    ctl = Control(cfg)
+    seen = ctl.call("POST", "/v1/apply", {"dry_run": True})
+    if cfg.path is not None and Path(seen["config"]).resolve() != cfg.path.resolve():
+        say(f"the controller runs {seen['config']}, not {cfg.path}: it reads its own")
+    found = [configdiff.Change.from_wire(c) for c in seen["changes"]]
+    if not found:
+        say(f"nothing changed: generation {seen['generation']} runs {seen['config']} as it is "
+            f"(config {seen['digest']})")
+        return 0
+    for c in found:
+        say(c.line())
+    for w in default_profile_refusals(cfg):
+        say(f"warning: {w}")
+    if not seen["applies"]:
+        more = [c for c in found if not c.needs.applies]
+        raise CliError(f"nothing was applied: {len(more)} of the {len(found)} changes need more than a new "
+                       "generation (each with its command above); apply them that way, or undo them and `meshctl "
+                       "apply` again")
+    now = ctl.call("POST", "/v1/apply")
+    before, starts = now["generation"], now["phase"] in ("ready", "starting")  # (what a restart ends)
+    say(f"applied: generation {before} ends and the next starts with config {seen['digest']}" if starts else
+        f"applied: the mesh is {now['phase']}; its next generation (`meshctl up`) starts with config {seen['digest']}")
+    proxy_reads = any(configdiff.proxy_reads(c.key) for c in found)
+    if proxy_reads and background.pid_of(run_dir(cfg) / "proxy.pid") is not None:
+        hand_proxy_over(cfg, args.timeout)
+    elif proxy_reads:
+        say("meshd-proxy reads these as it starts, and meshctl started none here: have yours read them with `sudo "
+            "systemctl reload meshd-proxy` (macOS: `sudo launchctl kickstart -k system/com.meshd.proxy`)")
+    if args.wait and starts:
+        status = follow_until_ready(ctl, args.timeout, after=before)
+        if status["phase"] == "failed":
+            return 1
+        say(f"ready: generation {status['generation']} runs config {status['config']['running']}")
     return 0
 
 
@@ -544,6 +588,8 @@ def cmd_status(args) -> int:
         say(f"{n['node']:<10} {'ok' if n['agent_ok'] else 'DOWN':<6} {r.get('rank', '-')!s:<5} "
             f"{r.get('state', '-'):<12} {load:<8} {r.get('pid', '-')!s:<8} "
             f"{(r.get('rss_bytes') or 0) / 2**20:<8.0f} {uptime}")
+    if "config" in status:  # (a controller of an older meshd says none)
+        say(config_line(status, cfg))
     inc = status.get("last_incident")
     if inc:
         back = f"serving again after {inc['recovery_seconds']:.1f}s" if inc["recovery_seconds"] else "not recovered"
@@ -556,8 +602,24 @@ def cmd_status(args) -> int:
     return 0
 
 
+def config_line(status: dict, cfg: MeshConfig) -> str:
+    """Which config the generation runs and the next one starts with, and whether the mesh.toml here differs."""
+    held, edited = status["config"], configdiff.digest(cfg)
+    line = f"config: {held['running'] or 'unknown'} (generation {status['generation']})"
+    if held["next"] != held["running"]:
+        line += f"; the next generation starts with {held['next']}"
+    if edited != held["next"]:
+        line += f"; {cfg.path} has changed since ({edited}): `meshctl apply` says what and applies it"
+    return line
+
+
 def cmd_restart(args) -> int:
-    ctl = Control(resolve_config(args.config))
+    cfg = resolve_config(args.config)
+    ctl = Control(cfg)
+    held = ctl.call("GET", "/v1/status").get("config", {}).get("next")
+    if held and (edited := configdiff.digest(cfg)) != held:
+        say(f"{cfg.path} has changed ({edited}) since the controller read it; the next generation starts with what "
+            "the controller holds: `meshctl apply` applies the file")
     before = ctl.call("POST", "/v1/restart")["generation"]
     say("restarting: the generation drains and the next one starts")
     if args.wait:
@@ -941,6 +1003,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "first, or resume on the next ([recovery] planned_restart)")
     rs.add_argument("--wait", action="store_true", help="follow the next generation's start until it serves")
     rs.add_argument("--timeout", type=float, default=900)
+    ap = sub.add_parser("apply", help="apply an edited mesh.toml: what changed, applied at the next generation (runtime "
+                                      "args, drafter, snapshots, limits), or the command that applies it")
+    ap.add_argument("--wait", action="store_true", help="follow the next generation's start until it serves")
+    ap.add_argument("--timeout", type=float, default=900)
     ev = sub.add_parser("events", help="control actions (who, what, when) and incident history")
     ev.add_argument("--json", action="store_true")
     lg = sub.add_parser("logs", help="a node's rank log tail (the generation of an incident of the last ten "
@@ -1022,7 +1088,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(config_first(sys.argv[1:] if argv is None else argv))
-    handlers = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "restart": cmd_restart,
+    handlers = {"up": cmd_up, "down": cmd_down, "status": cmd_status, "restart": cmd_restart, "apply": cmd_apply,
                 "events": cmd_events, "logs": cmd_logs, "config": cmd_config,
                 "service": cmd_service_install, "provision": cmd_provision, "doctor": cmd_doctor,
                 "reboot": cmd_reboot, "agents": cmd_agents_install, "completion": cmd_completion,
