@@ -144,7 +144,7 @@ def main() -> None:
         f"| compile of a nested schema with $ref, enums and arrays (cold), ms | {spread(compile_ms)} |",
         f"| a held step's mask on a {wide:,}-logit row (GrammarMask: read the answer, the matcher, the mask "
         f"applied), us, over {args.tokens} steps | {spread(steps_us)} |",
-        f"| the mask applied to a {wide:,}-logit row (bits sent, unpacked on the device, mx.where), us | "
+        f"| the mask applied to a {wide:,}-logit row (bits unpacked on the host, mx.where), us | "
         f"{spread(apply_us)} |",
         "",
         "The mask is computed on the host while the step's forward runs on the device (GrammarMask starts it "
