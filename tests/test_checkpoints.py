@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.utils import _get_classes, load_tokenizer
 
+from kit import cutback
 from kit.families import FAMILIES
 from runtime.prefix import checkpoints
 from runtime.models.pools import prompt_piece
@@ -41,32 +42,15 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def prefill(model, cache, prompt: list[int], start: int, marked: dict | None = None) -> mx.array:
-    """`prompt` from `start` through `cache` in forwards that end at its stops (a checkpoint taken at each
-    into `marked`); the logits after its last token."""
-    at = start
-    for stop in [s for s in stops(prompt, frozenset({MARK}), EVERY) if s > start]:
-        model(mx.array(prompt[at:stop])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-        at = stop
-        if marked is not None:
-            marked[stop] = checkpoint(cache, stop)
-    return model(mx.array(prompt[at:])[None], cache=cache)[:, -1]
+    return cutback.prefill(model, cache, prompt, start, frozenset({MARK}), EVERY, marked)
 
 
-def decode(model, cache, logits: mx.array, n: int = ANSWER) -> tuple[list[int], list[float]]:
-    said, logprobs = [], []
-    for _ in range(n):
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = mx.argmax(lp, axis=-1)
-        said.append(token.item())
-        logprobs.append(lp[0, said[-1]].item())
-        logits = model(token[None], cache=cache)[:, -1]
-    return said, logprobs
+def decode(model, cache, logits: mx.array) -> tuple[list[int], list[float]]:
+    return cutback.decode(model, cache, logits, ANSWER)
 
 
 def fresh(model, prompt: list[int]):
-    cache = model.make_cache()
-    return decode(model, cache, prefill(model, cache, prompt, 0))
+    return cutback.fresh(model, prompt, frozenset({MARK}), EVERY, ANSWER)
 
 
 FAMILIES_IN_PLACE = ["gpt_oss", "qwen3_5", "deepseek_v41"]  # llama's sliding layer barely moves its answer

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache
 
-from runtime.prefix.rollback import leaves
+from runtime.prefix.rollback import leaves, view
 
 GROWING = (KVCache, QuantizedKVCache, ConcatenateKVCache)  # what a trim cuts back exactly, whatever came after
 POOL = "PoolingCache"  # omlx's DeepSeek-V4 compressor and indexer pools (cache_extras.py)
@@ -57,14 +57,6 @@ class Checkpoint:
     nbytes: int
 
 
-def _view(value):
-    if isinstance(value, mx.array):
-        return value[...]
-    if isinstance(value, (list, tuple)):
-        return type(value)(_view(v) for v in value)
-    return value
-
-
 def _bytes(value) -> int:
     if isinstance(value, mx.array):
         return value.nbytes
@@ -79,8 +71,8 @@ def _part(leaf):
     if type(leaf) in GROWING:
         return Trim(leaf.offset)
     if type(leaf).__name__ == POOL:
-        return Pool(leaf.offset, _view(leaf.buf_kv), _view(leaf.buf_gate), leaf.remainder)
-    return Held({k: _view(v) for k, v in vars(leaf).items()})
+        return Pool(leaf.offset, view(leaf.buf_kv), view(leaf.buf_gate), leaf.remainder)
+    return Held({k: view(v) for k, v in vars(leaf).items()})
 
 
 def checkpoint(caches, at: int) -> Checkpoint:
@@ -102,10 +94,10 @@ def cut(caches, point: Checkpoint) -> None:
         elif isinstance(part, Pool):
             leaf.pooled = None if part.rows == 0 else leaf.pooled[:, :part.rows]
             # views of their own: a write into the cache must not reach into the checkpoint's
-            leaf.buf_kv, leaf.buf_gate, leaf.remainder = _view(part.buf_kv), _view(part.buf_gate), part.remainder
+            leaf.buf_kv, leaf.buf_gate, leaf.remainder = view(part.buf_kv), view(part.buf_gate), part.remainder
         else:
             leaf.__dict__.clear()
-            leaf.__dict__.update({k: _view(v) for k, v in part.attributes.items()})
+            leaf.__dict__.update({k: view(v) for k, v in part.attributes.items()})
 
 
 def needed(caches) -> bool:

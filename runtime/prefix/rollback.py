@@ -37,11 +37,13 @@ def trims_exactly(cache, ahead: int) -> bool:
     return False
 
 
-def _held(value):
+def view(value):
+    """An attribute's value with each array in it a view of its own: a handle on today's buffer, no copy; a
+    later write into the cache copies on write, never into the view."""
     if isinstance(value, mx.array):
         return value[...]
     if isinstance(value, (list, tuple)):
-        return type(value)(_held(v) for v in value)
+        return type(value)(view(v) for v in value)
     return value
 
 
@@ -63,7 +65,7 @@ class Checkpoint:
             leaf.trim(leaf.offset - offset)
         for leaf, attributes in self.held:
             leaf.__dict__.clear()
-            leaf.__dict__.update({k: _held(v) for k, v in attributes.items()})
+            leaf.__dict__.update({k: view(v) for k, v in attributes.items()})
 
 
 def checkpoint(caches, ahead: int) -> Checkpoint:
@@ -73,5 +75,5 @@ def checkpoint(caches, ahead: int) -> Checkpoint:
         if trims_exactly(leaf, ahead):
             trimmed.append((leaf, leaf.offset))
         else:
-            held.append((leaf, {k: _held(v) for k, v in vars(leaf).items()}))
+            held.append((leaf, {k: view(v) for k, v in vars(leaf).items()}))
     return Checkpoint(trimmed, held)

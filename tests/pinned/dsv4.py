@@ -41,14 +41,24 @@ OVERLAY = ("--model-package", "omlx", "--prefill-step-size", "128")
 PROMPT = ("The ranks step in lockstep: each token needs an all-reduce across the ring, and the pooled keys "
           "of the compressed layers keep what the window forgets. ") * 6
 ASKS = {"greedy": {"logprobs": True}, "seeded": {"temperature": 0.9, "seed": 7, "logprobs": True, "top_logprobs": 2}}
+COMPLETION = {"completion": {"logprobs": 2}}  # /v1/completions, greedy, the two most likely tokens at each place
 
 
 def ask(url: str, model, name: str, tokens: int) -> dict:
-    """One of ASKS, of PROMPT, `tokens` long: its text, usage, tokens and their log probabilities."""
+    """One of ASKS (or COMPLETION, of /v1/completions), of PROMPT, `tokens` long: its text, usage, tokens, their
+    log probabilities and the most likely tokens' at each place."""
     import requests
 
     from kit.demo_answers import endless
 
+    if name in COMPLETION:
+        r = requests.post(f"{url}/v1/completions", timeout=600,
+                          json={"prompt": PROMPT, "max_tokens": tokens, **COMPLETION[name], **endless(model)})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        lp = choice["logprobs"]
+        return {"text": choice["text"], "usage": r.json()["usage"], "tokens": lp["tokens"],
+                "logprobs": lp["token_logprobs"], "top": lp["top_logprobs"]}
     r = requests.post(f"{url}/v1/chat/completions", timeout=600,
                       json={"messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens, **ASKS[name],
                             **endless(model)})
@@ -59,13 +69,14 @@ def ask(url: str, model, name: str, tokens: int) -> dict:
             "tokens": [t["token"] for t in content], "logprobs": [t["logprob"] for t in content]}
 
 
-def answers(model, world: int, tmp, tokens: int, *args: str) -> tuple[dict, dict, str]:
-    """ASKS answered by `world` ranks on the ring serving `model` (with `args`), and rank 0's status and log."""
+def answers(model, world: int, tmp, tokens: int, *args: str, asks=ASKS) -> tuple[dict, dict, str]:
+    """`asks` (ASKS, COMPLETION) answered by `world` ranks on the ring serving `model` (with `args`), and rank 0's
+    status and log."""
     from kit.ranks import start_mesh
 
     with start_mesh(model, world, tmp, *OVERLAY, *args, env=pinned_env()) as mesh:
         mesh.wait_ready(300)
-        said = {name: ask(mesh.url, model, name, tokens) for name in ASKS}
+        said = {name: ask(mesh.url, model, name, tokens) for name in asks}
         return said, mesh.status(0), mesh.log(0)
 
 
@@ -177,6 +188,22 @@ def build_v4_checkpoint(path, *, mtp: str = "dspark", markov_fitted: bool = True
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": {k: "model.safetensors" for k in sorted(weights)}}, indent=2))
     return path
+
+
+def tiny_v4():
+    """omlx's real DeepSeek-V4 Model of CONFIG, seeded, in this process (no checkpoint, no DSpark stages), its
+    embedding scaled up so greedy answers have clear winners."""
+    import mlx.core as mx
+    import omlx.patches.deepseek_v4 as omlx_v4
+
+    omlx_v4.apply_deepseek_v4_patch()
+    from mlx_lm.models import deepseek_v4 as v4  # registered by omlx's patch
+
+    mx.random.seed(0)
+    m = v4.Model(v4.ModelArgs.from_dict(CONFIG))
+    m.model.embed_tokens.weight = m.model.embed_tokens.weight * 4.0
+    mx.eval(m.parameters())
+    return m
 
 
 def greedy(model, prompt: list[int], n: int, *, fresh_cache: bool = False) -> list[int]:

@@ -12,11 +12,10 @@ import omlx.patches.deepseek_v4 as omlx_v4
 import pytest
 from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
 
-from pinned.dsv4 import CONFIG
+from pinned.dsv4 import tiny_v4
 from runtime.prefix import rollback
 
 omlx_v4.apply_deepseek_v4_patch()  # what follows is omlx's, registered by its patch
-from mlx_lm.models import deepseek_v4 as v4
 from mlx_lm.models.cache import PoolingCache
 
 REJECTED = [7, 8, 9]
@@ -24,11 +23,7 @@ REJECTED = [7, 8, 9]
 
 @pytest.fixture(scope="module")
 def model():
-    mx.random.seed(0)
-    m = v4.Model(v4.ModelArgs.from_dict(CONFIG))
-    m.model.embed_tokens.weight = m.model.embed_tokens.weight * 4.0
-    mx.eval(m.parameters())
-    return m
+    return tiny_v4()
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,12 @@ windows as they are answers otherwise: the model's answer depends on its caches.
 import copy
 
 import mlx.core as mx
-import omlx.patches.deepseek_v4 as omlx_v4
 import pytest
 
-from pinned.dsv4 import CONFIG
-from runtime.prefix.checkpoints import Held, checkpoint, cut, stops
+from kit import cutback
+from pinned.dsv4 import tiny_v4
+from runtime.prefix.checkpoints import Held, cut, stops
 from runtime.prefix.rollback import leaves
-
-omlx_v4.apply_deepseek_v4_patch()
-from mlx_lm.models import deepseek_v4 as v4  # noqa: E402  (registered by omlx's patch above)
 
 MARK = 7
 EVERY = 64
@@ -26,11 +23,7 @@ ANSWER = 24  # greedy tokens: the window rotates and ratio-4 pools complete whil
 
 @pytest.fixture(scope="module")
 def model():
-    mx.random.seed(0)
-    m = v4.Model(v4.ModelArgs.from_dict(CONFIG))
-    m.model.embed_tokens.weight = m.model.embed_tokens.weight * 4.0
-    mx.eval(m.parameters())
-    return m
+    return tiny_v4()
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -41,25 +34,11 @@ FIRST = tokens(1, 150) + [MARK] + tokens(2, 149)  # 300 tokens: two ratio-128 po
 
 
 def prefill(model, cache, prompt, start, marked=None):
-    at = start
-    for stop in [s for s in stops(prompt, frozenset({MARK}), EVERY) if s > start]:
-        model(mx.array(prompt[at:stop])[None], cache)
-        mx.eval([c.state for c in cache])
-        at = stop
-        if marked is not None:
-            marked[stop] = checkpoint(cache, stop)
-    return model(mx.array(prompt[at:])[None], cache)[:, -1]
+    return cutback.prefill(model, cache, prompt, start, frozenset({MARK}), EVERY, marked)
 
 
-def decode(model, cache, logits, n=ANSWER):
-    said, logprobs = [], []
-    for _ in range(n):
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = mx.argmax(lp, axis=-1)
-        said.append(token.item())
-        logprobs.append(lp[0, said[-1]].item())
-        logits = model(token[None], cache)[:, -1]
-    return said, logprobs
+def decode(model, cache, logits):
+    return cutback.decode(model, cache, logits, ANSWER)
 
 
 @pytest.fixture(scope="module")
