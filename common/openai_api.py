@@ -64,9 +64,48 @@ class Resume:
 
 
 @dataclass(frozen=True)
+class Internal:
+    """meshd's own `meshd` object of a request, between its proxy and rank 0 (refused from clients): `ids` asks
+    for the token ids of each streamed chunk, `resume` continues an answer, `tenant` names whose prefix cache
+    it uses (runtime/prefix/tape.py; the proxy's scope of the caller's API key)."""
+
+    ids: bool = False
+    resume: Resume | None = None
+    tenant: str = ""
+
+    def wire(self) -> dict:
+        out: dict = {}
+        if self.ids:
+            out["ids"] = True
+        if self.resume is not None:
+            r = self.resume
+            out["resume"] = {"ids": list(r.ids), "chars": r.chars, "id": r.id, "created": r.created, "seed": r.seed}
+        if self.tenant:
+            out["tenant"] = self.tenant
+        return out
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> "Internal":
+        """The object as the proxy sends it, or ApiError(400) saying what is malformed."""
+        try:
+            resume = raw.get("resume")
+            tenant = raw.get("tenant", "")
+            if not isinstance(tenant, str) or len(tenant) > 64:
+                raise ValueError(f"tenant {tenant!r} is not a scope of at most 64 characters")
+            return cls(bool(raw.get("ids")), None if resume is None else Resume(
+                tuple(int(t) for t in resume["ids"]), int(resume["chars"]), str(resume["id"]),
+                int(resume["created"]), int(resume["seed"])), tenant)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise _bad("meshd", f"'meshd' is malformed ({e})")
+
+
+MAX_CHOICES = 16  # `n`: the most answers one request asks for (each a row of the batch)
+
+
+@dataclass(frozen=True)
 class CompletionRequest:
-    """A validated request; `kind` is "chat" or "text". `report_ids` and `resume`
-    come only from the proxy (the body's `meshd` object, refused from clients)."""
+    """A validated request; `kind` is "chat" or "text". `internal` comes only from the proxy (the body's
+    `meshd` object, refused from clients)."""
 
     kind: str
     model: str
@@ -75,11 +114,16 @@ class CompletionRequest:
     params: SamplingParams
     messages: tuple[dict, ...] = ()
     prompt: str = ""
-    report_ids: bool = False
-    resume: Resume | None = None
-    tenant: str = ""  # whose prefix cache the answer uses (runtime/prefix/tape.py)
-    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, for the chat template
+    internal: Internal = Internal()
+    # for the chat template: chat_template_kwargs, with the switches `thinking` and `reasoning_effort` set
+    template_kwargs: dict = field(default_factory=dict)
     tools: tuple[dict, ...] = ()  # the functions the answer may call (none when tool_choice is "none")
+    n: int = 1  # how many answers (choices), each from its own seed (`row_seed`)
+
+    @property
+    def thinking_off(self) -> bool:
+        """The request switched the model's thinking off (else it thinks if its template does, by default)."""
+        return self.template_kwargs.get("enable_thinking") is False
 
 
 @dataclass(frozen=True)
@@ -311,7 +355,9 @@ def _tools(body: dict, grammars: Builder) -> tuple[tuple[dict, ...], str]:
             raise _bad(f"tools[{i}].function.parameters", f"'tools[{i}].function.parameters' must be a JSON Schema "
                                                           "object")
         names.append(fn["name"])
-    choice = body.get("tool_choice", "auto" if tools else "none")
+    choice = body.get("tool_choice")
+    if choice is None:  # absent or null: OpenAI's and DeepSeek's default
+        choice = "auto" if tools else "none"
     if choice == "none" or not tools:
         if choice not in ("none", "auto", None):
             raise _bad("tool_choice", "'tool_choice' names a function, but the request has no 'tools'")
@@ -358,10 +404,39 @@ def outside(spans: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, i
 
 
 def tool_call_body(call: dict, index: int | None = None) -> dict:
-    """A parsed call ({name, arguments}) in OpenAI's shape; streamed calls carry their index."""
+    """A parsed call ({name, arguments}) in OpenAI's shape; streamed calls carry their index. Arguments that are
+    a string are a call's JSON as far as it was written (`partial_calls`), passed on as they are."""
+    arguments = call.get("arguments", {})
     out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-           "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}), ensure_ascii=False)}}
+           "function": {"name": call["name"], "arguments": arguments if isinstance(arguments, str)
+                        else json.dumps(arguments, ensure_ascii=False)}}
     return out if index is None else {"index": index, **out}
+
+
+DSML_INVOKE = re.compile(r'<｜DSML｜invoke name="([^"]*)">(.*?)(</｜DSML｜invoke>|$)', re.S)
+DSML_PARAMETER = re.compile(r'<｜DSML｜parameter name="([^"]*)" string="(true|false)">(.*?)(</｜DSML｜parameter>|$)', re.S)
+JSON_CALL_NAME = re.compile(r'^\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*', re.S)
+
+
+def partial_calls(block: str) -> list[dict]:
+    """The calls of a tool-call block cut before its closing marker (`block`: its text after the opening one),
+    as far as they were written: [{name, arguments}], the arguments the call's JSON so far, a string (what
+    OpenAI returns for a call cut by max_tokens). DeepSeek's DSML invokes (the closed ones whole), or one
+    json_tools call ({"name": ..., "arguments": ...}); none where not even a name was written."""
+    if "<｜DSML｜invoke" in block:
+        calls = []
+        for name, body, closed in DSML_INVOKE.findall(block):
+            items = []
+            for key, string, value, done in DSML_PARAMETER.findall(body):
+                if string == "true":
+                    text = json.dumps(value, ensure_ascii=False)
+                    value = text if done else text[:-1]
+                items.append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
+            calls.append({"name": name, "arguments": "{" + ", ".join(items) + ("}" if closed else "")})
+        return calls
+    if m := JSON_CALL_NAME.match(block):
+        return [{"name": json.loads(f'"{m.group(1)}"'), "arguments": block[m.end():].rstrip()}]
+    return []
 
 
 JSON_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -395,33 +470,54 @@ def _response_format(body: dict, grammars: Builder) -> str:
                        param=f"{where}.schema", code="invalid_value")
 
 
-def _internal(body: dict, internal: bool) -> tuple[bool, Resume | None, str]:
-    """The proxy's `meshd` object: `{"ids": true}` asks for the token ids of each streamed chunk,
-    `{"resume": {ids, chars, id, created, seed}}` continues an answer, `{"tenant": SCOPE}` names whose prefix
-    cache it uses (the proxy's scope of the caller's API key)."""
+def _internal(body: dict, internal: bool) -> Internal:
     raw = body.get("meshd")
     if raw is None:
-        return False, None, ""
+        return Internal()
     if not internal:
         raise _bad("meshd", "'meshd' is meshd's own field between its proxy and rank 0; leave it out")
-    try:
-        resume = raw.get("resume")
-        tenant = raw.get("tenant", "")
-        if not isinstance(tenant, str) or len(tenant) > 64:
-            raise ValueError(f"tenant {tenant!r} is not a scope of at most 64 characters")
-        return bool(raw.get("ids")), (None if resume is None else Resume(
-            tuple(int(t) for t in resume["ids"]), int(resume["chars"]), str(resume["id"]), int(resume["created"]),
-            int(resume["seed"]))), tenant
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        raise _bad("meshd", f"'meshd' is malformed ({e})")
+    return Internal.from_wire(raw)
 
 
-# What each route honours; OpenAI's fields that change nothing about an answer (accepted, not acted on);
-# anything else is refused with a 400 that names it, never silently dropped.
+# DeepSeek's `reasoning_effort` values and the effort each means (DeepSeek's own mapping)
+EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
+
+
+def _thinking(body: dict, kwargs: dict) -> dict:
+    """chat_template_kwargs with DeepSeek's switches set: `thinking` {"type": "enabled" | "disabled"} as the
+    template's `enable_thinking` (absent or null: the model's default), `reasoning_effort` as its
+    `reasoning_effort`, by DeepSeek's mapping (a template without it ignores it; none while thinking is off)."""
+    thinking, effort = body.get("thinking"), body.get("reasoning_effort")
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if thinking is not None and kind not in ("enabled", "disabled"):
+        raise _bad("thinking", f"'thinking' must be {{\"type\": \"enabled\"}} or {{\"type\": \"disabled\"}}, "
+                               f"got {thinking!r}")
+    if effort is not None and effort not in EFFORTS:
+        raise _bad("reasoning_effort", f"'reasoning_effort' must be one of {', '.join(EFFORTS)}, got {effort!r}")
+    out = dict(kwargs)
+    if kind is not None:
+        on = kind == "enabled"
+        if out.setdefault("enable_thinking", on) != on:
+            raise _bad("thinking", f"'thinking' is {kind}, but chat_template_kwargs.enable_thinking is "
+                                   f"{out['enable_thinking']!r}; send one of them")
+    if effort is not None and out.get("enable_thinking") is not False:
+        out.setdefault("reasoning_effort", EFFORTS[effort])
+    return out
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The seed of a request's `row`th answer (`n` > 1): the request's own for the first, one apart from
+    every other row's for each of the others."""
+    return (seed + row * 0x9E3779B97F4A7C15) % 2**63
+
+
+# What each route honours; fields that change nothing about an answer (accepted, not acted on: OpenAI's
+# bookkeeping); anything else is refused with a 400 that names it, never silently dropped (docs/RUNTIME.md).
 HONOURED = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
             "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty", "meshd"}
 HONOURED_BY = {"chat": HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                   "chat_template_kwargs", "tools", "tool_choice", "response_format"},
+                                   "chat_template_kwargs", "tools", "tool_choice", "response_format", "thinking",
+                                   "reasoning_effort"},
                "text": HONOURED | {"prompt", "logprobs"}}
 HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
             "safety_identifier"}
@@ -455,9 +551,7 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False,
             param="model",
             code="model_not_found",
         )
-    n = body.get("n", 1)
-    if n != 1:
-        raise _bad("n", f"'n' must be 1 on this server, got {n!r}")
+    n = _integer(body, "n", 1, 1, MAX_CHOICES)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream", f"'stream' must be true or false, got {stream!r}")
@@ -479,7 +573,9 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False,
         logit_bias=_logit_bias(body),
         logprobs=_logprobs(kind, body),
     )
-    report_ids, resume, tenant = _internal(body, internal)
+    meshd = _internal(body, internal)
+    if meshd.resume is not None and n > 1:
+        raise _bad("meshd", "'meshd.resume' continues one answer; a request of n > 1 is never resumed")
     tools, forced = _tools(body, grammars) if kind == "chat" else ((), "")
     if kind == "chat":  # a forced call wins over the answer's format: its turn is the call
         answer_format = _response_format(body, grammars)
@@ -491,19 +587,33 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False,
         stream=stream,
         include_usage=bool(options.get("include_usage", False)),
         params=params,
-        report_ids=report_ids,
-        resume=resume,
-        tenant=tenant,
+        internal=meshd,
+        n=n,
     )
     if kind == "chat":
-        return CompletionRequest(messages=_messages(body), template_kwargs=_template_kwargs(body), tools=tools,
-                                 **common)
+        return CompletionRequest(messages=_messages(body), template_kwargs=_thinking(body, _template_kwargs(body)),
+                                 tools=tools, **common)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise _bad("prompt", "'prompt' must be a non-empty string")
     return CompletionRequest(prompt=prompt, **common)
+
+
+def missing_reasoning(req: CompletionRequest) -> ApiError | None:
+    """DeepSeek's multi-turn rule for a model that thinks (asked of a request that did not switch thinking
+    off): an assistant turn that called tools since the last user turn carries its `reasoning_content` back
+    (its template renders it into the prompt), else DeepSeek's 400, naming the turn."""
+    since = max((i + 1 for i, m in enumerate(req.messages) if m["role"] in ("user", "developer")), default=0)
+    for i, m in enumerate(req.messages[since:], since):
+        if m["role"] == "assistant" and m.get("tool_calls") and "reasoning_content" not in m:
+            return ApiError(400, f"The reasoning_content in the thinking mode must be passed back to the API: "
+                                 f"'messages[{i}]' called tools in thinking mode without its reasoning_content. Send "
+                                 "each such turn back with the reasoning_content it came with, or switch thinking "
+                                 "off ({\"thinking\": {\"type\": \"disabled\"}})",
+                            param=f"messages[{i}].reasoning_content", code="invalid_request_error")
+    return None
 
 
 def new_id(kind: str) -> str:
@@ -515,14 +625,28 @@ def usage(prompt_tokens: int, resumed: int, generated: int, cached: int) -> dict
     """One answer's usage as its client sees it. The engine was given the prompt followed by the `resumed`
     tokens of the answer that a dead generation already sent (none for a fresh answer), took `cached` of
     those from its cache and generated `generated` more. The answer so far counts once, as completion:
-    only the prompt's share of the cache is `cached_tokens`."""
+    only the prompt's share of the cache is cached, said in OpenAI's words (`cached_tokens`) and DeepSeek's
+    (`prompt_cache_hit_tokens`, `prompt_cache_miss_tokens`)."""
     completion_tokens = resumed + generated
+    hit = min(cached, prompt_tokens)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": min(cached, prompt_tokens)},
+        "prompt_tokens_details": {"cached_tokens": hit},
+        "prompt_cache_hit_tokens": hit,
+        "prompt_cache_miss_tokens": prompt_tokens - hit,
     }
+
+
+def summed_usage(rows: list[dict]) -> dict:
+    """The usage of a request's several answers (`n`), as OpenAI counts it: the prompt once, every answer's
+    tokens; cached what every row took from the cache."""
+    prompt, hit = rows[0]["prompt_tokens"], min(r["prompt_cache_hit_tokens"] for r in rows)
+    completion = sum(r["completion_tokens"] for r in rows)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": hit}, "prompt_cache_hit_tokens": hit,
+            "prompt_cache_miss_tokens": prompt - hit}
 
 
 @dataclass(frozen=True)
@@ -551,7 +675,8 @@ def logprobs_body(req: CompletionRequest, tokens: list[TokenLogprob]) -> dict | 
 
 def completion_body(req: CompletionRequest, rid: str, created: int, text: str, finish_reason: str,
                     usage_: dict, logprobs: list[TokenLogprob] = (), reasoning: str = "",
-                    tool_calls: list[dict] = ()) -> dict:
+                    tool_calls: list[dict] = (), index: int = 0) -> dict:
+    """A whole answer; a request of several (`n`) joins its rows' `choices` (`index`: the row's)."""
     if req.kind == "chat":
         message = {"role": "assistant", "content": None if tool_calls and not text else text, "refusal": None}
         if reasoning:  # under both names: DeepSeek's API (and its clients, dsh) says reasoning_content
@@ -559,14 +684,14 @@ def completion_body(req: CompletionRequest, rid: str, created: int, text: str, f
         if tool_calls:
             message["tool_calls"] = [tool_call_body(c) for c in tool_calls]
         choice = {
-            "index": 0,
+            "index": index,
             "message": message,
             "logprobs": logprobs_body(req, list(logprobs)),
             "finish_reason": finish_reason,
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs_body(req, list(logprobs)),
+        choice = {"index": index, "text": text, "logprobs": logprobs_body(req, list(logprobs)),
                   "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model,
@@ -575,9 +700,9 @@ def completion_body(req: CompletionRequest, rid: str, created: int, text: str, f
 
 def chunk_body(req: CompletionRequest, rid: str, created: int, text: str | None,
                finish_reason: str | None, first: bool = False, logprobs: list[TokenLogprob] = (),
-               reasoning: str = "", tool_calls: list[tuple[int, dict]] = ()) -> dict:
-    """One streamed chunk; `logprobs` are those of the tokens this chunk's text completes, `tool_calls`
-    the calls that closed in it, with their indexes in the answer."""
+               reasoning: str = "", tool_calls: list[tuple[int, dict]] = (), index: int = 0) -> dict:
+    """One streamed chunk of the answer of row `index`; `logprobs` are those of the tokens this chunk's text
+    completes, `tool_calls` the calls that closed in it, with their indexes in the answer."""
     lp = logprobs_body(req, list(logprobs)) if logprobs else None
     if req.kind == "chat":
         delta: dict = {}
@@ -589,10 +714,10 @@ def chunk_body(req: CompletionRequest, rid: str, created: int, text: str | None,
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = [tool_call_body(c, i) for i, c in tool_calls]
-        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice]}
 

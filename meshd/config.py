@@ -108,17 +108,6 @@ class Runtime:
         return args
 
 
-def rank0_body(profile: str, body: dict) -> dict:
-    """A request body as rank 0 of `profile` takes it: stock mlx_lm.server loads whatever path "model"
-    names (its own model is "default_model")."""
-    return {**body, "model": "default_model"} if profile == Profile.MLX_LM_SERVER else body
-
-
-def ping_body(profile: str) -> dict:
-    """One token asked of rank 0 (the readiness check and the idle probe)."""
-    return rank0_body(profile, {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1})
-
-
 def reach(listen: str) -> str:
     """host:port where a client on this machine reaches a listener (a wildcard one at 127.0.0.1)."""
     host, _, port = listen.rpartition(":")

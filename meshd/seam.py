@@ -5,7 +5,7 @@ carries it across the process boundary (GET /v1/serving streams `Serving` as
 `wire()` dicts, POST /v1/observations takes an `Observation`'s), and
 meshd/dataplane/fleetlink.py implements it again on the proxy's side. The
 planes meet in data here too: the fleet as the controller records it in its
-store (`FleetRecord`), which the proxy and meshctl read while no controller runs.
+store (`FleetRecord`, `WeightsRecord`), which the proxy and meshctl read while no controller runs.
 """
 
 from __future__ import annotations
@@ -133,6 +133,34 @@ class FleetRecord:
     def read(cls, store_path: Path) -> "FleetRecord | None":
         """The record in the store at `store_path`, read without writing to it (the controller owns it); None
         where there is none, or the store cannot be read."""
+        return cls.from_wire(read_value(store_path, cls.KEY))
+
+
+@dataclass(frozen=True)
+class WeightsRecord:
+    """The fingerprint of the weights generation `generation` loaded, as the controller records it in its store
+    (key "weights"; "" while its rank 0 has not said): what a proxy that starts while the controller is away
+    tells other meshes' weights apart by."""
+
+    generation: int
+    fingerprint: str
+
+    KEY = "weights"
+
+    def wire(self) -> dict:
+        return {"generation": self.generation, "fingerprint": self.fingerprint}
+
+    @classmethod
+    def from_wire(cls, d: object) -> "WeightsRecord | None":
+        """The record a stored value holds; None for no value, or one that is not such a record."""
+        try:
+            return cls(int(d["generation"]), str(d["fingerprint"]))
+        except (TypeError, KeyError, ValueError):
+            return None
+
+    @classmethod
+    def read(cls, store_path: Path) -> "WeightsRecord | None":
+        """The record in the store at `store_path`, read without writing to it; None where there is none."""
         return cls.from_wire(read_value(store_path, cls.KEY))
 
 

@@ -1,6 +1,7 @@
 """The HTTP/1.1 client for rank 0 (meshd-proxy's relay, the controller's
 readiness probe): keep-alive connections per address, a request written in
-one piece, the answer parsed by httptools (C).
+one piece, the answer parsed by httptools (C); and what is asked of rank 0
+(`Rank0Request`), shaped for its runtime profile.
 aiohttp's client cost the proxy more per request than everything else it does
 (bench/proxy_overhead.py); this one does what the relay needs and no more.
 
@@ -16,13 +17,13 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 import httptools
 
+from common import openai_api as oa
 from common.states import Profile
-from meshd.config import ping_body
 
 READY = "/internal/ready"  # meshd-rank's: 200 once its own one-token generation went through every rank
 COMPLETION = "/v1/chat/completions"
@@ -30,6 +31,40 @@ HIGH_WATER = 1 << 20  # bytes of body waiting for the relay before reading from 
 # A connection idle longer than this is not reused: rank 0 (aiohttp) closes idle ones after 75 s, and a
 # request written into one it is closing would look like a rank 0 that died with it.
 IDLE_REUSE = 30.0
+
+
+@dataclass(frozen=True)
+class Rank0Request:
+    """What the proxy asks of rank 0, built once from the parsed request: the route, the client's OpenAI
+    fields (as common/openai_api.py validated them) and meshd's own extension (`internal`, the body's `meshd`
+    object, which only meshd-rank takes)."""
+
+    path: str
+    fields: dict
+    internal: oa.Internal = oa.Internal()
+
+    @classmethod
+    def of(cls, path: str, req: oa.CompletionRequest, fields: dict, tenant: str) -> "Rank0Request":
+        """`req` (parsed from `fields`) for the prefix cache of `tenant`; a stream of one answer reports the
+        token ids of its chunks, which its resumption needs."""
+        return cls(path, fields, oa.Internal(ids=req.stream and req.n == 1, tenant=tenant))
+
+    def resuming(self, resume: oa.Resume) -> "Rank0Request":
+        return replace(self, internal=replace(self.internal, resume=resume))
+
+    def body(self, profile: str, model: str | None = None) -> dict:
+        """The JSON rank 0 of `profile` takes, for `model` (None: its own): meshd-rank's with the `meshd`
+        object; stock mlx_lm.server loads whatever path "model" names, so it is sent its own
+        ("default_model")."""
+        body = self.fields if model is None else {**self.fields, "model": model}
+        if profile == Profile.MLX_LM_SERVER:
+            return {**body, "model": "default_model"}
+        internal = self.internal.wire() if profile == Profile.MESHD_RANK else {}
+        return {**body, "meshd": internal} if internal else body
+
+
+# One token asked of rank 0: the readiness check and the idle probe
+PING = Rank0Request(COMPLETION, {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 1})
 
 
 class UpstreamError(Exception):
@@ -232,7 +267,7 @@ async def probe_ready(rank0: Upstream, url: str, auth: dict[str, str], profile: 
             return ReadinessSeen(url, route, r.status)
         route = COMPLETION
         async with asyncio.timeout(completion_timeout):
-            async with rank0.post(url + route, ping_body(profile), auth) as r:
+            async with rank0.post(url + route, PING.body(profile), auth) as r:
                 body = await r.read()
     except (UpstreamError, TimeoutError):
         return ReadinessSeen(url, route)

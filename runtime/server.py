@@ -60,11 +60,15 @@ Answered = Started | Emission | Failed  # what the loop hands a request's handle
 
 @dataclass
 class Pending:
+    """Where the loop's events for one answer go: its request's queue, each event with the answer's `row` (its
+    index among the request's `n`)."""
+
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    row: int = 0
 
     def put(self, event: Answered) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.row, event))
 
 
 class Frontend:
@@ -272,49 +276,51 @@ class Frontend:
             except GrammarError as e:
                 raise ApiError(400, f"'{req.params.held_by}' cannot hold an answer on this model: {e}. Leave that "
                                     "part out or rewrite it", param=req.params.held_by, code="invalid_value")
+        if self.tokenizer.has_thinking and not req.thinking_off and (refused := oa.missing_reasoning(req)):
+            raise refused
         if self.phase != FrontendPhase.ADMITTING:
             return self._unavailable()
         prompt = self._tokenize(req)
-        resume = req.resume
+        resume = req.internal.resume
         done = len(resume.ids) if resume else 0
         rid = resume.id if resume else oa.new_id(kind)
         seed = resume.seed if resume else (req.params.seed if req.params.seed is not None else random.getrandbits(63))
-        run = _Run(self, req, rid, prompt, seed)
-        pending = Pending(asyncio.get_running_loop())
+        # n answers: n rows of the batch, each its own job with its own seed
+        rows = [_Run(self, req, rid if req.n == 1 else f"{rid}-{i}", i, prompt) for i in range(req.n)]
+        answer = _Answer(req, rid, seed, rows)
+        loop = asyncio.get_running_loop()
         with self._lock:
             if self.phase != FrontendPhase.ADMITTING:
                 return self._unavailable()
-            self._pending[rid] = pending
+            for row in rows:
+                self._pending[row.rid] = Pending(loop, answer.events, row.index)
         # an answer whose length the client left open stops at the end of the context at the latest
         max_tokens = req.params.max_tokens if req.params.named else \
             min(req.params.max_tokens, self.context_length - len(prompt))
         if max_tokens > done:
-            self._inbox.put(Insert(Job(rid, (*prompt, *(resume.ids if resume else ())), max_tokens - done, seed,
-                                       req.params.sampling(), done, req.params.logprobs, req.tenant)))
+            for row in rows:
+                self._inbox.put(Insert(Job(row.rid, (*prompt, *(resume.ids if resume else ())), max_tokens - done,
+                                           oa.row_seed(seed, row.index), req.params.sampling(), done,
+                                           req.params.logprobs, req.internal.tenant)))
         else:  # a resumed answer that had all its tokens: only its end was lost
-            pending.put(Emission(rid, None, "length"))
+            self._pending[rid].put(Emission(rid, None, "length"))
         try:
-            return await (run.stream(request, pending) if req.stream else run.whole(pending))
+            return await (answer.stream(request) if req.stream else answer.whole())
         finally:
             with self._lock:
-                self._pending.pop(rid, None)
-            if not run.engine_done:
-                self._inbox.put(Cancel(rid))
+                for row in rows:
+                    self._pending.pop(row.rid, None)
+            for row in rows:
+                if not row.engine_done:
+                    self._inbox.put(Cancel(row.rid))
 
 
 class _Run:
-    """Turns one request's token events into text, honouring stop strings. A
-    resumed answer starts from the tokens and the text its client already has.
+    """Turns one answer's token events into text, honouring stop strings: row `index` of its request, the job
+    `rid` of the ranks. A resumed answer starts from the tokens and the text its client already has."""
 
-    With `report_ids` (the proxy asks) each streamed chunk is preceded by an SSE
-    comment `: ids CHARS ID,ID,...`: the token ids this chunk completes and how
-    many characters of text the client has once it is delivered; the stream
-    starts with `: meshd {"id", "created", "seed"}`. Comments never reach a
-    client: the proxy keeps them, to resume the answer if this generation dies.
-    """
-
-    def __init__(self, fe: Frontend, req: oa.CompletionRequest, rid: str, prompt: list[int], seed: int):
-        self.fe, self.req, self.rid, self.seed = fe, req, rid, seed
+    def __init__(self, fe: Frontend, req: oa.CompletionRequest, rid: str, index: int, prompt: list[int]):
+        self.fe, self.req, self.rid, self.index = fe, req, rid, index
         self.prompt = prompt
         self.prompt_tokens = len(prompt)
         tok = fe.tokenizer
@@ -330,7 +336,7 @@ class _Run:
         self.calls: list[dict] = []  # parsed, as {name, arguments}
         self.cached = 0
         self.detok = fe.tokenizer.detokenizer
-        resume = req.resume
+        resume = req.internal.resume
         for token in resume.ids if resume else ():
             self.detok.add_token(token)
         self.text = self.detok.text
@@ -393,11 +399,12 @@ class _Run:
                 end = self.content_end = min(end, open_at)
             elif reason is None:
                 end -= oa.held_back(self.text[c0:end], (start,))
-            for a, b in self.spans:
-                if self.sent <= a and b <= end:
-                    for call in self._parse(a, b):
-                        self.calls.append(call)
-                        closed.append((len(self.calls) - 1, call))
+            calls = [call for a, b in self.spans if self.sent <= a and b <= end for call in self._parse(a, b)]
+            if open_at is not None and reason == "length":  # cut inside a call: the call as far as it was written
+                calls += oa.partial_calls(self.text[open_at + len(start):])
+            for call in calls:
+                self.calls.append(call)
+                closed.append((len(self.calls) - 1, call))
             if reason == "stop" and self.calls:
                 reason = "tool_calls"
         thought = self.text[max(self.sent, r0):min(end, r1)]
@@ -430,63 +437,91 @@ class _Run:
     def usage(self) -> dict:
         return oa.usage(self.prompt_tokens, self.resumed, self.generated, self.cached)
 
-    async def _events(self, pending: Pending):
-        """The request's tokens and its failure, as they come (its start only sets how much was cached)."""
-        while True:
-            event = await pending.events.get()
-            if isinstance(event, Started):
-                self.cached = event.cached
-                continue
-            yield event
 
-    async def whole(self, pending: Pending) -> web.Response:
-        async for event in self._events(pending):
+class _Answer:
+    """A request's answers (its `n` rows, each a `_Run`) as one response, whole or streamed; a streamed chunk
+    names its row (`index`).
+
+    With `meshd.ids` (the proxy asks, for an answer of one row) each streamed chunk is preceded by an SSE
+    comment `: ids CHARS ID,ID,...`: the token ids this chunk completes and how many characters of text the
+    client has once it is delivered; the stream starts with `: meshd {"id", "created", "seed"}`. Comments
+    never reach a client: the proxy keeps them, to resume the answer if this generation dies.
+    """
+
+    def __init__(self, req: oa.CompletionRequest, rid: str, seed: int, rows: list[_Run]):
+        self.req, self.rid, self.seed, self.rows = req, rid, seed, rows
+        self.created = rows[0].created
+        self.events: asyncio.Queue = asyncio.Queue()
+
+    async def _events(self):
+        """Each row's tokens and failure, as they come (a row's start only sets how much was cached)."""
+        while True:
+            index, event = await self.events.get()
+            row = self.rows[index]
+            if isinstance(event, Started):
+                row.cached = event.cached
+                continue
+            yield row, event
+
+    def usage(self) -> dict:
+        usages = [row.usage() for row in self.rows]
+        return usages[0] if len(usages) == 1 else oa.summed_usage(usages)
+
+    async def whole(self) -> web.Response:
+        choices: dict[int, dict] = {}
+        async for row, event in self._events():
             if isinstance(event, Failed):
                 return json_error(503, event.message, code=event.code, type_="server_error",
                                   headers={"Retry-After": "2"})
-            *_, reason = self._advance(event)
-            if self.stuck is not None:
-                return web.json_response(self.stuck, status=422)
+            *_, reason = row._advance(event)
+            if row.stuck is not None:
+                return web.json_response(row.stuck, status=422)
             if reason is not None:
-                reasoning, content = self.reasoning_and_content()
+                reasoning, content = row.reasoning_and_content()
                 body = oa.completion_body(self.req, self.rid, self.created, content, reason, self.usage(),
-                                          self.logprobs, reasoning, self.calls)
-                return web.json_response(body)
+                                          row.logprobs, reasoning, row.calls, row.index)
+                choices[row.index] = body["choices"][0]
+                if len(choices) == len(self.rows):
+                    return web.json_response({**body, "choices": [choices[i] for i in sorted(choices)]})
         raise AssertionError("event stream ended without a finish")
 
-    async def stream(self, request: web.Request, pending: Pending) -> web.StreamResponse:
+    async def stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         resp.enable_chunked_encoding()
         await resp.prepare(request)
-        ids = self.req.report_ids
+        only = self.rows[0] if len(self.rows) == 1 and self.req.internal.ids else None  # reports its ids
 
         async def send(obj) -> None:
             comment = b""
-            if ids and isinstance(obj, dict) and "choices" in obj and obj["choices"]:
-                comment = f": ids {self.sent} {','.join(map(str, self.unreported))}\n\n".encode()
-                self.unreported.clear()
+            if only and isinstance(obj, dict) and "choices" in obj and obj["choices"]:
+                comment = f": ids {only.sent} {','.join(map(str, only.unreported))}\n\n".encode()
+                only.unreported.clear()
             await resp.write(comment + b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode())
                              + b"\n\n")
 
-        if ids:
+        if only:
             meta = {"id": self.rid, "created": self.created, "seed": self.seed}
             await resp.write(b": meshd " + json.dumps(meta).encode() + b"\n\n")
-        first = self.req.resume is None  # the role goes out once per answer
-        async for event in self._events(pending):
+        # the role goes out once per answer
+        first = set() if self.req.internal.resume else {row.index for row in self.rows}
+        left = len(self.rows)
+        async for row, event in self._events():
             if isinstance(event, Failed):
                 await send(error_body(event.message, "server_error", None, event.code))
                 break
-            thought, piece, calls, reason = self._advance(event)
-            if thought or piece or calls or first or reason is not None:
-                if thought or piece or calls or first:
-                    await send(oa.chunk_body(self.req, self.rid, self.created,
-                                             piece if piece or not (thought or calls) else None, None, first=first,
-                                             logprobs=self.unsent_logprobs(), reasoning=thought, tool_calls=calls))
-                    first = False
-                if reason is not None:  # an answer its grammar left stuck says why in its last chunk
-                    await send(oa.chunk_body(self.req, self.rid, self.created, None, reason,
-                                             logprobs=self.unsent_logprobs()) | (self.stuck or {}))
+            thought, piece, calls, reason = row._advance(event)
+            if thought or piece or calls or row.index in first:
+                await send(oa.chunk_body(self.req, self.rid, self.created,
+                                         piece if piece or not (thought or calls) else None, None,
+                                         first=row.index in first, logprobs=row.unsent_logprobs(), reasoning=thought,
+                                         tool_calls=calls, index=row.index))
+                first.discard(row.index)
+            if reason is not None:  # an answer its grammar left stuck says why in its last chunk
+                await send(oa.chunk_body(self.req, self.rid, self.created, None, reason,
+                                         logprobs=row.unsent_logprobs(), index=row.index) | (row.stuck or {}))
+                left -= 1
+                if not left:
                     if self.req.include_usage:
                         await send(oa.usage_chunk(self.req, self.rid, self.created, self.usage()))
                     break

@@ -22,7 +22,7 @@ from meshd.dataplane.admission import Admission
 from meshd.dataplane.exchange import Exchange, Rank0
 from meshd.metrics import ProxyMetrics
 from meshd.seam import Source
-from meshd.upstream import UpstreamError
+from meshd.upstream import Rank0Request, UpstreamError
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 8}
@@ -176,7 +176,8 @@ async def exchange(gate: FakeGate, body: dict, leave_after: bytes = b""):
 
     async def handler(request: web.Request) -> web.StreamResponse:
         with gate:
-            return await Exchange(gate, request, req, body, body, asyncio.get_running_loop().time() + 30).run()
+            return await Exchange(gate, request, req, Rank0Request.of(CHAT, req, body, ""),
+                                  asyncio.get_running_loop().time() + 30).run()
 
     app = web.Application()
     app.router.add_post(CHAT, handler)

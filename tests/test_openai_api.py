@@ -45,7 +45,8 @@ def test_text_parts_are_joined():
 
 BAD = [
     ("not an object", "chat", [], 400, None),
-    ("n > 1", "chat", {"messages": MSG, "n": 2}, 400, "n"),
+    ("n above the most choices", "chat", {"messages": MSG, "n": oa.MAX_CHOICES + 1}, 400, "n"),
+    ("n of none", "chat", {"messages": MSG, "n": 0}, 400, "n"),
     ("stream not bool", "chat", {"messages": MSG, "stream": "yes"}, 400, "stream"),
     ("seed float", "chat", {"messages": MSG, "seed": 1.5}, 400, "seed"),
     ("too many stops", "chat", {"messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
@@ -86,7 +87,7 @@ def test_stop_strings(name, text, stops, cut, held):
     assert oa.held_back(text, stops) == held
 
 
-# (prompt, resumed, generated, cached by the engine) -> (prompt_tokens, completion_tokens, cached_tokens)
+# (prompt, resumed, generated, cached by the engine) -> (prompt_tokens, completion_tokens, cached)
 USAGE = [
     ("fresh, nothing cached", (119, 0, 30, 0), (119, 30, 0)),
     ("fresh, a prefix cached", (119, 0, 30, 100), (119, 30, 100)),
@@ -102,6 +103,16 @@ def test_usage_counts_the_answer_so_far_once_and_never_caches_more_than_the_prom
     u = oa.usage(*given)
     assert (u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"]) == seen
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    # DeepSeek's words for the same: the prompt's tokens the cache served, and the rest
+    assert (u["prompt_cache_hit_tokens"], u["prompt_cache_miss_tokens"]) == (seen[2], seen[0] - seen[2])
+
+
+def test_the_usage_of_several_answers_counts_the_prompt_once_and_every_answers_tokens():
+    rows = [oa.usage(100, 0, 7, 100), oa.usage(100, 0, 5, 60), oa.usage(100, 0, 9, 80)]
+    u = oa.summed_usage(rows)
+    assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == (100, 21, 121)
+    assert (u["prompt_tokens_details"]["cached_tokens"], u["prompt_cache_hit_tokens"],
+            u["prompt_cache_miss_tokens"]) == (60, 60, 40)
 
 
 def test_bodies_validate_against_the_official_schemas():
@@ -130,13 +141,128 @@ def test_text_stream_chunks_differ_from_the_schema_only_by_a_null_finish_reason(
 
 
 @pytest.mark.parametrize("field,value", [("logprobs", 3),
-                                         ("functions", []), ("reasoning_effort", "high"), ("frobnicate", 1),
-                                         ("meshd", {"ids": True})])
+                                         ("functions", []), ("frobnicate", 1), ("meshd", {"ids": True})])
 def test_a_field_this_server_does_not_honour_is_refused_by_name_never_dropped(field, value):
     with pytest.raises(oa.ApiError) as e:
         oa.parse_request("chat", {"messages": MSG, field: value}, LIMITS)
     assert (e.value.status, e.value.param) == (400, field)
     assert e.value.code in ("unsupported_parameter", "invalid_value")
+
+
+# DeepSeek's request fields, as DeepSeek means them: (fields) -> the chat template's arguments
+DEEPSEEK = [
+    ("absent: the model's default", {}, {}),
+    ("thinking null: the model's default", {"thinking": None}, {}),
+    ("thinking enabled", {"thinking": {"type": "enabled"}}, {"enable_thinking": True}),
+    ("thinking disabled", {"thinking": {"type": "disabled"}}, {"enable_thinking": False}),
+    ("the template's own switch agrees", {"thinking": {"type": "disabled"},
+                                          "chat_template_kwargs": {"enable_thinking": False}},
+     {"enable_thinking": False}),
+    ("effort high", {"reasoning_effort": "high"}, {"reasoning_effort": "high"}),
+    ("effort medium is high", {"reasoning_effort": "medium"}, {"reasoning_effort": "high"}),
+    ("effort minimal is low", {"reasoning_effort": "minimal"}, {"reasoning_effort": "low"}),
+    ("effort xhigh is max", {"thinking": {"type": "enabled"}, "reasoning_effort": "xhigh"},
+     {"enable_thinking": True, "reasoning_effort": "max"}),
+    ("no effort while thinking is off", {"thinking": {"type": "disabled"}, "reasoning_effort": "max"},
+     {"enable_thinking": False}),
+    ("effort null", {"reasoning_effort": None}, {}),
+]
+
+
+@pytest.mark.parametrize("name,fields,kwargs", DEEPSEEK, ids=[d[0] for d in DEEPSEEK])
+def test_deepseeks_thinking_switch_and_effort_reach_the_chat_template(name, fields, kwargs):
+    req = oa.parse_request("chat", {"messages": MSG, **fields}, LIMITS)
+    assert req.template_kwargs == kwargs
+    assert req.thinking_off == (kwargs.get("enable_thinking") is False)
+
+
+@pytest.mark.parametrize("fields,param,says", [
+    ({"thinking": {"type": "auto"}}, "thinking", '{"type": "enabled"}'),
+    ({"thinking": "disabled"}, "thinking", '{"type": "disabled"}'),
+    ({"thinking": {"type": "enabled"}, "chat_template_kwargs": {"enable_thinking": False}}, "thinking",
+     "send one of them"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort", "minimal, low, medium, high, xhigh, max"),
+])
+def test_deepseek_fields_that_mean_nothing_are_400s_naming_them(fields, param, says):
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_request("chat", {"messages": MSG, **fields}, LIMITS)
+    assert (e.value.status, e.value.param) == (400, param) and says in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize("choice,offered", [(None, True), ("auto", True), ("none", False)],
+                         ids=["null: the default", "auto", "none"])
+def test_a_null_tool_choice_is_the_default_with_tools_and_without(choice, offered):
+    assert oa.parse_request("chat", {"messages": MSG, "tools": [WEATHER], "tool_choice": choice},
+                            LIMITS).tools == ((WEATHER,) if offered else ())
+    assert oa.parse_request("chat", {"messages": MSG, "tools": None, "tool_choice": choice}, LIMITS).tools == ()
+
+
+def test_several_answers_are_rows_each_with_a_seed_of_its_own():
+    req = oa.parse_request("chat", {"messages": MSG, "n": 3, "seed": 7}, LIMITS)
+    assert req.n == 3 and req.params.seed == 7
+    seeds = [oa.row_seed(7, i) for i in range(3)]
+    assert seeds[0] == 7 and len(set(seeds)) == 3 and all(0 <= s < 2**63 for s in seeds)
+    with pytest.raises(oa.ApiError) as e:  # a resumed answer is one answer
+        oa.parse_request("chat", {"messages": MSG, "n": 2, "meshd": {"resume": {
+            "ids": [1], "chars": 1, "id": "x", "created": 1, "seed": 1}}}, LIMITS, internal=True)
+    assert e.value.param == "meshd"
+
+
+def test_the_proxys_meshd_object_goes_and_comes_back_typed():
+    internal = oa.Internal(True, oa.Resume((1, 2), 3, "chatcmpl-x", 5, 6), "t1")
+    assert oa.parse_request("chat", {"messages": MSG, "meshd": internal.wire()}, LIMITS, internal=True).internal \
+        == internal
+    assert oa.Internal().wire() == {}
+    with pytest.raises(oa.ApiError) as e:
+        oa.Internal.from_wire({"resume": {"ids": [1]}})
+    assert (e.value.status, e.value.param) == (400, "meshd")
+
+
+TURN = [{"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+
+
+@pytest.mark.parametrize("messages,refused", [
+    (TURN, "messages[1].reasoning_content"),
+    ([TURN[0], {**TURN[1], "reasoning_content": "I look it up."}, TURN[2]], None),
+    ([TURN[0], {**TURN[1], "reasoning_content": ""}, TURN[2]], None),  # passed back, though empty
+    (TURN + [{"role": "user", "content": "and tomorrow?"}], None),  # a new user turn: the old reasoning is not needed
+    (MSG, None),
+], ids=["a tool turn without its reasoning", "with it", "with it empty", "before the last user turn", "no tools"])
+def test_a_tool_turn_in_thinking_mode_carries_its_reasoning_back_or_gets_deepseeks_400(messages, refused):
+    e = oa.missing_reasoning(oa.parse_request("chat", {"messages": messages}, LIMITS))
+    assert (e and e.param) == refused
+    if e:
+        assert (e.status, e.type) == (400, "invalid_request_error")
+        assert e.message.startswith("The reasoning_content in the thinking mode must be passed back to the API")
+        validate(e.body(), "ErrorResponse")
+
+
+DSML_CUT = ('\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Oslo</｜DSML｜parameter>'
+            '\n<｜DSML｜parameter name="days" string="false">12')
+
+
+@pytest.mark.parametrize("block,calls", [
+    ('\n{"name": "get_weather", "arguments": {"city": "Os', [("get_weather", '{"city": "Os')]),
+    ('\n{"name": "get_weather", "arguments": {"days": 1234', [("get_weather", '{"days": 1234')]),
+    ('\n{"name": "get_wea', []),  # not even its name
+    (DSML_CUT, [("get_weather", '{"city": "Oslo", "days": 12')]),
+    ('\n<｜DSML｜invoke name="a">\n<｜DSML｜parameter name="q" string="true">x"y</｜DSML｜parameter>\n</｜DSML｜invoke>'
+     '\n<｜DSML｜invoke name="b">\n<｜DSML｜parameter name="q" string="true">ab', [("a", '{"q": "x\\"y"}'),
+                                                                                  ("b", '{"q": "ab')]),
+], ids=["json_tools in a string", "json_tools in an integer", "json_tools before its name", "DSML",
+        "DSML, one whole and one cut"])
+def test_a_call_cut_by_max_tokens_is_returned_as_far_as_it_was_written(block, calls):
+    got = oa.partial_calls(block)
+    assert [(c["name"], c["arguments"]) for c in got] == calls
+    for call in got:
+        body = oa.tool_call_body(call, 0)
+        assert body["function"]["arguments"] == call["arguments"]
+        validate({"id": "x", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [
+            {"index": 0, "delta": {"tool_calls": [body]}, "logprobs": None, "finish_reason": "length"}]},
+                 "CreateChatCompletionStreamResponse")
 
 
 @pytest.mark.parametrize("field,value", [("top_k", 1.5), ("top_k", -1), ("min_p", 2), ("logit_bias", {"x": 1}),

@@ -42,10 +42,9 @@ from common.errors import error_body
 from common.http import json_error
 from common.states import Profile
 from meshd.config import Proxy as ProxyConfig
-from meshd.config import rank0_body
 from meshd.metrics import ProxyMetrics
 from meshd.seam import Observation
-from meshd.upstream import Upstream, UpstreamError
+from meshd.upstream import Rank0Request, Upstream, UpstreamError
 from meshd.dataplane.sse import sse_blocks
 
 RETRY_AFTER = "5"
@@ -83,9 +82,8 @@ class Rank0:
         """What the client is told of who wrote its answer (a resumed stream names the next in a comment)."""
         return {"X-Meshd-Model": self.model, "X-Meshd-Mesh": self.mesh, "X-Meshd-Generation": str(self.generation)}
 
-    def post(self, path: str, body: dict):
-        return self.connections.post(self.url + path, rank0_body(self.profile, {**body, "model": self.model}),
-                                     self.auth)
+    def post(self, request: Rank0Request):
+        return self.connections.post(self.url + request.path, request.body(self.profile, self.model), self.auth)
 
 
 class Gate(Protocol):
@@ -180,14 +178,13 @@ def upstream_failure(e: UpstreamError) -> UpstreamFailed:
 
 
 class Exchange:
-    """`body` is what rank 0 gets (its "model" set by each attempt's `Rank0`), `client_body` what the
-    client sent (what a quarantine recognises), `tenant` whose prefix cache it uses (the scope of its API
-    key; "": the shared one)."""
+    """`to_rank0` is what rank 0 is asked (its "model" set by each attempt's `Rank0`, a resumption added to it),
+    its fields what the client sent (what a quarantine recognises)."""
 
-    def __init__(self, gate: Gate, request: web.Request, req: oa.CompletionRequest, body: dict, client_body: dict,
-                 deadline: float, tenant: str = ""):
+    def __init__(self, gate: Gate, request: web.Request, req: oa.CompletionRequest, to_rank0: Rank0Request,
+                 deadline: float):
         self.gate, self.request, self.req, self.deadline = gate, request, req, deadline
-        self.body, self.client_body, self.tenant = body, client_body, tenant
+        self.to_rank0, self.client_body = to_rank0, to_rank0.fields
         self.headers: dict[str, str] = {}  # the attempt's, for the response
         self.killed: list[tuple[str, int]] = []  # the meshes and generations that died with it in flight
         self.resp: web.StreamResponse | None = None  # prepared once anything reached the client
@@ -271,9 +268,7 @@ class Exchange:
     async def _whole(self, rank0: Rank0) -> web.Response:
         try:
             async with asyncio.timeout(rank0.window) if rank0.window else contextlib.nullcontext():
-                body = {**self.body, "meshd": {"tenant": self.tenant}} if rank0.resumable and self.tenant \
-                    else self.body
-                async with self._attempt(rank0, body) as r:
+                async with self._attempt(rank0, self.to_rank0) as r:
                     data = await r.read()
         except TimeoutError:
             raise UpstreamFailed(f"no answer within {rank0.window:.0f}s")
@@ -286,7 +281,7 @@ class Exchange:
         return web.Response(body=data, status=r.status, content_type="application/json", headers=self.headers)
 
     @contextlib.asynccontextmanager
-    async def _attempt(self, rank0: Rank0, body: dict):
+    async def _attempt(self, rank0: Rank0, to_rank0: Rank0Request):
         """rank 0's answer to `body`, cut (its next read raises UpstreamFailed) once its mesh says the
         generation died (a rank 0 whose peer died may wait out the stop ladder before its stream breaks), or
         that it ends on purpose with its streams cut."""
@@ -297,7 +292,7 @@ class Exchange:
             else:
                 r.set_exception(UpstreamFailed(f"mesh {rank0.mesh} says generation {rank0.generation} died"))
 
-        async with rank0.post(self.request.path, body) as r:
+        async with rank0.post(to_rank0) as r:
             watch = asyncio.ensure_future(cut_when_lost())
             try:
                 yield r
@@ -312,13 +307,6 @@ class Exchange:
             await self.resp.prepare(self.request)
         return self.resp
 
-    def _stream_body(self) -> dict:
-        """What rank 0 gets: asked for the token ids of each chunk, and told where to resume from."""
-        meshd = {"ids": True, **({"tenant": self.tenant} if self.tenant else {})}
-        if self.answer is not None and self.sent_data:
-            meshd["resume"] = {"ids": self.delivered, "chars": self.chars, **self.answer}
-        return {**self.body, "meshd": meshd}
-
     async def _stream(self, rank0: Rank0) -> web.StreamResponse:
         silent_since = time.monotonic()
 
@@ -327,9 +315,12 @@ class Exchange:
                 raise UpstreamFailed(f"no token for {rank0.window:.0f}s")
             await (await self._prepare()).write(b": keep-alive\n\n")
 
-        body = self._stream_body() if rank0.resumable else self.body
+        to_rank0 = self.to_rank0  # told where to resume from, once the client has part of the answer
+        if self.answer is not None and self.sent_data:
+            a = self.answer
+            to_rank0 = to_rank0.resuming(oa.Resume(tuple(self.delivered), self.chars, a["id"], a["created"], a["seed"]))
         try:
-            async with self._attempt(rank0, body) as r:
+            async with self._attempt(rank0, to_rank0) as r:
                 if r.status >= 500:
                     raise answered_failure(r.status, await r.read())
                 if r.status != 200:

@@ -23,8 +23,7 @@ import structlog
 
 from common.states import Phase
 from meshd.config import MeshConfig
-from meshd.seam import FleetRecord, Observation, Serving, Source, rank_key, rank_secret, wait_until
-from meshd.store import read_value
+from meshd.seam import FleetRecord, Observation, Serving, Source, WeightsRecord, rank_key, rank_secret, wait_until
 
 log = structlog.get_logger("meshd.fleetlink")
 
@@ -37,14 +36,14 @@ def remembered(cfg: MeshConfig) -> Serving | None:
     """The fleet as the controller last recorded it in its store, for a proxy that starts while the
     controller is away: the generation, rank 0's address by the config, its secret from the mesh's rank
     key. None when there is no record (or no key: the proxy runs as the controller's user)."""
-    fleet, weights = FleetRecord.read(cfg.store_path), read_value(cfg.store_path, "weights") or {}
+    fleet, weights = FleetRecord.read(cfg.store_path), WeightsRecord.read(cfg.store_path)
     try:
         key = rank_key(cfg.state_dir)
     except OSError:
         return None
     if fleet is None:
         return None
-    fingerprint = str(weights.get("fingerprint", "")) if weights.get("generation") == fleet.generation else ""
+    fingerprint = weights.fingerprint if weights is not None and weights.generation == fleet.generation else ""
     return Serving(fleet.phase, fleet.generation, "as the controller last recorded it", cfg.rank0_url,
                    rank_secret(key, fleet.generation), fingerprint=fingerprint)
 

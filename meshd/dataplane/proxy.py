@@ -34,7 +34,6 @@ from common.http import bearer_matches, json_error, json_errors, read_json
 from common.secretfile import derive
 from common.states import Phase, Profile
 from common.tomlcheck import loopback
-from meshd.config import ping_body
 from meshd.config import Proxy as ProxyConfig
 from meshd.dataplane.admission import Admission, QueueFull
 from meshd.dataplane.cors import cors
@@ -43,7 +42,7 @@ from meshd.dataplane.proxyconfig import Front, Mesh, listed_names, served_names
 from meshd.dataplane.routing import REASONS, Failed, MeshSeen, PrefixMemory, Route, conflicts, prefix_keys, route
 from meshd.metrics import ProxyMetrics
 from meshd.seam import FleetView, Observation, Serving
-from meshd.upstream import Upstream, UpstreamError
+from meshd.upstream import PING, Rank0Request, Upstream, UpstreamError
 
 log = structlog.get_logger("meshd.proxy")
 
@@ -284,8 +283,8 @@ class Proxy:
             return quarantined(p)
         with gate:
             try:
-                return await Exchange(gate, request, req, body, body, time.monotonic() + p.queue_wait,
-                                      self._tenant(request)).run()
+                to_rank0 = Rank0Request.of(request.path, req, body, self._tenant(request))
+                return await Exchange(gate, request, req, to_rank0, time.monotonic() + p.queue_wait).run()
             except QueueFull:
                 return json_error(429, f"The proxy queue is full ({gate.full_at} waiting); retry later",
                                   code="queue_full", type_="rate_limit_error", headers={"Retry-After": RETRY_AFTER})
@@ -329,7 +328,7 @@ class Proxy:
         status = None
         try:
             async with asyncio.timeout(p.probe_timeout):
-                async with link.rank0(s).post("/v1/chat/completions", ping_body(link.cfg.runtime.profile)) as r:
+                async with link.rank0(s).post(PING) as r:
                     answer = await r.read()
             if r.status == 200:
                 self.metrics.probes.labels(result="ok").inc()

@@ -3,25 +3,23 @@ meshd's rank loads for a deepseek_v4 checkpoint once `[runtime] model_package = 
 patch puts its DSML chat template and tool parser on it), then a DeepSeek Harness (dsh) loop through rank 0's
 real frontend (runtime/server.py on a real port, requests parsed by common/openai_api.py, prompts rendered by
 the template meshd applies): tools offered, the model's DSML call (the real tokenizer's tokens, played one at
-a time by a scripted stand-in for the lockstep loop, since a tiny random model writes no DSML) answered as
+a time by a scripted stand-in for the lockstep loop, kit/scripted.py, since a tiny random model writes no DSML)
+answered as
 OpenAI `tool_calls` with its reasoning apart, streamed and not, and the next turn's prompt carrying the call,
 its reasoning and the tool's result as V4's template renders them."""
 
 from __future__ import annotations
 
 import json
-import queue
-import threading
 from pathlib import Path
 
 import pytest
 import requests
 
 from common import openai_api as oa
+from kit.scripted import Script, ScriptedRanks
 from meshd.meshctl.ports import free_ports
-from runtime.engine.jobs import Emission
-from runtime.lockstep import Insert
-from runtime.server import WARMUP, Frontend
+from runtime.server import Frontend
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIAL = [BOS, EOS, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
@@ -111,40 +109,6 @@ def tokenizer(checkpoint):
     set_up(OMLX)
     config = json.loads((checkpoint / "config.json").read_text())
     return rank.load_tokenizer(checkpoint, eos_token_ids=config.get("eos_token_id"))
-
-
-class ScriptedRanks:
-    """The lockstep loop's side of rank 0's frontend, without a model: it takes what the frontend hands the
-    ranks (recording each prompt), and answers each request with the next scripted text, as the real
-    tokenizer's tokens one emission at a time, then EOS."""
-
-    def __init__(self, fe: Frontend, tokenizer):
-        self.fe, self.tok = fe, tokenizer
-        self.answers: queue.Queue[str] = queue.Queue()
-        self.prompts: list[list[int]] = []
-        self.eos = sorted(tokenizer.eos_token_ids)[0]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for msg in self.fe.collect(block=True, timeout=0.05):
-                if not isinstance(msg, Insert):
-                    continue
-                rid = msg.job.rid
-                self.fe.started(rid, 0)
-                if rid == WARMUP:
-                    self.fe.emit([Emission(rid, self.eos, "length")])
-                    continue
-                self.prompts.append(list(msg.job.prompt))
-                for t in self.tok.encode(self.answers.get_nowait(), add_special_tokens=False):
-                    self.fe.emit([Emission(rid, t, None)])
-                self.fe.emit([Emission(rid, self.eos, "stop")])
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 @pytest.fixture(scope="module")
@@ -347,3 +311,110 @@ def test_a_real_rank_under_the_omlx_overlay_renders_the_dsh_turn_with_v4s_templa
         deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in s.iter_lines(decode_unicode=True)
                   if line.startswith("data: {") and '"choices": [{' in line]
         assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+
+
+def test_a_v4_call_cut_by_max_tokens_comes_back_as_far_as_it_was_written(rank0):
+    cut = f"{THOUGHT}</think>\n\n" + CALL[:CALL.index('string="false">') + len('string="false">3')]
+    for m in (chat(rank0, Script(cut, "length"), FIRST)["choices"][0]["message"],
+              chat_stream(rank0, Script(cut, "length"), FIRST)[1]):
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]] == \
+            [("get_weather", '{"city": "Oslo", "days": 3')]
+        assert "DSML" not in (m["content"] or "")
+
+
+# --- DeepSeek Harness itself ------------------------------------------------------------------------------
+
+def dsh(rank0, **kwargs):
+    """DeepSeek Harness (the `deepseek-harness` client, unmodified) pointed at rank 0's OpenAI routes."""
+    from deepseek_harness import DeepSeekHarness
+
+    return DeepSeekHarness(api_key="unused", base_url=rank0[0].removesuffix("/chat/completions"), **kwargs)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["chat", "stream_chat"])
+def test_dsh_drives_five_v4_turns_its_calls_parsed_and_its_reasoning_passed_back(rank0, tokenizer, stream):
+    """Five turns with dsh's defaults (thinking on, tool_choice null): four calls, each run and sent back with its
+    reasoning, then the answer; each turn's prompt holds the last one's whole, a prefix the tape can reuse."""
+    client, (_, ranks) = dsh(rank0), rank0
+    messages, said = [SYSTEM, ASK], None
+    for turn in range(5):
+        thought = f"Turn {turn}: I look again."
+        answer = f"{thought}</think>\n\n" + ("Yes, warm." if turn == 4 else
+                                              dsml(("get_weather", {"city": "Oslo", "days": turn + 1})))
+        ranks.answers.put(answer)
+        out = list(client.stream_chat(model="v4", messages=messages, tools=[WEATHER], max_tokens=512))[-1] \
+            if stream else client.chat(model="v4", messages=messages, tools=[WEATHER], max_tokens=512)
+        message, prompt = out["message"], tokenizer.decode(ranks.prompts[-1])
+        assert message["reasoning_content"] == thought and out["salvage"] is None, out
+        if said is not None:
+            assert prompt.startswith(said)
+        if turn == 4:
+            assert message["content"] == "Yes, warm." and out["finish_reason"] == "stop"
+            break
+        assert out["finish_reason"] == "tool_calls"
+        assert called(message["tool_calls"]) == [("get_weather", {"city": "Oslo", "days": turn + 1})]
+        said = prompt + answer + EOS
+        messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "21 C"}]
+
+
+def test_dsh_with_thinking_disabled_asks_v4s_template_for_its_chat_mode(rank0, tokenizer):
+    rank0[1].answers.put("Yes, warm.")
+    out = dsh(rank0, disable_thinking_by_default=True).chat(model="v4", messages=[SYSTEM, ASK], max_tokens=64)
+    assert out["message"]["content"] == "Yes, warm." and "reasoning_content" not in out["message"]
+    assert tokenizer.decode(rank0[1].prompts[-1]).endswith("<｜Assistant｜></think>")
+
+
+def test_a_v4_tool_turn_without_its_reasoning_gets_deepseeks_400(rank0):
+    turn = [*DSH_TURN[:2], {k: v for k, v in DSH_TURN[2].items() if k != "reasoning_content"}, DSH_TURN[3]]
+    r = requests.post(rank0[0], json={"messages": turn, "tools": [WEATHER]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[2].reasoning_content", r.text
+    assert r.json()["error"]["message"].startswith("The reasoning_content in the thinking mode must be passed back")
+
+
+# --- dsh through a real mesh ------------------------------------------------------------------------------
+
+FORECAST = {"type": "function", "function": {  # values a random model's held call closes
+    "name": "get_weather", "parameters": {"type": "object", "required": ["city", "days"], "properties": {
+        "city": {"enum": ["Oslo", "Bergen"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["thinking off", "thinking"])
+def test_dsh_through_meshd_proxy_in_front_of_a_real_mesh_serving_v4_on_omlx(tmp_path, thinking):
+    """dsh's chat, stream_chat and a five-turn loop of calls (forced: a random model writes none itself) against
+    meshd-proxy, its controller, an agent and a rank under the omlx overlay: every turn answered, each call parsed
+    by the client, the reasoning sent back, usage in DeepSeek's words, every turn after the first served in part
+    from the tape (the conversation so far)."""
+    from deepseek_harness import DeepSeekHarness
+
+    from kit.meshctl import mesh_up
+    from meshd import config as mesh_config
+
+    from tokenizers import Tokenizer
+
+    model = build_v4_weights(build_v4_tokenizer_checkpoint(tmp_path / "v4"))
+    think_end = Tokenizer.from_file(str(model / "tokenizer.json")).token_to_id("</think>")
+    # the random model closes its reasoning after a while when `</think>` is favoured
+    sampling = {"temperature": 1.0, "seed": 3, "logit_bias": {str(think_end): 4}} if thinking else {}
+    with mesh_up(tmp_path / "mesh", model, 1, runtime={"model_package": "omlx",
+                                                       "args": {"model_name": "v4", "max_tokens_limit": 4096}}) \
+            as (path, _):
+        client = DeepSeekHarness(api_key="unused", base_url=f"http://{mesh_config.load(path).proxy.listen}/v1",
+                                 disable_thinking_by_default=not thinking)
+        hello = client.chat(model="v4", messages=[ASK], max_tokens=16, **sampling)
+        assert hello["usage"]["prompt_tokens"] > 0 and hello["finish_reason"] in ("stop", "length")
+        done = list(client.stream_chat(model="v4", messages=[ASK], max_tokens=16, **sampling))[-1]
+        assert done["type"] == "done" and done["usage"]["completion_tokens"] > 0
+        messages = [SYSTEM, ASK]
+        for turn in range(5):
+            forced = {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}} if turn < 4 else {}
+            out = client.chat(model="v4", messages=messages, tools=[FORECAST], max_tokens=256, **forced, **sampling)
+            message, usage = out["message"], out["raw"].usage.model_dump()
+            assert usage["prompt_cache_hit_tokens"] + usage["prompt_cache_miss_tokens"] == usage["prompt_tokens"]
+            if turn:
+                assert usage["prompt_cache_hit_tokens"] > 0, (turn, usage)
+            assert bool(message.get("reasoning_content")) == thinking, (turn, message)
+            if turn == 4:
+                break
+            assert out["finish_reason"] == "tool_calls" and out["salvage"] is None, out
+            assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+            messages += [message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "21 C"}]
