@@ -4,9 +4,9 @@ patch puts its DSML chat template and tool parser on it), then a DeepSeek Harnes
 real frontend (runtime/server.py on a real port, requests parsed by common/openai_api.py, prompts rendered by
 the template meshd applies): tools offered, the model's DSML call (the real tokenizer's tokens, played one at
 a time by a scripted stand-in for the lockstep loop, kit/scripted.py, since a tiny random model writes no DSML)
-answered as
-OpenAI `tool_calls` with its reasoning apart, streamed and not, and the next turn's prompt carrying the call,
-its reasoning and the tool's result as V4's template renders them."""
+answered as OpenAI `tool_calls` with its reasoning apart, streamed and not, and the next turn's prompt carrying
+the call, its reasoning and the tool's result as V4's template renders them; DeepSeek Harness itself over five
+turns; and dsh through meshd-proxy in front of a real mesh serving this V4 under the omlx overlay."""
 
 from __future__ import annotations
 
