@@ -32,6 +32,7 @@ from runtime.engine.jobs import Job
 from runtime.models.overlay import OMLX
 from runtime.rank import load_sharded
 from runtime.engine.rowwise import drafted_everywhere
+from runtime.prefix.store import PrefixStore
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
 
@@ -79,7 +80,7 @@ def main() -> None:
     checkpoint = build_v4_checkpoint(Path(tempfile.mkdtemp(prefix="meshd-rowwise-bench-")) / "v4")
     counted = Counted(load_sharded(checkpoint, mx.distributed.init(), lambda done, total: None, OMLX))
     engines = {"undrafted": lambda: BatchEngine(counted, set(), prefill_step_size=128),
-               "drafted": lambda: drafted_everywhere(counted, set(), BatchEngine(counted, set(), prefill_step_size=128),
+               "drafted": lambda: drafted_everywhere(counted, set(), PrefixStore(counted, prefill_step_size=128),
                                                      prefill_step_size=128, log=lambda m: None)}
     rows, same = [], True
     for batch in (int(b) for b in args.batches.split(",")):

@@ -33,6 +33,7 @@ from kit.waiting import wait_for
 from runtime.models.demo_model import DemoModelSpec, build_demo_model
 from runtime.engine.batch import BatchEngine, Job
 from runtime.prefix.snapshot import Identity, Snapshots
+from runtime.prefix.store import PrefixStore
 
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
 
@@ -110,7 +111,7 @@ def loop_share(model: Path, work: Path, tokens: int = 512) -> dict:
     share of the loop's time spent in the snapshots' part of it (the writer thread runs beside it)."""
     loaded, tok = load(str(model))
     snaps = TimedSnapshots(work / "loop", Identity("bench", 1, 0, "bench"), 1 << 30, EVERY, log=lambda m: None)
-    engine = BatchEngine(loaded, set(tok.eos_token_ids), snapshots=snaps)
+    engine = BatchEngine(loaded, set(tok.eos_token_ids), prefixes=PrefixStore(loaded, snapshots=snaps))
     bias = endless(model)["logit_bias"]
     engine.insert(Job("bench", tuple(tok.encode(SENTENCE * 4)), tokens, 1,
                       SamplingParams(max_tokens=tokens, temperature=1.0,

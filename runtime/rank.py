@@ -33,14 +33,16 @@ from common.states import RankState
 from common.statusfile import RankStatus
 from runtime.engine import grammar
 from runtime.models import dspark, families
-from runtime.engine.drafting import DraftWhenAlone, MTPEngine, SpeculativeEngine
+from runtime.engine.drafting import MTPEngine, SpeculativeEngine
 from runtime.engine.batch import BatchEngine
 from runtime.lockstep import Cancel, CompileGrammar, Drain, DrainMode, Insert, Message, RestoreFirst
 from runtime.join import join_mesh
 from runtime.engine.jobs import Divergence
 from runtime.lockstep import Lockstep, fold
 from runtime.models.overlay import OverlayError, check_loaded, checkpoint_tensors, disarm, drafter_off, overlay_for, set_up
+from runtime.prefix.checkpoints import message_markers
 from runtime.prefix.rates import Rates
+from runtime.prefix.store import PrefixStore
 from runtime.compiles import Compiles
 from runtime.restore import Restorer
 from runtime.engine.rowwise import drafted_everywhere
@@ -109,13 +111,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "allows); older ones are deleted at the start and as the writer goes")
     p.add_argument("--snapshot-every", type=int, default=256,
                    help="tokens between the snapshots of a tape as it grows (a prefill's chunks, an answer in flight)")
+    p.add_argument("--checkpoint-budget-mb", type=int, default=1024,
+                   help="memory the token tape's checkpoints may hold (windows and open pools of caches a trim "
+                        "cannot cut back, runtime/prefix/checkpoints.py); past it the least recently used go first")
     p.add_argument("--grammar-cache-mb", type=int, default=grammar.CACHE_BYTES >> 20,
                    help="memory the compiled grammars of structured output may hold on each rank "
                         "(runtime/engine/grammar.py); past it the least recently used go first")
     p.add_argument("--backend", default="any",
                    help="mx.distributed backend (default: $MESHD_BACKEND, which the agent sets from the hostfile)")
     args = p.parse_args(argv)
-    for flag in ("snapshot_every", "snapshot_budget_mb"):
+    for flag in ("snapshot_every", "snapshot_budget_mb", "checkpoint_budget_mb"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)} "
                     "(to write no snapshots: --snapshots off)")
@@ -332,12 +337,13 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
     # every rank compiles the grammars answers are held to (runtime/engine/grammar.py)
     grammar.serve(tokenizer, args.grammar_cache_mb << 20)
+    args.message_markers = message_markers(tokenizer)  # where prompts stop for checkpoints (runtime/prefix)
     context = args.max_context or int(config.get("max_position_embeddings", 4096))
     frontend = open_frontend(args, tokenizer, context, secret) if rank == 0 else None
     model, loaded_in = load(args, group, hb, overlay, log)
     engine = make_engine(args, model, set(tokenizer.eos_token_ids), rank, world, hb, log)
     lockstep = Lockstep(group)
-    restorer = restore_behind(engine, model, lockstep, loaded_in, log, rank)
+    restorer = restore_behind(engine.prefixes, model, lockstep, loaded_in, log, rank)
     wake, doze = rouse(lockstep, secret, args.generation, log)  # the arm barrier too: all are loaded past it
     hb.update(state=RankState.ARMED)
     log("armed")
@@ -426,14 +432,15 @@ def load(args, group, hb: Heartbeat, overlay, log) -> tuple:
 
 def make_engine(args, model, eos: set[int], rank: int, world: int, hb: Heartbeat, log):
     """The engine the args and the model ask for: a draft model's, DSpark's stages drafting for a request
-    alone beside the batch engine, the model's MTP head, or the batch engine."""
+    alone beside the batch engine, the model's MTP head, or the batch engine. Those that reuse prefixes share
+    one prefix store, built here (`engine.prefixes`; None for the others)."""
     model_path = Path(args.model)
     if args.draft_model:
         draft, _ = load_whole(args.draft_model)
         return SpeculativeEngine(model, draft, eos, num_draft_tokens=args.num_draft_tokens or 3,
                                  prefill_step_size=args.prefill_step_size)
     if args.drafter == "auto" and dspark.stages(model):
-        engine = drafted_everywhere(model, eos, batch_engine(args, model_path, model, eos, rank, world, log),
+        engine = drafted_everywhere(model, eos, prefix_store(args, model_path, model, rank, world, log),
                                     num_draft_tokens=args.num_draft_tokens or 0,
                                     prefill_step_size=args.prefill_step_size, log=log)
         hb.update(**engine.stats())
@@ -448,19 +455,21 @@ def make_engine(args, model, eos: set[int], rank: int, world: int, hb: Heartbeat
         log(f"drafter armed: the model's MTP head, {engine.num_draft_tokens} draft token(s) a step, one request "
             "at a time")
         return engine
-    return batch_engine(args, model_path, model, eos, rank, world, log)
+    return BatchEngine(model, eos, prefill_step_size=args.prefill_step_size,
+                       completion_batch_size=args.completion_batch_size,
+                       prefixes=prefix_store(args, model_path, model, rank, world, log))
 
 
-def restore_behind(engine, model, lockstep: Lockstep, loaded_in: float, log, rank: int) -> Restorer | None:
-    """The restores of the tapes every rank holds, behind serving, where a batch engine keeps the prefixes
-    (None elsewhere); every rank agrees on them here, a collective."""
-    prefixes = engine.prefixes if isinstance(engine, DraftWhenAlone) else engine
-    if not isinstance(prefixes, BatchEngine):
+def restore_behind(prefixes: PrefixStore | None, model, lockstep: Lockstep, loaded_in: float, log,
+                   rank: int) -> Restorer | None:
+    """The restores of the tapes every rank holds into the engine's prefix store, behind serving (None
+    without one); every rank agrees on them here, a collective."""
+    if prefixes is None:
         return None
     if not prefixes.rates.read_bps:  # nothing measured before: what reading the weights took
         prefixes.rates.note(read_bps=sum(v.nbytes for _, v in tree_flatten(model.parameters())) / max(loaded_in, 1e-3))
-    restorer = Restorer.agree(prefixes.snapshots, lockstep.gather, prefixes.tape,
-                              lambda: make_prompt_cache(model), prefixes.rates, log, rank)
+    restorer = Restorer.agree(prefixes.snapshots, lockstep.gather, prefixes.tape, prefixes.fresh, prefixes.rates,
+                              log, rank)
     if restorer.pending:
         log(f"restoring {len(restorer.pending)} tape(s) from snapshots while serving, most recent first")
     return restorer
@@ -492,12 +501,12 @@ def serve(loop: LockstepLoop, engine, frontend: Frontend | None, hb: Heartbeat, 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def batch_engine(args, model_path: Path, model, eos: set[int], rank: int, world: int, log) -> BatchEngine:
-    """The batch engine the args ask for, with this rank's snapshots and where its rates are kept."""
+def prefix_store(args, model_path: Path, model, rank: int, world: int, log) -> PrefixStore:
+    """The prefix store the args ask for, with this rank's snapshots and where its rates are kept."""
     snaps = open_snapshots(args, model_path, model, rank, world, log)
-    return BatchEngine(model, eos, prefill_step_size=args.prefill_step_size,
-                       completion_batch_size=args.completion_batch_size, snapshots=snaps,
-                       rates=Rates(snaps.folder / "rates.json" if snaps else None))
+    return PrefixStore(model, prefill_step_size=args.prefill_step_size, snapshots=snaps,
+                       rates=Rates(snaps.folder / "rates.json" if snaps else None), markers=args.message_markers,
+                       checkpoint_budget=args.checkpoint_budget_mb << 20)
 
 
 def open_snapshots(args, model_path: Path, model, rank: int, world: int, log) -> Snapshots | None:

@@ -26,7 +26,7 @@ def test_tape_returns_the_longest_stored_prefix_trimmed_to_what_is_shared():
     tape = TokenTape(capacity=4)
     tape.store((1, 2, 3, 4), cache_of(4))
     tape.store((9, 9), cache_of(2))
-    cache, n, _ = tape.take((1, 2, 3, 7, 8))
+    cache, n, _, _ = tape.take((1, 2, 3, 7, 8))
     assert n == 3
     assert cache[0].offset == 3
     assert cache[0].state[0][0, 0, :3, 0].tolist() == [0, 1, 2]
@@ -35,26 +35,26 @@ def test_tape_returns_the_longest_stored_prefix_trimmed_to_what_is_shared():
 def test_tape_leaves_at_least_one_token_to_prefill():
     tape = TokenTape()
     tape.store((1, 2, 3), cache_of(3))
-    cache, n, _ = tape.take((1, 2, 3))
+    cache, n, _, _ = tape.take((1, 2, 3))
     assert n == 2 and cache[0].offset == 2
 
 
 def test_tape_take_copies_so_the_stored_entry_survives():
     tape = TokenTape()
     tape.store((1, 2, 3, 4), cache_of(4))
-    first, _, _ = tape.take((1, 2, 5))
-    second, n, _ = tape.take((1, 2, 3, 4, 5))
+    first, _, _, _ = tape.take((1, 2, 5))
+    second, n, _, _ = tape.take((1, 2, 3, 4, 5))
     assert first[0].offset == 2 and n == 4 and second[0].offset == 4
 
 
 def test_tape_miss_and_eviction():
     tape = TokenTape(capacity=2)
-    assert tape.take((1, 2)) == (None, 0, "")
+    assert tape.take((1, 2)) == (None, 0, "", ())
     tape.store((1, 1), cache_of(2))
     tape.store((2, 2), cache_of(2))
     tape.store((3, 3), cache_of(2))
     assert len(tape) == 2
-    assert tape.take((1, 1, 1)) == (None, 0, "")
+    assert tape.take((1, 1, 1)) == (None, 0, "", ())
 
 
 def test_extending_tape_replaces_its_prefix():
@@ -213,19 +213,24 @@ def ask(engine, rid: str, prompt: tuple[int, ...]) -> tuple[int, list[int]]:
 
 def test_a_repeated_prompt_and_a_partial_prefix_answer_as_a_fresh_engine_whatever_the_cache(family):
     """The tape reuses a cache only where that is exact: cut back to the shared prefix where the cache
-    can be, else only for a prompt that extends its tape; otherwise the prompt is prefilled afresh."""
+    can be trimmed; else for a prompt that extends its tape, or back to a checkpoint where the new prompt's
+    prefill stops too (here the repeated prompt's end); otherwise the prompt is prefilled afresh."""
     model, trimmable = family
     engine = BatchEngine(model, set())
     prompt = tuple(range(5, 45))
     _, first = ask(engine, "a", prompt)
-    assert ask(engine, "b", prompt) == ((len(prompt) - 1 if trimmable else 0), first)
+    assert ask(engine, "b", prompt) == (len(prompt) - 1, first)
     partial = prompt[:30] + tuple(range(60, 70))
     assert ask(engine, "c", partial) == ((30 if trimmable else 0), ask(BatchEngine(model, set()), "c", partial)[1])
     turn = prompt + tuple(first) + (7, 8, 9)  # the tape holds the prompt and the answer but its last token
     assert ask(engine, "d", turn) == (len(prompt) + len(first) - 1, ask(BatchEngine(model, set()), "d", turn)[1])
-    served = len(prompt) + len(first) - 1 + (len(prompt) - 1 + 30 if trimmable else 0)
-    assert engine.stats() == {"tape_hits": 3 if trimmable else 1, "tape_hit_tokens": served, "tape_misses": 1,
-                              "tape_not_reusable": 0 if trimmable else 2}
+    served = len(prompt) - 1 + len(prompt) + len(first) - 1 + (30 if trimmable else 0)
+    stats = engine.stats()
+    assert {k: stats[k] for k in ("tape_hits", "tape_hit_tokens", "tape_misses", "tape_not_reusable",
+                                  "tape_checkpoint_hits")} == {
+        "tape_hits": 3 if trimmable else 2, "tape_hit_tokens": served, "tape_misses": 1,
+        "tape_not_reusable": 0 if trimmable else 1, "tape_checkpoint_hits": 0 if trimmable else 1}
+    assert (stats["tape_checkpoints"] > 0) is not trimmable
 
 
 @pytest.mark.parametrize("join_at,length", [(2, 40), (20, 40), (20, 16)],

@@ -30,6 +30,7 @@ from runtime.prefix.rates import Rates
 from runtime.restore import Restorer, plan, settled, worth_waiting
 from runtime.prefix.snapshot import (Identity, Segment, Snapshots, agree, digest, due, ends, evict, expired, read_header,
                               scan, segment_files, serving, snapshot_key, snapshot_kind, tape_id, whole)
+from runtime.prefix.store import PrefixStore
 from runtime.prefix.tape import TokenTape
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 60  # ~670 tokens: a prefill of seconds on two ranks
@@ -385,7 +386,8 @@ def test_a_long_prompt_is_snapshotted_chunk_by_chunk_as_it_is_prefilled_so_a_dea
     model, tokenizer = load(str(demo_model))
     prompt = tuple(tokenizer.encode(LONG))[:200]
     snaps = Snapshots(tmp_path, ME, 1 << 30, every=16)
-    engine = BatchEngine(model, set(), prefill_step_size=32, snapshots=snaps)
+    engine = BatchEngine(model, set(), prefill_step_size=32, prefixes=PrefixStore(model, prefill_step_size=32,
+                                                                                 snapshots=snaps))
     engine.insert(Job("long", prompt, 8, 0, SamplingParams(max_tokens=8, temperature=0.0).sampling()))
     while not engine.step():  # the prefill, chunk by chunk, up to the answer's first token
         pass
@@ -408,7 +410,7 @@ def test_batched_answers_are_snapshotted_as_they_stream_and_a_row_restores_exact
     sampling = SamplingParams(max_tokens=48, temperature=0.0).sampling()
     prompts = [tuple(tokenizer.encode(LONG))[:40], tuple(tokenizer.encode("Drain before close. " * 4))]
     snaps = Snapshots(tmp_path, ME, 1 << 30, every=16)
-    engine = BatchEngine(model, set(), snapshots=snaps)
+    engine = BatchEngine(model, set(), prefixes=PrefixStore(model, snapshots=snaps))
     for i, prompt in enumerate(prompts):
         engine.insert(Job(f"r{i}", prompt, 48, 0, sampling))  # the second joins the first: a batch of two
     told = {"r0": [], "r1": []}
@@ -464,7 +466,7 @@ def test_tenants_never_share_a_prefix_in_memory_or_on_disk_and_a_restore_keeps_w
     tape.store(secret, real_cache(40), tape_id(secret, "alice"), "alice")
     assert tape.served(secret + (1,), "alice") == 40
     assert tape.served(secret + (1,), "bob") == 0 and tape.served(secret + (1,)) == 0
-    cache, cached, _ = tape.take(secret[:20] + (99,), "bob")
+    cache, cached, _, _ = tape.take(secret[:20] + (99,), "bob")
     assert (cache, cached, tape.misses) == (None, 0, 1)  # a miss, as if nothing were held
     assert tape_id(secret, "alice") != tape_id(secret, "bob") != tape_id(secret)
 

@@ -16,7 +16,10 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from runtime.models import dspark, pools
 from runtime.prefix import rollback
+from runtime.prefix.checkpoints import Taken
+from runtime.prefix.store import NO_SNAPSHOT, Prefix
 from runtime.engine.jobs import Divergence, Emission, Job, emission, finish_reason
+from runtime.engine.request import Request
 from runtime.engine.sampling import GrammarMask, processors_for, sample_at, sampler_for
 
 
@@ -70,15 +73,15 @@ def agree(kept: list[int]) -> None:
 
 
 class SingleRequestEngine(ABC):
-    """The Engine of a drafter: the queue, the active job, its token count and how it ends. A subclass
-    decodes the active job (its three abstract methods)."""
+    """The Engine of a drafter: the queue, the active request and how it ends. A subclass decodes the active
+    request (its three abstract methods)."""
+
+    prefixes = None  # the prefix store the requests' caches come from and their tapes go to (DSparkEngine's)
 
     def __init__(self, eos_ids: set[int], log=print):
         self._eos = eos_ids
         self._queue: deque[Job] = deque()
-        self._active: Job | None = None
-        self._count = 0  # tokens the active job emitted
-        self._cached = 0  # how much of the active job's prompt its cache held when it began
+        self._active: Request | None = None
         self._log = log
         self.fallbacks = 0  # requests whose drafted steps were refused, decoded plainly from there
 
@@ -97,9 +100,7 @@ class SingleRequestEngine(ABC):
         if self._active is None:
             if not self._queue:
                 return []
-            self._active = self._queue.popleft()
-            self._count = 0
-            self._begin(self._active)
+            self._active = self._begin(self._queue.popleft())
         return self._advance()
 
     @property
@@ -120,7 +121,7 @@ class SingleRequestEngine(ABC):
         self._active = None
 
     def _ends_after(self, tokens: list[int]) -> int:
-        return ends_after(tokens, self._count, self._active.max_tokens, self._eos)
+        return ends_after(tokens, self._active.count, self._active.job.max_tokens, self._eos)
 
     def _refused(self, who: str, e: Exception) -> None:
         """A kernel's refusal of a shape (the same on every rank, so all go on plainly), said and counted."""
@@ -130,20 +131,20 @@ class SingleRequestEngine(ABC):
 
     def _emit(self, tokens: list[int], logprobs) -> list[Emission]:
         """The active job's next tokens (`logprobs[i]` what token i was drawn from), up to where it ends."""
-        job, out = self._active, []
+        r, out = self._active, []
         for i, token in enumerate(tokens):
-            self._count += 1
-            reason = finish_reason(token, self._count, job.max_tokens, self._eos)
-            e = emission(job.rid, token, reason, logprobs[i], job.logprobs)
-            out.append(replace(e, cached=self._cached) if self._count == 1 else e)
+            r.count += 1
+            reason = finish_reason(token, r.count, r.job.max_tokens, self._eos)
+            e = emission(r.rid, token, reason, logprobs[i], r.job.logprobs)
+            out.append(replace(e, cached=r.cached) if r.count == 1 else e)
             if reason is not None:
                 self._finish()
                 break
         return out
 
     @abstractmethod
-    def _begin(self, job: Job) -> None:
-        """Start decoding the job just made active."""
+    def _begin(self, job: Job) -> Request:
+        """The request of the job made active, decoding started."""
 
     @abstractmethod
     def _advance(self) -> list[Emission]:
@@ -174,9 +175,8 @@ class SpeculativeEngine(SingleRequestEngine):
         self._stream = None
         super()._finish()
 
-    def _begin(self, job: Job) -> None:
-        self._said = list(job.prompt)  # the prompt and the tokens emitted
-        self._drafting = True
+    def _begin(self, job: Job) -> Request:
+        r = Request.begin(job, Prefix(None, 0, NO_SNAPSHOT, Taken(())))
         self._stream = speculative_generate_step(
             mx.array(job.prompt),
             self._model,
@@ -184,9 +184,10 @@ class SpeculativeEngine(SingleRequestEngine):
             num_draft_tokens=self._num_draft,
             max_tokens=job.max_tokens,
             sampler=sampler_for(job),
-            logits_processors=processors_for(job),
+            logits_processors=r.processors,
             prefill_step_size=self._prefill_step_size,
         )
+        return r
 
     def _advance(self) -> list[Emission]:
         try:
@@ -196,23 +197,24 @@ class SpeculativeEngine(SingleRequestEngine):
             self._finish()
             return [Emission(rid, None, "length")]
         except Exception as e:
-            if not self._drafting:
+            if not self._active.drafting:
                 raise
-            self._drafting = False
+            self._active.drafting = False
             self._refused("a drafted step", e)
             self._stream = self._plain(self._active)
             return []
-        self._said.append(int(token))
+        self._active.tape.append(int(token))
         return self._emit([int(token)], [logprobs])
 
-    def _plain(self, job: Job):
-        """Plain decoding of the job from what it said, each token drawn with the key of its place."""
-        return generate_step(mx.array(self._said), self._model, max_tokens=job.max_tokens - self._count,
-                             sampler=sampler_for(replace(job, offset=job.offset + self._count)),
+    def _plain(self, r: Request):
+        """Plain decoding of the request from what it said, each token drawn with the key of its place."""
+        job = r.job
+        return generate_step(mx.array(r.tape), self._model, max_tokens=job.max_tokens - r.count,
+                             sampler=sampler_for(replace(job, offset=job.offset + r.count)),
                              logits_processors=processors_for(job), prefill_step_size=self._prefill_step_size)
 
     def _prompt_left(self) -> int:
-        return len(self._active.prompt) if self._count == 0 else 0
+        return len(self._active.job.prompt) if self._active.count == 0 else 0
 
 
 def trim_to(cache: list, length: int) -> None:
@@ -242,8 +244,6 @@ class MTPEngine(SingleRequestEngine):
     kernel's layout limit past some prompt length) ends drafting for that request, the target's caches
     back where the step began: plain decoding from there, said in the log and counted, the rank alive."""
 
-    prefixes = None  # the batch engine whose token tape and snapshots the requests share (DSparkEngine's)
-
     def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 1, prefill_step_size: int = 512,
                  log=print):
         super().__init__(eos_ids, log)
@@ -257,54 +257,49 @@ class MTPEngine(SingleRequestEngine):
                 "draft_fallbacks": self.fallbacks}
 
     def _prompt_left(self) -> int:
-        return len(self._todo)
+        return len(self._active.todo)
 
     def _advance(self) -> list[Emission]:
-        if len(self._todo) > self._chunk:
+        if len(self._active.todo) > self._chunk:
             self._prefill()
             return []
         return self._verify()
 
-    def _begin(self, job: Job) -> None:
-        self._cache, cached = (self.prefixes.take(job) if self.prefixes is not None
-                               else (make_prompt_cache(self._model), 0))
-        self._mtp_cache = self._model.make_mtp_cache()
-        self._tape = list(job.prompt)  # the prompt and the tokens emitted: the target's caches hold [:_base]
-        self._todo = list(job.prompt[cached:])  # the prompt not yet through the target
-        self._base = self._cached = cached  # positions the target's caches (and the MTP head's) hold for good
-        self._pending: int | None = None  # the last emitted token, not yet through the target
-        self._drafts: mx.array | None = None  # the head's drafts after it (on the device)
-        self._drafting = True
-        self._processors = processors_for(job)
-        self._said = mx.array(job.prompt, dtype=mx.uint32) if self._processors else None  # what they see
-        self._grammar = next((p for p in self._processors if isinstance(p, GrammarMask)), None)
+    def _begin(self, job: Job) -> Request:
+        """The request with its cache (from the prefix store, where one is given) and its drafter's context (the
+        MTP head's cache, DSpark's stages'); the target's caches (and the head's) hold its tape[:base] for good."""
+        prefix = (self.prefixes.take(job) if self.prefixes is not None
+                  else Prefix(make_prompt_cache(self._model), 0, NO_SNAPSHOT, Taken(())))
+        return Request.begin(job, prefix, context=self._model.make_mtp_cache())
 
     def _prefill(self) -> None:
         """A chunk of the prompt that is not its last through the target; the head learns its positions."""
-        chunk, self._todo = self._todo[:self._chunk], self._todo[self._chunk:]
+        r = self._active
+        chunk, r.todo = r.todo[:self._chunk], r.todo[self._chunk:]
         with mx.stream(generation_stream):
-            hidden = self._model.hidden(mx.array(chunk, dtype=mx.uint32)[None], self._cache)
-        self._learn(hidden, mx.array(chunk[1:] + self._todo[:1], dtype=mx.uint32))
-        mx.eval([c.state for c in self._cache] + ([c.state for c in self._mtp_cache] if self._drafting else []))
-        self._base += len(chunk)
+            hidden = self._model.hidden(mx.array(chunk, dtype=mx.uint32)[None], r.cache)
+        self._learn(hidden, mx.array(chunk[1:] + r.todo[:1], dtype=mx.uint32))
+        mx.eval([c.state for c in r.cache] + ([c.state for c in r.context] if r.drafting else []))
+        r.base += len(chunk)
         self._keep(final=False)
 
     def _verify(self) -> list[Emission]:
         """The places (the prompt's last chunk, or the pending token and the drafts) through the target,
         sampled from `first` on: the drafts it agrees with and its own next token come out. A target that
         refuses the drafts gets the step again without them, its caches as the step found them."""
-        job = self._active
-        if self._todo:
-            inputs, first, self._todo = mx.array(self._todo, dtype=mx.uint32), len(self._todo) - 1, []
+        r = self._active
+        job = r.job
+        if r.todo:
+            inputs, first, r.todo = mx.array(r.todo, dtype=mx.uint32), len(r.todo) - 1, []
         else:
-            inputs, first = mx.array([self._pending], dtype=mx.uint32), 0
-        ahead = inputs.shape[0] + (0 if self._drafts is None else self._drafts.shape[0])
-        saved = rollback.checkpoint(self._cache, ahead)
+            inputs, first = mx.array([r.pending], dtype=mx.uint32), 0
+        ahead = inputs.shape[0] + (0 if r.drafts is None else r.drafts.shape[0])
+        saved = rollback.checkpoint(r.cache, ahead)
         verified = None
-        if self._drafts is not None:
+        if r.drafts is not None:
             with self._refusals("the target's verify"):
-                verified = self._target(job, mx.concatenate([inputs, self._drafts]), first)
-                inputs = mx.concatenate([inputs, self._drafts])
+                verified = self._target(job, mx.concatenate([inputs, r.drafts]), first)
+                inputs = mx.concatenate([inputs, r.drafts])
             if verified is None:
                 saved.undo()
         if verified is None:
@@ -319,14 +314,14 @@ class MTPEngine(SingleRequestEngine):
         n = self._ends_after(tokens[:kept + 1])  # the tokens that go out; the last of them is not fed
         at = first + n - 1  # the place of the last token kept
         self._cut(saved, inputs[:at + 1], inputs.shape[0])
-        self._base += at + 1
-        self._tape += tokens[:n]
+        r.base += at + 1
+        r.tape += tokens[:n]
         out = self._emit(tokens[:n], logprobs)
         if self._active is not None:
-            if self._said is not None:
-                self._said = mx.concatenate([self._said, sampled[:n]])
-            self._pending = tokens[n - 1]
-            self._drafts = self._next_drafts(learned, at, tokens[n - 1]) if self._drafting else None
+            if r.said is not None:
+                r.said = mx.concatenate([r.said, sampled[:n]])
+            r.pending = tokens[n - 1]
+            r.drafts = self._next_drafts(learned, at, tokens[n - 1]) if r.drafting else None
             self._keep(final=False)
         return out
 
@@ -334,8 +329,9 @@ class MTPEngine(SingleRequestEngine):
         """The request's tape so far to the shared token tape's engine: staged for its snapshot when due, at
         its end stored, so a follow-up turn prefills only its new tokens."""
         if self.prefixes is not None:
-            self.prefixes.keep(self._active.rid, self._tape[:self._base] if final else self._tape, self._cache,
-                                final)
+            r = self._active
+            self.prefixes.pump()
+            r.since = self.prefixes.keep(r.job.tenant, r.since, r.fed if final else r.tape, r.cache, final, r.taken)
 
     def _finish(self) -> None:
         if self._active is not None:
@@ -346,7 +342,7 @@ class MTPEngine(SingleRequestEngine):
         """The places through the target, sampled from `first` on, and the head's learning of them: what
         it learned, the log probabilities and the samples, evaluated."""
         with mx.stream(generation_stream):
-            hidden = self._model.hidden(inputs[None], self._cache)
+            hidden = self._model.hidden(inputs[None], self._active.cache)
             logprobs = self._logprobs(self._model.head(hidden[0, first:]), inputs[first + 1:])
             sampled = self._sample(job, logprobs)
         learned = self._learn(hidden, mx.concatenate([inputs[1:first + 1], sampled]))
@@ -354,47 +350,49 @@ class MTPEngine(SingleRequestEngine):
         return learned, logprobs, sampled
 
     def _sample(self, job: Job, logprobs: mx.array) -> mx.array:
-        return sample_places(job, self._count, logprobs)
+        return sample_places(job, self._active.count, logprobs)
 
     @staticmethod
     def _agree(kept: int) -> None:
         """Nothing to settle here: this step's collectives did not depend on what was kept."""
 
     def _cut(self, saved: rollback.Checkpoint, kept: mx.array, fed: int) -> None:
-        """The target's caches back to `_base` plus the `kept` places, of the `fed` the step put in."""
-        trim_to(self._cache, self._base + kept.shape[0])
+        """The target's caches back to its base plus the `kept` places, of the `fed` the step put in."""
+        trim_to(self._active.cache, self._active.base + kept.shape[0])
 
     def _next_drafts(self, learned, at: int, anchor: int) -> mx.array | None:
         return self._chain(*learned, at) if learned else None
 
     def _logprobs(self, logits: mx.array, drafts: mx.array) -> mx.array:
-        return place_logprobs(logits, self._processors, self._said, drafts)
+        return place_logprobs(logits, self._active.processors, self._active.said, drafts)
 
     def _learn(self, hidden: mx.array, next_tokens: mx.array) -> tuple[mx.array, mx.array] | None:
         """The head's cache, cut back to the kept positions, learns (hidden state at p, token at p+1) for
         these places: its states and logits at each. None once drafting has ended for the request."""
-        if not self._drafting:
+        r = self._active
+        if not r.drafting:
             return None
         with self._refusals():
-            trim_to(self._mtp_cache, self._base)
-            return self._model.mtp_draft(hidden, next_tokens[None], self._mtp_cache)
+            trim_to(r.context, r.base)
+            return self._model.mtp_draft(hidden, next_tokens[None], r.context)
         return None
 
     def _chain(self, h: mx.array, logits: mx.array, at: int) -> mx.array | None:
         """num_draft_tokens drafts after place `at` of the head's last learning: its guess there, then
         each from the one before (on the device: they go into the next verify's graph)."""
+        r = self._active
         with self._refusals():
-            trim_to(self._mtp_cache, self._base)
+            trim_to(r.context, r.base)
             guesses = [mx.argmax(self._allowed([], logits[:, at]), axis=-1)]
             h = h[:, at:at + 1]
             while len(guesses) < self.num_draft_tokens:
-                h, logits = self._model.mtp_draft(h, guesses[-1][None], self._mtp_cache)
+                h, logits = self._model.mtp_draft(h, guesses[-1][None], r.context)
                 guesses.append(mx.argmax(self._allowed(guesses, logits[:, -1]), axis=-1))
             return mx.concatenate(guesses).astype(mx.uint32)
         return None
 
     def _allowed(self, drafts: list[mx.array], row: mx.array) -> mx.array:
-        return allowed_by(self._grammar, self._said, drafts, row)
+        return allowed_by(self._active.grammar, self._active.said, drafts, row)
 
     @contextmanager
     def _refusals(self, who: str = "drafter"):
@@ -403,7 +401,7 @@ class MTPEngine(SingleRequestEngine):
             with mx.stream(generation_stream):
                 yield
         except Exception as e:
-            self._drafting = False
+            self._active.drafting = False
             self._refused(who, e)
 
 
@@ -413,7 +411,7 @@ class DraftWhenAlone:
     hands over to the batch at that step boundary, keeping its place exactly (`handover`: its cache, the
     tokens it said, the sampling keys and grammar of its place), and both go on there. What waits goes to the
     drafter when it is one request and nothing else runs, else to the batch engine, which takes arrivals while
-    it runs. The tape and snapshots are the drafter's `prefixes`, which the batch engine shares."""
+    it runs. Both take caches from and give tapes to the same prefix store (`prefixes`)."""
 
     def __init__(self, drafter, batch, log=print):
         self.drafter, self.batch = drafter, batch
@@ -487,7 +485,7 @@ class DraftWhenAlone:
 
     @property
     def prefixes(self):
-        """The batch engine that keeps the token tape and the snapshots."""
+        """The prefix store the drafter and the batch share."""
         return self.drafter.prefixes
 
     def stats(self) -> dict:
@@ -515,7 +513,7 @@ class DSparkEngine(MTPEngine):
 
     The prompt goes through the target as the plain decoder takes it, and every forward after it in the
     pieces decoding one position at a time gives (pools.pieces): omlx's pooled windows make a forward
-    depend on where it starts. A request's cache comes from the batch engine's token tape (`prefixes`) and
+    depend on where it starts. A request's cache comes from the prefix store's token tape (`prefixes`) and
     its tape goes back there when it ends, so the next turn of a conversation prefills only its new tokens."""
 
     def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
@@ -537,15 +535,15 @@ class DSparkEngine(MTPEngine):
         as plain decoding left them) into the token tape, where the batch's `take` finds it whole; the job
         from its next token on (its prompt what it said so far, its sampling keys and grammar from there), and
         the cached count its first token must carry (None once that token went out)."""
-        job = self._active
-        rest = replace(job, prompt=tuple(self._tape), max_tokens=job.max_tokens - self._count,
-                       offset=job.offset + self._count)
-        cached = None if self._count else self._cached
+        r = self._active
+        job = r.job
+        rest = replace(job, prompt=tuple(r.tape), max_tokens=job.max_tokens - r.count, offset=job.offset + r.count)
+        cached = None if r.count else r.cached
         self._finish()
         return rest, cached
 
     def _advance(self) -> list[Emission]:
-        if len(self._todo) > 1:
+        if len(self._active.todo) > 1:
             self._prefill()
             return []
         return self._verify()
@@ -554,16 +552,17 @@ class DSparkEngine(MTPEngine):
         """A chunk of the prompt, as the plain decoder takes it (all but the last token, in chunks; a resumed
         answer's tokens in the pieces decoding gives): a target whose forward depends on where its chunks
         start (omlx's pooled windows) answers as plainly."""
-        job = self._active
-        n = pools.prompt_piece(self._base, len(job.prompt), job.offset, self._chunk, self._windows)
-        chunk, self._todo = self._todo[:n], self._todo[n:]
+        r = self._active
+        n = pools.prompt_piece(r.base, len(r.job.prompt), r.job.offset, self._chunk, self._windows, r.taken.stops)
+        chunk, r.todo = r.todo[:n], r.todo[n:]
         with mx.stream(generation_stream):
-            _, taps = self._model(mx.array(chunk, dtype=mx.uint32)[None], self._cache, return_hidden=True)
-        if self._drafting:
+            _, taps = self._model(mx.array(chunk, dtype=mx.uint32)[None], r.cache, return_hidden=True)
+        if r.drafting:
             with self._refusals():
-                self._model.dspark_append_context(taps, self._mtp_cache)
-        mx.eval([c.state for c in self._cache])
-        self._base += len(chunk)
+                self._model.dspark_append_context(taps, r.context)
+        mx.eval([c.state for c in r.cache])
+        r.base += len(chunk)
+        r.taken.reached(r.cache, r.base)
         self._keep(final=False)
 
     def _target(self, job: Job, inputs: mx.array, first: int):
@@ -581,26 +580,28 @@ class DSparkEngine(MTPEngine):
         agree([kept])
 
     def _cut(self, saved: rollback.Checkpoint, kept: mx.array, fed: int) -> None:
-        """The target's caches back to `_base` plus the `kept` places: trimmed when a trim undoes every
+        """The target's caches back to its base plus the `kept` places: trimmed when a trim undoes every
         layer's step exactly, else undone to where the step began and the kept places fed again."""
         if kept.shape[0] == fed:
             return
+        r = self._active
         if saved.trims:
-            trim_to(self._cache, self._base + kept.shape[0])
+            trim_to(r.cache, r.base + kept.shape[0])
             return
         saved.undo()
         with mx.stream(generation_stream):
             self._forward(kept, armed=False)
-        mx.eval([c.state for c in self._cache])
+        mx.eval([c.state for c in r.cache])
 
     def _forward(self, inputs: mx.array, armed: bool) -> tuple[mx.array, mx.array]:
-        """The positions through the target from `_base` on, in the pieces decoding them one at a time would
-        give (pools.pieces), its verify armed for a piece of drafts when `armed`: the logits and the taps."""
+        """The positions through the target from the request's base on, in the pieces decoding them one at a time
+        would give (pools.pieces), its verify armed for a piece of drafts when `armed`: the logits and the taps."""
+        r = self._active
         outs, at = [], 0
-        for n in pools.pieces(self._base, inputs.shape[0], self._windows):
+        for n in pools.pieces(r.base, inputs.shape[0], self._windows):
             self._arm(armed and n > 1)
             try:
-                outs.append(self._model(inputs[None, at:at + n], self._cache, return_hidden=True))
+                outs.append(self._model(inputs[None, at:at + n], r.cache, return_hidden=True))
             finally:
                 self._arm(False)
             at += n
@@ -615,6 +616,6 @@ class DSparkEngine(MTPEngine):
         """The next block's first num_draft_tokens drafts (on the device: they go into the next verify's
         graph), the committed places' taps entering the stages' context first (dspark.draft)."""
         with self._refusals():
-            return dspark.draft(self._model, self._mtp_cache, committed, anchor, self.num_draft_tokens,
+            return dspark.draft(self._model, self._active.context, committed, anchor, self.num_draft_tokens,
                                 self._allowed)[0]
         return None

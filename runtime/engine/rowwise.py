@@ -15,7 +15,7 @@ kept under the smallest pooled window that overlaps the one before it, so every 
 most one of them whatever its offset: each row's caches then hold what decoding it alone, one position at a
 time, would hold, and its answer is that decoding's, token for token.
 
-A row that ends leaves the batch at once, its caches taken out of it into the batch engine's token tape (so
+A row that ends leaves the batch at once, its caches taken out of it into the prefix store's token tape (so
 the next turn of its conversation prefills only its new tokens); a row that comes joins at the next step.
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -33,27 +32,8 @@ from runtime.prefix import rollback
 from runtime.engine.drafting import (DraftWhenAlone, DSparkEngine, agree, allowed_by, ends_after, place_logprobs,
                               sample_places)
 from runtime.engine.jobs import Emission, Job, emission, finish_reason
-from runtime.engine.sampling import GrammarMask, processors_for
-
-
-@dataclass(eq=False)
-class Row:
-    """One request as the row-wise engine decodes it."""
-
-    job: Job
-    cache: list | None  # its own caches while its prompt goes in; None once they are the batch's
-    context: list  # its stages' context (the committed positions' taps)
-    tape: list[int]  # the prompt and the tokens emitted: the caches hold [:base]
-    todo: list[int]  # the prompt not yet through the target
-    base: int
-    processors: list
-    said: mx.array | None  # what the processors see (None without processors)
-    grammar: GrammarMask | None
-    count: int = 0  # tokens emitted
-    pending: int = 0  # the last token (of the prompt, or emitted), not yet through the target
-    drafts: mx.array | None = None  # its drafts after `pending` (on the device)
-    drafting: bool = True
-    kept: list[int] = field(default_factory=list)  # this step's tokens that go out
+from runtime.engine.request import Request
+from runtime.prefix.store import PrefixStore
 
 
 def verify_width(num_draft_tokens: int, block: int, windows: tuple[int, ...]) -> int:
@@ -80,9 +60,9 @@ def padding(lengths: list[int]) -> list[int]:
 
 class RowwiseDSpark:
     """The Engine that drafts every row of a batch with DeepSeek-V4's DSpark stages; caches and tapes come
-    from and go to `prefixes` (the batch engine that keeps the token tape and the snapshots)."""
+    from and go to the prefix store `prefixes`."""
 
-    def __init__(self, model, eos_ids: set[int], *, prefixes, num_draft_tokens: int = 0,
+    def __init__(self, model, eos_ids: set[int], *, prefixes: PrefixStore, num_draft_tokens: int = 0,
                  prefill_step_size: int = 512, log=print):
         self._model = model
         self._eos = eos_ids
@@ -91,25 +71,20 @@ class RowwiseDSpark:
         self._windows = pools.overlap_windows(model)
         self.width = verify_width(num_draft_tokens, int(model.args.dspark_block_size), self._windows)
         self._log = log
-        self._joining: deque[Row] = deque()  # prompts going in, first come first
-        self._rows: list[Row] = []  # the batch, in the order of its caches' rows
+        self._joining: deque[Request] = deque()  # prompts going in (in their own caches), first come first
+        self._rows: list[Request] = []  # the batch, in the order of its caches' rows
         self._cache: list | None = None  # the batch's caches
         self.proposed = self.accepted = self.fallbacks = self.batched_steps = 0
 
     # --- Engine -------------------------------------------------------------------------------------------
     def insert(self, job: Job) -> int:
-        cache, cached = self.prefixes.take(job)
-        processors = processors_for(job)
-        self._joining.append(Row(
-            job, cache, self._model.make_mtp_cache(), list(job.prompt), list(job.prompt[cached:]), cached,
-            processors, mx.array(job.prompt, dtype=mx.uint32) if processors else None,
-            next((p for p in processors if isinstance(p, GrammarMask)), None)))
-        return cached
+        row = Request.begin(job, self.prefixes.take(job), context=self._model.make_mtp_cache())
+        self._joining.append(row)
+        return row.cached
 
     def cancel(self, rid: str) -> None:
         self._joining = deque(r for r in self._joining if r.job.rid != rid)
         self._leave([r for r in self._rows if r.job.rid == rid], ended=False)
-        self.prefixes.cancel(rid)
 
     def step(self) -> list[Emission]:
         if self._joining:
@@ -136,9 +111,10 @@ class RowwiseDSpark:
                 "draft_fallbacks": self.fallbacks, "draft_batched_steps": self.batched_steps}
 
     # --- a prompt going in --------------------------------------------------------------------------------
-    def _prefill(self, row: Row) -> None:
+    def _prefill(self, row: Request) -> None:
         """A chunk of the row's prompt through its own caches, its taps into its stages' context."""
-        n = pools.prompt_piece(row.base, len(row.job.prompt), row.job.offset, self._chunk, self._windows)
+        n = pools.prompt_piece(row.base, len(row.job.prompt), row.job.offset, self._chunk, self._windows,
+                               row.taken.stops)
         chunk, row.todo = row.todo[:n], row.todo[n:]
         with mx.stream(generation_stream):
             _, taps = self._model(mx.array(chunk, dtype=mx.uint32)[None], row.cache, return_hidden=True)
@@ -147,9 +123,11 @@ class RowwiseDSpark:
                 self._model.dspark_append_context(taps, row.context)
         mx.eval([c.state for c in row.cache])
         row.base += n
-        self.prefixes.keep(row.job.rid, row.tape, row.cache, False)
+        row.taken.reached(row.cache, row.base)
+        self.prefixes.pump()
+        row.since = self.prefixes.keep(row.job.tenant, row.since, row.tape, row.cache, False)
 
-    def _join(self, row: Row) -> None:
+    def _join(self, row: Request) -> None:
         """The row's caches into the batch's: its last prompt token is its first pending one."""
         (row.pending,), row.todo = row.todo, []
         single = [c.merge([c]) for c in row.cache]
@@ -208,13 +186,13 @@ class RowwiseDSpark:
             self._leave(ended)
         return out
 
-    def _places(self, row: Row, width: int) -> mx.array:
+    def _places(self, row: Request, width: int) -> mx.array:
         """The row's pending token and `width` drafts: its own, else its pending token in their places."""
         pending = mx.array([row.pending], dtype=mx.uint32)
         drafts = row.drafts if row.drafts is not None else mx.full((width,), row.pending, dtype=mx.uint32)
         return mx.concatenate([pending, drafts[:width]])
 
-    def _target(self, rows: list[Row], inputs: mx.array):
+    def _target(self, rows: list[Request], inputs: mx.array):
         """Every row's places through the target: its taps, and each row's log probabilities and samples."""
         with mx.stream(generation_stream):
             logits, taps = self._model(inputs, self._cache, return_hidden=True)
@@ -237,7 +215,7 @@ class RowwiseDSpark:
                 c.finalize()
         mx.eval([c.state for c in self._cache])
 
-    def _emit(self, row: Row, logprobs: mx.array) -> list[Emission]:
+    def _emit(self, row: Request, logprobs: mx.array) -> list[Emission]:
         out = []
         for i, token in enumerate(row.kept):
             row.count += 1
@@ -247,7 +225,7 @@ class RowwiseDSpark:
         row.tape += row.kept
         return out
 
-    def _leave(self, leaving: list[Row], ended: bool = True) -> None:
+    def _leave(self, leaving: list[Request], ended: bool = True) -> None:
         """The `leaving` rows out of the batch: those that `ended` take their caches out of the batch's, into
         the token tape (a cancelled one's are dropped)."""
         if not leaving:
@@ -256,7 +234,9 @@ class RowwiseDSpark:
         if ended:
             for i, r in enumerate(self._rows):
                 if r in leaving:
-                    self.prefixes.keep(r.job.rid, r.tape[:r.base], [c.extract(i) for c in self._cache], True)
+                    self.prefixes.pump()
+                    r.since = self.prefixes.keep(r.job.tenant, r.since, r.fed, [c.extract(i) for c in self._cache],
+                                                 True, r.taken)
         self._rows = [self._rows[i] for i in keep]
         if keep:
             for c in self._cache:
@@ -265,7 +245,7 @@ class RowwiseDSpark:
             self._cache = None
 
     # --- drafts -------------------------------------------------------------------------------------------
-    def _draft(self, row: Row, committed: mx.array) -> mx.array | None:
+    def _draft(self, row: Request, committed: mx.array) -> mx.array | None:
         """The row's next drafts after its pending token, its committed places' taps entering its stages'
         context first."""
         with self._refusals(row, "DSpark's stages"):
@@ -274,14 +254,14 @@ class RowwiseDSpark:
         return None
 
     @contextmanager
-    def _refusals(self, row: Row, who: str):
+    def _refusals(self, row: Request, who: str):
         try:
             with mx.stream(generation_stream):
                 yield
         except Exception as e:
             self._refused(row, who, e)
 
-    def _refused(self, row: Row, who: str, e: Exception) -> None:
+    def _refused(self, row: Request, who: str, e: Exception) -> None:
         """A kernel's refusal of a shape (the same on every rank): the row goes on without drafts."""
         row.drafting, row.drafts = False, None
         self.fallbacks += 1
@@ -292,7 +272,7 @@ class RowwiseDSpark:
 def drafted_everywhere(model, eos_ids: set[int], prefixes, *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
                        log=print) -> DraftWhenAlone:
     """DSpark for every request: one alone drafted by `DSparkEngine` (its whole block a step), more drafted row
-    by row in one batch; `prefixes` the batch engine whose token tape and snapshots both share."""
+    by row in one batch; `prefixes` the prefix store both share."""
     return DraftWhenAlone(
         DSparkEngine(model, eos_ids, num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size,
                      prefixes=prefixes, log=log),

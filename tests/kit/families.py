@@ -160,6 +160,7 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
     from runtime.models import families
     from runtime.engine.drafting import SpeculativeEngine
     from runtime.engine.batch import BatchEngine, Job
+    from runtime.prefix.store import PrefixStore
     from common.openai_api import SamplingParams
     from runtime.rank import load_sharded
 
@@ -190,7 +191,8 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
             row[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
 
     def engine(tape: bool = False, batch: int = row["batch_size"]):
-        return BatchEngine(model, eos, completion_batch_size=batch, tape_capacity=8 if tape else 0)
+        return BatchEngine(model, eos, completion_batch_size=batch,
+                           prefixes=PrefixStore(model, tape_capacity=8 if tape else 0))
 
     def alone(prompts: dict) -> dict:
         e = engine()

@@ -10,6 +10,7 @@ from common.openai_api import SamplingParams
 from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
 from runtime.engine.rowwise import drafted_everywhere
+from runtime.prefix.store import PrefixStore
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
 SEEDED = SamplingParams(max_tokens=1, temperature=0.9, seed=7).sampling()
@@ -51,10 +52,9 @@ def answer(engine, job: Job, fed: Fed | None = None) -> tuple[list[int], int | N
 
 
 def engines(model, drafted: bool):
-    batch = BatchEngine(model, {1}, prefill_step_size=32)
     if not drafted:
-        return batch
-    return drafted_everywhere(model, {1}, batch, prefill_step_size=32)
+        return BatchEngine(model, {1}, prefill_step_size=32)
+    return drafted_everywhere(model, {1}, PrefixStore(model, prefill_step_size=32), prefill_step_size=32)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])

@@ -25,6 +25,7 @@ from runtime.engine import rowwise
 from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
 from runtime.engine.rowwise import RowwiseDSpark, drafted_everywhere
+from runtime.prefix.store import PrefixStore
 
 LONG = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 256, "temperature": 0}
 SHORT = {"messages": [{"role": "user", "content": "And the pooled keys?"}], "max_tokens": 12, "temperature": 0.9,
@@ -81,7 +82,7 @@ def test_a_drafted_answer_handed_over_in_its_prompt_at_its_first_token_or_mid_wa
         model, sampling):
     a, b = Job("a", A, 40, 3, sampling), Job("b", B, 12, 4, sampling)
     plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in (a, b)}
-    engine = drafted_everywhere(model, set(), BatchEngine(model, set(), prefill_step_size=32), prefill_step_size=32,
+    engine = drafted_everywhere(model, set(), PrefixStore(model, prefill_step_size=32), prefill_step_size=32,
                                 log=lambda m: m)
     for at in (1, 3, 9):  # the drafter in a's prompt (90 tokens, 32 a step), at a's first verify, mid-way
         assert decoded(engine, (a, 0), (b, at)) == plain
@@ -97,7 +98,7 @@ COMING = (0, 2, 5, 11)  # the step each row comes at: b, c and d join mid-answer
 def test_rows_drafted_together_joining_and_leaving_mid_answer_each_answer_plain_decoding(model, sampling):
     jobs = [replace(job, sampling=sampling) for job in ROWS]
     plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in jobs}
-    rows = RowwiseDSpark(model, set(), prefixes=BatchEngine(model, set(), prefill_step_size=32), prefill_step_size=32,
+    rows = RowwiseDSpark(model, set(), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32,
                          log=lambda m: m)
     assert decoded(rows, *zip(jobs, COMING)) == plain
     assert rows.width == 3 and rows.batched_steps > 10 and rows.fallbacks == 0  # under ratio 4: one window a row
@@ -112,7 +113,7 @@ def test_a_row_whose_window_is_masked_as_mlx_lm_masks_it_answers_otherwise(model
     monkeypatch.setattr(rowwise, "in_order", lambda caches: None)
     jobs = [replace(job, sampling=SEEDED) for job in ROWS]
     plain = decoded(BatchEngine(model, set(), prefill_step_size=32), (jobs[3], 0))["d"]
-    rows = RowwiseDSpark(model, set(), prefixes=BatchEngine(model, set(), prefill_step_size=32), prefill_step_size=32)
+    rows = RowwiseDSpark(model, set(), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32)
     assert decoded(rows, *zip(jobs, COMING))["d"] != plain
 
 

@@ -20,6 +20,7 @@ from pinned.dsv4 import PROMPT, pinned_env
 from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
 from runtime.engine.rowwise import drafted_everywhere
+from runtime.prefix.store import PrefixStore
 from runtime.prefix.snapshot import Identity, Snapshots, read_header, segment_files, tape_id
 
 ME = Identity("v4", 1, 0, "layout")
@@ -113,8 +114,10 @@ def run(engine, job: Job) -> tuple[list[int], list[float], int | None]:
 
 def engine(model, drafted: bool, snapshots=None):
     """The batch engine, or DSpark's beside it, with no end-of-sequence token: every answer its full length."""
-    batch = BatchEngine(model, set(), prefill_step_size=32, snapshots=snapshots)
-    return drafted_everywhere(model, set(), batch, prefill_step_size=32) if drafted else batch
+    prefixes = PrefixStore(model, prefill_step_size=32, snapshots=snapshots)
+    if drafted:
+        return drafted_everywhere(model, set(), prefixes, prefill_step_size=32)
+    return BatchEngine(model, set(), prefill_step_size=32, prefixes=prefixes)
 
 
 ANSWER = Job("a", TOKENS, 128, 3, GREEDY, logprobs=0)
@@ -141,7 +144,7 @@ def test_an_answer_resumed_from_its_snapshot_in_flight_continues_as_plain_decodi
     assert mid.end < len(TOKENS) + 64  # the answer's first snapshot in flight, not its last
     [(tokens, cache, sid)] = again.restore([mid.sid], lambda: make_prompt_cache(model))
     second = engine(model, drafted, again)
-    (second.prefixes if drafted else second).tape.store(tokens, cache, sid)
+    second.prefixes.tape.store(tokens, cache, sid)
     said = mid.end - len(TOKENS) + 40  # the snapshot's answer tokens and 40 more were delivered
     rest, logprobs, cached = run(second, Job("a", TOKENS + tuple(plain[:said]), 128 - said, 3, GREEDY, offset=said,
                                              logprobs=0))

@@ -1,0 +1,98 @@
+"""The prefix store: what a rank keeps of the prompts it served, built once by the rank process and handed to
+whichever engine decodes (the batch engine, DSpark drafting alone and row by row). It holds the token tape
+(runtime/prefix/tape.py), the snapshots on disk (runtime/prefix/snapshot.py), the rates restores weigh
+(runtime/prefix/rates.py) and where prompts stop for checkpoints (runtime/prefix/checkpoints.py). A request's
+own part (its snapshot point, its checkpoints) stays with the request: the store is told it at each call."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from mlx_lm.models.cache import make_prompt_cache
+
+from runtime.prefix.checkpoints import Stopping, Taken, needed
+from runtime.prefix.rates import Rates
+from runtime.prefix.snapshot import Snapshots, leaf_types, snapshot_kind
+from runtime.prefix.tape import TokenTape
+
+NO_SNAPSHOT = ("", 0)  # the snapshot point of a tape with nothing on disk: (its snapshot id, tokens written)
+
+
+class Prefix(NamedTuple):
+    """What the store gives a request as it begins."""
+
+    cache: list  # the tape's longest reusable prefix of its prompt, cut back to it; else a fresh cache
+    cached: int  # how much of its prompt that cache holds
+    since: tuple[str, int]  # its snapshot point: the id and length of what its tape has on disk
+    taken: Taken  # its checkpoints, to take as its prefill reaches the stops of its prompt
+
+
+class PrefixStore:
+    def __init__(self, model, *, prefill_step_size: int = 512, tape_capacity: int = 8,
+                 snapshots: Snapshots | None = None, rates: Rates | None = None,
+                 markers: frozenset[int] = frozenset(), checkpoint_budget: int = 1 << 30):
+        self._model = model
+        self.tape = TokenTape(tape_capacity, checkpoint_budget)
+        # where prompts stop and take checkpoints: for caches a trim cannot cut back, every fourth chunk's end
+        # and before the template's message markers
+        self.stopping = Stopping(markers, 4 * prefill_step_size, needed(self.fresh()))
+        self.snapshots = snapshots
+        self.rates = rates or Rates(None)  # the speed of prefills and reads (restores weigh it: runtime/restore.py)
+        self._prefilled = (0, 0.0)  # tokens prefilled alone and the seconds it took
+        # whether a batch's rows are snapshotted in flight: only plain KV caches, whose rows come out of a
+        # batch sliced (others are written at their end)
+        self.rows_snapshot = bool(snapshots) and snapshot_kind(leaf_types(self.fresh())) == "append"
+
+    def fresh(self) -> list:
+        """An empty cache of the model's."""
+        return make_prompt_cache(self._model)
+
+    def take(self, job) -> Prefix:
+        """A cache for `job` (its `prompt` and `tenant`) from the token tape, its snapshot point from it and its
+        checkpoints (where its prompt stops, those its cache inherited)."""
+        stops = self.stopping.stops(job.prompt)
+        cache, cached, sid, inherited = self.tape.take(job.prompt, job.tenant, stops)
+        since = NO_SNAPSHOT
+        if self.snapshots:
+            since = self.snapshots.base(sid, cached)
+            if sid:
+                self.snapshots.used(sid)
+        return Prefix(cache if cache is not None else self.fresh(), cached, since, Taken(stops, inherited))
+
+    def keep(self, tenant: str, since: tuple[str, int], tokens, cache: list, final: bool,
+             taken: Taken | None = None) -> tuple[str, int]:
+        """A request's tape as it goes (`tokens` the ids its cache holds, or more): staged for its snapshot when
+        due; at its end (`tokens` exactly what its cache holds, `taken` its checkpoints) into the token tape.
+        Returns the request's snapshot point from here."""
+        if final:
+            tokens = tuple(tokens)
+        if self.snapshots:
+            since = self.snapshots.stage(tokens, cache, since, final, tenant)
+        if final:
+            self.tape.store(tokens, cache, since[0], tenant, tuple(taken.points) if taken else ())
+        return since
+
+    def due(self, since: tuple[str, int], told: int) -> bool:
+        """Whether a batched row whose tape holds `told` tokens is due for a snapshot in flight."""
+        return self.rows_snapshot and told - since[1] > self.snapshots.every
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """A prefill done alone, noted in the rates restores weigh."""
+        self._prefilled = (self._prefilled[0] + tokens, self._prefilled[1] + seconds)
+        self.rates.note(prefill_tps=self._prefilled[0] / self._prefilled[1])
+
+    def pump(self) -> None:
+        """What was staged for the snapshots a step ago, handed to their writer."""
+        if self.snapshots:
+            self.snapshots.pump()
+
+    def close(self) -> None:
+        if self.snapshots:
+            self.snapshots.close()
+
+    def stats(self) -> dict:
+        tape = self.tape
+        return {"tape_hits": tape.hits, "tape_hit_tokens": tape.hit_tokens, "tape_misses": tape.misses,
+                "tape_not_reusable": tape.not_reusable, "tape_checkpoint_hits": tape.checkpoint_hits,
+                "tape_checkpoints": tape.checkpoint_count, "tape_checkpoint_bytes": tape.checkpoint_bytes,
+                **(self.snapshots.stats() if self.snapshots else {})}
