@@ -174,7 +174,7 @@ def test_an_incident_a_restarted_controller_inherited_closes_when_it_adopts_a_re
     assert s.phase == "ready" and s.incident is None
     assert a == [f.CloseIncident(inherited.at("ready", 9), 9, ("restart",))]
     s, a = run([(9, f.Adopted(7, ready=False))], state=f.FleetState(generation=6, incident=inherited))
-    assert s.phase == "starting" and s.incident == inherited and a == []
+    assert s.phase == "starting" and s.incident == inherited and a == [f.ProbeReadiness(7)]
     s, a = run([(12, f.MeshReady(7))], state=s)
     (close,) = [x for x in a if isinstance(x, f.CloseIncident)]
     assert s.incident is None and (close.incident.opened_at, close.serving_back_at, close.steps) == (5.0, 12, ("restart",))
@@ -579,3 +579,59 @@ def test_a_restart_while_a_failure_recovers_keeps_the_failures_incident():
 def test_a_restart_is_counted_once_under_its_root_cause(cause, primary, counted, closing, expect):
     incident = f.Incident(1.0, cause, "node1", 1, 3, "", primary=primary)
     assert f.counts_restart(incident, counted, closing) == expect
+
+
+# --- what the fleet asks of the world: readiness probes, the sweep, step counts ----------------------
+
+STARTING = f.FleetState(phase="starting", generation=3)
+STEPS = f.Policy(nodes=NODES, recycle=Recycle(steps=1000))
+
+
+@pytest.mark.parametrize("state, event, asked", [
+    (STARTING, f.LaunchesSent(3), [f.ProbeReadiness(3, 0.0)]),
+    (STARTING, f.NotReadyYet(3), [f.ProbeReadiness(3, f.READINESS_POLL)]),
+    (STARTING, f.NotReadyYet(2), []),
+    (f.FleetState(phase="recovering", generation=3), f.NotReadyYet(3), []),
+    (f.FleetState(phase="ready", generation=3), f.LaunchesSent(3), []),
+    (STARTING, f.MeshReady(3), [f.NoteGeneration(3, "ready")]),
+    (f.FleetState(), f.Adopted(5, ready=False), [f.ProbeReadiness(5, 0.0)]),
+    (f.FleetState(), f.Adopted(5, ready=True), []),
+], ids=["launched: probed at once", "not ready: probed again", "an older generation's answer: no probe",
+        "it died meanwhile: no probe", "ready already: no probe", "ready: probing ends",
+        "adopted loading: probed", "adopted serving: none"])
+def test_rank_0_is_probed_while_its_generation_starts_and_no_longer(state, event, asked):
+    _, actions = f.step(state, event, 10.0, P)
+    assert actions == asked
+
+
+@pytest.mark.parametrize("phase, generation", [("recovering", 3), ("draining", 3), ("stopped", 3), ("ready", 9)],
+                         ids=["recovering", "draining", "stopped", "another-generation"])
+def test_every_stop_is_swept_with_what_it_found_and_the_sweep_ends_the_generation(phase, generation):
+    state = f.FleetState(phase=phase, generation=generation)
+    s, actions = f.step(state, f.StopsEnded(3, ("n1",), 20.0), 21.0, P)
+    assert s == state and actions == [f.Sweep(3, ("n1",), 20.0)]
+
+
+def test_the_timeline_has_the_stop_when_the_ladders_ended_and_the_sweep_when_it_ended():
+    s, _ = run(ready_at() + [death(1, 20)])
+    s, a = run([(24, f.StopsEnded(1, (), 23.0)), (26, f.GenerationStopped(1, (), 23.0))], state=s)
+    assert kinds(a)[0] == "Sweep" and (s.phase, s.generation, s.backoff_until) == ("recovering", 1, 26)
+    assert [(step, when) for step, when in s.incident.timeline if step in ("stopped", "swept")] == \
+        [("stopped", 23.0), ("swept", 26)]
+
+
+@pytest.mark.parametrize("policy, state, ticks, counted", [
+    (STEPS, f.FleetState(phase="ready", generation=4), [10.0], [10.0]),
+    (STEPS, f.FleetState(phase="ready", generation=4), [10.0, 10.25, 10.5, 10.75, 11.0, 11.25, 12.0],
+     [10.0, 11.0, 12.0]),
+    (STEPS, f.FleetState(phase="starting", generation=4), [10.0, 11.0], []),
+    (STEPS, f.FleetState(phase="recovering", generation=4), [10.0, 11.0], []),
+    (P, f.FleetState(phase="ready", generation=4), [10.0, 11.0], []),
+], ids=["serving: counted", "once a second at most", "starting: not counted", "recovering: not counted",
+        "no [recycle] steps: never counted"])
+def test_rank_0s_steps_are_counted_every_second_while_it_serves_if_recycle_steps_asks(policy, state, ticks, counted):
+    asked = []
+    for now in ticks:
+        state, actions = f.step(state, f.Tick(), now, policy)
+        asked += [now for a in actions if a == f.CountSteps(4)]
+    assert asked == counted

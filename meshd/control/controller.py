@@ -1,17 +1,19 @@
 """The reconciler: feeds the fleet state machine and carries out its actions.
 
-Inputs: what the agents' events mean (`intake.Intake`), rank 0's readiness
-while starting (probed by `upstream.probe_ready`, judged by `evidence`), what
-the proxy observes (through `FleetView.report`), a clock tick, and rank 0's
-step count while [recycle] steps asks for it (`survey`). Outputs:
-start and stop generations through the agents, sweeps, incidents in the store,
-metrics. The fleet's state changes in `feed` and nowhere else.
+It takes its epoch first (`epochround`) and adopts what runs (`adopting`).
+Inputs: what the agents' events mean (`intake.Intake`), what the proxy observes
+(through `FleetView.report`), a clock tick, and the answers to what the fleet
+asks of the world: rank 0's readiness while a generation starts (probed by
+`upstream.probe_ready`, judged by `evidence`), rank 0's step count (`survey`),
+the end of a stop and of the sweep after it. Outputs: start and stop
+generations, sweeps and ladder steps through the agents, incidents in the store,
+metrics. The fleet's state changes in `feed` and nowhere else; what to do next
+is the fleet's to say.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from dataclasses import asdict
 from typing import Callable
@@ -19,14 +21,13 @@ from typing import Callable
 import aiohttp
 import structlog
 
-from common.protocol import Ballot, RankReport, RankSpec, StopResult
-from common.states import LadderStep, Phase, StopMode
+from common.protocol import RankSpec, StopResult
+from common.states import LadderStep, StopMode
 from common.tomlcheck import ConfigError
 from meshd.nodes import doctor, provision
-from meshd.control import evidence, fleet, survey
+from meshd.control import adopting, epochround, evidence, fleet, survey
 from meshd.control.intake import Intake
 from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
-from meshd import epochs
 from meshd import configdiff
 from meshd.config import MeshConfig, hostfile_for
 from meshd.metrics import Metrics
@@ -39,13 +40,6 @@ log = structlog.get_logger("meshd.controller")
 
 def policy_for(cfg: MeshConfig) -> fleet.Policy:
     return fleet.Policy(nodes=tuple(n.name for n in cfg.nodes), recycle=cfg.recycle, **asdict(cfg.recovery))
-
-
-class EpochRefused(Exception):
-    """The agents did not grant this controller an epoch: another took the mesh over as it started, or no
-    majority answered. It has commanded nothing."""
-
-
 
 
 class Controller:
@@ -78,14 +72,14 @@ class Controller:
         """Take the epoch (EpochRefused when the agents do not grant it), then adopt, then follow the agents."""
         self.session = agent_session(self.cfg)
         self.agents = {n.name: AgentClient(n, self.session) for n in self.cfg.nodes}
-        await self.feed(fleet.GenerationsFound(await self._take_epoch()))
+        await self.feed(fleet.GenerationsFound(await epochround.take_epoch(self.cfg, self.store, self.agents,
+                                                                          self.agent_errors, self.policy.adopt_wait)))
         intake = Intake(self.agents, self.store, self.metrics, self.agent_errors, lambda: self.state, self.feed)
-        await self._adopt()
+        if not await adopting.adopt(self):
+            self._spawn(adopting.adopt_when_whole(self))
         for loop in intake.loops():
             self._spawn(loop)
         self._spawn(self._tick_loop())
-        if self.policy.recycle.steps:
-            self._spawn(self._count_steps())
 
     async def close(self) -> None:
         for t in list(self._tasks):
@@ -94,54 +88,6 @@ class Controller:
         self.rank0.close()
         if self.session:
             await self.session.close()
-
-    async def _take_epoch(self) -> int:
-        """The round (meshd/epochs.py): what every agent promised, an epoch above it all and the store's last,
-        recorded, then promised by a majority. Asked again each second until `adopt_wait` has passed. Returns
-        the highest generation the agents that answered have run or recorded."""
-        deadline = time.monotonic() + self.policy.adopt_wait
-        mesh = self.cfg.name
-        reach = {n.name: epochs.Reach(n.agent, str(n.token_file)) for n in self.cfg.nodes}
-        ballot, heard = None, {}
-        while True:
-            if ballot is None:
-                found = await self._ask(AgentClient.held, self.agents)
-                verdict = epochs.choose_epoch(mesh, self.store.last_epoch(), found, reach)
-                if isinstance(verdict, epochs.NoEpochLeft):
-                    raise EpochRefused(verdict.reason())
-                if isinstance(verdict, int):
-                    ballot = Ballot(verdict, secrets.token_hex(6))
-                    fence = self.store.take_epoch(ballot, mesh)
-                    for client in self.agents.values():
-                        client.fence = fence
-                    continue
-            else:
-                heard.update(await self._ask(AgentClient.promise, [n for n in self.agents if heard.get(n) != ballot]))
-                verdict = epochs.judge_round(ballot, heard)
-                match verdict:
-                    case epochs.Granted(missing=missing):
-                        log.info("epoch promised", epoch=str(ballot), promised=len(heard) - len(missing),
-                                 away=missing or None)
-                        return epochs.generations_used(mesh, found)
-                    case epochs.Beaten(newer=newer, node=node):
-                        raise EpochRefused(
-                            f"controller {newer} took this mesh over as this one ({ballot}) started ({node}'s agent "
-                            "promised it): two controllers for one mesh, on two state directories. This one commanded "
-                            "nothing; to have it run the mesh, stop the other, then start this one (it takes over)")
-            if time.monotonic() >= deadline:
-                raise EpochRefused(verdict.reason())
-            await asyncio.sleep(1.0)
-
-    async def _ask(self, question, nodes) -> dict[str, epochs.Held | Ballot | str]:
-        """`question(client)` of each node's agent at once: its answer, or why it did not answer."""
-        async def one(node: str) -> epochs.Held | Ballot | str:
-            try:
-                return await question(self.agents[node])
-            except AgentError as e:
-                self.agent_errors[node] = str(e)
-                return str(e).removeprefix(f"{node}: ")
-
-        return dict(zip(nodes, await asyncio.gather(*(one(n) for n in nodes))))
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
@@ -170,6 +116,12 @@ class Controller:
                 self._spawn(self._start_generation(g))
             case fleet.StopGeneration(generation=g, mode=mode, grace=grace):
                 self._spawn(self._stop_generation(g, mode, grace))
+            case fleet.Sweep(generation=g, survivors=survivors, stopped_at=stopped_at):
+                self._spawn(self._sweep(g, survivors, stopped_at))
+            case fleet.ProbeReadiness(generation=g, after=after):
+                self._spawn(self._probe_readiness(g, after))
+            case fleet.CountSteps(generation=g):
+                self._spawn(self._count_steps(g))
             case fleet.RunStep(step=step, nodes=nodes):
                 self._spawn(self._run_step(step, nodes))
             case fleet.OpenIncident(incident=i, planned=trigger):
@@ -263,6 +215,14 @@ class Controller:
         self.weights = {"generation": generation, "fingerprint": fingerprint}
         self.store.put("weights", self.weights)
 
+    async def learn_weights(self, generation: int) -> None:
+        """The fingerprint rank 0 of an adopted `generation` loaded, unless it is known already."""
+        if self.weights["generation"] != generation or not self.weights["fingerprint"]:
+            self._remember_weights(generation, await self._rank0_weights(generation))
+
+    def desired_up(self) -> bool:
+        return self.store.get("desired") == "up"
+
     async def _start_generation(self, g: int) -> None:
         try:
             hostfile = hostfile_for(self.cfg)
@@ -285,7 +245,7 @@ class Controller:
                 await self.feed(evidence.launch_refused(node, rank, g, e.status, str(e)))
 
         await asyncio.gather(*(one(i, n.name) for i, n in enumerate(self.cfg.nodes)))
-        self._spawn(self._await_ready(g))
+        await self.feed(fleet.LaunchesSent(g))
 
     async def readiness(self) -> tuple[bool, fleet.RankDied | None]:
         seen = await probe_ready(self.rank0, self.cfg.rank0_url, self.serving().rank0_auth, self.cfg.runtime.profile,
@@ -305,15 +265,16 @@ class Controller:
         return next((str((v.get("status") or {}).get("weights_fingerprint", "")) for v in views
                      if v.get("generation") == g and v.get("rank") == 0), "")
 
-    async def _await_ready(self, g: int) -> None:
-        while self.state.generation == g and self.state.phase == Phase.STARTING:
-            ready, died = await self.readiness()
-            if ready:
-                self._remember_weights(g, await self._rank0_weights(g))
-            if ready or died:
-                await self.feed(fleet.MeshReady(g) if ready else died)
-                return
-            await asyncio.sleep(0.1)
+    async def _probe_readiness(self, g: int, after: float) -> None:
+        """Rank 0 of `g` asked whether it serves, unless its generation stopped starting meanwhile; the weights
+        it loaded remembered before the fleet hears it serves."""
+        await asyncio.sleep(after)
+        if not fleet.awaiting_ready(self.state, g):
+            return
+        ready, died = await self.readiness()
+        if ready:
+            self._remember_weights(g, await self._rank0_weights(g))
+        await self.feed(fleet.MeshReady(g) if ready else died or fleet.NotReadyYet(g))
 
     async def _stop_generation(self, g: int, mode: StopMode, grace: float) -> None:
         log.info("stopping generation", generation=g, mode=mode, grace=grace)
@@ -327,16 +288,18 @@ class Controller:
 
         results = await asyncio.gather(*(one(n) for n in self.agents))
         stopped_at = time.time()
-        survivors = tuple(n for n, r in zip(self.agents, results) if r.survivors)
-        await asyncio.gather(*(self._sweep(n) for n in self.agents))
-        await self.feed(fleet.GenerationStopped(g, survivors, stopped_at))
+        await self.feed(fleet.StopsEnded(g, tuple(n for n, r in zip(self.agents, results) if r.survivors),
+                                         stopped_at))
 
-    async def _sweep(self, node: str) -> None:
-        try:
-            # Between generations nothing of meshd should run on a node.
-            await self.agents[node].sweep(2, None, timeout=60)
-        except AgentError as e:
-            log.warning("sweep failed", node=node, error=str(e))
+    async def _sweep(self, g: int, survivors: tuple[str, ...], stopped_at: float | None) -> None:
+        async def one(node: str) -> None:
+            try:
+                await self.agents[node].sweep(2, None, timeout=60)  # between generations: none of its ranks
+            except AgentError as e:
+                log.warning("sweep failed", node=node, error=str(e))
+
+        await asyncio.gather(*(one(n) for n in self.agents))
+        await self.feed(fleet.GenerationStopped(g, survivors, stopped_at))
 
     async def _run_step(self, step: LadderStep, nodes: tuple[str, ...]) -> None:
         ok, detail = await provision.run_ladder_step(self.cfg, self.agents, step, nodes)
@@ -347,48 +310,10 @@ class Controller:
             await asyncio.sleep(0.25)
             await self.feed(fleet.Tick())
 
-    async def _count_steps(self) -> None:
-        """Rank 0's step count into the fleet every second while a generation serves."""
-        while True:
-            await asyncio.sleep(1.0)
-            g = self.state.generation
-            if self.state.phase == Phase.READY:
-                steps = await survey.rank0_steps(self.agents[self.cfg.nodes[0].name], g)
-                if steps is not None:
-                    await self.feed(fleet.StepsCounted(g, steps))
-
-    async def _adopt(self) -> None:
-        """A restarted controller keeps a healthy running generation. It waits (bounded) for every
-        agent to answer; what a partial view cannot settle is settled once the view is whole."""
-        deadline = time.monotonic() + self.policy.adopt_wait
-        while None in (views := await survey.rank_views(self.agents, self.agent_errors)).values() \
-                and time.monotonic() < deadline:
-            await asyncio.sleep(1.0)
-        if not await self._decide_adoption(views) and None in views.values():
-            log.warning("adoption waits for agents", missing=[n for n, v in views.items() if v is None])
-            self._spawn(self._adopt_when_whole())
-
-    async def _adopt_when_whole(self) -> None:
-        while self.state.phase == Phase.STOPPED:
-            await asyncio.sleep(2.0)
-            views = await survey.rank_views(self.agents, self.agent_errors)
-            if None not in views.values():
-                await self._decide_adoption(views)
-                return
-
-    async def _decide_adoption(self, views: dict[str, list[RankReport] | None]) -> bool:
-        decision = fleet.decide_adoption(views, self.policy.nodes, desired_up=self.store.get("desired") == "up",
-                                         rank0_ready=await self.ready_probe())
-        if decision is None:
-            return False
-        log.info("adopting", decision=repr(decision))
-        if isinstance(decision, fleet.Adopted) and (self.weights["generation"] != decision.generation
-                                                    or not self.weights["fingerprint"]):
-            self._remember_weights(decision.generation, await self._rank0_weights(decision.generation))
-        await self.feed(decision)
-        if isinstance(decision, fleet.Adopted) and not decision.ready:
-            self._spawn(self._await_ready(decision.generation))
-        return True
+    async def _count_steps(self, g: int) -> None:
+        steps = await survey.rank0_steps(self.agents[self.cfg.nodes[0].name], g)
+        if steps is not None:
+            await self.feed(fleet.StepsCounted(g, steps))
 
     # --- the proxy's view (seam.FleetView) ------------------------------------------
     def serving(self) -> Serving:

@@ -29,7 +29,8 @@ from meshd import configdiff
 from meshd.config import MeshConfig, load
 from meshd.control import api, survey
 from meshd.control.audit import Row
-from meshd.control.controller import Controller, EpochRefused
+from meshd.control.controller import Controller
+from meshd.control.epochround import EpochRefused
 from meshd.metrics import Metrics
 from meshd.seam import Observation, Serving
 from meshd.store import Store

@@ -109,6 +109,7 @@ class FleetState:
     numbered_to: int = 0  # the highest generation number the agents have used, whichever controller's
     planned: str = ""  # the generation ends on purpose: its planned_restart ("drain", "cut"); "" otherwise
     due_since: float | None = None  # since when the serving generation is due a recycle, waiting for idle
+    steps_asked_at: float | None = None  # when rank 0's steps were last asked for ([recycle] steps)
 
 
 # --- events (past tense) -------------------------------------------------------
@@ -173,6 +174,29 @@ class RankDied:
 
     def describe(self) -> str:
         return f"{self.node} rank {self.rank}: {self.cause}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class LaunchesSent:
+    """Every node was asked to start its rank of generation G (a refusal came as its own evidence): rank 0's
+    readiness is probed from now on."""
+    generation: int
+
+
+@dataclass(frozen=True)
+class NotReadyYet:
+    """Rank 0 of generation G answered its readiness probe not ready yet (or not at all, with no evidence of
+    a death)."""
+    generation: int
+
+
+@dataclass(frozen=True)
+class StopsEnded:
+    """Generation G's stop ladders ended on every node at `stopped_at` (`survivors`: the nodes where processes
+    survived SIGKILL); its sweep is next."""
+    generation: int
+    survivors: tuple[str, ...] = ()
+    stopped_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -242,8 +266,8 @@ class LeftoversFound:
 
 
 FleetEvent = (UpRequested | DownRequested | RestartRequested | Tick | MeshReady | RankReported | StepsCounted
-              | RankDied | GenerationStopped | StartRefused | RequestServed | RequestMigrated | StepDone | Adopted
-              | DiedUnwatched | GenerationsFound | LeftoversFound)
+              | RankDied | LaunchesSent | NotReadyYet | StopsEnded | GenerationStopped | StartRefused | RequestServed
+              | RequestMigrated | StepDone | Adopted | DiedUnwatched | GenerationsFound | LeftoversFound)
 
 
 # --- actions (imperative) -----------------------------------------------------
@@ -257,6 +281,29 @@ class StopGeneration:
     generation: int
     mode: StopMode
     grace: float
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Stop what is left of meshd on every node (nothing of it runs between generations), then tell the fleet
+    that generation G is gone (`GenerationStopped`, with what its stop found)."""
+    generation: int
+    survivors: tuple[str, ...] = ()
+    stopped_at: float | None = None
+
+
+@dataclass(frozen=True)
+class ProbeReadiness:
+    """Ask rank 0 of generation G whether it serves, `after` seconds from now; its answer comes back as
+    `MeshReady`, death evidence or `NotReadyYet`."""
+    generation: int
+    after: float = 0.0
+
+
+@dataclass(frozen=True)
+class CountSteps:
+    """Read rank 0's lockstep steps in generation G (`StepsCounted` when its agent says)."""
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -290,7 +337,8 @@ class NoteGeneration:
     detail: str = ""
 
 
-Action = StartGeneration | StopGeneration | RunStep | OpenIncident | IncidentUpdated | CloseIncident | NoteGeneration
+Action = (StartGeneration | StopGeneration | Sweep | ProbeReadiness | CountSteps | RunStep | OpenIncident
+          | IncidentUpdated | CloseIncident | NoteGeneration)
 
 
 class Result(NamedTuple):

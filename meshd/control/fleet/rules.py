@@ -41,6 +41,13 @@ Judgement:
 - Each incident keeps a timeline: detected, stopped, swept, backoff, started,
   loaded, ready, and served (the first request answered after it).
 
+What the reconciler asks of the world is decided here too: a stopped generation's
+sweep (`StopsEnded` -> `Sweep` -> `GenerationStopped`), rank 0's readiness
+while a generation starts (`LaunchesSent` or `Adopted` not ready ->
+`ProbeReadiness` -> `MeshReady`, death evidence or `NotReadyYet` -> the next
+probe), and rank 0's step count while [recycle] steps asks for it (a tick ->
+`CountSteps` -> `StepsCounted`).
+
 Generation numbers are never reused: the next one is above the current one and
 above every number the agents have used (`GenerationsFound`, from the
 controller's round, so a fresh or restored store does not start again at 1); a
@@ -61,12 +68,15 @@ from dataclasses import replace
 
 from common.states import LadderStep, Phase, RankState, StopMode
 from meshd.control.fleet.model import (
-    RECYCLE, Action, Adopted, Cause, CloseIncident, DiedUnwatched, DownRequested, FleetEvent, FleetState,
-    GenerationNote, GenerationsFound, GenerationStopped, Incident, IncidentUpdated, LeftoversFound, MeshReady, Moment,
-    NoteGeneration, OpenIncident, Policy, RankDied, RankReported, RankView, RequestMigrated, RequestServed,
-    RestartRequested, Result, RunStep, StartGeneration, StartRefused, StepDone, StepsCounted, StopGeneration, Tick,
-    UpRequested)
+    RECYCLE, Action, Adopted, Cause, CloseIncident, CountSteps, DiedUnwatched, DownRequested, FleetEvent, FleetState,
+    GenerationNote, GenerationsFound, GenerationStopped, Incident, IncidentUpdated, LaunchesSent, LeftoversFound,
+    MeshReady, Moment, NoteGeneration, NotReadyYet, OpenIncident, Policy, ProbeReadiness, RankDied, RankReported,
+    RankView, RequestMigrated, RequestServed, RestartRequested, Result, RunStep, StartGeneration, StartRefused,
+    StepDone, StepsCounted, StopGeneration, StopsEnded, Sweep, Tick, UpRequested)
 from meshd.control.fleet.recycling import recycle_due, worn
+
+READINESS_POLL = 0.1  # seconds between two readiness probes of a starting generation's rank 0
+STEPS_EVERY = 1.0  # seconds between two counts of rank 0's steps while [recycle] steps asks for them
 
 
 def backoff(policy: Policy, failures: int) -> float:
@@ -253,10 +263,31 @@ def _on_adopted(state: FleetState, ev: Adopted, now: float, policy: Policy) -> R
                   ready_since=now if ev.ready else None, idle_since=now if ev.ready else None, due_since=None,
                   started_at=state.started_at or now,
                   ranks=tuple(RankView(n, rank_state) for n in policy.nodes), backoff_until=None)
-    if ev.ready and state.incident:  # an incident a restarted controller inherited
+    if not ev.ready:  # it loads: rank 0 is asked until it serves
+        return Result(new, [ProbeReadiness(ev.generation)])
+    if state.incident:  # an incident a restarted controller inherited
         incident = state.incident.at(Moment.READY, now)
         return Result(replace(new, incident=None, closing=incident), [CloseIncident(incident, now, incident.steps)])
     return Result(new, [])
+
+
+def awaiting_ready(state: FleetState, generation: int) -> bool:
+    """Whether rank 0 of `generation` is still to be asked whether it serves: that generation is starting."""
+    return state.phase == Phase.STARTING and state.generation == generation
+
+
+def _on_launches_sent(state: FleetState, ev: LaunchesSent, now: float, policy: Policy) -> Result:
+    return Result(state, [ProbeReadiness(ev.generation)] if awaiting_ready(state, ev.generation) else [])
+
+
+def _on_not_ready_yet(state: FleetState, ev: NotReadyYet, now: float, policy: Policy) -> Result:
+    return Result(state, [ProbeReadiness(ev.generation, READINESS_POLL)] if awaiting_ready(state, ev.generation)
+                  else [])
+
+
+def _on_stops_ended(state: FleetState, ev: StopsEnded, now: float, policy: Policy) -> Result:
+    """Whatever the stop left, and whatever generation it was: every node is swept before the next starts."""
+    return Result(state, [Sweep(ev.generation, ev.survivors, ev.stopped_at)])
 
 
 def _on_generations_found(state: FleetState, ev: GenerationsFound, now: float, policy: Policy) -> Result:
@@ -420,7 +451,15 @@ def _recycle_due(state: FleetState, now: float, policy: Policy) -> Result | None
     return Result(replace(state, due_since=now if waiting else None), [])
 
 
-TICK_RULES = (_backoff_over, _healthy_long_enough, _start_overdue, _recycle_due)
+def _steps_due(state: FleetState, now: float, policy: Policy) -> Result | None:
+    """Rank 0's steps counted every `STEPS_EVERY` while a generation serves and [recycle] steps asks for them."""
+    if not policy.recycle.steps or state.phase != Phase.READY \
+            or (state.steps_asked_at is not None and now - state.steps_asked_at < STEPS_EVERY):
+        return None
+    return Result(replace(state, steps_asked_at=now), [CountSteps(state.generation)])
+
+
+TICK_RULES = (_backoff_over, _healthy_long_enough, _start_overdue, _recycle_due, _steps_due)
 
 
 def _on_tick(state: FleetState, ev: Tick, now: float, policy: Policy) -> Result:
@@ -434,7 +473,8 @@ def _on_tick(state: FleetState, ev: Tick, now: float, policy: Policy) -> Result:
 HANDLERS = {UpRequested: _on_up, DownRequested: _on_down, RestartRequested: _on_restart, Adopted: _on_adopted,
             GenerationsFound: _on_generations_found, LeftoversFound: _on_leftovers, DiedUnwatched: _on_died_unwatched,
             MeshReady: _on_mesh_ready, RankReported: _on_rank_reported, StepsCounted: _on_steps_counted,
-            RankDied: _on_rank_died, StartRefused: _on_start_refused, GenerationStopped: _on_generation_stopped,
+            RankDied: _on_rank_died, StartRefused: _on_start_refused, LaunchesSent: _on_launches_sent,
+            NotReadyYet: _on_not_ready_yet, StopsEnded: _on_stops_ended, GenerationStopped: _on_generation_stopped,
             StepDone: _on_step_done, RequestServed: _on_request_served, RequestMigrated: _on_request_migrated,
             Tick: _on_tick}
 
