@@ -35,6 +35,7 @@ from runtime.engine import grammar
 from runtime.models import dspark, families
 from runtime.engine.drafting import MTPEngine, SpeculativeEngine
 from runtime.engine.batch import BatchEngine
+from runtime.engine.scheduler import adopt_restored
 from runtime.lockstep import Cancel, CompileGrammar, Drain, DrainMode, Insert, Message, RestoreFirst
 from runtime.join import join_mesh
 from runtime.engine.jobs import Divergence
@@ -238,13 +239,6 @@ class LockstepLoop:
                         self._refuse(rid)
                     self.inflight.clear()
 
-    def _adopting(self) -> bool:
-        """Whether the tapes restored behind serving join the token tape at this iteration, the same on every
-        rank: once the warm-up finished (ready comes first), while nothing is decoding (building a cache
-        stalls the step) unless a request waits for one of them, never while draining."""
-        return (self.warm and not self.draining
-                and (not self.engine.busy or bool(self.restorer.awaited)))
-
     def _refuse(self, rid: str) -> None:
         if self.fe:
             self.fe.fail(rid, "The generation is draining; this request was cancelled. Retry it", code="draining")
@@ -279,7 +273,8 @@ class LockstepLoop:
                 self._apply(msg)
             if self.compiles.pending:
                 self.compiles.agree(self.lockstep.gather)
-            if restoring and self._adopting():
+            if restoring and adopt_restored(self.warm, bool(self.draining), self.engine.busy,
+                                            bool(self.restorer.awaited)):
                 self.restorer.adopt(self.lockstep.gather)
             if self.draining and not self.engine.busy:
                 return

@@ -13,6 +13,7 @@ from runtime.models import pools
 from runtime.engine.jobs import Emission, Job, emission, finish_reason
 from runtime.engine.request import Request
 from runtime.engine.sampling import greedy, sampler_for
+from runtime.engine.scheduler import admit
 from runtime.prefix.store import Prefix, PrefixStore
 
 
@@ -127,10 +128,11 @@ class BatchEngine:
 
     def insert(self, job: Job) -> int:
         request = Request.begin(job, self.prefixes.take(job))
-        if self._solo is None and not self._rows:
+        admission = admit(1, self._solo is not None, bool(self._rows))
+        if admission.alone:
             self._solo = SoloDecode(self._model, request, self._eos, self._prefill_step_size, self._windows)
             return request.cached
-        if self._solo is not None:
+        if admission.hand_over:
             self._hand_over()
         self._join_batch(request)
         return request.cached

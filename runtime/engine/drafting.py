@@ -21,6 +21,7 @@ from runtime.prefix.store import NO_SNAPSHOT, Prefix
 from runtime.engine.jobs import Divergence, Emission, Job, emission, finish_reason
 from runtime.engine.request import Request
 from runtime.engine.sampling import GrammarMask, processors_for, sample_at, sampler_for
+from runtime.engine.scheduler import admit
 
 
 def ends_after(tokens: list[int], count: int, max_tokens: int, eos_ids: set[int]) -> int:
@@ -454,20 +455,21 @@ class DraftWhenAlone:
         return out
 
     def _admit(self) -> None:
-        """What waits starts at this step: a lone request with the drafter when nothing runs; else in the
-        batch, a drafted answer in flight handed over to it first."""
+        """What waits starts at this step (`scheduler.admit`): a lone request with the drafter when nothing
+        runs; else in the batch, a drafted answer in flight handed over to it first."""
         arrived, self._arrived = self._arrived, {}
-        if not (self.drafter.busy or self.batch.busy) and len(self._waiting) == 1:
+        admission = admit(len(self._waiting), self.drafter.busy, self.batch.busy)
+        if admission.alone:
             self.drafter.insert(self._waiting.popleft())
             return
-        if self.drafter.busy:
+        if admission.hand_over:
             rest, cached = self.drafter.handover()
             self.handovers += 1
             self.batch.insert(rest)
             if cached is not None:
                 self._untold[rest.rid] = cached
             self._beside.update({rid: (at, rest.rid, rest.offset) for rid, at in arrived.items()})
-        while self._waiting:
+        for _ in range(admission.join):
             job = self._waiting.popleft()
             self._untold[job.rid] = self.batch.insert(job)
 
