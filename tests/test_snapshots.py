@@ -349,6 +349,27 @@ def insert(rid, prompt):
     return Insert(Job(rid, tuple(prompt), 1, 0, {}))
 
 
+@pytest.mark.parametrize("newer,skipped", [
+    ([(10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 99)], {"superseded": 1}),  # the first conversation's next turn
+    ([(500 + i, 1, 2) for i in range(8)], {"capacity": 2}),  # eight newer conversations
+], ids=["superseded", "no room"])
+def test_a_restored_tape_the_token_tape_does_not_keep_is_counted_with_why(tmp_path, newer, skipped):
+    restorer, tape = restorer_over(tmp_path, [tuple(range(10, 20)), tuple(range(30, 40))], 0, 0)
+    for tokens in newer:  # served while the restores went on
+        tape.store(tokens, real_cache(len(tokens)))
+    wait_for(lambda: restorer.adopt(lambda b: [b]) is not None and not restorer.pending, 10, "the restores")
+    assert restorer.snaps.skipped == skipped and restorer.snaps.restored == 2 - sum(skipped.values())
+
+
+def test_a_restored_cache_is_built_a_leaf_an_iteration_so_requests_step_between_its_parts(tmp_path):
+    tokens = tuple(range(10, 30))
+    restorer, tape = restorer_over(tmp_path, [tokens], 0, 0)
+    restorer.build_bytes = 1  # a leaf an iteration: the cache has two
+    wait_for(lambda: restorer._read, 10, "the tape read by the thread")
+    assert restorer.adopt(lambda b: [b]) == [] and len(tape) == 0  # its first leaf built: the loop steps on
+    assert restorer.adopt(lambda b: [b]) == [tape_id(tokens)] and tape.served(tokens + (1,)) == len(tokens)
+
+
 def test_a_request_that_a_pending_tape_serves_waits_for_it_and_a_new_conversation_goes_at_once(tmp_path):
     old = tuple(range(100, 160))
     restorer, tape = restorer_over(tmp_path, [old], read_bps=1e9, prefill_tps=100.0)
@@ -527,7 +548,8 @@ def test_many_unusable_or_unshared_tapes_are_counted_each_and_said_in_one_line_a
               json.dumps({"mesh": ME.mesh, "tapes": again.held()[:10]}).encode()]  # another rank holds 10 of them
     restorer = Restorer.agree(again, lambda b: offers, TokenTape(8), lambda: [KVCache(), KVCache()], Rates(None),
                               print, rank=1)
-    assert again.skipped["missing"] == 90 and len(lines) == 1 and len(restorer.pending) == 8
+    assert again.skipped["missing"] == 90 and len(restorer.pending) == 8
+    assert again.skipped["capacity"] == 2 and len(lines) == 2  # the two the token tape has no room for, said too
     restorer.close()
     again.close()
 
