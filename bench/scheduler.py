@@ -1,0 +1,127 @@
+"""The engines on the prefix store, the request record and the scheduler (this tree) against the engines before
+them (commit 590ba63, checked out beside it), in one process each on this machine's CPU: a drafted request
+alone and B = 2, 4 drafted rows (`drafted_everywhere`: DSpark alone, row-wise for more), and plain batching at
+B = 1, 2, 4 (the batch engine; a lone request in SoloDecode). Each round runs both trees, one after the other in
+a process of its own (the order alternating), each case once to warm and once timed; tokens/s over the answers
+(prompts included), median (min-max), and whether both trees said the same tokens.
+
+The target is omlx's own DeepSeek-V4 with the DSpark stand-in's stages (tests/pinned/dsv4.py), in .venv-omlx:
+
+    git worktree add --detach /tmp/meshd-base 590ba63
+    .venv-omlx/bin/python bench/scheduler.py [--base /tmp/meshd-base] [--rounds 3] [--tokens 48] [--write]
+
+--write appends the table to docs/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchkit import ROOT, report, say, spread
+
+CASES = [("drafted", 1), ("drafted", 2), ("drafted", 4), ("plain", 1), ("plain", 2), ("plain", 4)]
+# where the engine's parts live: this tree's rooms, and the flat runtime/ of the base commit
+LAYOUTS = {
+    "rooms": {"batch": "runtime.engine.batch", "rowwise": "runtime.engine.rowwise", "jobs": "runtime.engine.jobs",
+              "overlay": "runtime.models.overlay", "store": "runtime.prefix.store"},
+    "flat": {"batch": "runtime.engine", "rowwise": "runtime.rowwise", "jobs": "runtime.jobs",
+             "overlay": "runtime.overlay"},
+}
+
+
+def worker(root: Path, checkpoint: Path, tokens: int) -> dict:
+    """Every case on the engines of the tree at `root`: the seconds of its timed run and its answers."""
+    sys.path[:0] = [str(root), str(root / "tests")]
+    layout = LAYOUTS["rooms" if (root / "runtime" / "engine").is_dir() else "flat"]
+    part = {name: importlib.import_module(module) for name, module in layout.items()}
+    dsv4, rank = importlib.import_module("pinned.dsv4"), importlib.import_module("runtime.rank")
+    mx = importlib.import_module("mlx.core")
+    dsv4.set_up_omlx()
+    model = rank.load_sharded(checkpoint, mx.distributed.init(), lambda done, total: None, part["overlay"].OMLX)
+    batch = part["batch"].BatchEngine
+
+    def prefixes():  # the prefix store, or before it the batch engine that held the tape
+        return part["store"].PrefixStore(model, prefill_step_size=128) if "store" in part else \
+            batch(model, set(), prefill_step_size=128)
+
+    engines = {"plain": lambda: batch(model, set(), prefill_step_size=128),
+               "drafted": lambda: part["rowwise"].drafted_everywhere(model, set(), prefixes(), prefill_step_size=128,
+                                                                     log=lambda m: None)}
+    greedy = importlib.import_module("common.openai_api").SamplingParams(max_tokens=1).sampling()
+    out = {}
+    for kind, b in CASES:
+        for timed in (False, True):
+            engine, said = engines[kind](), {}
+            began = time.perf_counter()
+            for i in range(b):
+                engine.insert(part["jobs"].Job(f"r{i}", tuple(range(20 + 40 * i, 60 + 40 * i)), tokens, i, greedy))
+            while engine.busy:
+                for e in engine.step():
+                    said.setdefault(e.rid, []).append(e.token)
+            mx.synchronize()
+            seconds = time.perf_counter() - began
+            engine.close()
+        out[f"{kind} {b}"] = {"seconds": seconds, "said": said}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", type=Path, default=Path("/tmp/meshd-base"), help="a checkout of commit 590ba63")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--write", action="store_true")
+    ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.checkpoint, args.tokens)))
+        return
+    if not (args.base / "runtime" / "rowwise.py").is_file():
+        sys.exit(f"{args.base} is not a checkout of the engines before the scheduler: "
+                 f"git worktree add --detach {args.base} 590ba63")
+    sys.path[:0] = [str(ROOT / "tests")]
+    checkpoint = Path(tempfile.mkdtemp(prefix="meshd-scheduler-bench-")) / "v4"
+    importlib.import_module("pinned.dsv4").build_v4_checkpoint(checkpoint)
+    trees = {"today": ROOT, "before": args.base}
+    rates = {(tree, case): [] for tree in trees for case in CASES}
+    answers: dict = {}
+    for r in range(args.rounds):
+        for tree in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+            run = subprocess.run([sys.executable, __file__, "--worker", str(trees[tree]), "--checkpoint",
+                                  str(checkpoint), "--tokens", str(args.tokens)],
+                                 capture_output=True, text=True, check=True)
+            got = json.loads(run.stdout.strip().splitlines()[-1])
+            for kind, b in CASES:
+                one = got[f"{kind} {b}"]
+                rates[tree, (kind, b)].append(b * args.tokens / one["seconds"])
+                answers.setdefault((tree, kind, b), one["said"])
+            say(f"round {r + 1} {tree}: " + ", ".join(f"{k} {rates[tree, c][-1]:.0f} tok/s"
+                                                       for c in CASES for k in [f"{c[0]} B={c[1]}"]))
+    same = all(answers["today", kind, b] == answers["before", kind, b] for kind, b in CASES)
+    rows = [f"| {kind} | {b} | {spread(rates['before', (kind, b)], '{:.1f}')} | "
+            f"{spread(rates['today', (kind, b)], '{:.1f}')} | "
+            f"{statistics.median(rates['today', (kind, b)]) / statistics.median(rates['before', (kind, b)]):.2f}x |"
+            for kind, b in CASES]
+    report(["", f"## The engines on the prefix store, the request record and the scheduler against the engines "
+            f"before them (`bench/scheduler.py`, {time.strftime('%Y-%m-%d')})", "",
+            "omlx's own DeepSeek-V4 (tests/pinned/dsv4.py's tiny checkpoint with the DSpark stand-in's stages) on "
+            f"this machine's CPU (2 cores, shared). B requests of 40 prompt tokens sent at once, {args.tokens} "
+            "greedy tokens each; drafted: DSpark alone for B = 1, row-wise for more; plain: the batch engine "
+            f"(SoloDecode for B = 1). Before: commit 590ba63. {args.rounds} alternating rounds, each tree in a "
+            "process of its own, each case warmed once; tokens/s, median (min-max).", "",
+            "| engine | B | before tok/s | today tok/s | today / before |", "|---|---|---|---|---|", *rows, "",
+            "Both trees said the same tokens in every case." if same else "The answers were NOT the same.", "",
+            f"Command: `{Path(sys.executable).parent.parent.name}/bin/python bench/scheduler.py --rounds "
+            f"{args.rounds} --tokens {args.tokens}`"], args.write)
+
+
+if __name__ == "__main__":
+    main()
