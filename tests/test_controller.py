@@ -18,7 +18,9 @@ from kit.demo_answers import endless
 from kit.meshctl import meshctl, stop_controller
 from kit.openai import sse_events, validate
 from kit.waiting import wait_for
+from meshd.config import load
 from meshd.control.fleet import Incident
+from meshd.meshctl.cli import Control
 from meshd.store import Store
 
 
@@ -337,9 +339,14 @@ def test_the_proxy_answers_health_cors_every_name_of_its_model_and_tools(two_age
                                 json={"model": "org/other", "messages": [{"role": "user", "content": "hi"}]})
         assert unknown.status_code == 404 and "demo" in unknown.json()["error"]["message"]
 
-        meshctl(mesh, "down")
+        Control(load(mesh)).call("POST", "/v1/down", {"force": False})  # the mesh stops; its proxy stays up
+        wait_for(lambda: requests.get(proxy.removesuffix("/v1") + "/health", timeout=10).status_code == 503, 60,
+                 "the proxy to say the mesh is stopped")
         down = requests.get(proxy.removesuffix("/v1") + "/health", timeout=10)
         assert down.status_code == 503 and down.json()["error"]["message"]
+        assert "meshd-proxy (pid" in meshctl(mesh, "down").stdout  # `meshctl down` stops the proxy it started too
+        with pytest.raises(requests.ConnectionError):
+            requests.get(proxy.removesuffix("/v1") + "/health", timeout=10)
     finally:
         stop_controller(mesh)
 

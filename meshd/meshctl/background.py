@@ -57,7 +57,13 @@ def start(argv: list[str], pidfile: Path, logfile: Path) -> int:
         return t.pid
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     t = procs.spawn_detached([*argv, "--log-file", str(logfile)], logfile)
-    pidfile.write_text(f"{t.pid} {t.create_time}\n")
+    try:
+        pidfile.write_text(f"{t.pid} {t.create_time}\n")
+    except OSError as e:  # a full disk, say
+        stop_targets([t], grace=5.0)
+        pidfile.unlink(missing_ok=True)
+        raise NotStarted(f"cannot write {pidfile} ({e.strerror}): {pidfile.stem} was stopped again, as nothing could "
+                         f"stop it later; free space in {pidfile.parent}")
     return t.pid
 
 

@@ -354,7 +354,11 @@ def cmd_up(args) -> int:
                            f"started. `meshctl doctor` shows every check; --skip-preflight starts anyway")
         say(f"preflight: {len(checks)} checks pass")
     ctl.call("POST", "/v1/up")
-    start_proxy(cfg)  # once the controller answers as this mesh's
+    try:
+        start_proxy(cfg)  # once the controller answers as this mesh's
+    except background.NotStarted as e:
+        raise CliError(f"{e}; the controller starts the mesh meanwhile (`meshctl status`), then `meshctl up` "
+                       "starts meshd-proxy")
     status = follow_until_ready(ctl, args.timeout)
     if status["phase"] == "failed":
         return 1
