@@ -1,6 +1,8 @@
 """The agent's event log: sequence-numbered, persisted to the state directory,
 so a controller that reconnects (to this agent or to its restarted self)
-resumes after the last sequence number it saw without losing an event.
+resumes after the last sequence number it saw without losing an event. What
+else an event sets off on the agent listens to the log (`subscribe`): the
+standby's trigger, for one (agents/standby.py `trigger`).
 
 Each log has an epoch, made when the log is (a reinstall or a wiped state
 directory makes a new one); every record carries it. A reader whose epoch is
@@ -15,8 +17,11 @@ import json
 import secrets
 from collections import deque
 from pathlib import Path
+from typing import Awaitable, Callable
 
 from common.protocol import Event
+
+Listener = Callable[[Event], Awaitable[None]]
 
 
 class EventLog:
@@ -25,6 +30,7 @@ class EventLog:
         self._keep = keep
         self._events: deque[dict] = deque(maxlen=keep)
         self._cond = asyncio.Condition()
+        self._listeners: list[Listener] = []
         self.seq = 0
         epoch_file = path.with_name(path.name + ".epoch")
         if not path.exists() or not epoch_file.exists():
@@ -46,7 +52,17 @@ class EventLog:
         tmp.write_text("".join(json.dumps(e) + "\n" for e in self._events))
         tmp.replace(self.path)
 
+    def subscribe(self, listener: Listener) -> None:
+        """`listener(event)` awaited after each event is logged, in the order subscribed."""
+        self._listeners.append(listener)
+
     async def emit(self, event: Event) -> dict:
+        record = await self._log(event)
+        for listener in self._listeners:
+            await listener(event)
+        return record
+
+    async def _log(self, event: Event) -> dict:
         async with self._cond:
             self.seq += 1
             record = {"seq": self.seq, "epoch": self.epoch, **event.to_dict()}

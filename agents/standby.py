@@ -23,8 +23,11 @@ from typing import Callable
 
 import structlog
 
+from agents.events import Listener
 from agents.orphans import STANDBY_MARKER
 from common import procs
+from common.protocol import Event, RankStateChanged
+from common.states import RankState
 from common.buildinfo import identities
 
 log = structlog.get_logger("meshd.agent")
@@ -245,3 +248,18 @@ class Keeper:
             log.error("standby survived SIGKILL", pid=standby.target.pid, waited=REAP_WITHIN)
             return
         log.info("standby ended", pid=standby.target.pid, signal="SIGKILL")
+
+
+def takes_its_turn(event: Event) -> bool:
+    """Whether `event` calls for a standby: a rank of this node became ready, so one may start beside it
+    (for the next generation) while it serves, never beside a loading one."""
+    return isinstance(event, RankStateChanged) and event.state == RankState.READY
+
+
+def trigger(keeper: Keeper, early: Callable[[], dict], serving: Callable[[], bool]) -> Listener:
+    """The standby's listener on the agent's event log: `keeper` asked for a standby (with the last rank's
+    environment, `early()`) when an event calls for one."""
+    async def on_event(event: Event) -> None:
+        if takes_its_turn(event):
+            await keeper.ensure(early(), serving)
+    return on_event

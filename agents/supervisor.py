@@ -25,13 +25,12 @@ from agents.config import AgentConfig
 from agents.events import EventLog
 from agents.launch import LaunchPlan, launch_plan, rank_dir
 from agents.manifest import Manifest
-from agents.standby import Keeper, early_env
+from agents.standby import Keeper, early_env, trigger
 from agents.stall import blocked_on_peer
 from agents.watch import RankRecord, RankWatcher
 from common import procs
 from common.modelref import resolve
-from common.protocol import (OrphansSwept, RankExited, RankSignature, RankSpec, RankStarted, RankStateChanged,
-                             RebootRequired, StopResult)
+from common.protocol import OrphansSwept, RankExited, RankSignature, RankSpec, RankStarted, RebootRequired, StopResult
 from common.states import RankState, StopMode
 
 # In a kill, a rank blocked in a collective on a dead peer (it runs no signal
@@ -85,6 +84,7 @@ class Supervisor:
         self.standby = Keeper(self.state_dir, config.python, config.standby)
         self._spawn = spawn or self._warm_or_cold
         self._early = early_env(dict(os.environ), config.env_allowlist)  # the last rank's, for its standby
+        self.events.subscribe(trigger(self.standby, lambda: self._early, self.serving))
 
     async def apply_wired_limit(self) -> None:
         """agent.toml's `wired_limit_mb` set on this node (GET /v1/node says what that did)."""
@@ -104,8 +104,6 @@ class Supervisor:
         if isinstance(event, RebootRequired):
             self.reboot_required = event.reason
         await self.events.emit(event)
-        if isinstance(event, RankStateChanged) and event.state == RankState.READY:
-            await self.standby.ensure(self._early, self.serving)  # while this rank serves, for the next generation
 
     def _watch(self, rec: RankRecord) -> None:
         RankWatcher(rec, self.emit, self.config.node, self.config.stall, self.config.log_max_bytes).start()

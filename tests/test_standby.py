@@ -18,11 +18,14 @@ import aiohttp
 import psutil
 import pytest
 
+from agents.events import EventLog
 from agents.orphans import ProcInfo, marker_generation, scan, select_orphans
 from agents.standby import (RESPAWN_AFTER, SILENT, Keeper, Standby, answered, changed_code, early_env, rank_args,
-                            refusal, respawn_in)
+                            refusal, respawn_in, trigger)
 from common.buildinfo import identities
+from common.protocol import RankExited, RankStarted, RankStateChanged
 from common.procs import Target
+from common.states import RankState
 from kit.agents import make_agents, start_generation, stop_generation, wait_mesh_ready
 from kit.ps import shown
 from kit.waiting import wait_for
@@ -136,7 +139,7 @@ def upgrade(dist_info: Path) -> Path:
 
 
 @pytest.mark.parametrize("change", [
-    lambda code: replace_with_a_copy(code / "runtime" / "engine.py"),  # a module it imported
+    lambda code: replace_with_a_copy(code / "runtime" / "engine" / "batch.py"),  # a module it imported
     lambda code: upgrade(code / "meshd_copy-0.1.dist-info"),  # the distribution its modules come from
 ], ids=["a module replaced", "its distribution upgraded"])
 def test_a_stale_standby_is_replaced(agent, demo_model, change):
@@ -307,6 +310,29 @@ def test_files_rewritten_replaced_or_removed_have_another_identity(tmp_path):
     (tmp_path / "pkg-1.0.dist-info").rename(tmp_path / "pkg-1.1.dist-info")
     assert changed_code(before, identities(paths)) == [str(tmp_path / n) for n in
                                                        ("edited.py", "pkg-1.0.dist-info", "removed.py", "replaced.py")]
+
+
+@pytest.mark.parametrize("event, asked", [
+    (RankStateChanged("n0", 3, 0, 1.0, RankState.READY), True),
+    (RankStateChanged("n0", 3, 0, 1.0, RankState.LOADING), False),
+    (RankStateChanged("n0", 3, 0, 1.0, RankState.BUSY), False),
+    (RankStarted("n0", 3, 0, 1.0, pid=7), False),
+    (RankExited("n0", 3, 0, 1.0), False),
+], ids=["ready: a standby beside it", "loading: none beside it", "busy: asked at ready already", "started",
+        "exited"])
+def test_a_standby_is_asked_for_when_the_agent_logs_its_rank_ready(tmp_path, event, asked):
+    class Keeping:
+        def __init__(self):
+            self.asked = []
+
+        async def ensure(self, early, serving):
+            self.asked.append((early, serving()))
+
+    keeper, log = Keeping(), EventLog(tmp_path / "events.jsonl")
+    log.subscribe(trigger(keeper, lambda: {"MESHD_NODE": "n0"}, lambda: True))
+    record = asyncio.run(log.emit(event))
+    assert record["seq"] == 1 and log.since(0) == [record]
+    assert keeper.asked == ([({"MESHD_NODE": "n0"}, True)] if asked else [])
 
 
 def test_a_sweep_ends_a_standby_only_when_its_agent_does_not_hold_it():
