@@ -19,13 +19,9 @@ from mlx_lm.utils import load_tokenizer
 from common import openai_api as oa
 from kit.meshctl import mesh_up
 from kit.openai import sse_events, validate
-from kit.scripted import Script, ScriptedRanks
-from kit.waiting import wait_for
-from meshd.meshctl.ports import free_ports
+from kit.scripted import Script, scripted_rank0
 from runtime.engine import grammar
 from runtime.models.demo_model import DemoModelSpec, build_demo_model
-from runtime.rank import warmup_prompt
-from runtime.server import Frontend
 
 LIMITS = oa.Limits("demo", 0, 4096)
 WEATHER = {"type": "function", "function": {
@@ -51,17 +47,8 @@ def rank0(thinking_model):
     config = json.loads((thinking_model / "config.json").read_text())
     tok = load_tokenizer(thinking_model, eos_token_ids=config["eos_token_id"])
     grammar.serve(tok)  # what the rank does at load: forced calls are compiled against its tokenizer
-    port, = free_ports(1)
-    fe = Frontend(tok, LIMITS, generation=1, context_length=4096, host="127.0.0.1", port=port)
-    fe.start()
-    ranks = ScriptedRanks(fe, tok)
-    fe.warm_up(warmup_prompt(tok))
-    url = f"http://127.0.0.1:{port}/v1"
-    wait_for(lambda: requests.get(f"http://127.0.0.1:{port}/internal/ready", timeout=2).status_code == 200, 10,
-             "rank 0's doors to open")
-    yield SimpleNamespace(url=url, ranks=ranks, tok=tok)
-    ranks.stop()
-    fe.stop()
+    with scripted_rank0(tok, LIMITS) as (url, ranks):
+        yield SimpleNamespace(url=url, ranks=ranks, tok=tok)
 
 
 def post(rank0, body: dict, *answers: Script | str) -> requests.Response:

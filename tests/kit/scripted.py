@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import queue
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import requests
+
+from kit.waiting import wait_for
+from meshd.meshctl.ports import free_ports
 from runtime.engine.jobs import Emission, Job
 from runtime.lockstep import Insert
+from runtime.rank import warmup_prompt
 from runtime.server import WARMUP, Frontend
 
 
@@ -62,3 +68,21 @@ class ScriptedRanks:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+@contextmanager
+def scripted_rank0(tokenizer, limits):
+    """Rank 0's real frontend on a real port over `tokenizer`, its doors opened by the warm-up through scripted
+    ranks: its base URL (`.../v1`) and the ranks."""
+    port, = free_ports(1)
+    fe = Frontend(tokenizer, limits, generation=1, context_length=4096, host="127.0.0.1", port=port)
+    fe.start()
+    ranks = ScriptedRanks(fe, tokenizer)
+    fe.warm_up(warmup_prompt(tokenizer))
+    wait_for(lambda: requests.get(f"http://127.0.0.1:{port}/internal/ready", timeout=2).status_code == 200, 10,
+             "rank 0's doors to open")
+    try:
+        yield f"http://127.0.0.1:{port}/v1", ranks
+    finally:
+        ranks.stop()
+        fe.stop()

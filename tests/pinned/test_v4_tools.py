@@ -17,9 +17,7 @@ import pytest
 import requests
 
 from common import openai_api as oa
-from kit.scripted import Script, ScriptedRanks
-from meshd.meshctl.ports import free_ports
-from runtime.server import Frontend
+from kit.scripted import Script, scripted_rank0
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIAL = [BOS, EOS, "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
@@ -114,20 +112,8 @@ def tokenizer(checkpoint):
 @pytest.fixture(scope="module")
 def rank0(tokenizer):
     """Rank 0's real frontend on a real port, its doors opened by the warm-up through the scripted ranks."""
-    from kit.waiting import wait_for
-    from runtime.rank import warmup_prompt
-
-    port, = free_ports(1)
-    fe = Frontend(tokenizer, LIMITS, generation=1, context_length=4096, host="127.0.0.1", port=port)
-    fe.start()
-    ranks = ScriptedRanks(fe, tokenizer)
-    fe.warm_up(warmup_prompt(tokenizer))
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    wait_for(lambda: requests.get(f"http://127.0.0.1:{port}/internal/ready", timeout=2).status_code == 200, 10,
-             "rank 0's doors to open")
-    yield url, ranks
-    ranks.stop()
-    fe.stop()
+    with scripted_rank0(tokenizer, LIMITS) as (url, ranks):
+        yield f"{url}/chat/completions", ranks
 
 
 def chat(rank0, answer: str, body: dict) -> dict:
