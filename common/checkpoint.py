@@ -461,6 +461,10 @@ def survey_repo(repo: str) -> Report:
     except ValueError as e:
         return Report((Finding("config.json", f"cannot be read ({e})", "use another revision of the checkpoint",
                                True),), None, 0)
+    except OSError as e:  # the hub out of reach (offline mode, no network): the download is checked instead
+        return Report((Finding("weights", f"not checked before the download: the hub cannot be reached ({e})",
+                               "the downloaded copy is checked before it is copied to the other nodes", False),),
+                      None, 0)
     except NotASafetensorsRepoError:
         return Report((Finding("weights", f"{repo} holds no safetensors weights, the only ones mlx-lm loads",
                                "use an MLX conversion of the model (safetensors)", True),), None, 0)
