@@ -60,7 +60,7 @@ class Serving:
     rank0_secret: str = field(default="", repr=False)  # this generation's; rank 0 answers nothing without it
     planned: str = ""  # the generation it names ends on purpose: "drain" (its requests finish on it, cut
     #                    none) or "cut" (resume them on the next); "" when it died, or does not end
-    fingerprint: str = ""  # of the weights the generation loaded, as node 0 read them at its start; "" unknown
+    fingerprint: str = ""  # of the weights the generation loaded, as its rank 0 said when ready; "" unknown
 
     @property
     def ready(self) -> bool:

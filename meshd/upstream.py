@@ -253,6 +253,18 @@ class ReadinessSeen:
     def secret_refused(self) -> bool:
         return self.route == READY and self.status == 401
 
+    @property
+    def weights(self) -> str | None:
+        """The fingerprint of the weights a meshd-rank rank 0 says it serves with its readiness ("" when they
+        changed while it loaded); None when the answer does not say."""
+        if self.route != READY or self.status != 200:
+            return None
+        try:
+            said = json.loads(self.body).get("weights_fingerprint")
+        except (ValueError, AttributeError):
+            return None
+        return said if isinstance(said, str) else None
+
 
 async def probe_ready(rank0: Upstream, url: str, auth: dict[str, str], profile: str,
                       completion_timeout: float) -> ReadinessSeen:
@@ -262,8 +274,10 @@ async def probe_ready(rank0: Upstream, url: str, auth: dict[str, str], profile: 
     try:
         async with asyncio.timeout(2):
             async with rank0.get(url + route, auth) as r:
-                await r.read()
-        if route == READY or r.status != 200:
+                body = await r.read()
+        if route == READY:
+            return ReadinessSeen(url, route, r.status, body.decode(errors="replace"))
+        if r.status != 200:
             return ReadinessSeen(url, route, r.status)
         route = COMPLETION
         async with asyncio.timeout(completion_timeout):

@@ -336,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     context = args.max_context or int(config.get("max_position_embeddings", 4096))
     frontend = open_frontend(args, tokenizer, context, secret) if rank == 0 else None
     model, loaded_in = load(args, group, hb, overlay, log)
+    if frontend:  # the controller learns what it serves from the answer that says it is ready
+        frontend.weights_fingerprint = args.weights_fingerprint
     engine = make_engine(args, model, set(tokenizer.eos_token_ids), rank, world, hb, log)
     lockstep = Lockstep(group)
     restorer = restore_behind(engine.prefixes, model, lockstep, loaded_in, log, rank)

@@ -81,6 +81,7 @@ class Frontend:
         self.holds_grammars = holds_grammars
         self.limits = limits
         self.generation = generation
+        self.weights_fingerprint = ""  # of the weights the ranks loaded, said with readiness (set after the load)
         self.context_length = context_length
         self.host, self.port = host, port
         self.drain_deadline = drain_deadline
@@ -215,7 +216,8 @@ class Frontend:
 
     # --- HTTP (frontend thread) ------------------------------------------------
     async def _ready(self, request: web.Request) -> web.Response:
-        body = {"ready": self.phase == FrontendPhase.ADMITTING, "phase": self.phase, "generation": self.generation}
+        body = {"ready": self.phase == FrontendPhase.ADMITTING, "phase": self.phase, "generation": self.generation,
+                "weights_fingerprint": self.weights_fingerprint}
         return web.json_response(body, status=200 if self.phase == FrontendPhase.ADMITTING else 503)
 
     async def _drain(self, request: web.Request) -> web.Response:

@@ -110,7 +110,7 @@ def controller(cfg, state: fleet.FleetState, agents: dict[str, FakeAgent], ready
         return ctl.spawned[-1]
 
     async def readiness():
-        return ready, None
+        return ready, None, "f1ngerprint" if ready else None
 
     ctl._spawn, ctl.readiness = spawned, readiness
     return ctl

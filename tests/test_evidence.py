@@ -141,3 +141,17 @@ NOW = 1000.0
 def test_which_ranks_are_blocked_on_a_dead_peer(status, peer_lost, blocked):
     seen = RankStatus.from_dict({"generation": 1, "rank": 0, "world": 2, "pid": 1, **status}) if status else None
     assert blocked_on_peer(seen, peer_lost, NOW) == blocked
+
+
+@pytest.mark.parametrize("seen,weights", [
+    (ReadinessSeen(URL, READY, 200, '{"ready": true, "weights_fingerprint": "ab12"}'), "ab12"),
+    (ReadinessSeen(URL, READY, 200, '{"ready": true, "weights_fingerprint": ""}'), ""),
+    (ReadinessSeen(URL, READY, 200, '{"ready": true}'), None),
+    (ReadinessSeen(URL, READY, 200, "not json"), None),
+    (ReadinessSeen(URL, READY, 503, '{"ready": false, "weights_fingerprint": "ab12"}'), None),
+    (ReadinessSeen(URL, COMPLETION, 200, '{"weights_fingerprint": "ab12"}'), None),
+], ids=["said", "changed-while-loading", "not-said", "not-json", "not-ready", "stock-completion"])
+def test_the_weights_rank0_says_it_serves_with_its_readiness(seen, weights):
+    """The controller records a generation's fingerprint from the answer that says it is ready, so no second
+    call (which can fail under load) leaves a serving generation's weights unknown."""
+    assert seen.weights == weights

@@ -28,8 +28,8 @@ class Adopter(Protocol):
     state: fleet.FleetState
 
     def desired_up(self) -> bool: ...
-    async def ready_probe(self) -> bool: ...
-    async def learn_weights(self, generation: int) -> None: ...
+    async def readiness(self) -> tuple[bool, fleet.RankDied | None, str | None]: ...
+    def learn_weights(self, generation: int, said: str | None) -> None: ...
     async def feed(self, event: fleet.FleetEvent) -> None: ...
 
 
@@ -57,12 +57,12 @@ async def adopt_when_whole(ctl: Adopter) -> None:
 
 
 async def _decide(ctl: Adopter, views: dict[str, list[RankReport] | None]) -> bool:
-    decision = fleet.decide_adoption(views, ctl.policy.nodes, desired_up=ctl.desired_up(),
-                                     rank0_ready=await ctl.ready_probe())
+    ready, _, said = await ctl.readiness()
+    decision = fleet.decide_adoption(views, ctl.policy.nodes, desired_up=ctl.desired_up(), rank0_ready=ready)
     if decision is None:
         return False
     log.info("adopting", decision=repr(decision))
     if isinstance(decision, fleet.Adopted):
-        await ctl.learn_weights(decision.generation)
+        ctl.learn_weights(decision.generation, said)
     await ctl.feed(decision)
     return True

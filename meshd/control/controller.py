@@ -215,10 +215,11 @@ class Controller:
         self.weights = {"generation": generation, "fingerprint": fingerprint}
         self.store.put("weights", self.weights)
 
-    async def learn_weights(self, generation: int) -> None:
-        """The fingerprint rank 0 of an adopted `generation` loaded, unless it is known already."""
-        if self.weights["generation"] != generation or not self.weights["fingerprint"]:
-            self._remember_weights(generation, await self._rank0_weights(generation))
+    def learn_weights(self, generation: int, said: str | None) -> None:
+        """The fingerprint rank 0 of an adopted `generation` said it serves (None: it did not answer ready),
+        unless the store knows it already."""
+        if said is not None and (self.weights["generation"] != generation or not self.weights["fingerprint"]):
+            self._remember_weights(generation, said)
 
     def desired_up(self) -> bool:
         return self.store.get("desired") == "up"
@@ -247,23 +248,12 @@ class Controller:
         await asyncio.gather(*(one(i, n.name) for i, n in enumerate(self.cfg.nodes)))
         await self.feed(fleet.LaunchesSent(g))
 
-    async def readiness(self) -> tuple[bool, fleet.RankDied | None]:
+    async def readiness(self) -> tuple[bool, fleet.RankDied | None, str | None]:
+        """Does rank 0 serve, is its answer evidence against it, and the weights it says it serves (None: not
+        said)."""
         seen = await probe_ready(self.rank0, self.cfg.rank0_url, self.serving().rank0_auth, self.cfg.runtime.profile,
                                  self.cfg.proxy.probe_timeout)
-        return evidence.readiness(seen, self.cfg.nodes[0].name, self.state.generation)
-
-    async def ready_probe(self) -> bool:
-        return (await self.readiness())[0]
-
-    async def _rank0_weights(self, g: int) -> str:
-        """The fingerprint of the weights rank 0 of generation `g` loaded, as its status file says ("" unknown:
-        not said yet, or they changed while it loaded)."""
-        try:
-            views = (await self.agents[self.cfg.nodes[0].name].ranks()).views
-        except AgentError:
-            return ""
-        return next((str((v.get("status") or {}).get("weights_fingerprint", "")) for v in views
-                     if v.get("generation") == g and v.get("rank") == 0), "")
+        return *evidence.readiness(seen, self.cfg.nodes[0].name, self.state.generation), seen.weights
 
     async def _probe_readiness(self, g: int, after: float) -> None:
         """Rank 0 of `g` asked whether it serves, unless its generation stopped starting meanwhile; the weights
@@ -271,9 +261,9 @@ class Controller:
         await asyncio.sleep(after)
         if not fleet.awaiting_ready(self.state, g):
             return
-        ready, died = await self.readiness()
-        if ready:
-            self._remember_weights(g, await self._rank0_weights(g))
+        ready, died, said = await self.readiness()
+        if ready:  # as the answer says it: no second call, which could fail under load and leave it unknown
+            self._remember_weights(g, said or "")
         await self.feed(fleet.MeshReady(g) if ready else died or fleet.NotReadyYet(g))
 
     async def _stop_generation(self, g: int, mode: StopMode, grace: float) -> None:
