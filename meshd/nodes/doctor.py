@@ -420,7 +420,8 @@ async def canary(cfg: MeshConfig, hostfile: dict, seconds: float = 3.0, timeout:
             lines = await asyncio.wait_for(_canary_lines(clients), timeout)
         except (AgentError, asyncio.TimeoutError) as e:
             await asyncio.gather(*(c.stop_generation(0, StopMode.KILL, 1) for c in clients), return_exceptions=True)
-            return [Check("canary", "mesh", False, f"the canary did not finish: {e or 'timed out'}",
+            why = str(e) or f"not within {timeout:.0f}s"
+            return [Check("canary", "mesh", False, f"the canary did not finish: {why}",
                           "the transport is broken: meshctl doctor for the nodes, then meshctl reboot --all")]
     return [Check("canary", n.name, line.startswith("canary ok"), line,
                   "the transport failed under all_sum: check cables, then meshctl provision --force")
