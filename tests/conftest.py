@@ -1,3 +1,5 @@
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,27 @@ def pytest_collection_modifyitems(items):
         label = getattr(item, "operation_label", None)
         if label and not item.nodeid.endswith("]"):
             item._id = item._id.with_params(label)
+
+
+FILE_SECONDS: Counter[str] = Counter()  # each file's setup, call and teardown seconds, as the workers reported them
+STARTED = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    FILE_SECONDS[report.nodeid.partition("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The slowest files and the run's totals, for each landing's note (and SLOW_FIRST above) to quote."""
+    if not FILE_SECONDS or hasattr(terminalreporter.config, "workerinput"):
+        return
+    terminalreporter.section("slowest files")
+    for path, seconds in FILE_SECONDS.most_common(15):
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+    counts = {k: len(terminalreporter.stats.get(k, [])) for k in ("passed", "skipped", "failed", "error")}
+    terminalreporter.write_line(f"total: {time.monotonic() - STARTED:.0f}s wall, {sum(FILE_SECONDS.values()):.0f}s "
+                                f"in tests over {len(FILE_SECONDS)} files; " +
+                                ", ".join(f"{n} {k}" for k, n in counts.items()))
 
 
 @pytest.fixture(scope="session")
