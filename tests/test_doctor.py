@@ -7,6 +7,7 @@ all_sum across a real 4-rank ring mesh."""
 import json
 import subprocess
 import sys
+import time
 from importlib import metadata
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from common.protocol import EPOCH_MAX, Ballot, RankReport
 from common.states import RankState
 from kit.agents import make_agents
-from kit.configs import write_mesh
+from kit.configs import write_agent_config, write_mesh
 from kit.meshctl import meshctl, stop_controller
 from kit.sshd import STANDINS, start_fleet
 from meshd.epochs import Held, Reach
@@ -263,6 +264,35 @@ def test_the_canary_runs_all_sum_across_a_real_4_rank_ring(tmp_path, demo_model)
         result = json.loads(c["detail"].removeprefix("canary ok "))
         assert result["world"] == 4 and result["collectives"] >= 7 and result["bytes"] > 0
     assert r.returncode == 0
+
+
+BROKEN_CANARY = {"command": ["{python}", "-c", "import sys; print('[ring] Couldn\\'t connect (error: 111)', "
+                            "file=sys.stderr); sys.exit(1)", "--meshd-generation", "{generation}"],
+                 "args": {"seconds": "--seconds"}, "status_file": False}
+
+
+def test_a_canary_rank_that_dies_ends_the_canary_at_once_each_node_saying_what_its_rank_did(tmp_path, demo_model):
+    """node1's transport fails as a ring's does: rank 0 would wait for it until the canary's 120 s timeout; the
+    canary ends once node1's rank exited, and says per node what each rank did."""
+    agents = make_agents(tmp_path, 2)
+    agents[1].token = write_agent_config(agents[1].dir, "node1", agents[1].port,
+                                         extra={"profiles": {"meshd-canary": BROKEN_CANARY}})
+    for a in agents:
+        a.start()
+    try:
+        began = time.monotonic()
+        r = meshctl(mesh_file(tmp_path, agents, demo_model), "doctor", "--canary", "--json", timeout=110)
+        took = time.monotonic() - began
+    finally:
+        for a in agents:
+            a.kill()
+    canary = {c["node"]: c for c in json.loads(r.stdout) if c["name"] == "canary"}
+    assert r.returncode == 1 and set(canary) == {"node0", "node1"}, r.stdout + r.stderr
+    assert not canary["node1"]["ok"]
+    assert canary["node1"]["detail"] == ("rank 1 exited 1 without a canary line; its last log line: "
+                                         "[ring] Couldn't connect (error: 111)")
+    assert not canary["node0"]["ok"] and canary["node0"]["detail"].startswith("rank 0 "), canary["node0"]
+    assert took < 100, "the canary waited out its timeout for a rank that was gone"
 
 
 def test_meshctl_up_refuses_to_start_when_the_preflight_fails(tmp_path, demo_model):

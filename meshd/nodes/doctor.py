@@ -11,6 +11,7 @@ import asyncio
 import math
 import re
 import shutil
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -410,33 +411,47 @@ async def _agent_node(client: AgentClient, n, cfg: MeshConfig, current: int | No
 
 
 async def canary(cfg: MeshConfig, hostfile: dict, seconds: float = 3.0, timeout: float = 120) -> list[Check]:
-    """all_sum of growing sizes on every node at once (the agents' meshd-canary profile), as generation 0."""
+    """all_sum of growing sizes on every node at once (the agents' meshd-canary profile), as generation 0: a
+    check per node, its rank's canary line, or what it did instead."""
     async with agent_session(cfg) as session:
         clients = [AgentClient(n, session) for n in cfg.nodes]
         spec = RankSpec(generation=0, rank=0, world=len(cfg.nodes), profile="meshd-canary", model=cfg.runtime.model,
                         hostfile=hostfile, ring_port=cfg.runtime.ring_port, args={"seconds": seconds})
         try:
             await asyncio.gather(*(c.start_rank(replace(spec, rank=i)) for i, c in enumerate(clients)))
-            lines = await asyncio.wait_for(_canary_lines(clients), timeout)
-        except (AgentError, asyncio.TimeoutError) as e:
-            await asyncio.gather(*(c.stop_generation(0, StopMode.KILL, 1) for c in clients), return_exceptions=True)
-            why = str(e) or f"not within {timeout:.0f}s"
-            return [Check("canary", "mesh", False, f"the canary did not finish: {why}",
+            lines = await _canary_lines(clients, time.monotonic() + timeout)
+        except AgentError as e:
+            return [Check("canary", "mesh", False, f"the canary did not finish: {e}",
                           "the transport is broken: meshctl doctor for the nodes, then meshctl reboot --all")]
+        finally:
+            await asyncio.gather(*(c.stop_generation(0, StopMode.KILL, 1) for c in clients), return_exceptions=True)
     return [Check("canary", n.name, line.startswith("canary ok"), line,
                   "the transport failed under all_sum: check cables, then meshctl provision --force")
             for n, line in zip(cfg.nodes, lines)]
 
 
-async def _canary_lines(clients: list[AgentClient]) -> list[str]:
+async def _canary_lines(clients: list[AgentClient], deadline: float) -> list[str]:
+    """Each rank's canary line once every rank exited; once one exited without it (its peers then wait for it
+    to the end), or at `deadline`, what each rank did instead."""
     while True:
         views = await asyncio.gather(*(c.ranks() for c in clients))
-        done = [next((r for r in v.reports if r.generation == 0), None) for v in views]
-        if all(r is not None and r.state == RankState.EXITED for r in done):
+        ranks = [next((r for r in v.reports if r.generation == 0), None) for v in views]
+        exited = [r is not None and r.state == RankState.EXITED for r in ranks]
+        failed = any(e and (r.exit_code != 0) for e, r in zip(exited, ranks))
+        if all(exited) or failed or time.monotonic() >= deadline:
             break
         await asyncio.sleep(0.3)
     out = []
-    for i, c in enumerate(clients):
-        log = (await c.rank_log(0, i, lines=50))["lines"]
-        out.append(next((line for line in reversed(log) if line.startswith("canary ")), "no canary line in the log"))
+    for i, (c, r, e) in enumerate(zip(clients, ranks, exited)):
+        log = [line for line in (await c.rank_log(0, i, lines=50))["lines"] if line.strip()]
+        said = next((line for line in reversed(log) if line.startswith("canary ")), None)
+        last = f"; its last log line: {log[-1]}" if log else "; its log is empty"
+        if said is not None:
+            out.append(said)
+        elif e:
+            out.append(f"rank {i} exited {'by signal ' + str(r.exit_signal) if r.exit_signal else r.exit_code} "
+                       f"without a canary line{last}")
+        else:
+            out.append(f"rank {i} had not finished ({r.state if r else 'not started'}) when "
+                       f"{'a peer ended without a canary line' if failed else 'the canary timed out'}{last}")
     return out
