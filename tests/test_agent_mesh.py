@@ -30,13 +30,14 @@ from kit.waiting import wait_for
 
 STALL_BASE = 3.0
 MIN_PREFILL_RATE = 10.0  # prompt tokens a second: the short prompts' allowance stays under a second
+IBV_HANG_SECONDS = 1.0
 
 
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory):
     agents = make_agents(tmp_path_factory.mktemp("agents"), 4,
                          stall={"base": STALL_BASE, "min_prefill_rate": MIN_PREFILL_RATE},
-                         extra={"ibv_hang_seconds": 1.0, "grace_seconds": 5.0})
+                         extra={"ibv_hang_seconds": IBV_HANG_SECONDS, "grace_seconds": 5.0})
     for a in agents:
         a.start()
     yield agents
@@ -248,7 +249,8 @@ def test_sweep_kills_stale_ranks_hung_ibv_tools_and_sigterm_ignorers(agents, gen
                              "model": str(tmp_path), "hostfile": ring_hostfile(1)})
     stubborn = r.json()["pid"]
     a.wait_event(0, 10, "the stubborn rank to start", kind="RankStarted", pid=stubborn)
-    time.sleep(1.2)  # the ibv stand-in must be older than ibv_hang_seconds (1 s)
+    born = psutil.Process(hung.pid).create_time()  # the age the sweep judges, by the clock it reads
+    wait_for(lambda: time.time() - born > IBV_HANG_SECONDS, 30, "the ibv stand-in to be older than ibv_hang_seconds")
 
     swept = a.post("/v1/sweep", {"grace": 1}).json()
     killed = {k["pid"]: k["reason"] for k in swept["killed"]}
@@ -405,9 +407,14 @@ def test_rank_logs_are_capped(tmp_path):
         agent.post("/v1/generations/1/stop", {"mode": "kill", "grace": 1})
         steady = run(2, "steady")
         wait_for(lambda: steady.with_suffix(".log.1").exists(), 20, "a busy log's rotation")
-        for _ in range(20):
+        rotations = set()
+
+        def capped_through_rotations():
             assert steady.stat().st_size <= 4 * 20000  # twice the cap, and what a slow poll lets it add
-            time.sleep(0.05)
+            rotations.add(steady.with_suffix(".log.1").stat().st_mtime_ns)
+            return len(rotations) > 3
+
+        wait_for(capped_through_rotations, 60, "three more rotations of a busy log, each look at it capped")
         agent.post("/v1/generations/2/stop", {"mode": "kill", "grace": 1})
     finally:
         agent.kill()
