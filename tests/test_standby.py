@@ -260,22 +260,27 @@ def test_a_standby_that_died_unready_is_started_again_later_while_the_rank_serve
     node's rank does not serve."""
     async def scenario():
         keeper = Keeper(tmp_path, sys.executable, True, respawn_after=1.0)
-        serving = [True]
-        await keeper.ensure({}, lambda: serving[0])
+        serving, looks = [True], []
+
+        def rank_serves() -> bool:
+            looks.append(serving[0])
+            return serving[0]
+
+        await keeper.ensure({}, rank_serves)
         first = keeper.standby.target.pid
         os.kill(first, signal.SIGKILL)  # before it reported ready
         await keeper.proc.wait()
-        await keeper.ensure({}, lambda: serving[0])
+        await keeper.ensure({}, rank_serves)
         assert keeper.standby is None and keeper.failed_at is not None, "an unready death waits"
-        while keeper.standby is None:
-            await asyncio.sleep(0.05)
+        await asyncio.to_thread(wait_for, lambda: keeper.standby is not None, 60, "the keeper's look again")
+        assert looks == [True]
         second = keeper.standby.target.pid
         os.kill(second, signal.SIGKILL)
         await keeper.proc.wait()
         serving[0] = False
-        await keeper.ensure({}, lambda: serving[0])
-        await asyncio.sleep(1.5)
-        assert keeper.standby is None, "no standby while the node's rank does not serve"
+        await keeper.ensure({}, rank_serves)
+        await asyncio.to_thread(wait_for, lambda: len(looks) == 2, 60, "the keeper's look again, the rank not serving")
+        assert looks == [True, False] and keeper.standby is None, "no standby while the node's rank does not serve"
         await keeper.close()
         return first, second
     first, second = asyncio.run(asyncio.wait_for(scenario(), 120))
