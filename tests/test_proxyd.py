@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import psutil
 import pytest
@@ -159,7 +158,9 @@ def test_a_generation_that_dies_while_the_controller_is_away_holds_requests_unti
     health = wait_for(lambda: (r := requests.get(f"{base}/health", timeout=10)).status_code == 503 and r.json(),
                       60, "the proxy to hold the generation it saw fail")
     assert f"generation {g} failed while the controller is away" in health["error"]["message"]
-    time.sleep(1)
+    wait_for(lambda: "meshd_proxy_requests_in_flight 1.0" in requests.get(f"{base}/metrics", timeout=10).text, 60,
+             "the proxy to hold the request")
+    assert requests.get(f"{base}/health", timeout=10).status_code == 503
     assert worker.is_alive(), "the request waits (bounded by queue_wait) rather than failing"
     assert meshctl(path, "up").returncode == 0
     worker.join(120)
