@@ -6,10 +6,11 @@ than the default four on a small machine (tests/test_demo_up_down.py serves the 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
-import time
+import tomllib
 
 import psutil
 import pytest
@@ -259,6 +260,35 @@ def test_up_while_the_controller_exits_waits_for_it_and_starts_the_next_which_ad
     assert [demo.rank_pid(i) for i in range(NODES)] == pids and demo.chat().status_code == 200
 
 
+class Knocks:
+    """A down agent's port held by a listener that closes each connection at once: the controller's looks for
+    an agent that does not answer, counted."""
+
+    def __init__(self, host: str, port: int):
+        self.server = socket.create_server((host, port))
+        self.server.settimeout(0.2)
+        self.count, self.done = 0, threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+
+    def _accept(self) -> None:
+        while not self.done.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+            self.count += 1
+
+    def __enter__(self) -> "Knocks":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join(10)
+        self.server.close()
+
+
 def test_adoption_waits_for_an_agent_that_is_late_and_a_reset_agent_log_is_read_again(demo):
     s = demo.wait_ready()
     pids = [demo.rank_pid(i) for i in range(NODES)]
@@ -277,8 +307,10 @@ def test_adoption_waits_for_an_agent_that_is_late_and_a_reset_agent_log_is_read_
     # The controller comes back while node1's agent is still down: it waits, and adopts once the agent answers.
     kill("controller")
     kill("agent-node1")
-    start("controller", "meshd.control.controllerd", demo.home / "demo" / "mesh.toml")
-    time.sleep(2)  # the agent is late on purpose: longer than a first look, shorter than adopt_wait
+    host, port = tomllib.loads((agent1 / "agent.toml").read_text())["listen"].rsplit(":", 1)
+    with Knocks(host, int(port)) as knocks:
+        start("controller", "meshd.control.controllerd", demo.home / "demo" / "mesh.toml")
+        wait_for(lambda: knocks.count >= 2, 60, "the controller to look for node1's agent, and look again")
     start("agent-node1", "agents.server", agent1 / "agent.toml")
     wait_for(lambda: demo_meshctl(demo.home, "status", "--json", check=False).returncode == 0, 60, "the controller")
     after = demo.status()
