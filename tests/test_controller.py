@@ -256,7 +256,9 @@ def test_no_probe_while_a_request_runs_and_a_request_in_flight_at_two_deaths_is_
     """Each death is blamed on the killed rank's exit, the second too though its agent, stopped as a starved
     one is (or as a CUDA process is slow to reap), reports it after node0's closed socket and the proxy's cut
     stream opened the incident, and past the death window."""
-    mesh = write_mesh(tmp_path, two_agents, demo_model, proxy={"probe_idle": 1.0, "probe_timeout": 2.0})
+    probe_idle, probe_timeout, death_window = 1.0, 2.0, 2.0
+    mesh = write_mesh(tmp_path, two_agents, demo_model, recovery={"death_window": death_window},
+                      proxy={"probe_idle": probe_idle, "probe_timeout": probe_timeout})
     body = {"messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 4000, "temperature": 1.0,
             "seed": 23, **endless(demo_model)}
     try:
@@ -271,17 +273,27 @@ def test_no_probe_while_a_request_runs_and_a_request_in_flight_at_two_deaths_is_
             wait_for(lambda: (r := two_agents[1].ranks()[-1])["generation"] == g
                      and (r["status"] or {}).get("state") == "busy", 60, f"the request on generation {g}")
 
+        def logged_incidents():
+            return json.loads(meshctl(mesh, "events", "--json").stdout)["incidents"]
+
         busy(1)
-        time.sleep(4)  # nothing may probe the mesh past probe_idle + probe_timeout while the request runs
+        began = two_agents[1].ranks()[-1]["status"]["progress_at"]
+        wait_for(lambda: (r := two_agents[1].ranks()[-1])["generation"] == 1
+                 and (r["status"] or {}).get("state") == "busy"
+                 and r["status"]["progress_at"] - began > probe_idle + probe_timeout, 60,
+                 "the request to run on past probe_idle + probe_timeout")
+        metrics = requests.get(proxy.removesuffix("/v1") + "/metrics", timeout=10).text
+        assert "meshd_proxy_requests_in_flight 1.0" in metrics and "meshd_proxy_probes_total{" not in metrics, metrics
+        assert logged_incidents() == []
         os.kill(two_agents[1].ranks()[-1]["pid"], 9)
         busy(2)
         pid = two_agents[1].ranks()[-1]["pid"]
         two_agents[1].proc.send_signal(signal.SIGSTOP)
         try:
             os.kill(pid, 9)
-            wait_for(lambda: len(json.loads(meshctl(mesh, "events", "--json").stdout)["incidents"]) == 2, 30,
-                     "the incident opened by what node0 and the proxy saw")
-            time.sleep(3)  # past death_window
+            opened = wait_for(lambda: len(i := logged_incidents()) == 2 and max(x["opened_at"] for x in i), 30,
+                              "the incident opened by what node0 and the proxy saw")
+            wait_for(lambda: time.time() > opened + death_window, 30, "the controller's clock past the death window")
         finally:
             two_agents[1].proc.send_signal(signal.SIGCONT)
         worker.join(120)
@@ -293,7 +305,7 @@ def test_no_probe_while_a_request_runs_and_a_request_in_flight_at_two_deaths_is_
         other = requests.post(f"{proxy}/chat/completions", timeout=120,
                               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert other.status_code == 200
-        incidents = json.loads(meshctl(mesh, "events", "--json").stdout)["incidents"]
+        incidents = logged_incidents()
         assert [(i["cause"], i["node"], i["detail"]) for i in incidents] == [("exit", "node1", "signal 9")] * 2
         assert any(c.startswith("node0 rank 0") for c in incidents[0]["consequences"]), incidents[0]
     finally:
