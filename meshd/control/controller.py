@@ -31,7 +31,7 @@ from meshd.nodes.agentclient import AgentClient, AgentError, agent_session
 from meshd import configdiff
 from meshd.config import MeshConfig, hostfile_for
 from meshd.metrics import Metrics
-from meshd.seam import FleetRecord, Observation, Serving, rank_key, rank_secret, wait_until
+from meshd.seam import FleetRecord, Observation, Serving, WeightsRecord, rank_key, rank_secret, wait_until
 from meshd.store import Store
 from meshd.upstream import Upstream, probe_ready
 
@@ -65,7 +65,7 @@ class Controller:
         self._counted: float | None = None  # the last incident counted in meshd_restarts_total
         # The weights' fingerprint of the generation that runs, as its rank 0 loaded them (the store keeps it
         # for a restarted controller that adopts that generation).
-        self.weights: dict = store.get("weights", {"generation": -1, "fingerprint": ""})
+        self.weights = WeightsRecord.from_wire(store.get(WeightsRecord.KEY)) or WeightsRecord(-1, "")
 
     # --- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -212,13 +212,13 @@ class Controller:
         return refused
 
     def _remember_weights(self, generation: int, fingerprint: str) -> None:
-        self.weights = {"generation": generation, "fingerprint": fingerprint}
-        self.store.put("weights", self.weights)
+        self.weights = WeightsRecord(generation, fingerprint)
+        self.store.put(WeightsRecord.KEY, self.weights.wire())
 
     def learn_weights(self, generation: int, said: str | None) -> None:
         """The fingerprint rank 0 of an adopted `generation` said it serves (None: it did not answer ready),
         unless the store knows it already."""
-        if said is not None and (self.weights["generation"] != generation or not self.weights["fingerprint"]):
+        if said is not None and (self.weights.generation != generation or not self.weights.fingerprint):
             self._remember_weights(generation, said)
 
     def desired_up(self) -> bool:
@@ -310,7 +310,7 @@ class Controller:
         s = self.state
         w = self.weights
         return Serving(s.phase, s.generation, s.reason, self.cfg.rank0_url, self.rank_secret(s.generation),
-                       s.planned, w["fingerprint"] if w["generation"] == s.generation else "")
+                       s.planned, w.fingerprint if w.generation == s.generation else "")
 
     async def wait_serving(self, predicate: Callable[[Serving], bool], timeout: float) -> Serving:
         return await wait_until(self.changed, self.serving, predicate, timeout)
