@@ -9,6 +9,7 @@ import time
 import requests
 
 from agents.signatures import classify
+from common.fingerprint import weights_digest
 from kit.agents import make_agents, start_generation, stop_generation, wait_mesh_ready
 from kit.demo_answers import endless
 from kit.openai import sse_events, validate
@@ -169,7 +170,7 @@ def test_a_one_node_ring_mesh_serves_through_its_agent(demo_model, reference, tm
         port = start_generation([agent], 1, demo_model)
         wait_mesh_ready(port)
         assert requests.get(f"http://127.0.0.1:{port}/internal/ready", timeout=5).json() == \
-            {"ready": True, "phase": "admitting", "generation": 1}
+            {"ready": True, "phase": "admitting", "generation": 1, "weights_fingerprint": weights_digest(demo_model)}
         ids = reference.tokenizer.encode("The ranks step")
         turn = {"prompt": "The ranks step", "max_tokens": 8}
         first = requests.post(f"http://127.0.0.1:{port}/v1/completions", json=turn, timeout=60).json()
