@@ -4,8 +4,8 @@ not) keep asking while faults land at seeded random times:
 - rank-sigkill: SIGKILL of a rank
 - rank-sigstop: SIGSTOP of a rank (a hang; the agent's stall window catches it)
 - rank-exit0: the rank calls _exit(0) (gdb attaches and makes the call)
-- rank-jaccl: the rank prints `[jaccl] Send failed with error code -12` on its
-  own stderr (gdb makes it call write(2, ...)) and goes on running
+- rank-jaccl: `[jaccl] Send failed with error code -12` lands on the rank's
+  own stderr (appended through /proc/PID/fd/2) and the rank goes on running
 - agent-sigkill: SIGKILL of an agent, restarted 1 s later as launchd/systemd would
 - controller-sigkill: SIGKILL of the controller, restarted 1 s later (meshd-proxy
   serves on meanwhile)
@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import resource
 import shutil
 import signal
@@ -62,22 +61,18 @@ def gdb(pid: int, command: str, cwd: Path) -> str:
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0))).stdout
 
 
-def jaccl_line(pid: int, cwd: Path, tries: int = 2) -> str | None:
-    """Have the rank write JACCL's fatal line to its own stderr: None once written, else why not. gdb makes
-    the rank call write(2) itself; where gdb cannot drive it (an attach that loses a thread under load:
-    "Couldn't get registers: No such process", no libthread_db for it), the line is appended to what the
-    rank's stderr is (/proc/PID/fd/2), the same file at the same moment, the rank running on."""
-    said = ""
-    for _ in range(tries):
-        said = gdb(pid, f"call (long)write(2, {json.dumps(JACCL_LINE)}, {len(JACCL_LINE)})", cwd)
-        if re.search(rf"^\$\d+ = {len(JACCL_LINE)}$", said, re.M):
-            return None
+def jaccl_line(pid: int) -> str | None:
+    """Put JACCL's fatal line on a running rank's stderr (what JACCL prints on a Mac; no RDMA here to make
+    it): None once written, else why not. The line is appended to what the rank's stderr is
+    (/proc/PID/fd/2), the same file at the same moment, the rank running on. Not through gdb: where its
+    inferior call cannot restore the registers ("Couldn't write extended state status: Bad address", seen
+    on CI's machine) the rank dies of the call instead of running on."""
     try:
         with open(f"/proc/{pid}/fd/2", "a") as stderr:
             stderr.write(JACCL_LINE)
         return None
     except OSError as e:
-        return f"{said[-400:]}\n/proc/{pid}/fd/2: {e}"
+        return f"/proc/{pid}/fd/2: {e}"
 
 
 @dataclass
@@ -192,7 +187,7 @@ class Chaos:
         else:
             injected = time.time()  # before a JACCL line's write, whose evidence can arrive at once
             target = self.rank_pid()
-            while kind == "rank-jaccl" and target is not None and (said := jaccl_line(target[2], self.home)):
+            while kind == "rank-jaccl" and target is not None and (said := jaccl_line(target[2])):
                 if psutil.pid_exists(target[2]):  # the rank runs and still could not be made to write
                     self.tally.examples.setdefault("jaccl line not written", said[-600:])
                     return
