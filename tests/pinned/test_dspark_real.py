@@ -1,7 +1,7 @@
 """DSpark over omlx's REAL DeepSeek-V4 (flyto-mlx's omlx.patches.deepseek_v4, in the pinned env .venv-omlx),
 its stages as tests/standins/dspark_v4 gives the published omlx: real meshd-rank processes on the ring over
 loopback at TP2 (TP4: test_dspark_tp4.py), a tiny checkpoint whose compressed layers run omlx's PoolingCache/CacheList and the
-Indexer's sparse path (prompts past index_topk * ratio), greedy and seeded answers of 256 tokens, drafted
+Indexer's sparse path (prompts past index_topk * ratio), greedy and seeded answers of 160 tokens, drafted
 with the Markov head fitted (drafts often accepted) and not (often rejected): each drafted answer is plain
 decoding's token for token and logprob for logprob. Plain decoding: one rank on the same checkpoint with
 --drafter off (the stages loaded, never used).
@@ -17,7 +17,7 @@ import pytest
 
 from pinned.dsv4 import ASKS, COMPLETION, CONFIG, answers, build_v4_checkpoint, check_drafted, greedy, set_up_omlx
 
-TOKENS = 256
+TOKENS = 160  # a 16-token window rotates ten times, a ratio-128 pool completes in any 128 of them
 
 
 @pytest.fixture(scope="module")
