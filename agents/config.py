@@ -30,7 +30,8 @@ DEFAULT_PROFILES = {
                  "max_context": "--max-context", "model_package": "--model-package", "drafter": "--drafter",
                  "snapshots": "--snapshots", "snapshot_budget_mb": "--snapshot-budget-mb",
                  "snapshot_every": "--snapshot-every", "snapshot_max_age": "--snapshot-max-age",
-                 "checkpoint_budget_mb": "--checkpoint-budget-mb", "grammar_cache_mb": "--grammar-cache-mb"},
+                 "checkpoint_budget_mb": "--checkpoint-budget-mb", "grammar_cache_mb": "--grammar-cache-mb",
+                 "prefill_report_every": "--prefill-report-every"},
         "status_file": True,
     },
     # The transport check `meshctl doctor --canary` runs before a model load.

@@ -55,6 +55,8 @@ class RankStatus:
     snapshot_pending_bytes: int = 0  # their bytes
     snapshot_restores_pending: int = 0  # tapes of the last generation still being restored while it serves
     snapshot_writer_error: str = ""  # why the snapshot writer stopped, if it did (nothing is written then)
+    prefills: list = field(default_factory=list)  # the long prefills going on (common/prefills.py's Progress.shown:
+    # rid shortened, done, total, rate in tokens/s, eta in seconds to the first token; rate and eta null at first)
     weights_fingerprint: str = ""  # of the weights it loaded (common/fingerprint.py); "" when they changed meanwhile
     progress_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)

@@ -27,6 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_config, load_tokenizer
 
 from common import openai_api as oa, proctitle
+from common.prefills import EVERY, Watch
 from common.fingerprint import loaded_digest, stamps
 from common.tomlcheck import loopback
 from common.states import RankState
@@ -94,6 +95,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "cancel latency, in steps)")
     p.add_argument("--heartbeat-interval", type=float, default=0.5,
                    help="seconds between status file writes while nothing changes state")
+    p.add_argument("--prefill-report-every", type=float, default=EVERY,
+                   help="seconds between two reports of one long prefill's progress (SSE comments of its stream, "
+                        "the status file; common/prefills.py says which prefills are long)")
     p.add_argument("--snapshots", choices=["on", "off"], default="on",
                    help="prefix snapshots: each rank writes its shard of the token tape's caches to local disk, and "
                         "the next generation restores the tapes every rank holds whole while it serves "
@@ -127,6 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "(to write no snapshots: --snapshots off)")
     if args.grammar_cache_mb < 1:
         p.error(f"--grammar-cache-mb must be at least 1, got {args.grammar_cache_mb}")
+    if args.prefill_report_every < 0:
+        p.error(f"--prefill-report-every must be 0 (every chunk) or more seconds, got {args.prefill_report_every}")
     return args
 
 
@@ -183,7 +189,7 @@ class LockstepLoop:
 
     def __init__(self, engine, lockstep, heartbeat: Heartbeat, frontend=None, idle_interval: float = 0.5,
                  burst: int = 4, on_term=None, on_warm=None, wake=None, doze=time.sleep,
-                 restorer: Restorer | None = None):
+                 restorer: Restorer | None = None, prefill_report_every: float = EVERY):
         self.signals = Signals(signal.SIGTERM)
         # Armed until the warm-up generation finished on this rank: its first steps compile kernels, which
         # the agent gives the warm-up window, not a serving rank's.
@@ -211,6 +217,7 @@ class LockstepLoop:
         self.doze = doze  # the others: sleep until the next exchange or until roused
         self.restorer = restorer  # snapshots restored while serving
         self.compiles = Compiles(frontend.fail if frontend else None)  # held answers' grammars, compiled behind
+        self.prefills = Watch(prefill_report_every)  # the long prefills, said to their streams and the status file
         self._active_at = time.monotonic()
 
     def _apply(self, msg: Message) -> None:
@@ -311,7 +318,10 @@ class LockstepLoop:
                     self.on_warm(time.monotonic() - self.warming_since)
                     self.warming_since = None
                     self.warm = True
-        self.hb.update(progress=True, tokens=self.tokens, **self.engine.stats())
+        said, long = self.prefills.step(self.engine.prefilling(), time.monotonic())
+        self.hb.update(progress=True, tokens=self.tokens, prefills=[p.shown() for p in long], **self.engine.stats())
+        if self.fe and said:
+            self.fe.prefilled(said)
         if self.fe and emissions:
             self.fe.emit(emissions)
 
@@ -347,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     ready = f"ready on {args.host}:{args.port}" if rank == 0 else "ready"
     loop = LockstepLoop(engine, lockstep, hb, frontend, idle_interval=args.idle_interval,
                         burst=args.burst, on_term=_on_term(frontend, args.drain_wait, log),
-                        wake=wake, doze=doze,
+                        wake=wake, doze=doze, prefill_report_every=args.prefill_report_every,
                         on_warm=lambda seconds: log(f"warmed up (one token through every rank) in {seconds:.1f}s; "
                                                     f"{ready}"),
                         restorer=restorer)

@@ -23,6 +23,7 @@ from aiohttp import web
 from common import openai_api as oa
 from common.errors import ApiError, error_body
 from common.grammars import GrammarError
+from common.prefills import Progress
 from common.http import Listener, bearer_matches, json_error, json_errors, read_json
 from runtime.engine import grammar
 from runtime.engine.jobs import Emission, Job
@@ -55,7 +56,8 @@ class Failed:
     code: str
 
 
-Answered = Started | Emission | Failed  # what the loop hands a request's handler: its start, each token, a failure
+# what the loop hands a request's handler: its start, each token, a failure, its long prefill's progress
+Answered = Started | Emission | Failed | Progress
 
 
 @dataclass
@@ -187,6 +189,12 @@ class Frontend:
     def started(self, rid: str, cached: int) -> None:
         if (p := self._pending_for(rid)) is not None:
             p.put(Started(cached))
+
+    def prefilled(self, said: list[Progress]) -> None:
+        """Long prefills' progress, to their streams (common/prefills.py says when)."""
+        for progress in said:
+            if (p := self._pending_for(progress.rid)) is not None:
+                p.put(progress)
 
     def emit(self, emissions: list[Emission]) -> None:
         for e in emissions:
@@ -455,13 +463,16 @@ class _Answer:
         self.created = rows[0].created
         self.events: asyncio.Queue = asyncio.Queue()
 
-    async def _events(self):
-        """Each row's tokens and failure, as they come (a row's start only sets how much was cached)."""
+    async def _events(self, progress: bool = False):
+        """Each row's tokens and failure, as they come (a row's start only sets how much was cached); with
+        `progress`, its long prefill's progress too."""
         while True:
             index, event = await self.events.get()
             row = self.rows[index]
             if isinstance(event, Started):
                 row.cached = event.cached
+                continue
+            if isinstance(event, Progress) and not progress:
                 continue
             yield row, event
 
@@ -508,7 +519,10 @@ class _Answer:
         # the role goes out once per answer
         first = set() if self.req.internal.resume else {row.index for row in self.rows}
         left = len(self.rows)
-        async for row, event in self._events():
+        async for row, event in self._events(progress=True):
+            if isinstance(event, Progress):  # `: prefill ...`, the one comment the proxy passes on to clients
+                await resp.write(event.comment())
+                continue
             if isinstance(event, Failed):
                 await send(error_body(event.message, "server_error", None, event.code))
                 break

@@ -240,6 +240,11 @@ ROWS = {
         attempts=[Attempt("a", 1, HEL, end="cut")], why="no mesh serves those weights now; retry",
         texts=["Hel", "no mesh serves those weights now; retry"], sent=[("a", 1)],
         reports=[(1, Source.PROXY), (1, Source.MIGRATED)], served=[]),
+    "a long prefill's progress comments reach the client before its first chunk": dict(
+        attempts=[Attempt("a", 1, (ANSWER, b": prefill 256/4096 tokens\n\n",
+                                   b": prefill 512/4096 tokens, 256 tok/s, first token in ~14.0 s\n\n", *HEL[1:], DONE))],
+        texts=["Hel"], sent=[("a", 1)], reports=[], served=[1],
+        says=b": prefill 256/4096 tokens\n\n: prefill 512/4096 tokens, 256 tok/s, first token in ~14.0 s\n\ndata: "),
     "nothing serves and nothing comes: 503": dict(
         attempts=[], status=503, code="mesh_unavailable", sent=[], reports=[], served=[]),
     "the client goes away mid-answer: the attempt is closed": dict(
@@ -267,6 +272,7 @@ def test_the_exchange_loop(row):
         assert headers["X-Meshd-Mesh"] == row["mesh"]
     if "says" in row:
         assert row["says"] in got
+    assert b": ids" not in got and b": meshd" not in got  # what the proxy keeps for itself
     assert [(r.mesh, r.generation) for r in gate.sent] == row["sent"]
     assert gate.reports == row["reports"]
     assert gate.served_by == row["served"]

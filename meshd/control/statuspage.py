@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.errors import ApiError
 from common.http import bearer_matches
+from common.prefills import long_prefills
 from common.secretfile import derive
 from common.tomlcheck import loopback
 from meshd.control import charts
@@ -118,6 +119,14 @@ class Rates:
             self.last = now
 
 
+def prefills_section(status: dict) -> str:
+    """The long prefills going on, a line each with its rate and first token expected; "" when none."""
+    lines = long_prefills(status)
+    if not lines:
+        return ""
+    return "<h2>Long prefills</h2><ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
+
+
 def _ago(t: float | None) -> str:
     if not t:
         return "-"
@@ -200,6 +209,7 @@ h2 {{ font-size: 17px; margin: 20px 0 8px; }} svg {{ background: white; border-r
 <table><tr><th>node</th><th>agent</th><th>rank</th><th>state</th><th>load</th><th>pid</th><th>memory</th><th>tokens</th></tr>
 {''.join(rows)}
 </table>
+{prefills_section(status)}
 <h2>Tokens/s over the last hour</h2>
 {charts.throughput(list(history.samples), now, history.every)}
 <p class="note">meshd-proxy's token counter, sampled every {history.every:g} s by this controller {since}; kept in its

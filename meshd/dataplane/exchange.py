@@ -18,8 +18,9 @@ to the `Rank0` the gate hands it, which may be another mesh's (routing.py).
 - A request that was in flight when `poison_after` generations of one mesh died is refused
   with 502 (and so is the same request for a while after): it may be what kills them. Deaths on
   several meshes are not added up: unrelated faults of two meshes say nothing of the request.
-- Sends SSE keep-alive comments while rank 0 is silent (long prefills); a
-  client that goes away closes the upstream request, which cancels it on every rank.
+- Passes on rank 0's `: prefill` comments (a long prefill's progress), which count as life for the stall
+  window; sends SSE keep-alive comments while rank 0 is silent; a client that goes away closes the
+  upstream request, which cancels it on every rank.
 - Measures time to first token, inter-token latency and tokens.
 """
 
@@ -346,15 +347,18 @@ class Exchange:
             raise upstream_failure(e)
 
     def _relay(self, lines: list[bytes]) -> tuple[bytes, tuple[int, list[int]] | None, bytes]:
-        """What one read of rank 0's stream sends the client: its data lines, as bytes for one write;
-        the last (chars, ids) behind them, to count as delivered once written; and how it ended, if it
-        did: b"[DONE]", or rank 0's own error event (what came before it goes out first)."""
+        """What one read of rank 0's stream sends the client: its data lines and `: prefill` comments, as
+        bytes for one write; the last (chars, ids) behind them, to count as delivered once written; and how it
+        ended, if it did: b"[DONE]", or rank 0's own error event (what came before it goes out first)."""
         out: list[bytes] = []
         confirmed: tuple[int, list[int]] | None = None
         ids: list[int] = []
         texts = 0
         end = b""
         for line in lines:
+            if line.startswith(b": prefill "):
+                out.append(line.rstrip(b"\r") + b"\n\n")
+                continue
             if line.startswith(b": "):
                 if line.startswith(b": ids "):
                     chars, _, given = line[6:].strip().partition(b" ")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from agents import ringwait
 from agents.config import DEFAULT_ENV_ALLOWLIST, DEFAULT_PROFILES
+from common.prefills import long_prefills
 from common.protocol import Ballot
 from common.states import Phase
 from common.tomlcheck import ConfigError, listen_host, read_toml, split_listen
@@ -592,6 +593,8 @@ def cmd_status(args) -> int:
         say(f"{n['node']:<10} {'ok' if n['agent_ok'] else 'DOWN':<6} {r.get('rank', '-')!s:<5} "
             f"{r.get('state', '-'):<12} {load:<8} {r.get('pid', '-')!s:<8} "
             f"{(r.get('rss_bytes') or 0) / 2**20:<8.0f} {uptime}")
+    for line in long_prefills(status):
+        say(line)
     if "config" in status:  # (a controller of an older meshd says none)
         say(config_line(status, cfg))
     inc = status.get("last_incident")

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import TextIO
 
+from common.prefills import long_prefills
+
 BAR = 24
 
 
@@ -36,7 +38,7 @@ def frame(status: dict, now: float) -> list[str]:
         steps = "  ".join(f"{t['step']} +{t['after']:.2f}s" for t in inc.get("timeline", []))
         lines.append(f"  recovering from {inc['cause']} on {inc['node']} rank {inc['rank']} "
                      f"({now - inc['opened_at']:.1f}s): {steps or 'opened'}")
-    return lines
+    return lines + [f"  {line}" for line in long_prefills(status)]
 
 
 def summary(status: dict) -> str:

@@ -9,6 +9,7 @@ import time
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generation_stream
 
+from common.prefills import Position
 from runtime.models import pools
 from runtime.engine.jobs import Emission, Job, emission, finish_reason
 from runtime.engine.request import Request
@@ -226,6 +227,13 @@ class BatchEngine:
 
     def prompt_tokens_in_flight(self) -> int:
         return sum(r.prompt_left for r in self._rows.values()) + (len(self._solo.request.todo) if self._solo else 0)
+
+    def prefilling(self) -> list[Position]:
+        """The prompts going in: the solo request's, a chunk a step; the batch's rows', as far as BatchGenerator
+        says (a chunk of each row a step, its rows queued behind the prefill batch at their cached part)."""
+        solo = [self._solo.request.position()] if self._solo and self._solo.request.todo else []
+        return solo + [Position(r.rid, len(r.job.prompt) - r.prompt_left, len(r.job.prompt))
+                       for r in self._rows.values() if r.prompt_left]
 
     def close(self) -> None:
         mx.synchronize()

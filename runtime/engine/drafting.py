@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from common.prefills import Position
 from runtime.models import dspark, pools
 from runtime.prefix import rollback
 from runtime.prefix.checkpoints import Taken
@@ -110,6 +111,13 @@ class SingleRequestEngine(ABC):
 
     def prompt_tokens_in_flight(self) -> int:
         return (self._prompt_left() if self._active is not None else 0) + sum(len(j.prompt) for j in self._queue)
+
+    def prefilling(self) -> list[Position]:
+        """The active request's prompt while it goes in (a draft model's stream takes it in its first step)."""
+        if self._active is None or not (left := self._prompt_left()):
+            return []
+        total = len(self._active.job.prompt)
+        return [Position(self._active.rid, total - left, total)]
 
     def close(self) -> None:
         mx.synchronize()
@@ -480,6 +488,9 @@ class DraftWhenAlone:
     def prompt_tokens_in_flight(self) -> int:
         return (self.drafter.prompt_tokens_in_flight() + self.batch.prompt_tokens_in_flight()
                 + sum(len(j.prompt) for j in self._waiting))
+
+    def prefilling(self) -> list[Position]:
+        return self.drafter.prefilling() + self.batch.prefilling()
 
     def close(self) -> None:
         self.drafter.close()

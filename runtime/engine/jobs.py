@@ -14,6 +14,8 @@ from typing import Protocol
 
 import mlx.core as mx
 
+from common.prefills import Position
+
 
 @dataclass(frozen=True)
 class Job:
@@ -70,6 +72,9 @@ class Engine(Protocol):
     def busy(self) -> bool: ...
 
     def prompt_tokens_in_flight(self) -> int: ...
+
+    def prefilling(self) -> list[Position]:
+        """The prompts going in: how much of each is through the target (common/prefills.py)."""
 
     def close(self) -> None: ...
 

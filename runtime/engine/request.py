@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from common.prefills import Position
 from runtime.engine.jobs import Job
 from runtime.engine.sampling import GrammarMask, processors_for
 from runtime.prefix.checkpoints import Taken
@@ -55,3 +56,7 @@ class Request:
     def fed(self) -> list[int]:
         """The tokens its caches hold."""
         return self.tape[:self.base]
+
+    def position(self) -> Position:
+        """Its prompt going in, through its own caches: they hold `base` of it."""
+        return Position(self.rid, self.base, len(self.job.prompt))

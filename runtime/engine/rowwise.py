@@ -27,6 +27,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from common.prefills import Position
 from runtime.models import dspark, pools
 from runtime.prefix import rollback
 from runtime.engine.drafting import (DraftWhenAlone, DSparkEngine, agree, allowed_by, ends_after, place_logprobs,
@@ -101,6 +102,10 @@ class RowwiseDSpark:
 
     def prompt_tokens_in_flight(self) -> int:
         return sum(len(r.todo) for r in self._joining)
+
+    def prefilling(self) -> list[Position]:
+        """The joining rows' prompts, the first going in a chunk a step, the others queued behind it."""
+        return [r.position() for r in self._joining]
 
     def close(self) -> None:
         mx.synchronize()
