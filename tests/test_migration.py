@@ -2,7 +2,9 @@
 resumes on the next generation under the same id, and the client's text is
 what an uncut run of the same request gives (greedy, and seeded sampling);
 rank 0's own error before the first byte is retried, not passed on; a client
-that leaves while its stream waits for the next generation is not resumed."""
+that leaves while its stream waits for the next generation is not resumed.
+And what a client waits for is not a silence: a long prefill's progress comes
+through the proxy in its stream, and `meshctl status` shows it."""
 
 import json
 import os
@@ -11,6 +13,7 @@ import signal
 
 import pytest
 import requests
+from openai import OpenAI
 
 from kit.demo_answers import endless
 from kit.meshctl import mesh_up, meshctl
@@ -21,7 +24,8 @@ from kit.waiting import wait_for
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, demo_model):
     with mesh_up(tmp_path_factory.mktemp("migration"), demo_model, proxy={"keepalive_interval": 0.5},
-                 runtime={"args": {"model_name": "demo", "max_tokens_limit": 4096}}) as running:
+                 runtime={"args": {"model_name": "demo", "max_tokens_limit": 4096, "prefill_step_size": 256,
+                                   "prefill_report_every": 0}}) as running:
         yield running
 
 
@@ -67,6 +71,53 @@ def assert_one_clean_stream(events):
     assert sum(1 for e in chunks if e["choices"] and "role" in e["choices"][0]["delta"]) == 1
     for e in chunks:
         validate(e, "CreateChatCompletionStreamResponse")
+
+
+PREFILL = re.compile(r"^: prefill (\d+)/(\d+) tokens")
+SHOWN = re.compile(r"^prefill (cmpl-\S+) on node0 rank 0: (\d+)/(\d+) tokens", re.M)
+
+
+def test_a_long_prefill_is_said_in_its_stream_and_in_meshctl_status_as_it_goes_in(mesh, demo_model):
+    """A 4k-token prompt in chunks of 256, each chunk said (prefill_report_every = 0): its `: prefill` comments
+    come through the proxy before its first token, further in each time, the last one chunk short of the whole;
+    while rank 1 is stopped in the middle, `meshctl status` shows where it is. An OpenAI client reads such a
+    stream as any other."""
+    config, agents = mesh
+    ready(config, 0)
+    proxy = status(config)["urls"]["proxy"]
+    long = "The ranks step in lockstep. " * 556  # 7 tokens each: 3892, with the demo model's 4096 of context
+    r = requests.post(f"{proxy}/completions", stream=True, timeout=300,
+                      json={"model": "demo", "prompt": long, "max_tokens": 4, "stream": True,
+                            "stream_options": {"include_usage": True}})
+    lines, stopped = [], None
+    try:
+        for line in r.iter_lines(decode_unicode=True):
+            lines.append(line)
+            if stopped is None and PREFILL.match(line):
+                stopped = agents[1].ranks()[-1]["pid"]
+                os.kill(stopped, signal.SIGSTOP)  # rank 0 cannot take the next chunk without it
+                shown = wait_for(lambda: SHOWN.search(meshctl(config, "status").stdout), 60,
+                                 "meshctl status to show the prefill")
+                os.kill(stopped, signal.SIGCONT)
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+    first = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    said = [(int(m[1]), int(m[2])) for m in map(PREFILL.match, lines[:first]) if m]
+    (usage,) = [e["usage"] for e in sse_events(lines) if isinstance(e, dict) and e.get("usage")]
+    total = usage["prompt_tokens"]
+    assert total > 3800 and {t for _, t in said} == {total}
+    done = [d for d, _ in said]
+    assert len(done) >= 8 and done == sorted(set(done)) and total - done[-1] <= 256, done
+    assert not any(PREFILL.match(line) for line in lines[first:])
+    assert int(shown[2]) < total and int(shown[3]) == total and int(shown[2]) in done, shown[0]
+
+    client = OpenAI(base_url=proxy, api_key="unused", max_retries=0)
+    other = "Each answer streams through the proxy. " * 96  # 2208 tokens of its own: no tape holds them
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model="demo", prompt=other, max_tokens=8,
+                                                                             stream=True) if c.choices)
+    whole = client.completions.create(model="demo", prompt=other, max_tokens=8)
+    assert streamed == whole.choices[0].text and whole.usage.prompt_tokens >= 2048
 
 
 @pytest.mark.parametrize("victim,body", [
