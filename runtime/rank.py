@@ -287,7 +287,7 @@ class LockstepLoop:
                 return
             if not self.engine.busy:
                 self.hb.update(progress=True, state=RankState.DRAINING if self.draining else RankState.READY,
-                               requests_in_flight=0, prompt_tokens_in_flight=0, **self.engine.stats())
+                               requests_in_flight=0, prompt_tokens_in_flight=0, prefills=[], **self.engine.stats())
                 if not self.fe and doze:
                     self.doze(doze)
                 continue
