@@ -40,6 +40,7 @@ class SamplingParams:
     logprobs: int = -1  # -1: none; k >= 0: each token's log probability and its k most likely alternatives
     grammar: str = ""  # llguidance's grammar the answer is held to (common/grammars.py); "": none
     held_by: str = ""  # the parameter that asked for it: "response_format" or "tool_choice"
+    draft_tokens: int | None = None  # meshd's: at most this many drafts a step (None: the mesh's own; 0: none)
 
     def sampling(self) -> dict:
         """What every rank needs to sample alike (it travels with the request through the lockstep; each rank
@@ -100,6 +101,7 @@ class Internal:
 
 
 MAX_CHOICES = 16  # `n`: the most answers one request asks for (each a row of the batch)
+MAX_DRAFT_TOKENS = 64  # `draft_tokens`: the most drafts a step a request may ask for (its mesh's width caps it)
 
 
 @dataclass(frozen=True)
@@ -514,7 +516,8 @@ def row_seed(seed: int, row: int) -> int:
 # What each route honours; fields that change nothing about an answer (accepted, not acted on: OpenAI's
 # bookkeeping); anything else is refused with a 400 that names it, never silently dropped (docs/RUNTIME.md).
 HONOURED = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
-            "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty", "meshd"}
+            "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p", "repetition_penalty",
+            "draft_tokens", "meshd"}
 HONOURED_BY = {"chat": HONOURED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                    "chat_template_kwargs", "tools", "tool_choice", "response_format", "thinking",
                                    "reasoning_effort"},
@@ -572,6 +575,7 @@ def parse_request(kind: str, body: Any, limits: Limits, internal: bool = False,
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 10.0),
         logit_bias=_logit_bias(body),
         logprobs=_logprobs(kind, body),
+        draft_tokens=_integer(body, "draft_tokens", None, 0, MAX_DRAFT_TOKENS),
     )
     meshd = _internal(body, internal)
     if meshd.resume is not None and n > 1:
@@ -621,32 +625,52 @@ def new_id(kind: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, resumed: int, generated: int, cached: int) -> dict:
+def usage(prompt_tokens: int, resumed: int, generated: int, cached: int,
+          drafts: tuple[int, int] | None = None) -> dict:
     """One answer's usage as its client sees it. The engine was given the prompt followed by the `resumed`
     tokens of the answer that a dead generation already sent (none for a fresh answer), took `cached` of
     those from its cache and generated `generated` more. The answer so far counts once, as completion:
     only the prompt's share of the cache is cached, said in OpenAI's words (`cached_tokens`) and DeepSeek's
-    (`prompt_cache_hit_tokens`, `prompt_cache_miss_tokens`)."""
+    (`prompt_cache_hit_tokens`, `prompt_cache_miss_tokens`). A drafting engine's answer says its `drafts`
+    (proposed, accepted: those that are tokens of the answer; a resumed answer's are those of the generation
+    that finished it), in OpenAI's words for predictions and meshd's own (`draft_tokens`)."""
     completion_tokens = resumed + generated
     hit = min(cached, prompt_tokens)
-    return {
+    return _with_drafts({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": hit},
         "prompt_cache_hit_tokens": hit,
         "prompt_cache_miss_tokens": prompt_tokens - hit,
-    }
+    }, drafts)
+
+
+def _with_drafts(usage_: dict, drafts: tuple[int, int] | None) -> dict:
+    if drafts is None:
+        return usage_
+    proposed, accepted = drafts
+    return {**usage_, "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                                    "rejected_prediction_tokens": proposed - accepted},
+            "draft_tokens": {"proposed": proposed, "accepted": accepted}}
+
+
+def drafts_of(usage_: dict) -> tuple[int, int] | None:
+    """The (proposed, accepted) drafts a usage says, None when its answer was not drafted."""
+    drafted = usage_.get("draft_tokens")
+    return None if drafted is None else (drafted["proposed"], drafted["accepted"])
 
 
 def summed_usage(rows: list[dict]) -> dict:
     """The usage of a request's several answers (`n`), as OpenAI counts it: the prompt once, every answer's
-    tokens; cached what every row took from the cache."""
+    tokens (and drafts); cached what every row took from the cache."""
     prompt, hit = rows[0]["prompt_tokens"], min(r["prompt_cache_hit_tokens"] for r in rows)
     completion = sum(r["completion_tokens"] for r in rows)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": hit}, "prompt_cache_hit_tokens": hit,
-            "prompt_cache_miss_tokens": prompt - hit}
+    drafted = [d for r in rows if (d := drafts_of(r)) is not None]
+    return _with_drafts({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                         "prompt_tokens_details": {"cached_tokens": hit}, "prompt_cache_hit_tokens": hit,
+                         "prompt_cache_miss_tokens": prompt - hit},
+                        tuple(map(sum, zip(*drafted))) if drafted else None)
 
 
 @dataclass(frozen=True)

@@ -311,7 +311,7 @@ class Frontend:
             for row in rows:
                 self._inbox.put(Insert(Job(row.rid, (*prompt, *(resume.ids if resume else ())), max_tokens - done,
                                            oa.row_seed(seed, row.index), req.params.sampling(), done,
-                                           req.params.logprobs, req.internal.tenant)))
+                                           req.params.logprobs, req.internal.tenant, req.params.draft_tokens)))
         else:  # a resumed answer that had all its tokens: only its end was lost
             self._pending[rid].put(Emission(rid, None, "length"))
         try:
@@ -353,6 +353,7 @@ class _Run:
         self.sent = resume.chars if resume else 0
         self.resumed = len(resume.ids) if resume else 0  # tokens of the answer its client already has
         self.generated = 0
+        self.drafts: tuple[int, int] | None = None  # (proposed, accepted) so far, when a drafting engine answers
         self.created = resume.created if resume else int(time.time())
         self.unreported: list[int] = []  # token ids not yet reported with a chunk
         self.logprobs: list[oa.TokenLogprob] = []  # when the request asked for them
@@ -369,6 +370,8 @@ class _Run:
         token, reason = e.token, e.finish_reason
         if e.cached is not None:
             self.cached = e.cached
+        if e.drafts is not None:
+            self.drafts = tuple(a + b for a, b in zip(self.drafts or (0, 0), e.drafts))
         if token is not None and not (reason == "stop" and token in self.fe._eos):
             self.generated += 1
             if e.logprob is not None:
@@ -445,7 +448,7 @@ class _Run:
         return fresh
 
     def usage(self) -> dict:
-        return oa.usage(self.prompt_tokens, self.resumed, self.generated, self.cached)
+        return oa.usage(self.prompt_tokens, self.resumed, self.generated, self.cached, self.drafts)
 
 
 class _Answer:
@@ -454,8 +457,10 @@ class _Answer:
 
     With `meshd.ids` (the proxy asks, for an answer of one row) each streamed chunk is preceded by an SSE
     comment `: ids CHARS ID,ID,...`: the token ids this chunk completes and how many characters of text the
-    client has once it is delivered; the stream starts with `: meshd {"id", "created", "seed"}`. Comments
-    never reach a client: the proxy keeps them, to resume the answer if this generation dies.
+    client has once it is delivered; the stream starts with `: meshd {"id", "created", "seed"}`. Every stream
+    that ends with its answers says their usage in `: usage {...}` before `[DONE]`, asked for or not (the proxy
+    counts their drafts by model). Comments never reach a client: the proxy keeps them, to resume the answer if
+    this generation dies.
     """
 
     def __init__(self, req: oa.CompletionRequest, rid: str, seed: int, rows: list[_Run]):
@@ -540,6 +545,7 @@ class _Answer:
                 if not left:
                     if self.req.include_usage:
                         await send(oa.usage_chunk(self.req, self.rid, self.created, self.usage()))
+                    await resp.write(b": usage " + json.dumps(self.usage()).encode() + b"\n\n")
                     break
         await send(b"[DONE]")
         await resp.write_eof()

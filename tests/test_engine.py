@@ -1,6 +1,8 @@
 """The token tape, the seeded sampler, the batch engine's solo path and the lockstep exchange's judgement, on
 real mlx caches, arrays and the demo model."""
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -328,3 +330,39 @@ def test_mtp_drafting_answers_what_plain_decoding_answers(mtp_demo, sampling, k)
     assert stats["draft_proposed"] > 0 and stats["draft_fallbacks"] == 0
     assert drain(engine, Job("b", job.prompt, 48, 7, s), cancel_after=5)[:5] == plain[:5]  # a cancel ends it
     assert not engine.busy
+
+
+def steps(engine, job: Job) -> list[tuple[list[int], tuple[int, int] | None]]:
+    """Each step's tokens of the job and the drafts its first said (proposed, accepted)."""
+    engine.insert(job)
+    out = []
+    while engine.busy:
+        if said := [e for e in engine.step() if e.token is not None]:
+            out.append(([e.token for e in said], said[0].drafts))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["mtp", "draft model"])
+def test_a_request_that_asks_for_fewer_drafts_or_none_gets_them_and_the_same_answer(mtp_demo, kind):
+    """draft_tokens caps a request's drafts a step below its engine's 3 (0: none at all); each step says what it
+    proposed and how many of those the answer kept, and the answer is plain decoding's whatever it asked. The
+    draft model is the target itself: every draft it proposes is kept."""
+    from runtime.engine.drafting import SpeculativeEngine
+
+    model, eos = mtp_demo
+    draft = model if kind == "draft model" else None
+    job = Job("a", tuple(range(5, 45)), 48, 7, {**SAMPLING, "temperature": 0.0})
+    plain = drain(BatchEngine(model, eos, prefill_step_size=16), job)
+    for asked, width in ((None, 3), (1, 1), (0, 0), (9, 3)):
+        engine = MTPEngine(model, eos, num_draft_tokens=3, prefill_step_size=16, log=lambda line: None) \
+            if draft is None else SpeculativeEngine(model, draft, eos, num_draft_tokens=3)
+        said = steps(engine, replace(job, draft_tokens=asked))
+        assert [t for tokens, _ in said for t in tokens] == plain, asked
+        drafts = [d for _, d in said]
+        assert all(d is not None and d[1] <= d[0] <= width for d in drafts), (asked, drafts)
+        proposed, accepted = map(sum, zip(*drafts))
+        assert (proposed > 0 and accepted > 0) if width else proposed == 0, (asked, drafts)
+        if draft is None:  # the engine's own counts, the same drafts
+            assert engine.stats()["draft_proposed"] == proposed, asked
+        else:
+            assert accepted == proposed, (asked, drafts)

@@ -10,7 +10,7 @@ from runtime.lockstep import Cancel, Drain, DrainMode, Insert, RestoreFirst, dec
 from runtime.lockstep import Lockstep, fold
 
 SAMPLING = SamplingParams(max_tokens=5, temperature=0.7, logit_bias=((3, -1.5),), grammar="start: \"a\"").sampling()
-RESUMED = Job("chatcmpl-1", (1, 2, 3), 5, 42, SAMPLING, offset=2, logprobs=3, tenant="team")
+RESUMED = Job("chatcmpl-1", (1, 2, 3), 5, 42, SAMPLING, offset=2, logprobs=3, tenant="team", draft_tokens=2)
 
 
 @pytest.mark.parametrize("message", [

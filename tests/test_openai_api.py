@@ -27,6 +27,9 @@ GOOD = [
     ("plain text format, no tools", {"messages": MSG, "response_format": {"type": "text"}, "tool_choice": "none"},
      dict()),
     ("no max_tokens: the server's default, said so", {"messages": MSG}, dict(max_tokens=64, named=False)),
+    ("no draft_tokens: the mesh's width", {"messages": MSG, "draft_tokens": None}, dict(draft_tokens=None)),
+    ("no drafts", {"messages": MSG, "draft_tokens": 0}, dict(draft_tokens=0)),
+    ("fewer drafts", {"messages": MSG, "draft_tokens": 2}, dict(draft_tokens=2)),
 ]
 
 
@@ -60,6 +63,11 @@ BAD = [
     ("unknown model", "text", {"model": "other", "prompt": "x"}, 404, "model"),
     ("prompt list of two", "text", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("stream_options wrong type", "text", {"prompt": "x", "stream_options": 1}, 400, "stream_options"),
+    ("draft_tokens above the most", "chat", {"messages": MSG, "draft_tokens": oa.MAX_DRAFT_TOKENS + 1}, 400,
+     "draft_tokens"),
+    ("negative draft_tokens", "text", {"prompt": "x", "draft_tokens": -1}, 400, "draft_tokens"),
+    ("draft_tokens not an integer", "text", {"prompt": "x", "draft_tokens": 1.5}, 400, "draft_tokens"),
+    ("draft_tokens true", "chat", {"messages": MSG, "draft_tokens": True}, 400, "draft_tokens"),
 ]
 
 
@@ -115,9 +123,36 @@ def test_the_usage_of_several_answers_counts_the_prompt_once_and_every_answers_t
             u["prompt_cache_miss_tokens"]) == (60, 60, 40)
 
 
+def test_a_bad_draft_tokens_says_the_range():
+    with pytest.raises(oa.ApiError) as e:
+        oa.parse_request("chat", {"messages": MSG, "draft_tokens": "3"}, LIMITS)
+    assert e.value.message == "'draft_tokens' must be an integer between 0 and 64, got '3'"
+
+
+# (drafts as (proposed, accepted) of each answer) -> OpenAI's accepted and rejected predictions, meshd's draft_tokens
+DRAFTED = [
+    ("an undrafted mesh's answer", [None], None),
+    ("one drafted answer", [(12, 9)], (9, 3, {"proposed": 12, "accepted": 9})),
+    ("asked for none on a drafted mesh", [(0, 0)], (0, 0, {"proposed": 0, "accepted": 0})),
+    ("several answers: their sum", [(12, 9), (0, 0), (5, 1)], (10, 7, {"proposed": 17, "accepted": 10})),
+]
+
+
+@pytest.mark.parametrize("name,drafts,seen", DRAFTED, ids=[d[0] for d in DRAFTED])
+def test_usage_says_what_the_answers_drafted_and_accepted(name, drafts, seen):
+    rows = [oa.usage(100, 0, 20, 0, d) for d in drafts]
+    u = rows[0] if len(rows) == 1 else oa.summed_usage(rows)
+    if seen is None:
+        assert "draft_tokens" not in u and "completion_tokens_details" not in u
+        return
+    details = u["completion_tokens_details"]
+    assert (details["accepted_prediction_tokens"], details["rejected_prediction_tokens"], u["draft_tokens"]) == seen
+    assert u["completion_tokens"] == 20 * len(rows)
+
+
 def test_bodies_validate_against_the_official_schemas():
     req = oa.parse_request("chat", {"messages": MSG}, LIMITS)
-    u = oa.usage(3, 0, 4, 1)
+    u = oa.usage(3, 0, 4, 1, (6, 2))
     validate(oa.completion_body(req, "id", 1, "x", "stop", u), "CreateChatCompletionResponse")
     validate(oa.chunk_body(req, "id", 1, "x", None, first=True), "CreateChatCompletionStreamResponse")
     validate(oa.chunk_body(req, "id", 1, None, "length"), "CreateChatCompletionStreamResponse")

@@ -149,13 +149,18 @@ def test_status_file_shows_load_and_long_prefill_progress(deep_model, tmp_path):
 def test_speculative_greedy_equals_plain_greedy_on_two_ranks(demo_model, draft_model, reference, tmp_path):
     with start_mesh(demo_model, 2, tmp_path, "--draft-model", str(draft_model), "--num-draft-tokens", "3") as mesh:
         mesh.wait_ready()
-        for content in ["hello world", "The quick brown fox"]:
+        usages = []
+        for content, asked in [("hello world", {}), ("The quick brown fox", {}), ("hello world", {"draft_tokens": 0})]:
             messages = [{"role": "user", "content": content}]
             r = requests.post(f"{mesh.url}/v1/chat/completions", timeout=60,
-                              json={"messages": messages, "max_tokens": 24})
+                              json={"messages": messages, "max_tokens": 24, **asked})
             assert r.status_code == 200, r.text
             ids = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             assert r.json()["choices"][0]["message"]["content"] == reference(ids, 24)
+            usages.append(r.json()["usage"]["draft_tokens"])
+        # each verify proposes 3 drafts while 3 tokens are left; asked for none, the answer is undrafted
+        assert all(3 <= d["proposed"] <= 3 * 24 and d["accepted"] <= d["proposed"] for d in usages[:2]), usages
+        assert usages[2] == {"proposed": 0, "accepted": 0}
         r = requests.post(f"{mesh.url}/v1/chat/completions", stream=True, timeout=60,
                           json={"messages": [{"role": "user", "content": "s"}], "max_tokens": 8, "stream": True})
         assert sse_events(r.iter_lines(decode_unicode=True))[-1] == "[DONE]"

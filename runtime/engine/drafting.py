@@ -138,14 +138,15 @@ class SingleRequestEngine(ABC):
         self._log(f"{who} refused ({type(e).__name__}: {str(e)[:200]}); request {self._active.rid} "
                   "goes on without drafts")
 
-    def _emit(self, tokens: list[int], logprobs) -> list[Emission]:
-        """The active job's next tokens (`logprobs[i]` what token i was drawn from), up to where it ends."""
+    def _emit(self, tokens: list[int], logprobs, drafts: tuple[int, int]) -> list[Emission]:
+        """The active job's next tokens (`logprobs[i]` what token i was drawn from), up to where it ends; the
+        first says the step's `drafts` (proposed, accepted)."""
         r, out = self._active, []
         for i, token in enumerate(tokens):
             r.count += 1
             reason = finish_reason(token, r.count, r.job.max_tokens, self._eos)
             e = emission(r.rid, token, reason, logprobs[i], r.job.logprobs)
-            out.append(replace(e, cached=r.cached) if r.count == 1 else e)
+            out.append(replace(e, cached=r.cached if r.count == 1 else None, drafts=None if i else drafts))
             if reason is not None:
                 self._finish()
                 break
@@ -185,22 +186,26 @@ class SpeculativeEngine(SingleRequestEngine):
         super()._finish()
 
     def _begin(self, job: Job) -> Request:
-        r = Request.begin(job, Prefix(None, 0, NO_SNAPSHOT, Taken(())))
+        """The job's stream: drafted with its width of drafts, plain when it asked for none."""
+        r = Request.begin(job, Prefix(None, 0, NO_SNAPSHOT, Taken(())), width=self._num_draft)
         self._stream = speculative_generate_step(
             mx.array(job.prompt),
             self._model,
             self._draft,
-            num_draft_tokens=self._num_draft,
+            num_draft_tokens=r.width,
             max_tokens=job.max_tokens,
             sampler=sampler_for(job),
             logits_processors=r.processors,
             prefill_step_size=self._prefill_step_size,
-        )
+        ) if r.drafting else self._plain(r)
         return r
 
     def _advance(self) -> list[Emission]:
+        """One verify's tokens (mlx-lm's step yields them one by one: those of the drafts it kept, then the
+        target's own, which ends it), or a plain step's token."""
+        r = self._active
         try:
-            token, logprobs, *_ = next(self._stream)
+            said = [next(self._stream)]
         except StopIteration:
             rid = self._active.rid
             self._finish()
@@ -212,8 +217,15 @@ class SpeculativeEngine(SingleRequestEngine):
             self._refused("a drafted step", e)
             self._stream = self._plain(self._active)
             return []
-        self._active.tape.append(int(token))
-        return self._emit([int(token)], [logprobs])
+        kept = [s[2:3] == (True,) for s in said]  # (token, logprobs, from a draft); a plain step's has no third
+        while kept[-1] and r.count + len(said) < r.job.max_tokens:
+            said.append(next(self._stream))
+            kept.append(said[-1][2])
+        tokens = [int(token) for token, *_ in said]
+        r.tape += tokens
+        # a verify proposes as many drafts as the answer has room for, up to the width (mlx-lm's num_draft)
+        proposed = min(r.job.max_tokens - r.count, r.width) if r.drafting else 0
+        return self._emit(tokens, [logprobs for _, logprobs, *_ in said], (proposed, sum(kept)))
 
     def _plain(self, r: Request):
         """Plain decoding of the request from what it said, each token drawn with the key of its place."""
@@ -279,7 +291,7 @@ class MTPEngine(SingleRequestEngine):
         MTP head's cache, DSpark's stages'); the target's caches (and the head's) hold its tape[:base] for good."""
         prefix = (self.prefixes.take(job) if self.prefixes is not None
                   else Prefix(make_prompt_cache(self._model), 0, NO_SNAPSHOT, Taken(())))
-        return Request.begin(job, prefix, context=self._model.make_mtp_cache())
+        return Request.begin(job, prefix, context=self._model.make_mtp_cache(), width=self.num_draft_tokens)
 
     def _prefill(self) -> None:
         """A chunk of the prompt that is not its last through the target; the head learns its positions."""
@@ -325,7 +337,7 @@ class MTPEngine(SingleRequestEngine):
         self._cut(saved, inputs[:at + 1], inputs.shape[0])
         r.base += at + 1
         r.tape += tokens[:n]
-        out = self._emit(tokens[:n], logprobs)
+        out = self._emit(tokens[:n], logprobs, (len(guessed), min(kept, n)))
         if self._active is not None:
             if r.said is not None:
                 r.said = mx.concatenate([r.said, sampled[:n]])
@@ -387,14 +399,14 @@ class MTPEngine(SingleRequestEngine):
         return None
 
     def _chain(self, h: mx.array, logits: mx.array, at: int) -> mx.array | None:
-        """num_draft_tokens drafts after place `at` of the head's last learning: its guess there, then
+        """The request's width of drafts after place `at` of the head's last learning: its guess there, then
         each from the one before (on the device: they go into the next verify's graph)."""
         r = self._active
         with self._refusals():
             trim_to(r.context, r.base)
             guesses = [mx.argmax(self._allowed([], logits[:, at]), axis=-1)]
             h = h[:, at:at + 1]
-            while len(guesses) < self.num_draft_tokens:
+            while len(guesses) < r.width:
                 h, logits = self._model.mtp_draft(h, guesses[-1][None], r.context)
                 guesses.append(mx.argmax(self._allowed(guesses, logits[:, -1]), axis=-1))
             return mx.concatenate(guesses).astype(mx.uint32)
@@ -626,9 +638,9 @@ class DSparkEngine(MTPEngine):
         return self._draft(taps[:, :at + 1], anchor)
 
     def _draft(self, committed: mx.array, anchor: int) -> mx.array | None:
-        """The next block's first num_draft_tokens drafts (on the device: they go into the next verify's
-        graph), the committed places' taps entering the stages' context first (dspark.draft)."""
+        """The next block's first drafts, the request's width of them (on the device: they go into the next
+        verify's graph), the committed places' taps entering the stages' context first (dspark.draft)."""
         with self._refusals():
-            return dspark.draft(self._model, self._active.context, committed, anchor, self.num_draft_tokens,
+            return dspark.draft(self._model, self._active.context, committed, anchor, self._active.width,
                                 self._allowed)[0]
         return None

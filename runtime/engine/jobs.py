@@ -29,6 +29,11 @@ class Job:
     offset: int = 0  # the index of the answer's first token this job samples (a resumed answer's is > 0)
     logprobs: int = -1  # -1: none; k >= 0: each token's log probability and its k most likely alternatives
     tenant: str = ""  # whose prefix cache it may use (the proxy's scope of its API key; "": the shared one)
+    draft_tokens: int | None = None  # the most drafts a step it asked for (None: its engine's; 0: none)
+
+    def drafts(self, width: int) -> int:
+        """How many drafts a step it takes of an engine that drafts `width`."""
+        return width if self.draft_tokens is None else min(self.draft_tokens, width)
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,8 @@ class Emission:
     top: tuple[tuple[int, float], ...] = ()  # its k most likely tokens, most likely first
     cached: int | None = None  # on a job's first token: how much of its prompt its cache held, when its engine
     # took the job later than its insert (a drafter)
+    drafts: tuple[int, int] | None = None  # a drafting engine's, on the first token of each of the job's steps:
+    # the drafts it proposed for the job in that step and those of them that are tokens of the answer
 
 
 def emission(rid: str, token: int, reason: str | None, logprobs: mx.array | None, k: int) -> Emission:

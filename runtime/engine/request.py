@@ -36,17 +36,21 @@ class Request:
     pending: int = 0
     drafts: mx.array | None = None
     drafting: bool = True
+    width: int = 0  # the most drafts a step it takes (its job's draft_tokens, at most its engine's)
     context: list | None = None
     kept: list[int] = field(default_factory=list)
 
     @classmethod
-    def begin(cls, job: Job, prefix: Prefix, context: list | None = None) -> "Request":
-        """The request of `job` from what the prefix store gave it."""
+    def begin(cls, job: Job, prefix: Prefix, context: list | None = None, width: int = 0) -> "Request":
+        """The request of `job` from what the prefix store gave it, drafted when its engine drafts `width` a step
+        and it asked for some of them."""
         processors = processors_for(job)
+        drafts = job.drafts(width)
         return cls(job, prefix.cache, prefix.cached, prefix.since, prefix.taken, list(job.prompt),
                    list(job.prompt[prefix.cached:]), prefix.cached, processors,
                    next((p for p in processors if isinstance(p, GrammarMask)), None),
-                   mx.array(job.prompt, dtype=mx.uint32) if processors else None, context=context)
+                   mx.array(job.prompt, dtype=mx.uint32) if processors else None, context=context,
+                   drafting=drafts > 0, width=drafts)
 
     @property
     def rid(self) -> str:

@@ -6,8 +6,10 @@ resumed answer's tokens in the pieces decoding gives: pools.prompt_piece), its t
 context; once only its last token is left it joins the batch, its caches merged into the batch's. Each step
 every row feeds its pending token and its drafts (a row without drafts, its first step or its drafting
 refused, feeds its pending token in their places: a guess like any other, kept only where the target samples
-it) in one forward of `1 + width` places; each row's places are sampled with its own keys and processors and
-each keeps its drafts up to its first miss. Every rank agrees on every row's count (`drafting.agree`). Where a
+it) in one forward of `1 + width` places, `width` the most drafts a row takes (each row its request's
+`draft_tokens`, at most the engine's; a row that takes fewer fills the rest with guesses, never kept); each
+row's places are sampled with its own keys and processors and each keeps its drafts up to its first miss,
+at most its own width of them. Every rank agrees on every row's count (`drafting.agree`). Where a
 row kept fewer than it fed, the batch's caches go back to where the step began (runtime/prefix/rollback.py: omlx's
 pooled and windowed caches cannot be trimmed) and every row's kept places are fed again in one forward, the
 shorter rows right-padded (mlx-lm's `prepare`/`finalize`: the pads leave no trace). The verify's width is
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -79,7 +82,7 @@ class RowwiseDSpark:
 
     # --- Engine -------------------------------------------------------------------------------------------
     def insert(self, job: Job) -> int:
-        row = Request.begin(job, self.prefixes.take(job), context=self._model.make_mtp_cache())
+        row = Request.begin(job, self.prefixes.take(job), context=self._model.make_mtp_cache(), width=self.width)
         self._joining.append(row)
         return row.cached
 
@@ -147,7 +150,7 @@ class RowwiseDSpark:
     # --- a step of the batch ------------------------------------------------------------------------------
     def _verify(self) -> list[Emission]:
         rows = self._rows
-        width = self.width if any(r.drafting for r in rows) else 0
+        width = max((r.width for r in rows if r.drafting), default=0)
         inputs = mx.stack([self._places(r, width) for r in rows])
         if width:
             in_order(self._cache)
@@ -162,13 +165,16 @@ class RowwiseDSpark:
                 self._refused(r, "the target's batched verify", e)
             return self._verify()
         kept = []
-        for r, tokens, guessed in zip(rows, sampled.tolist(), inputs[:, 1:].tolist()):
+        drafts = []  # each row's (proposed, accepted) this step
+        for r, tokens, places in zip(rows, sampled.tolist(), inputs.tolist()):
+            guessed = places[1:r.width + 1]
             k = next((i for i, (g, t) in enumerate(zip(guessed, tokens)) if g != t), len(guessed))
+            kept.append(k)
+            r.kept = tokens[:ends_after(tokens[:k + 1], r.count, r.job.max_tokens, self._eos)]
+            drafts.append((0, 0) if r.drafts is None else (len(guessed), min(k, len(r.kept))))
             if r.drafts is not None:
                 self.proposed += len(guessed)
                 self.accepted += k
-            kept.append(k)
-            r.kept = tokens[:ends_after(tokens[:k + 1], r.count, r.job.max_tokens, self._eos)]
         if width:
             agree(kept)
             self.batched_steps += sum(r.drafts is not None for r in rows) > 1
@@ -178,7 +184,7 @@ class RowwiseDSpark:
             self._feed(inputs, fed)
         out, ended = [], []
         for i, r in enumerate(rows):
-            mine = self._emit(r, logprobs[i])
+            mine = self._emit(r, logprobs[i], drafts[i])
             out += mine
             if mine[-1].finish_reason is not None:
                 ended.append(r)
@@ -186,16 +192,16 @@ class RowwiseDSpark:
             if r.said is not None:
                 r.said = mx.concatenate([r.said, sampled[i, :len(r.kept)]])
             r.pending = r.kept[-1]
-            r.drafts = self._draft(r, taps[i:i + 1, :len(r.kept)]) if r.drafting and self.width else None
+            r.drafts = self._draft(r, taps[i:i + 1, :len(r.kept)]) if r.drafting else None
         if ended:
             self._leave(ended)
         return out
 
     def _places(self, row: Request, width: int) -> mx.array:
-        """The row's pending token and `width` drafts: its own, else its pending token in their places."""
-        pending = mx.array([row.pending], dtype=mx.uint32)
-        drafts = row.drafts if row.drafts is not None else mx.full((width,), row.pending, dtype=mx.uint32)
-        return mx.concatenate([pending, drafts[:width]])
+        """The row's pending token and `width` places after it: its own drafts, its pending token in the others."""
+        drafts = [] if row.drafts is None else [row.drafts[:width]]
+        return mx.concatenate([mx.array([row.pending], dtype=mx.uint32), *drafts,
+                               mx.full((width - sum(d.shape[0] for d in drafts),), row.pending, dtype=mx.uint32)])
 
     def _target(self, rows: list[Request], inputs: mx.array):
         """Every row's places through the target: its taps, and each row's log probabilities and samples."""
@@ -220,12 +226,14 @@ class RowwiseDSpark:
                 c.finalize()
         mx.eval([c.state for c in self._cache])
 
-    def _emit(self, row: Request, logprobs: mx.array) -> list[Emission]:
+    def _emit(self, row: Request, logprobs: mx.array, drafts: tuple[int, int]) -> list[Emission]:
+        """The row's kept tokens, the first saying the step's `drafts` (proposed, accepted)."""
         out = []
         for i, token in enumerate(row.kept):
             row.count += 1
             reason = finish_reason(token, row.count, row.job.max_tokens, self._eos)
-            out.append(emission(row.job.rid, token, reason, logprobs[i], row.job.logprobs))
+            e = emission(row.job.rid, token, reason, logprobs[i], row.job.logprobs)
+            out.append(e if i else replace(e, drafts=drafts))
         row.base += len(row.kept)
         row.tape += row.kept
         return out
@@ -254,7 +262,7 @@ class RowwiseDSpark:
         """The row's next drafts after its pending token, its committed places' taps entering its stages'
         context first."""
         with self._refusals(row, "DSpark's stages"):
-            return dspark.draft(self._model, row.context, committed, row.pending, self.width,
+            return dspark.draft(self._model, row.context, committed, row.pending, row.width,
                                 lambda drafts, logits: allowed_by(row.grammar, row.said, drafts, logits))[0]
         return None
 

@@ -64,8 +64,9 @@ A = tuple(range(60, 150))  # past the ratio-4 layers' index_topk * 4: their spar
 B = tuple(range(300, 320))
 
 
-def decoded(engine, *jobs: tuple[Job, int]) -> dict[str, list[int]]:
-    """Each job's tokens, each inserted after its given count of the engine's steps."""
+def decoded(engine, *jobs: tuple[Job, int], drafts: dict | None = None) -> dict[str, list[int]]:
+    """Each job's tokens, each inserted after its given count of the engine's steps; each step's drafts of each
+    (proposed, accepted) appended to `drafts`, when given."""
     said, steps = {job.rid: [] for job, _ in jobs}, 0
     while steps <= max(at for _, at in jobs) or engine.busy:
         for job, at in jobs:
@@ -73,6 +74,8 @@ def decoded(engine, *jobs: tuple[Job, int]) -> dict[str, list[int]]:
                 engine.insert(job)
         for e in engine.step():
             said[e.rid] += [e.token] if e.token is not None else []
+            if drafts is not None and e.drafts is not None:
+                drafts.setdefault(e.rid, []).append(e.drafts)
         steps += 1
     return said
 
@@ -104,6 +107,26 @@ def test_rows_drafted_together_joining_and_leaving_mid_answer_each_answer_plain_
     assert rows.width == 3 and rows.batched_steps > 10 and rows.fallbacks == 0  # under ratio 4: one window a row
     if sampling is GREEDY:
         assert rows.accepted > rows.proposed / 3  # the stages' drafts, kept; seeded ones miss at temperature 0.9
+
+
+def test_requests_that_ask_for_fewer_drafts_or_none_get_them_alone_handed_over_and_row_by_row_and_answer_plainly(
+        model):
+    """draft_tokens below the engine's 3 a row (0: none): a request alone, then handed over to the batch when
+    another comes, and rows of the batch each keep to their own; every answer is plain decoding's and each step
+    says what it proposed and how many of those the answer kept."""
+    jobs = [replace(job, draft_tokens=asked) for job, asked in zip(ROWS, (None, 1, 0, 2))]
+    widths = {"a": 3, "b": 1, "c": 0, "d": 2}
+    plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in jobs}
+    prefixes = PrefixStore(model, prefill_step_size=32)
+    engines = (drafted_everywhere(model, set(), prefixes, prefill_step_size=32, log=lambda m: m),
+               RowwiseDSpark(model, set(), prefixes=prefixes, prefill_step_size=32, log=lambda m: m))
+    for engine, coming in zip(engines, ([(jobs[1], 0), (jobs[2], 4)], list(zip(jobs, COMING)))):
+        drafts = {}
+        assert decoded(engine, *coming, drafts=drafts) == {job.rid: plain[job.rid] for job, _ in coming}
+        for rid, steps in drafts.items():
+            assert all(accepted <= proposed <= widths[rid] for proposed, accepted in steps), (rid, steps)
+            assert (sum(p for p, _ in steps) > 0) == (widths[rid] > 0), (rid, steps)
+    assert engines[0].handovers == 1
 
 
 def test_a_row_whose_window_is_masked_as_mlx_lm_masks_it_answers_otherwise(model, monkeypatch):
@@ -153,6 +176,18 @@ def test_requests_sent_during_a_drafted_answer_or_together_start_at_once_every_r
 
         statuses = wait_for(settled, 60, "both ranks' status after the last answer")
         logs = [mesh.log(rank) for rank in range(2)]
+        # the short question again alone, asking for no drafts and for the mesh's: the same answer, its usage
+        # saying what each drafted
+        usages = {}
+        for name, extra in (("none", {"draft_tokens": 0}), ("default", {})):
+            r = requests.post(f"{mesh.url}/v1/chat/completions", timeout=600, json={**short, **extra})
+            assert r.status_code == 200, r.text
+            usages[name] = (r.json()["choices"][0]["message"]["content"], r.json()["usage"])
+    (none, unasked), (default, asked) = usages["none"], usages["default"]
+    assert none == default and unasked["completion_tokens"] == asked["completion_tokens"] == SHORT["max_tokens"]
+    assert unasked["draft_tokens"] == {"proposed": 0, "accepted": 0}
+    counts = asked["draft_tokens"]
+    assert 0 < counts["proposed"] and counts["accepted"] <= counts["proposed"]
     assert len(drafted) == LONG["max_tokens"]
     assert all(s["draft_accepted"] > 0 and s["draft_fallbacks"] == 0 for s in statuses), statuses
     # every rank handed each drafted answer over at the same token: the long one when the short one came, and
