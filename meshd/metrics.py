@@ -69,6 +69,9 @@ class ProxyMetrics:
         self.inter_token = Histogram("meshd_proxy_inter_token_seconds", "Time between streamed chunks",
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.tokens = Counter("meshd_proxy_tokens_total", "Completion tokens served", registry=r)
+        self.draft_tokens = Counter("meshd_proxy_draft_tokens_total", "Draft tokens of the answers served, by model "
+                                    "and outcome (proposed, accepted: a token of the answer), as their usage says",
+                                    ["model", "outcome"], registry=r)
         self.probes = Counter("meshd_proxy_probes_total", "Idle probes sent to rank 0, by result (ok, failed)",
                               ["result"], registry=r)
         self.migrations = Counter("meshd_proxy_migrations_total",
@@ -83,3 +86,7 @@ class ProxyMetrics:
         self.refused = Counter("meshd_proxy_refused_connections_total", "Client connections the listener's limits "
                                "ended, by reason (slow_headers: closed, its headers not in within header_timeout; "
                                "cap: answered 503, max_connections open)", ["reason"], registry=r)
+
+    def drafted(self, model: str, proposed: int, accepted: int) -> None:
+        self.draft_tokens.labels(model=model, outcome="proposed").inc(proposed)
+        self.draft_tokens.labels(model=model, outcome="accepted").inc(accepted)

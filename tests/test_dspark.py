@@ -5,7 +5,9 @@ named at load; a DeepSeek Harness (dsh) turn, reasoning_content and tool calls, 
 One TP4 mesh on the ring under real agents, a controller and meshd-proxy, every request through the proxy:
 DSpark armed in the lockstep loop with drafted greedy and seeded answers the same token for token whether
 asked alone (DSparkEngine) or at once (drafted row by row in one batch; plain decoding's answers are proven on
-omlx's own model in tests/pinned), its counts in the agents' /metrics, several clients let through at once, the stand-in's 8-head kernel hidden at load (2 heads per rank) and counted, a
+omlx's own model in tests/pinned), its counts in the agents' /metrics, a request asking for no drafts answering
+the same and each answer's usage saying what it drafted (whole and streamed), counted by model in the proxy's
+/metrics, several clients let through at once, the stand-in's 8-head kernel hidden at load (2 heads per rank) and counted, a
 refusal in the target's verify falling back for that request with the ranks alive, a dsh turn through the
 proxy; and at TP2, stages split without their all-reduce caught by the lockstep digests."""
 
@@ -152,6 +154,29 @@ def metric(agents, name: str) -> list[str]:
     return sorted(re.findall(rf"^{name}\{{([^}}]*)\}} ([0-9.]+)$", text, re.M))
 
 
+def proxy_drafts(proxy: str) -> dict[tuple[str, str], float]:
+    """meshd-proxy's draft counts, by (model, outcome)."""
+    text = requests.get(proxy.removesuffix("/v1") + "/metrics", timeout=10).text
+    return {(m, o): float(v) for m, o, v in re.findall(
+        r'^meshd_proxy_draft_tokens_total\{model="([^"]*)",outcome="([^"]*)"\} ([0-9.]+)$', text, re.M)}
+
+
+def drafts_asked(proxy: str, model) -> dict:
+    """The greedy question with the mesh's drafts (whole), with none (whole) and with the mesh's streamed: each
+    answer's body (the stream's text, lines and usage chunk), and the proxy's draft counts before and after."""
+    body = {**ASKS["greedy"], **endless(model)}
+    before = proxy_drafts(proxy)
+    out = {name: requests.post(f"{proxy}/chat/completions", timeout=300, json={**body, **extra}).json()
+           for name, extra in (("whole", {}), ("none", {"draft_tokens": 0}))}
+    r = requests.post(f"{proxy}/chat/completions", timeout=300, stream=True,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    lines = [line for line in r.iter_lines(decode_unicode=True) if line]
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    out["streamed"] = {"text": "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]),
+                       "usage": chunks[-1]["usage"], "lines": lines}
+    return {**out, "before": before, "after": proxy_drafts(proxy)}
+
+
 @pytest.fixture(scope="module")
 def served(dspark_model, tmp_path_factory):
     """One TP4 mesh under real agents, a controller and meshd-proxy: each question alone (drafted), a dsh
@@ -168,6 +193,7 @@ def served(dspark_model, tmp_path_factory):
             wait_for(lambda: rank0()["state"] == "ready", 60, "rank 0 idle again", interval=0.1)
 
         drafted = {name: ask(proxy, dspark_model, name) for name in ASKS}
+        asked = drafts_asked(proxy, dspark_model)
         dsh = requests.post(f"{proxy}/chat/completions", timeout=300,
                             json={"messages": DSH_TURN, "tools": [WEATHER], "max_tokens": 4,
                                   "chat_template_kwargs": {"enable_thinking": True}})
@@ -193,7 +219,7 @@ def served(dspark_model, tmp_path_factory):
         batched = rank0()
         again = requests.post(f"{proxy}/chat/completions", timeout=300, json={**ASKS["greedy"], "max_tokens": 4})
         idle()
-        yield {"drafted": drafted, "dsh": dsh, "alone": alone, "metrics": metrics, "held": held,
+        yield {"drafted": drafted, "asked": asked, "dsh": dsh, "alone": alone, "metrics": metrics, "held": held,
                "together": together, "batched": batched, "again": again, "after": rank0(),
                "logs": [(a.dir / "state" / "gen-1" / f"rank-{r}" / "rank.log").read_text()
                         for r, a in enumerate(agents)],
@@ -209,6 +235,25 @@ def test_dspark_drafts_at_tp4_alone_and_row_by_row_and_the_answers_are_the_same_
     counts = {(s["draft_proposed"], s["draft_accepted"], s["draft_fallbacks"]) for s in served["alone"]}
     assert len(counts) == 1  # every rank drafted and kept the same
     assert all("drafter armed: DSpark's 3 stages, blocks of 5 drafts" in log for log in served["logs"])
+
+
+def test_a_request_asks_for_no_drafts_and_each_answers_usage_says_what_it_drafted_and_the_proxy_counts_it(served):
+    asked = served["asked"]
+    whole, none, streamed = asked["whole"], asked["none"], asked["streamed"]
+    text = served["drafted"]["greedy"][0]
+    assert whole["choices"][0]["message"]["content"] == none["choices"][0]["message"]["content"] == text
+    assert streamed["text"] == text
+    assert none["usage"]["draft_tokens"] == {"proposed": 0, "accepted": 0}
+    assert none["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 0,
+                                                         "rejected_prediction_tokens": 0}
+    drafted = [whole["usage"]["draft_tokens"], streamed["usage"]["draft_tokens"]]
+    assert all(0 < d["accepted"] <= d["proposed"] for d in drafted), drafted
+    details = whole["usage"]["completion_tokens_details"]
+    assert details["rejected_prediction_tokens"] == drafted[0]["proposed"] - drafted[0]["accepted"]
+    assert not any(line.startswith(": usage") for line in streamed["lines"])  # rank 0's, for the proxy alone
+    grew = {key: value - asked["before"].get(key, 0.0) for key, value in asked["after"].items()}
+    assert grew == {(whole["model"], outcome): float(sum(d[outcome] for d in drafted))
+                    for outcome in ("proposed", "accepted")}
 
 
 def test_the_drafters_counts_reach_the_agents_metrics(served):

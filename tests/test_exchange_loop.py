@@ -37,6 +37,9 @@ def chunk(text: str, chars: int, ids: str) -> bytes:
 
 DONE = b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
 DIED_503 = b'{"error": {"message": "a rank died", "code": "generation_failed"}}'
+# a drafting mesh's stream: the usage rank 0 says the proxy before [DONE] (runtime/server.py's `: usage`)
+DRAFTED = (b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\n: usage {"prompt_tokens": 3, '
+           b'"completion_tokens": 8, "draft_tokens": {"proposed": 9, "accepted": 6}}\n\ndata: [DONE]\n\n')
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,13 @@ ROWS = {
                                    b": prefill 512/4096 tokens, 256 tok/s, first token in ~14.0 s\n\n", *HEL[1:], DONE))],
         texts=["Hel"], sent=[("a", 1)], reports=[], served=[1],
         says=b": prefill 256/4096 tokens\n\n: prefill 512/4096 tokens, 256 tok/s, first token in ~14.0 s\n\ndata: "),
+    "a drafted answer's usage stays with the proxy, which counts its drafts by model": dict(
+        attempts=[Attempt("a", 1, (*HEL, DRAFTED))], texts=["Hel"], sent=[("a", 1)], reports=[], served=[1],
+        drafts={"proposed": 9.0, "accepted": 6.0}),
+    "a resumed answer counts the drafts of the generation that finished it": dict(
+        attempts=[Attempt("a", 1, HEL, end="cut"), Attempt("a", 2, (chunk("lo", 5, "13"), DRAFTED))],
+        texts=["Hel", "lo"], sent=[("a", 1), ("a", 2)], reports=[(1, Source.PROXY), (1, Source.MIGRATED)],
+        served=[2], resumed=[11, 12], drafts={"proposed": 9.0, "accepted": 6.0}),
     "nothing serves and nothing comes: 503": dict(
         attempts=[], status=503, code="mesh_unavailable", sent=[], reports=[], served=[]),
     "the client goes away mid-answer: the attempt is closed": dict(
@@ -272,7 +282,10 @@ def test_the_exchange_loop(row):
         assert headers["X-Meshd-Mesh"] == row["mesh"]
     if "says" in row:
         assert row["says"] in got
-    assert b": ids" not in got and b": meshd" not in got  # what the proxy keeps for itself
+    assert b": ids" not in got and b": meshd" not in got and b": usage" not in got  # what the proxy keeps for itself
+    drafts = {o: gate.metrics.registry.get_sample_value("meshd_proxy_draft_tokens_total", {"model": "m", "outcome": o})
+              for o in ("proposed", "accepted")}
+    assert drafts == row.get("drafts", {"proposed": None, "accepted": None})
     assert [(r.mesh, r.generation) for r in gate.sent] == row["sent"]
     assert gate.reports == row["reports"]
     assert gate.served_by == row["served"]

@@ -54,6 +54,7 @@ RETRY_AFTER = "5"
 TEXT_FIELD = re.compile(rb'"(?:content|text)":\s?"(?!")')
 FINISHED = re.compile(rb'"finish_reason":\s?"')
 COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s?(\d+)')
+DRAFT_TOKENS = re.compile(rb'"draft_tokens":\s?\{"proposed":\s?(\d+),\s?"accepted":\s?(\d+)\}')  # a usage's drafts
 log = structlog.get_logger("meshd.proxy")
 
 
@@ -200,6 +201,7 @@ class Exchange:
         self.unconfirmed: tuple[int, list[int]] | None = None  # an ids comment whose chunk is not forwarded yet
         self.ended = False
         self.migrations = 0
+        self.usage = b""  # the usage rank 0 said at the end of its stream (its `: usage` comment)
 
     async def run(self) -> web.StreamResponse:
         p = self.gate.settings
@@ -279,6 +281,8 @@ class Exchange:
             raise answered_failure(r.status, data)
         if r.status == 200 and (m := COMPLETION_TOKENS.search(data)):
             self.gate.metrics.tokens.inc(int(m.group(1)))
+        if r.status == 200:
+            self._count_drafts(rank0.model, data)
         return web.Response(body=data, status=r.status, content_type="application/json", headers=self.headers)
 
     @contextlib.asynccontextmanager
@@ -338,6 +342,7 @@ class Exchange:
                             self.chars, ids = confirmed
                             self.delivered += ids
                     if end == b"[DONE]":
+                        self._count_drafts(rank0.model, self.usage)
                         await self.resp.write_eof()
                         return self.resp
                     if end:
@@ -363,6 +368,8 @@ class Exchange:
                 if line.startswith(b": ids "):
                     chars, _, given = line[6:].strip().partition(b" ")
                     self.unconfirmed = (int(chars), [int(t) for t in given.split(b",") if t])
+                elif line.startswith(b": usage "):
+                    self.usage = line
                 elif line.startswith(b": meshd ") and self.answer is None:
                     self.answer = json.loads(line[8:])
                 continue
@@ -398,6 +405,11 @@ class Exchange:
             self.last_chunk = now
             metrics.tokens.inc(texts)
         return b"".join(out), confirmed, end
+
+    def _count_drafts(self, model: str, usage: bytes) -> None:
+        """The drafts an answer's usage says (none when its mesh did not draft it), counted by its model."""
+        if m := DRAFT_TOKENS.search(usage):
+            self.gate.metrics.drafted(model, int(m.group(1)), int(m.group(2)))
 
     async def _finish(self) -> web.StreamResponse:
         resp = await self._prepare()
