@@ -222,10 +222,11 @@ class SpeculativeEngine(SingleRequestEngine):
             said.append(next(self._stream))
             kept.append(said[-1][2])
         tokens = [int(token) for token, *_ in said]
-        r.tape += tokens
+        n = self._ends_after(tokens)
+        r.tape += tokens[:n]
         # a verify proposes as many drafts as the answer has room for, up to the width (mlx-lm's num_draft)
         proposed = min(r.job.max_tokens - r.count, r.width) if r.drafting else 0
-        return self._emit(tokens, [logprobs for _, logprobs, *_ in said], (proposed, sum(kept)))
+        return self._emit(tokens[:n], [logprobs for _, logprobs, *_ in said], (proposed, sum(kept[:n])))
 
     def _plain(self, r: Request):
         """Plain decoding of the request from what it said, each token drawn with the key of its place."""

@@ -3,8 +3,9 @@ compressed layers' pooled caches), in this process and at TP2 on the ring (real 
 loopback): a request alone is drafted by the DSpark engine, more are drafted row by row in one batch
 (runtime/engine/rowwise.py), each row from its own committed taps, each keeping its own count and its caches going
 back exactly; a request sent during a drafted answer starts at the next step, the drafted answer joining the
-batch keeping its place exactly, on both ranks; rows join and leave mid-answer; every answer is plain
-decoding's, token for token, greedy and seeded.
+batch keeping its place exactly, on both ranks; rows join and leave mid-answer; a request asking for fewer
+drafts or none keeps to them, its usage saying what it drafted; every answer is plain decoding's, token for
+token, greedy and seeded.
 
 Run: .venv-omlx/bin/python -m pytest tests/pinned/test_dspark_together.py"""
 
