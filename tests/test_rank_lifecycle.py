@@ -177,9 +177,9 @@ def test_a_one_node_ring_mesh_serves_through_its_agent(demo_model, reference, tm
         assert requests.get(f"http://127.0.0.1:{port}/internal/ready", timeout=5).json() == \
             {"ready": True, "phase": "admitting", "generation": 1, "weights_fingerprint": weights_digest(demo_model)}
         ids = reference.tokenizer.encode("The ranks step")
-        turn = {"prompt": "The ranks step", "max_tokens": 8}
+        turn = {"prompt": "The ranks step", "max_tokens": 8, "draft_tokens": 2}  # an undrafted mesh: no effect
         first = requests.post(f"http://127.0.0.1:{port}/v1/completions", json=turn, timeout=60).json()
-        assert first["choices"][0]["text"] == reference(ids, 8)
+        assert first["choices"][0]["text"] == reference(ids, 8) and "draft_tokens" not in first["usage"]
         turn["prompt"] += first["choices"][0]["text"] + " and then"
         follow = requests.post(f"http://127.0.0.1:{port}/v1/completions", json=turn, timeout=60).json()
         assert follow["usage"]["prompt_tokens_details"]["cached_tokens"] > len(ids)
