@@ -147,8 +147,9 @@ def main() -> None:
         f"| the mask applied to a {wide:,}-logit row (bits unpacked on the host, mx.where), us | "
         f"{spread(apply_us)} |",
         "",
-        "The mask is computed on the host between the steps' forwards; the time a held token adds is the host's "
-        "share and the device's idle time while the host computes it."
+        "The mask is computed on the host while the step's forward runs (GrammarMask queues its read of the "
+        "answer, then the forward); the time a held token adds is what of the host's share the forward does not "
+        "hide."
         + ("" if args.llama else " The demo model's step is a fraction of a millisecond, so its ratio is the "
            "worst case."),
     ], args.write)

@@ -73,8 +73,10 @@ class GrammarMask:
     may say anything but the end.
 
     Per token it reads from the device only the answer's new tokens (and the last REREAD) and sends the mask
-    as bools. It does not start the step's forward before it reads them: on an H100 that made a held token
-    1.54x an unheld one's, against 1.19x without (bench/grammar.py, docs/BENCHMARKS.md)."""
+    as bools. The read is queued first and the step's forward after it, so the host waits for the tokens
+    alone and builds the mask while the forward runs: queued the other way round, the read waited for the
+    forward and a held token cost 1.54x an unheld one's on an H100, not queued at all 1.19x
+    (bench/grammar.py, docs/BENCHMARKS.md)."""
 
     def __init__(self, text: str, prompt, answer_start: int):
         self._text = text
@@ -86,7 +88,7 @@ class GrammarMask:
         self._said: list[int] = []  # the held tokens the matcher consumed
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        held = grammar.held(self._read(tokens), self._reasoning_first)
+        held = grammar.held(self._read(tokens, logits), self._reasoning_first)
         if held is None:
             allowed = grammar.reasoning_tokens(logits.shape[-1], self._eos)
         elif self._follow(held) or self._matcher.is_error():  # an errored matcher allows nothing: the end
@@ -95,10 +97,14 @@ class GrammarMask:
             return logits  # past a draft the grammar refuses: the verify keeps nothing from this place
         return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
-    def _read(self, tokens: mx.array) -> list[int]:
-        """The answer in `tokens`: the last call's, but for its last REREAD tokens, and what follows them."""
+    def _read(self, tokens: mx.array, logits: mx.array) -> list[int]:
+        """The answer in `tokens`: the last call's, but for its last REREAD tokens, and what follows them; the
+        `logits`' forward started behind that read."""
         keep = max(0, min(len(self._answer) - REREAD, tokens.shape[0] - self._start))
-        self._answer[keep:] = tokens[self._start + keep:].tolist()
+        new = tokens[self._start + keep:]
+        mx.async_eval(new)
+        mx.async_eval(logits)
+        self._answer[keep:] = new.tolist()
         return self._answer
 
     def _follow(self, answer: list[int]) -> bool:
