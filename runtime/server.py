@@ -459,8 +459,8 @@ class _Answer:
     comment `: ids CHARS ID,ID,...`: the token ids this chunk completes and how many characters of text the
     client has once it is delivered; the stream starts with `: meshd {"id", "created", "seed"}`. Every stream
     that ends with its answers says their usage in `: usage {...}` before `[DONE]`, asked for or not (the proxy
-    counts their drafts by model). Comments never reach a client: the proxy keeps them, to resume the answer if
-    this generation dies.
+    counts their drafts by model). The proxy keeps these comments (to resume the answer if this generation dies)
+    and passes on only `: prefill` ones, a long prefill's progress (common/prefills.py).
     """
 
     def __init__(self, req: oa.CompletionRequest, rid: str, seed: int, rows: list[_Run]):
