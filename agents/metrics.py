@@ -28,7 +28,8 @@ class AgentMetrics:
         mlx = GaugeMetricFamily("meshd_agent_rank_mlx_memory_bytes",
                                 "MLX memory of the rank, from its status file: active (in arrays), peak, cache",
                                 labels=["node", "rank", "kind"])
-        armed = GaugeMetricFamily("meshd_agent_rank_drafter_armed", "1 while the model's own MTP head drafts",
+        armed = GaugeMetricFamily("meshd_agent_rank_drafter_armed", "1 while a drafter drafts (the model's MTP head, "
+                                  "DSpark's stages or a draft model)",
                                   labels=["node", "rank"])
         drafts = CounterMetricFamily("meshd_agent_rank_draft_tokens", "Draft tokens the drafter proposed and the "
                                      "target accepted", labels=["node", "rank", "kind"])

@@ -33,7 +33,7 @@ class RankStatus:
     mlx_active_bytes: int = 0  # MLX's allocator: memory in arrays, the most it held, its cache
     mlx_peak_bytes: int = 0
     mlx_cache_bytes: int = 0
-    drafter: str = ""  # "mtp" while the model's own head drafts
+    drafter: str = ""  # what drafts: "mtp" (the model's own head), "dspark" (its stages), "draft_model"; "": none
     draft_proposed: int = 0
     draft_accepted: int = 0
     draft_fallbacks: int = 0  # requests the drafter refused (a shape), decoded plainly instead

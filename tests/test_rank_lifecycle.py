@@ -149,6 +149,7 @@ def test_status_file_shows_load_and_long_prefill_progress(deep_model, tmp_path):
 def test_speculative_greedy_equals_plain_greedy_on_two_ranks(demo_model, draft_model, reference, tmp_path):
     with start_mesh(demo_model, 2, tmp_path, "--draft-model", str(draft_model), "--num-draft-tokens", "3") as mesh:
         mesh.wait_ready()
+        before = mesh.status(0)  # the warm-up's drafts
         usages = []
         for content, asked in [("hello world", {}), ("The quick brown fox", {}), ("hello world", {"draft_tokens": 0})]:
             messages = [{"role": "user", "content": content}]
@@ -161,6 +162,11 @@ def test_speculative_greedy_equals_plain_greedy_on_two_ranks(demo_model, draft_m
         # each verify proposes 3 drafts while 3 tokens are left; asked for none, the answer is undrafted
         assert all(3 <= d["proposed"] <= 3 * 24 and d["accepted"] <= d["proposed"] for d in usages[:2]), usages
         assert usages[2] == {"proposed": 0, "accepted": 0}
+        # the rank's own totals (its status file, the agent's metrics) grew by the answers' drafts
+        want = tuple(before[f"draft_{k}"] + sum(d[k] for d in usages) for k in ("proposed", "accepted"))
+        said = wait_for(lambda: (s := mesh.status(0)) and (s.get("draft_proposed"), s.get("draft_accepted")) == want
+                        and s, 30, f"rank 0's status file to count the answers' drafts {want}")
+        assert said["drafter"] == "draft_model"
         r = requests.post(f"{mesh.url}/v1/chat/completions", stream=True, timeout=60,
                           json={"messages": [{"role": "user", "content": "s"}], "max_tokens": 8, "stream": True})
         assert sse_events(r.iter_lines(decode_unicode=True))[-1] == "[DONE]"

@@ -178,6 +178,11 @@ class SpeculativeEngine(SingleRequestEngine):
         self._num_draft = num_draft_tokens
         self._prefill_step_size = prefill_step_size
         self._stream = None
+        self.proposed = self.accepted = 0
+
+    def stats(self) -> dict:
+        return {"drafter": "draft_model", "draft_proposed": self.proposed, "draft_accepted": self.accepted,
+                "draft_fallbacks": self.fallbacks}
 
     def _finish(self) -> None:
         if self._stream is not None:
@@ -226,6 +231,8 @@ class SpeculativeEngine(SingleRequestEngine):
         r.tape += tokens[:n]
         # a verify proposes as many drafts as the answer has room for, up to the width (mlx-lm's num_draft)
         proposed = min(r.job.max_tokens - r.count, r.width) if r.drafting else 0
+        self.proposed += proposed
+        self.accepted += sum(kept[:n])
         return self._emit(tokens[:n], [logprobs for _, logprobs, *_ in said], (proposed, sum(kept[:n])))
 
     def _plain(self, r: Request):
