@@ -86,6 +86,7 @@ class SingleRequestEngine(ABC):
         self._active: Request | None = None
         self._log = log
         self.fallbacks = 0  # requests whose drafted steps were refused, decoded plainly from there
+        self.proposed = self.accepted = 0  # the drafts of every step, as its emissions say them
 
     def insert(self, job: Job) -> None:
         """Queued: how much of its prompt a cache holds is known when it begins, and goes out with its first
@@ -140,8 +141,10 @@ class SingleRequestEngine(ABC):
 
     def _emit(self, tokens: list[int], logprobs, drafts: tuple[int, int]) -> list[Emission]:
         """The active job's next tokens (`logprobs[i]` what token i was drawn from), up to where it ends; the
-        first says the step's `drafts` (proposed, accepted)."""
+        first says the step's `drafts` (proposed, accepted), which the engine's totals count."""
         r, out = self._active, []
+        self.proposed += drafts[0]
+        self.accepted += drafts[1]
         for i, token in enumerate(tokens):
             r.count += 1
             reason = finish_reason(token, r.count, r.job.max_tokens, self._eos)
@@ -178,7 +181,6 @@ class SpeculativeEngine(SingleRequestEngine):
         self._num_draft = num_draft_tokens
         self._prefill_step_size = prefill_step_size
         self._stream = None
-        self.proposed = self.accepted = 0
 
     def stats(self) -> dict:
         return {"drafter": "draft_model", "draft_proposed": self.proposed, "draft_accepted": self.accepted,
@@ -231,8 +233,6 @@ class SpeculativeEngine(SingleRequestEngine):
         r.tape += tokens[:n]
         # a verify proposes as many drafts as the answer has room for, up to the width (mlx-lm's num_draft)
         proposed = min(r.job.max_tokens - r.count, r.width) if r.drafting else 0
-        self.proposed += proposed
-        self.accepted += sum(kept[:n])
         return self._emit(tokens[:n], [logprobs for _, logprobs, *_ in said], (proposed, sum(kept[:n])))
 
     def _plain(self, r: Request):
@@ -279,7 +279,6 @@ class MTPEngine(SingleRequestEngine):
         self._model = model
         self.num_draft_tokens = num_draft_tokens
         self._chunk = prefill_step_size
-        self.proposed = self.accepted = 0
 
     def stats(self) -> dict:
         return {"drafter": "mtp", "draft_proposed": self.proposed, "draft_accepted": self.accepted,
@@ -338,8 +337,6 @@ class MTPEngine(SingleRequestEngine):
         kept = next((i for i, (g, t) in enumerate(zip(guessed, tokens)) if g != t), len(guessed))
         if guessed:
             self._agree(kept)
-        self.proposed += len(guessed)
-        self.accepted += kept
         n = self._ends_after(tokens[:kept + 1])  # the tokens that go out; the last of them is not fed
         at = first + n - 1  # the place of the last token kept
         self._cut(saved, inputs[:at + 1], inputs.shape[0])

@@ -172,9 +172,6 @@ class RowwiseDSpark:
             kept.append(k)
             r.kept = tokens[:ends_after(tokens[:k + 1], r.count, r.job.max_tokens, self._eos)]
             drafts.append((0, 0) if r.drafts is None else (len(guessed), min(k, len(r.kept))))
-            if r.drafts is not None:
-                self.proposed += len(guessed)
-                self.accepted += k
         if width:
             agree(kept)
             self.batched_steps += sum(r.drafts is not None for r in rows) > 1
@@ -227,7 +224,10 @@ class RowwiseDSpark:
         mx.eval([c.state for c in self._cache])
 
     def _emit(self, row: Request, logprobs: mx.array, drafts: tuple[int, int]) -> list[Emission]:
-        """The row's kept tokens, the first saying the step's `drafts` (proposed, accepted)."""
+        """The row's kept tokens, the first saying the step's `drafts` (proposed, accepted), which the engine's
+        totals count."""
+        self.proposed += drafts[0]
+        self.accepted += drafts[1]
         out = []
         for i, token in enumerate(row.kept):
             row.count += 1
