@@ -145,6 +145,7 @@ def bearer_matches(request: web.Request, token: str) -> bool:
 
 BACKLOG = 128  # connections the kernel queues for a listener; also the most one batch of accepts takes
 REFUSAL_LINGER = 1.0  # seconds a refused connection's request is read and dropped, so that the answer is not reset
+DRAIN_IDLE = 1.0  # seconds a kept-alive connection idles before a lingering drain closes it
 
 
 def answer_bytes(status: int, reason: str, message: str, code: str, headers: dict[str, str]) -> bytes:
@@ -180,14 +181,19 @@ class _Connection(asyncio.Protocol):
     """One client's connection, handed on to aiohttp's handler for it, open from when it is accepted
     (a TLS handshake included). `owing_since`: since when the client owes a request's headers (its
     start, or its first byte after an answer); None while a request runs or the connection idles
-    between requests."""
+    between requests, since `idle_since`."""
 
     def __init__(self, open_: dict[RequestHandler, _Connection], handler: RequestHandler):
         self.open, self.handler = open_, handler
         self.transport: asyncio.Transport | None = None  # once the handshake, if any, is done
         self.busy = False
         self.owing_since: float | None = time.monotonic()
+        self.idle_since = 0.0
+        self.request, self.busy_since = "", 0.0  # the request it runs (method and path), or ran last
         open_[handler] = self
+
+    def idle_for(self, now: float) -> float:
+        return 0.0 if self.busy or self.owing_since is not None else now - self.idle_since
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -215,13 +221,16 @@ class _Connection(asyncio.Protocol):
 class Listener:
     """`app` on one listening socket (TLS with a context), every connection held to `limits`: a client
     that goes away cancels its handler; one that sends its headers too slowly is closed, one past
-    the cap refused. `on_refusal(why)` counts them: "slow_headers" or "cap"."""
+    the cap refused. `on_refusal(why)` counts them: "slow_headers" or "cap". Once draining, every answer
+    closes its connection."""
 
     def __init__(self, app: web.Application, limits: ListenerLimits | None = None, shutdown_timeout: float = 2.0,
                  on_refusal: Callable[[str], None] = lambda why: None):
         self.limits = limits or ListenerLimits()
+        self.shutdown_timeout = shutdown_timeout
         self.on_refusal = on_refusal
         self.open: dict[RequestHandler, _Connection] = {}
+        self.draining = False
         self._full = answer_bytes(503, "Service Unavailable", f"This server holds its limit of "
                                   f"{self.limits.max_connections} open connections; retry shortly",
                                   "too_many_connections", {"Retry-After": "1"})
@@ -229,14 +238,20 @@ class Listener:
 
         @web.middleware
         async def busy(request: web.Request, handler):
+            if self.draining:
+                request.protocol.close()  # once this answer is written
             conn = open_.get(request.protocol)
             if conn is None:
                 return await handler(request)
             conn.busy, conn.owing_since = True, None
+            conn.request, conn.busy_since = f"{request.method} {request.path}", time.monotonic()
             try:
-                return await handler(request)
+                response = await handler(request)
+                if self.draining and not response.prepared:
+                    response.force_close()  # says "Connection: close": the client does not reuse it
+                return response
             finally:
-                conn.busy = False
+                conn.busy, conn.idle_since = False, time.monotonic()
 
         app.middlewares.insert(0, busy)
         app[BODY_TIMEOUT] = self.limits.body_timeout
@@ -279,10 +294,25 @@ class Listener:
             for conn in [c for c in self.open.values() if c.owing_since is not None and c.owing_since < cutoff]:
                 self._close(conn)
 
-    async def cleanup(self) -> None:
-        """Stop accepting, let the handlers finish (shutdown_timeout at most), close every connection."""
+    def running(self) -> list[tuple[str, float]]:
+        """The requests running now, each its method and path and how long it has run, the longest first."""
+        now = time.monotonic()
+        return sorted(((c.request, now - c.busy_since) for c in list(self.open.values()) if c.busy),
+                      key=lambda r: -r[1])
+
+    async def cleanup(self, linger: bool = False) -> None:
+        """Stop accepting, let the handlers finish (shutdown_timeout at most), close every connection.
+        `linger`: first answer what still comes on the open connections, each answer closing its
+        connection, until each idles DRAIN_IDLE: a client that reuses a kept-alive connection at that
+        moment gets its answer, where closing it at once would have reset its request."""
         if self._server is not None:
             self._server.close()
+        self.draining = True
+        if linger:
+            deadline = time.monotonic() + self.shutdown_timeout
+            while time.monotonic() < deadline and \
+                    any(c.idle_for(time.monotonic()) < DRAIN_IDLE for c in self.open.values() if not c.busy):
+                await asyncio.sleep(0.05)
         if self._sweeper is not None:
             self._sweeper.cancel()
         await self.runner.cleanup()

@@ -21,7 +21,7 @@ import pytest
 import requests
 from aiohttp import web
 
-from common.http import BACKLOG, MAX_DEPTH, Listener, ListenerLimits, json_errors, nested_deeper, read_json
+from common.http import BACKLOG, DRAIN_IDLE, MAX_DEPTH, Listener, ListenerLimits, json_errors, nested_deeper, read_json
 from kit.meshctl import mesh_up, meshctl
 from kit.slowclients import HEAD, Chat, Trickle, allow_descriptors, deep
 from kit.waiting import wait_for
@@ -59,7 +59,7 @@ def listening(limits: ListenerLimits):
     asyncio.run_coroutine_threadsafe(listener.start("127.0.0.1", port), loop).result(30)
     try:
         yield SimpleNamespace(url=f"http://127.0.0.1:{port}", port=port, release=release, holding=holding,
-                              listener=listener)
+                              listener=listener, loop=loop)
     finally:
         release.set()
         asyncio.run_coroutine_threadsafe(listener.cleanup(), loop).result(30)
@@ -112,6 +112,48 @@ def test_past_the_connection_cap_the_slowest_makes_room_else_the_newcomer_is_ref
         for t in holders:
             t.join(60)
     assert refused.json()["error"]["code"] == "too_many_connections" and refused.headers["Retry-After"]
+
+
+def answer_on(conn: socket.socket, body: bytes) -> bytes:
+    """One POST /echo on a kept-alive connection, and what came back before the answer's end (or EOF)."""
+    conn.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    got = b""
+    while not got.endswith(body):
+        try:
+            more = conn.recv(4096)
+        except ConnectionResetError:
+            break
+        if not more:
+            break
+        got += more
+    return got
+
+
+def test_a_lingering_drain_answers_a_request_sent_on_a_kept_alive_connection_and_closes_it_after():
+    """meshd-proxy's drain (SIGTERM, or a hand-over to a successor): a client that reuses its kept-alive
+    connection just as the drain begins gets its answer, told to close, rather than a reset request."""
+    with listening(ListenerLimits()) as server:
+        held = threading.Thread(target=requests.get, args=(f"{server.url}/hold",), kwargs={"timeout": 60})
+        held.start()
+        wait_for(lambda: server.holding, 30, "a request held open")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as kept, \
+                socket.create_connection(("127.0.0.1", server.port), timeout=30) as quiet:
+            assert b" 200 " in answer_on(kept, b"[1]") and b" 200 " in answer_on(quiet, b"[0]")
+            drained = asyncio.run_coroutine_threadsafe(server.listener.cleanup(linger=True), server.loop)
+            wait_for(lambda: server.listener.draining, 30, "the drain to begin")
+            assert [request for request, _ in server.listener.running()] == ["GET /hold"]
+            again = answer_on(kept, b"[2]")
+            assert again.startswith(b"HTTP/1.1 200 ") and b"Connection: close" in again and again.endswith(b"[2]")
+            assert kept.recv(4096) == b"", "the connection closes after its answer"
+            quiet.settimeout(DRAIN_IDLE + 30)
+            assert quiet.recv(4096) == b"", "a connection that idles is closed"
+            with pytest.raises(OSError):
+                socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+            assert not drained.done(), "the held request is still running"
+            server.release.set()
+            drained.result(30)
+            held.join(30)
 
 
 @pytest.mark.parametrize("levels", [MAX_DEPTH + 1, 5000])

@@ -209,14 +209,23 @@ def front(tmp_path_factory, demo_model, draft_model):
         log = open(tmp / "proxy.log", "w")
         proc = subprocess.Popen([sys.executable, "-m", "meshd.dataplane.proxyd", "--config", str(path)],
                                 stdout=log, stderr=subprocess.STDOUT)
-        stack.callback(proc.wait, 30)
-        stack.callback(proc.terminate)
+        stack.callback(drained, proc, tmp / "proxy.log")
         url = f"http://127.0.0.1:{port}"
         def serving() -> bool:
             assert proc.poll() is None, (tmp / "proxy.log").read_text()
             return [m["healthy"] for m in view(url)] == [True] * 3
         wait_for(serving, 120, "the proxy to see all three meshes serve")
         yield SimpleNamespace(url=url, config=path, meshes=meshes, weights=weights, log=tmp / "proxy.log")
+
+
+def drained(proc: subprocess.Popen, log) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+        pytest.fail(f"meshd-proxy did not drain within 60 s of its SIGTERM; its log ends:\n{log.read_text()[-4000:]}")
 
 
 def view(url) -> list[dict]:
@@ -392,8 +401,7 @@ def test_a_mesh_back_on_other_weights_is_named_a_conflict_takes_none_of_the_othe
                  "the new proxy to serve all three meshes")
         assert requests.get(f"{url}/v1/meshes", timeout=10).json()["conflicts"] == [conflict]
     finally:
-        proc.terminate()
-        proc.wait(30)
+        drained(proc, front.log.with_name("proxy-again.log"))
 
     bodies = [{"messages": [user(f"weights {i}")], "max_tokens": 120, "temperature": 0.0, **endless(demo_model)}
               for i in range(4)]

@@ -45,6 +45,7 @@ READY_FD = "MESHD_PROXY_READY_FD"  # where a successor writes "ready" once it se
 VIEW_FD = "MESHD_PROXY_VIEW_FD"  # where a successor reads the fleet as its predecessor last knew it
 SUCCESSOR_START = 60.0  # seconds a successor has to say it serves; otherwise this process goes on serving
 FIRST_VIEW = 5.0  # seconds a successor without a view waits for the controller's before it says it serves
+DRAIN_REPORT_EVERY = 5.0  # seconds between the drain's reports of the requests still running
 
 
 def launchd_socket(name: str) -> socket.socket | None:
@@ -142,11 +143,21 @@ class ProxyDaemon:
         log.info("meshd-proxy draining: no new connections; the requests in flight finish",
                  in_flight=sum(link.admission.running for link in links),
                  waiting=sum(link.admission.depth for link in links), drain_timeout=p.drain_timeout)
-        await listener.cleanup()  # stops accepting, then waits for the handlers (drain_timeout at most)
+        progress = asyncio.create_task(self._drain_progress(listener))
+        await listener.cleanup(linger=True)  # stops accepting, then waits for the handlers (drain_timeout at most)
+        progress.cancel()
         for task in (*follow, told):
             task.cancel()
         await asyncio.gather(*follow, told, return_exceptions=True)
         log.info("meshd-proxy stopped")
+
+    @staticmethod
+    async def _drain_progress(listener: Listener) -> None:
+        while True:
+            await asyncio.sleep(DRAIN_REPORT_EVERY)
+            if running := listener.running():
+                log.info("meshd-proxy draining", still_running=len(running),
+                         longest=f"{running[0][0]} for {running[0][1]:.0f}s")
 
     async def _tell_predecessor(self) -> None:
         """A successor says it serves to the proxy it replaces, once every controller (or the predecessor's
