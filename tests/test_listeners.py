@@ -34,9 +34,10 @@ PROXY = ListenerLimits(header_timeout=4.0, body_timeout=8.0)  # the mesh's [prox
 
 
 @contextlib.contextmanager
-def listening(limits: ListenerLimits):
+def listening(limits: ListenerLimits, shutdown_timeout: float = 2.0):
     """A Listener with `limits` on a loopback port, in a thread of its own: POST /echo answers the JSON
-    body it read, GET /hold waits until `release` is set (`holding`: how many wait)."""
+    body it read, GET /hold waits until `release` is set (`holding`: how many wait); its cleanup waits
+    `shutdown_timeout` for the requests still running."""
     release, holding = threading.Event(), []
 
     async def echo(request: web.Request) -> web.Response:
@@ -54,7 +55,7 @@ def listening(limits: ListenerLimits):
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    listener = Listener(app, limits)
+    listener = Listener(app, limits, shutdown_timeout=shutdown_timeout)
     (port,) = free_ports(1)
     asyncio.run_coroutine_threadsafe(listener.start("127.0.0.1", port), loop).result(30)
     try:
@@ -133,7 +134,7 @@ def answer_on(conn: socket.socket, body: bytes) -> bytes:
 def test_a_lingering_drain_answers_a_request_sent_on_a_kept_alive_connection_and_closes_it_after():
     """meshd-proxy's drain (SIGTERM, or a hand-over to a successor): a client that reuses its kept-alive
     connection just as the drain begins gets its answer, told to close, rather than a reset request."""
-    with listening(ListenerLimits()) as server:
+    with listening(ListenerLimits(), shutdown_timeout=120.0) as server:
         held = threading.Thread(target=requests.get, args=(f"{server.url}/hold",), kwargs={"timeout": 60})
         held.start()
         wait_for(lambda: server.holding, 30, "a request held open")
