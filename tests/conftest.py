@@ -11,10 +11,10 @@ collect_ignore = ["pinned"]
 
 # The slowest files first, as a run of the suite on two workers measured them (--durations): the run then ends
 # on short files, not with one worker alone on a long one.
-SLOW_FIRST = ["test_demo_mesh.py", "test_quarantine.py", "test_controller.py", "test_agent_mesh.py", "test_recycle.py",
-              "test_controller_ground.py", "test_fuzz.py", "test_chaos.py", "test_proxyd.py", "test_families.py",
-              "test_provision.py", "test_listeners.py", "test_dspark.py", "test_doctor.py", "test_demo_up_down.py",
-              "test_reboot.py", "test_meshes.py", "test_standby.py", "test_migration.py", "test_takeover.py",
+SLOW_FIRST = ["test_controller.py", "test_demo_mesh.py", "test_demo_up_down.py", "test_recycle.py", "test_proxyd.py",
+              "test_agent_mesh.py", "test_controller_ground.py", "test_quarantine.py", "test_chaos.py", "test_meshes.py",
+              "test_fuzz.py", "test_provision.py", "test_families.py", "test_doctor.py", "test_takeover.py",
+              "test_listeners.py", "test_dspark.py", "test_reboot.py", "test_standby.py", "test_migration.py",
               "test_mtp.py", "test_observability.py", "test_structured_output.py", "test_agents_install.py",
               "test_fingerprint.py", "test_rank_lifecycle.py", "test_models.py", "test_wake.py", "test_own_driver.py",
               "test_snapshots.py", "test_security.py", "test_engine.py"]
