@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 from aiohttp.web_protocol import RequestHandler
 
 from common import logfile, proctitle, sdnotify
@@ -190,10 +190,15 @@ class _Connection(asyncio.Protocol):
         self.owing_since: float | None = time.monotonic()
         self.idle_since = 0.0
         self.request, self.busy_since = "", 0.0  # the request it runs (method and path), or ran last
+        self.body: StreamReader | None = None  # the body of the request it runs, or ran last
         open_[handler] = self
 
-    def idle_for(self, now: float) -> float:
-        return 0.0 if self.busy or self.owing_since is not None else now - self.idle_since
+    def settled(self, now: float) -> bool:
+        """Whether a drain may close it now without losing a request: its request's body has all come
+        (aiohttp reads nothing more of a closing connection), or it idled DRAIN_IDLE since its last answer."""
+        if self.busy:
+            return self.body is None or self.body.is_eof()
+        return self.owing_since is None and now - self.idle_since >= DRAIN_IDLE
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -238,20 +243,18 @@ class Listener:
 
         @web.middleware
         async def busy(request: web.Request, handler):
-            if self.draining:
-                request.protocol.close()  # once this answer is written
             conn = open_.get(request.protocol)
-            if conn is None:
-                return await handler(request)
-            conn.busy, conn.owing_since = True, None
-            conn.request, conn.busy_since = f"{request.method} {request.path}", time.monotonic()
+            if conn is not None:
+                conn.busy, conn.owing_since, conn.body = True, None, request.content
+                conn.request, conn.busy_since = f"{request.method} {request.path}", time.monotonic()
             try:
                 response = await handler(request)
-                if self.draining and not response.prepared:
-                    response.force_close()  # says "Connection: close": the client does not reuse it
+                if self.draining:
+                    response.force_close()  # closed once written; unsent yet, it says "Connection: close"
                 return response
             finally:
-                conn.busy, conn.idle_since = False, time.monotonic()
+                if conn is not None:
+                    conn.busy, conn.idle_since = False, time.monotonic()
 
         app.middlewares.insert(0, busy)
         app[BODY_TIMEOUT] = self.limits.body_timeout
@@ -303,15 +306,15 @@ class Listener:
     async def cleanup(self, linger: bool = False) -> None:
         """Stop accepting, let the handlers finish (shutdown_timeout at most), close every connection.
         `linger`: first answer what still comes on the open connections, each answer closing its
-        connection, until each idles DRAIN_IDLE: a client that reuses a kept-alive connection at that
-        moment gets its answer, where closing it at once would have reset its request."""
+        connection, until each idles DRAIN_IDLE and every running request's body has come: a client that
+        reuses a kept-alive connection at that moment gets its answer, where closing it at once would
+        have reset its request, and one still sending a body is not cut off."""
         if self._server is not None:
             self._server.close()
         self.draining = True
         if linger:
             deadline = time.monotonic() + self.shutdown_timeout
-            while time.monotonic() < deadline and \
-                    any(c.idle_for(time.monotonic()) < DRAIN_IDLE for c in self.open.values() if not c.busy):
+            while time.monotonic() < deadline and not all(c.settled(time.monotonic()) for c in self.open.values()):
                 await asyncio.sleep(0.05)
         if self._sweeper is not None:
             self._sweeper.cancel()

@@ -115,10 +115,14 @@ def test_past_the_connection_cap_the_slowest_makes_room_else_the_newcomer_is_ref
     assert refused.json()["error"]["code"] == "too_many_connections" and refused.headers["Retry-After"]
 
 
-def answer_on(conn: socket.socket, body: bytes) -> bytes:
-    """One POST /echo on a kept-alive connection, and what came back before the answer's end (or EOF)."""
+def send_echo(conn: socket.socket, body: bytes, then: bytes = b"") -> None:
+    """POST /echo on a kept-alive connection: its head and `body`, and `then` the rest of a body still coming."""
     conn.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body + then), body))
+
+
+def answer_to(conn: socket.socket, body: bytes) -> bytes:
+    """What came back before the echo of `body` ended (or EOF)."""
     got = b""
     while not got.endswith(body):
         try:
@@ -131,24 +135,39 @@ def answer_on(conn: socket.socket, body: bytes) -> bytes:
     return got
 
 
+def answer_on(conn: socket.socket, body: bytes) -> bytes:
+    send_echo(conn, body)
+    return answer_to(conn, body)
+
+
 def test_a_lingering_drain_answers_a_request_sent_on_a_kept_alive_connection_and_closes_it_after():
     """meshd-proxy's drain (SIGTERM, or a hand-over to a successor): a client that reuses its kept-alive
-    connection just as the drain begins gets its answer, told to close, rather than a reset request."""
+    connection just as the drain begins gets its answer, told to close, rather than a reset request; a body
+    still coming when it began, or sent in pieces after, is read whole."""
     with listening(ListenerLimits(), shutdown_timeout=120.0) as server:
         held = threading.Thread(target=requests.get, args=(f"{server.url}/hold",), kwargs={"timeout": 60})
         held.start()
         wait_for(lambda: server.holding, 30, "a request held open")
         with socket.create_connection(("127.0.0.1", server.port), timeout=30) as kept, \
-                socket.create_connection(("127.0.0.1", server.port), timeout=30) as quiet:
+                socket.create_connection(("127.0.0.1", server.port), timeout=30) as quiet, \
+                socket.create_connection(("127.0.0.1", server.port), timeout=30) as sending:
             assert b" 200 " in answer_on(kept, b"[1]") and b" 200 " in answer_on(quiet, b"[0]")
+            send_echo(sending, b"[3, ", b"4]")
+            wait_for(lambda: [r for r, _ in server.listener.running()] == ["GET /hold", "POST /echo"], 30,
+                     "the body's first half read")
             drained = asyncio.run_coroutine_threadsafe(server.listener.cleanup(linger=True), server.loop)
             wait_for(lambda: server.listener.draining, 30, "the drain to begin")
-            assert [request for request, _ in server.listener.running()] == ["GET /hold"]
-            again = answer_on(kept, b"[2]")
-            assert again.startswith(b"HTTP/1.1 200 ") and b"Connection: close" in again and again.endswith(b"[2]")
+            send_echo(kept, b"[2, ", b"5]")
+            time.sleep(0.3)  # the rest of the body in a later segment
+            kept.sendall(b"5]")
+            again = answer_to(kept, b"[2, 5]")
+            assert again.startswith(b"HTTP/1.1 200 ") and b"Connection: close" in again, again
             assert kept.recv(4096) == b"", "the connection closes after its answer"
-            quiet.settimeout(DRAIN_IDLE + 30)
-            assert quiet.recv(4096) == b"", "a connection that idles is closed"
+            time.sleep(DRAIN_IDLE + 0.5)  # the rest of this body comes after the idle connections' grace
+            sending.sendall(b"4]")
+            assert answer_to(sending, b"[3, 4]").startswith(b"HTTP/1.1 200 ")
+            assert sending.recv(4096) == b""
+            assert quiet.recv(4096) == b"", "a connection that idles is closed once no body is still coming"
             with pytest.raises(OSError):
                 socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
             assert not drained.done(), "the held request is still running"

@@ -223,9 +223,11 @@ def drained(proc: subprocess.Popen, log) -> None:
     try:
         proc.wait(60)
     except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # meshd-proxy writes where each of its tasks waits
+        time.sleep(2)
         proc.kill()
         proc.wait(30)
-        pytest.fail(f"meshd-proxy did not drain within 60 s of its SIGTERM; its log ends:\n{log.read_text()[-4000:]}")
+        pytest.fail(f"meshd-proxy did not drain within 60 s of its SIGTERM; its log ends:\n{log.read_text()[-12000:]}")
 
 
 def view(url) -> list[dict]:

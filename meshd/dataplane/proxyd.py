@@ -124,6 +124,7 @@ class ProxyDaemon:
         await listener.start(sock=self.sock)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(self.hand_over()))
+        loop.add_signal_handler(signal.SIGUSR1, say_tasks)
         if p.open_off_loopback:
             log.warning("the proxy serves off loopback without API keys (proxy.allow_open = true): anyone who "
                         "reaches it may use the mesh", listen=p.listen)
@@ -203,6 +204,13 @@ class ProxyDaemon:
         log.info("the successor serves; draining this proxy", successor=child.pid)
         os.environ.pop("NOTIFY_SOCKET", None)  # systemd hears the successor now: a STOPPING=1 would stop it
         self.stop.set()
+
+
+def say_tasks() -> None:
+    """SIGUSR1: every task of the loop and where it waits, to stderr (what a drain that does not end waits on)."""
+    for task in asyncio.all_tasks():
+        task.print_stack(limit=6, file=sys.stderr)
+    sys.stderr.flush()
 
 
 def event_loop_factory():

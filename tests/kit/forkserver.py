@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import agents.server  # noqa: F401  (imported to be forked warm)
@@ -77,6 +78,7 @@ class Servers:
 
     def __init__(self):
         self._servers: dict[tuple, tuple[subprocess.Popen, Path]] = {}
+        self._starting = threading.Lock()  # threads that ask at once (a fixture's meshes brought up together) share one
 
     def fork(self, module: str, argv: list[str], env: dict[str, str], log: Path, stderr: Path | None = None) -> Forked:
         """`python -m module` with arguments `argv` and environment `env`, its output to `log` (its stderr to
@@ -109,7 +111,10 @@ class Servers:
             return subprocess.CompletedProcess([module, *argv], code, out.read_text(), err.read_text())
 
     def _socket(self, env: dict[str, str]) -> Path:
-        key = at_exec(env)
+        with self._starting:
+            return self._started(at_exec(env))
+
+    def _started(self, key: tuple) -> Path:
         if key in self._servers and self._servers[key][0].poll() is None:
             return self._servers[key][1]
         home = Path(tempfile.mkdtemp(prefix="meshd-forkserver-"))
