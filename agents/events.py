@@ -84,8 +84,9 @@ class EventLog:
     async def wait_after(self, seq: int, timeout: float) -> list[dict]:
         """Events after `seq`, waiting up to `timeout` for the first one."""
         async with self._cond:
-            try:
-                await asyncio.wait_for(self._cond.wait_for(lambda: self.seq > seq), timeout)
-            except asyncio.TimeoutError:
+            try:  # asyncio.timeout, not wait_for: see meshd/seam.py wait_until
+                async with asyncio.timeout(timeout):
+                    await self._cond.wait_for(lambda: self.seq > seq)
+            except TimeoutError:
                 return []
         return self.since(seq)

@@ -171,9 +171,11 @@ async def wait_until(changed: asyncio.Condition, serving: Callable[[], Serving],
     if predicate(now := serving()):
         return now
     async with changed:
-        try:
-            await asyncio.wait_for(changed.wait_for(lambda: predicate(serving())), timeout)
-        except asyncio.TimeoutError:
+        try:  # asyncio.timeout, not wait_for: under Python 3.11 a waiter cancelled while wait_for's inner task
+            # took the lock back could leave the condition locked for good (tests/test_seam.py)
+            async with asyncio.timeout(timeout):
+                await changed.wait_for(lambda: predicate(serving()))
+        except TimeoutError:
             pass
     return serving()
 
