@@ -69,7 +69,10 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # it ended, and the server reaped it, after the poll: as Popen.send_signal
+                pass
 
 
 class Servers:
