@@ -79,6 +79,11 @@ def test_four_agents_start_a_real_mesh_idempotently(agents, demo_model, generati
     assert [v["rank"] for v in views] == [0, 1, 2, 3]
     assert all(v["generation"] == generation and v["rss_bytes"] > 0 for v in views)
     wait_for(lambda: all(a.ranks()[-1]["state"] == "ready" for a in agents), 10, "ready state on every agent")
+    for a, v in zip(agents, views):  # forked warm by its agent (kit/warmranks.py), seen as an exec'd one
+        rank = psutil.Process(v["pid"])
+        assert rank.ppid() == a.proc.pid and rank.cmdline()[0].startswith(f"meshd-rank gen={generation} ")
+        assert {k: rank.environ().get(k) for k in ("MESHD_AGENT", "MESHD_GENERATION")} == {
+            "MESHD_AGENT": str((a.dir / "state").resolve()), "MESHD_GENERATION": str(generation)}
 
     again = agents[2].post("/v1/ranks", {"generation": generation, "rank": 2, "world": 4, "profile": "meshd-rank",
                                          "model": str(demo_model), "hostfile": ring_hostfile(4)})

@@ -21,7 +21,7 @@ from meshd.meshctl.demo import WORLD
 
 
 def test_down_drains_and_leaves_no_process_and_up_again_keeps_every_port(tmp_path_factory):
-    home = demo_home(tmp_path_factory, "meshd-home-down")
+    home = demo_home(tmp_path_factory, "meshd-home-down", built=False)  # its first up builds the demo model
     ports = (home / "demo" / "ports.json").read_text()
     demo_meshctl(home, "up")
     status = Demo(home).status()

@@ -51,7 +51,8 @@ def agent(tmp_path_factory):
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: meshd-copy\nVersion: 0.1\n")
     (dist_info / "top_level.txt").write_text("common\nruntime\n")
     (a,) = make_agents(tmp, 1, extra={"standby": True})
-    a.start(env={"PYTHONPATH": f"{tmp / 'code'}{os.pathsep}{ROOT}"})
+    # its ranks exec'd, as the standby they are measured against is
+    a.start(env={"PYTHONPATH": f"{tmp / 'code'}{os.pathsep}{ROOT}"}, warm=False)
     a.code = tmp / "code"
     a.generation = 0
     yield a

@@ -35,12 +35,13 @@ class Agent:
     def verify(self) -> str | bool:
         return str(self.ca) if self.ca else True
 
-    def start(self, env: dict | None = None) -> "Agent":
-        return self.spawn(env).wait_healthy()
+    def start(self, env: dict | None = None, *, warm: bool = True) -> "Agent":
+        return self.spawn(env, warm=warm).wait_healthy()
 
-    def spawn(self, env: dict | None = None) -> "Agent":
+    def spawn(self, env: dict | None = None, *, warm: bool = True) -> "Agent":
+        """`warm`: the ranks it starts are forked from it (kit/warmstart.py), not exec'd."""
         self.proc = SERVERS.fork("agents.server", ["--config", str(self.dir / "agent.toml")],
-                                 {**os.environ, **(env or {})}, self.dir / "agent.log")
+                                 {**os.environ, **(env or {})}, self.dir / "agent.log", warm=warm)
         return self
 
     def wait_healthy(self, timeout: float = 60) -> "Agent":

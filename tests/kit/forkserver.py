@@ -31,12 +31,18 @@ import threading
 from pathlib import Path
 
 import agents.server  # noqa: F401  (imported to be forked warm)
+import meshd.control.controllerd  # noqa: F401
+import meshd.dataplane.proxyd  # noqa: F401
 import meshd.meshctl.cli  # noqa: F401
 import runtime.rank  # noqa: F401
 from common import proctitle
+from kit import warmstart
 from kit.waiting import wait_for
 from runtime import standby
 
+# The server's command line is the memory each process it forks titles itself in (setproctitle): as long as an
+# exec'd one's would be, so that a title naming a config's path (meshctl finds a demo's daemons by it) is whole.
+TITLE_ROOM = " " * 2048
 AT_EXEC = ("LD_", "PYTHON", "HF_", "TRANSFORMERS_")  # what is read once, at the start of the process
 
 
@@ -83,14 +89,16 @@ class Servers:
         self._servers: dict[tuple, tuple[subprocess.Popen, Path]] = {}
         self._starting = threading.Lock()  # threads that ask at once (a fixture's meshes brought up together) share one
 
-    def fork(self, module: str, argv: list[str], env: dict[str, str], log: Path, stderr: Path | None = None) -> Forked:
+    def fork(self, module: str, argv: list[str], env: dict[str, str], log: Path, stderr: Path | None = None, *,
+             warm: bool = True) -> Forked:
         """`python -m module` with arguments `argv` and environment `env`, its output to `log` (its stderr to
-        `stderr` when given)."""
+        `stderr` when given); `warm`: the meshd processes it starts are forked from it (kit/warmstart.py), not
+        exec'd."""
         path = self._socket(env)
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(str(path))
         spec = {"module": module, "argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log),
-                "stderr": str(stderr) if stderr else None}
+                "stderr": str(stderr) if stderr else None, "warm": warm}
         conn.sendall(json.dumps(spec).encode() + b"\n")
         reply = b""
         while not reply.endswith(b"\n"):
@@ -125,7 +133,7 @@ class Servers:
         # in this process's environment but for what is read at exec, which is the one asked for: what a forked
         # process's /proc/PID/environ shows, where a sweep looks for whose it is
         base = {k: v for k, v in os.environ.items() if not k.startswith(AT_EXEC)}
-        proc = subprocess.Popen([sys.executable, "-m", "kit.forkserver", str(path), str(ready)],
+        proc = subprocess.Popen([sys.executable, "-m", "kit.forkserver", str(path), str(ready), TITLE_ROOM],
                                 env={**base, **dict(key)}, cwd=Path(__file__).parent.parent, stdin=subprocess.PIPE,
                                 start_new_session=True)
         self._servers[key] = (proc, path)
@@ -185,6 +193,8 @@ def main() -> None:
         shutil.rmtree(path.parent)  # its socket's folder, which the kit made for it
     else:
         standby.become(spec)
+        if spec["warm"]:
+            warmstart.install(lambda env: at_exec(env) == at_exec(spec["env"]))
         if spec["stderr"]:
             os.dup2(os.open(spec["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), 2)
         runpy.run_module(spec["module"], run_name="__main__", alter_sys=True)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import shutil
 import sys
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 
 import requests
 
@@ -21,6 +23,7 @@ from meshd import config as mesh_config
 from meshd.seam import rank_key, rank_secret
 from meshd.meshctl.demo import PREFERRED, WORLD
 from meshd.meshctl.ports import free_run
+from runtime.models.demo_model import build_demo_model
 
 
 def _env(**extra) -> dict:
@@ -84,14 +87,27 @@ def another_controller():
         server.shutdown()
 
 
-def demo_home(tmp_path_factory, name: str):
+def demo_home(tmp_path_factory, name: str, *, built: bool = True):
     """A $MESHD_HOME whose demo mesh takes random free ports, not the preferred 8000/8001/...: tests run
-    beside each other (pytest -n) and beside a user's own demo, and preferred ports would collide."""
+    beside each other (pytest -n) and beside a user's own demo, and preferred ports would collide. `built`: its
+    demo model is there already, as after a first `meshctl up` (the one this process built first, copied):
+    meshctl then evaluates nothing with MLX, and the daemons it starts are forked warm (kit/warmstart.py)."""
     home = tmp_path_factory.mktemp(name)
     (home / "demo").mkdir()
+    if built:
+        shutil.copytree(_built_demo_model(tmp_path_factory), home / "demo" / "model")
     ports = {key: free_run(WORLD if key in ("agents", "ring") else 1) for key in PREFERRED}
     (home / "demo" / "ports.json").write_text(json.dumps(ports))
     return home
+
+
+_BUILT: list[Path] = []
+
+
+def _built_demo_model(tmp_path_factory) -> Path:
+    if not _BUILT:
+        _BUILT.append(build_demo_model(tmp_path_factory.mktemp("demo-model") / "model"))
+    return _BUILT[0]
 
 
 def demo_meshctl(home, *args, timeout=300, check=True):
