@@ -156,6 +156,10 @@ def test_status_page_draws_tokens_and_the_incident_in_headless_chromium(demo, re
     assert chromium, "chromium is installed by .ci/run"
     urls = demo.status()["urls"]
     page = urls["control"] + "/"
+    # the tokens served from here on fall between two samples the controller took of the proxy, not in the
+    # gap before its first one (it started before the proxy did)
+    wait_for(lambda: '<rect class="rate"' in requests.get(page, timeout=10).text, 60,
+             "the chart's first interval between two samples of the proxy's counter", interval=0.5)
     before = charted_tokens(requests.get(page, timeout=10).text)
     answer = demo.chat()
     assert answer.status_code == 200, answer.text
