@@ -304,20 +304,22 @@ class Listener:
                       key=lambda r: -r[1])
 
     async def cleanup(self, linger: bool = False) -> None:
-        """Stop accepting, let the handlers finish (shutdown_timeout at most), close every connection.
+        """Stop accepting, let the handlers finish, close every connection: shutdown_timeout at most in all.
         `linger`: first answer what still comes on the open connections, each answer closing its
         connection, until each idles DRAIN_IDLE and every running request's body has come: a client that
         reuses a kept-alive connection at that moment gets its answer, where closing it at once would
         have reset its request, and one still sending a body is not cut off."""
+        deadline = time.monotonic() + self.shutdown_timeout
         if self._server is not None:
             self._server.close()
         self.draining = True
         if linger:
-            deadline = time.monotonic() + self.shutdown_timeout
             while time.monotonic() < deadline and not all(c.settled(time.monotonic()) for c in self.open.values()):
                 await asyncio.sleep(0.05)
         if self._sweeper is not None:
             self._sweeper.cancel()
+        # the handlers get what is left (aiohttp reads 0 as no limit)
+        self.runner._shutdown_timeout = max(deadline - time.monotonic(), 0.01)
         await self.runner.cleanup()
 
 

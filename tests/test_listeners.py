@@ -176,6 +176,27 @@ def test_a_lingering_drain_answers_a_request_sent_on_a_kept_alive_connection_and
             held.join(30)
 
 
+def test_a_lingering_drain_and_the_handlers_after_it_share_one_shutdown_timeout():
+    """A drain whose linger waits the whole shutdown_timeout for a body that never comes gives the handlers
+    still running what is left of it, not a second shutdown_timeout: a drain's promise is one budget."""
+    def cut_off(url: str) -> None:
+        with contextlib.suppress(requests.ConnectionError):  # cancelled when the budget ends
+            requests.get(url, timeout=60)
+
+    with listening(ListenerLimits(body_timeout=60.0), shutdown_timeout=4.0) as server:
+        held = threading.Thread(target=cut_off, args=(f"{server.url}/hold",))
+        held.start()
+        wait_for(lambda: server.holding, 30, "a request held open")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sending:
+            send_echo(sending, b"[3, ", b"4]")  # the rest never comes
+            wait_for(lambda: len(server.listener.running()) == 2, 30, "the body's first half read")
+            began = time.monotonic()
+            asyncio.run_coroutine_threadsafe(server.listener.cleanup(linger=True), server.loop).result(30)
+            took = time.monotonic() - began
+        held.join(30)
+    assert 4.0 <= took < 6.0, f"the drain took {took:.1f} s of a 4 s shutdown_timeout"
+
+
 @pytest.mark.parametrize("levels", [MAX_DEPTH + 1, 5000])
 def test_json_nested_too_deep_is_a_400_json(levels):
     with listening(ListenerLimits()) as server:
