@@ -35,11 +35,15 @@ def plan(agreed: list[str], parents: dict[str, str], whole_states: bool, capacit
     return serving(agreed, parents, whole_states)[-capacity:][::-1] if capacity else []
 
 
-def worth_waiting(extra: int, nbytes: int, read_bps: float, prefill_tps: float) -> bool:
+def worth_waiting(extra: int, nbytes: int, read_bps: float, build_bps: float, prefill_tps: float) -> bool:
     """Whether a request should wait for a tape still being restored, which serves `extra` more tokens of
-    its prompt than the token tape does and takes `nbytes` on disk: when reading it is sooner than
-    prefilling those tokens, by the rates measured (0: not measured yet, and it does not wait)."""
-    return extra > 0 and read_bps > 0 and prefill_tps > 0 and nbytes / read_bps < extra / prefill_tps
+    its prompt than the token tape does and takes `nbytes` on disk: when reading it and building its cache (a
+    part an iteration, between the steps of what is served) is sooner than prefilling those tokens, by the
+    rates measured (read and prefill 0: not measured yet, and it does not wait; a build not measured yet is
+    taken to be as slow as the read)."""
+    if extra <= 0 or read_bps <= 0 or prefill_tps <= 0:
+        return False
+    return nbytes / read_bps + nbytes / (build_bps or read_bps) < extra / prefill_tps
 
 
 def settled(results: list[dict[str, bool]]) -> dict[str, bool]:
@@ -136,8 +140,8 @@ class Restorer:
             if got is None:
                 self._built[sid] = None
                 return
-            self._building = (sid, got.tenant, self.snaps.building(got, self.fresh))
-        sid, tenant, steps = self._building
+            self._building = (sid, got.tenant, self.snaps.building(got, self.fresh), time.monotonic(), [0])
+        sid, tenant, steps, began, built = self._building
         done = 0
         try:
             while done < self.build_bytes:
@@ -145,6 +149,9 @@ class Restorer:
         except StopIteration as end:
             self._built[sid] = (*end.value, tenant) if end.value is not None else None
             self._building = None
+            if end.value is not None:  # its parts' bytes over the wall time they took, the steps between included
+                self.rates.note(build_bps=(built[0] + done) / max(time.monotonic() - began, 1e-6))
+        built[0] += done
 
     def first(self, sid: str) -> None:
         """Read `sid` next (a request waits for it)."""
@@ -239,6 +246,6 @@ class Restorer:
             if n > best_len:
                 best, best_len = sid, n
         if best is None or not worth_waiting(best_len - served, self.snaps.nbytes_of(best), self.rates.read_bps,
-                                             self.rates.prefill_tps):
+                                             self.rates.build_bps, self.rates.prefill_tps):
             return None
         return best

@@ -226,17 +226,25 @@ def test_the_restore_plan_takes_the_most_recent_serving_tapes_first(agreed, pare
     assert plan(agreed, parents, whole_states, capacity) == expect
 
 
-@pytest.mark.parametrize("extra, nbytes, read_bps, prefill_tps, expect", [
-    (12000, 1_800_000_000, 1e9, 5000, True),  # 1.8 s to read against 2.4 s to prefill: wait
-    (12000, 1_800_000_000, 1e9, 8000, False),  # 1.8 s to read against 1.5 s to prefill: prefill
-    (20, 100_000_000, 1e9, 1000, False),  # a short prompt: prefilling 20 tokens beats reading 100 MB
-    (12000, 1_800_000_000, 0, 5000, False),  # no rate measured yet: a request never waits on a guess
-    (12000, 1_800_000_000, 1e9, 0, False),
-    (0, 1, 1e9, 5000, False),  # the tape serves nothing more than the token tape does
+@pytest.mark.parametrize("extra, nbytes, read_bps, build_bps, prefill_tps, expect", [
+    (12000, 1_800_000_000, 2e9, 4e9, 5000, True),  # 0.9 s to read and 0.45 s to build against 2.4 s to prefill
+    (12000, 1_800_000_000, 1e9, 2e9, 5000, False),  # 1.8 s to read: sooner than prefilling, but not with the build
+    (12000, 1_800_000_000, 1e9, 1e9, 8000, False),
+    (12000, 1_800_000_000, 2e9, 0, 5000, True),  # the build not measured yet: taken to be as slow as the read
+    (20, 100_000_000, 1e9, 1e9, 1000, False),  # a short prompt: prefilling 20 tokens beats reading 100 MB
+    (12000, 1_800_000_000, 0, 1e9, 5000, False),  # no rate measured yet: a request never waits on a guess
+    (12000, 1_800_000_000, 1e9, 1e9, 0, False),
+    (0, 1, 1e9, 1e9, 5000, False),  # the tape serves nothing more than the token tape does
 ])
-def test_a_request_waits_for_a_tape_being_restored_only_when_that_is_sooner_than_prefilling(
-        extra, nbytes, read_bps, prefill_tps, expect):
-    assert worth_waiting(extra, nbytes, read_bps, prefill_tps) == expect
+def test_a_request_waits_for_a_tape_being_restored_only_when_reading_and_building_it_is_sooner_than_prefilling(
+        extra, nbytes, read_bps, build_bps, prefill_tps, expect):
+    assert worth_waiting(extra, nbytes, read_bps, build_bps, prefill_tps) == expect
+
+
+def test_the_rates_are_kept_for_the_next_generation(tmp_path):
+    Rates(tmp_path / "rates.json").note(read_bps=1e9, build_bps=5e8, prefill_tps=3000.0)
+    kept = wait_for(lambda: (tmp_path / "rates.json").exists() and Rates(tmp_path / "rates.json"), 10, "the rates saved")
+    assert (kept.read_bps, kept.build_bps, kept.prefill_tps) == (1e9, 5e8, 3000.0)
 
 
 @pytest.mark.parametrize("results, expect", [
@@ -367,7 +375,10 @@ def test_a_restored_cache_is_built_a_leaf_an_iteration_so_requests_step_between_
     restorer.build_bytes = 1  # a leaf an iteration: the cache has two
     wait_for(lambda: restorer._read, 10, "the tape read by the thread")
     assert restorer.adopt(lambda b: [b]) == [] and len(tape) == 0  # its first leaf built: the loop steps on
+    time.sleep(0.5)  # the steps the loop takes between the parts
     assert restorer.adopt(lambda b: [b]) == [tape_id(tokens)] and tape.served(tokens + (1,)) == len(tokens)
+    # the build's rate is over the wall time its parts took, what a request waiting for it would wait
+    assert 0 < restorer.rates.build_bps <= restorer.snaps.nbytes_of(tape_id(tokens)) * 4 / 0.5
 
 
 def test_a_request_that_a_pending_tape_serves_waits_for_it_and_a_new_conversation_goes_at_once(tmp_path):

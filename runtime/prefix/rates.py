@@ -10,8 +10,12 @@ from pathlib import Path
 from common.statusfile import write_atomic
 
 
+FIGURES = ("read_bps", "build_bps", "prefill_tps")
+
+
 class Rates:
-    """What restoring and prefilling cost on this rank (bytes read a second, tokens prefilled a second),
+    """What restoring and prefilling cost on this rank (bytes read a second, bytes of a restored cache built a
+    second of the loop's time, tokens prefilled a second),
     kept beside its snapshots for the next generation, which has measured nothing yet when it starts."""
 
     def __init__(self, path: Path | None):
@@ -21,8 +25,8 @@ class Rates:
             saved = json.loads(path.read_text()) if path else {}
         except (OSError, ValueError):
             saved = {}
-        self.read_bps = float(saved.get("read_bps", 0.0)) if isinstance(saved, dict) else 0.0
-        self.prefill_tps = float(saved.get("prefill_tps", 0.0)) if isinstance(saved, dict) else 0.0
+        saved = saved if isinstance(saved, dict) else {}
+        self.read_bps, self.build_bps, self.prefill_tps = (float(saved.get(name, 0.0)) for name in FIGURES)
 
     def note(self, **rates: float) -> None:
         """New figures, kept on disk by a thread of their own: a small write on a disk busy with snapshots can
@@ -34,7 +38,7 @@ class Rates:
 
     def _save(self) -> None:
         try:
-            write_atomic(self.path, {"read_bps": self.read_bps, "prefill_tps": self.prefill_tps})
+            write_atomic(self.path, {name: getattr(self, name) for name in FIGURES})
         except OSError:
             pass  # the next generation measures afresh
         finally:
