@@ -103,8 +103,9 @@ def query(prom: str, expr: str) -> list[dict]:
 
 def test_a_real_prometheus_scrapes_the_demo_mesh(demo, prometheus, recovered):
     wait_for(lambda: len(query(prometheus, "up == 1")) == TARGETS, 30, "every target up")
-    ready = query(prometheus, 'meshd_fleet_state{phase="ready"}')
-    assert [float(r["value"][1]) for r in ready] == [1.0]
+    # the mesh was ready again at once; Prometheus says so at its next scrape of the controller
+    wait_for(lambda: [float(r["value"][1]) for r in query(prometheus, 'meshd_fleet_state{phase="ready"}')] == [1.0],
+             30, "Prometheus to scrape the fleet ready again")
     ranks = query(prometheus, "meshd_agent_rank_up")
     assert sorted(r["metric"]["rank"] for r in ranks) == [str(i) for i in range(NODES)]
     assert len(query(prometheus, "meshd_agent_rank_resident_memory_bytes > 0")) == NODES
