@@ -215,7 +215,8 @@ class Supervisor:
             await self.emit(RebootRequired(node=self.config.node, generation=generation, rank=-1, at=time.time(),
                                            reason=reason))
         self.manifest.keep(lambda e: e.generation != generation)
-        return StopResult(generation, result.stopped, survivors, result.steps)
+        stopped = tuple(r.pid for r in recs if r.stopping and r.pid in result.stopped)
+        return StopResult(generation, stopped, survivors, result.steps)
 
     async def _settle(self, recs: list[RankRecord], timeout: float = 5.0) -> None:
         """Wait until the watchers have reported the exits (so events precede the answer)."""

@@ -226,7 +226,8 @@ class RankReport:
 @dataclass(frozen=True)
 class StopResult:
     """What stopping a generation on one node did: the ladder's steps, the
-    processes it ended and those that survived SIGKILL."""
+    processes it ended (not those already exiting when asked: they ended by
+    themselves) and those that survived SIGKILL."""
 
     generation: int
     stopped: tuple[int, ...] = ()

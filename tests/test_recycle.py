@@ -47,12 +47,15 @@ def samples(url: str, name: str) -> list:
 
 def streams_until(proxy: str, body: dict, until, out: list) -> None:
     """Streamed answers back to back until `until()`; into `out` each one's status, events, the generation
-    it began on, where it resumed (the proxy's comments), when it began and ended."""
+    it began on, where it resumed (the proxy's comments), when it was sent, when its headers (naming the
+    generation chosen) came and when it ended."""
     while not until():
         began = time.time()
         r = requests.post(f"{proxy}/chat/completions", json={**body, "stream": True}, stream=True, timeout=300)
+        answered = time.time()
         lines = list(r.iter_lines(decode_unicode=True))
-        out.append({"status": r.status_code, "events": sse_events(lines), "began": began, "ended": time.time(),
+        out.append({"status": r.status_code, "events": sse_events(lines), "began": began, "answered": answered,
+                    "ended": time.time(),
                     "generation": int(r.headers.get("X-Meshd-Generation", -1)),
                     "resumed": [line for line in lines if line.startswith(": resuming on mesh ")]})
 
@@ -148,9 +151,11 @@ def test_meshctl_restart_under_streaming_clients_is_planned_warm_and_costs_no_an
     assert status(mesh)["failures_in_window"] == 0
     planned = next(i for i in recycles(mesh) if i["generation"] == before)
     assert planned["steps"] == ["recycle"] and "meshctl restart" in planned["detail"] and planned["serving_back_at"]
-    in_flight = [a for a in answers if a["began"] < planned["opened_at"] < a["ended"]]
+    # in flight: its generation chosen before the restart began (one sent just before waits for the next)
+    in_flight = [a for a in answers if a["answered"] < planned["opened_at"] < a["ended"]]
     assert in_flight and all((a["generation"], a["resumed"]) == (before, []) for a in in_flight), \
-        "each stream in flight at the restart finished on the generation it began on, none cut"
+        ("each stream in flight at the restart finished on the generation it began on, none cut",
+         [{k: a[k] for k in ("generation", "resumed", "began", "answered", "ended")} for a in in_flight])
     assert planned["migrated"] == 0
     assert {s.labels["reason"] for s in samples(where["metrics"], "meshd_recycles_total")} >= {"restart"}
     assert samples(where["metrics"], "meshd_restarts_total") == [], "a restart is no failure"
