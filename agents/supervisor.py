@@ -1,7 +1,7 @@
 """What an agent does to its node's ranks: start, stop, adopt, sweep.
 
-One live generation at a time: a start waits for a stopping generation's processes to be gone (their
-memory released) before its rank starts, and that rank is the agent's standby (agents/standby.py)
+One live generation at a time: a start waits for a stopping (or already exiting) generation's processes to be
+gone (their memory released) before its rank starts, and that rank is the agent's standby (agents/standby.py)
 when one can take it, else a cold spawn. The launch manifest (generation, rank, pid,
 create time) is written before a start returns, so an agent that is killed
 and started again adopts the ranks that are still running instead of killing
@@ -152,11 +152,16 @@ class Supervisor:
             if existing is not None and not existing.done:
                 return existing, False
             others = [r for r in self.live() if (r.generation, r.rank) != (spec.generation, spec.rank)]
-            if others and all(o.stopping for o in others):
+            waited = bool(others) and all(o.stopping or procs.ending(o.target) for o in others)  # gone once reaped
+            if waited:
                 await self._gone(others, RELEASE_WAIT)
                 others = [o for o in others if not o.done]
             if others:
                 o = others[0]
+                if waited:
+                    raise Conflict(f"generation {o.generation} rank {o.rank} (pid {o.pid}) is still here "
+                                   f"{RELEASE_WAIT:.0f} s after its stop (alive: {procs.alive(o.target)}); "
+                                   f"start again once it is gone (GET /v1/ranks)")
                 raise Conflict(f"generation {o.generation} rank {o.rank} is running here (pid {o.pid}); "
                                f"stop it first (POST /v1/generations/{o.generation}/stop)")
             plan = launch_plan(spec, self.config, dict(os.environ), resolve, ringwait.built(), mesh)
