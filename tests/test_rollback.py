@@ -1,7 +1,8 @@
 """What undoes a verify's cache writes (runtime/prefix/rollback.py) and where a verify and a prompt are cut
 (runtime/models/pools.py `pieces`, `prompt_piece`), at the newest mlx-lm: a trim where a trim gives back exactly what
 the step wrote, else each cache leaf (a CacheList's members, a sliding window past its size, a recurrent state) as
-the step found it, however often it is undone. The same on omlx's own DeepSeek-V4 caches:
+the step found it, however often it is undone; a step cut back to its first places by writing them again from
+what it recorded, as feeding only those places leaves the caches. The same on omlx's own DeepSeek-V4 caches:
 tests/pinned/test_rollback.py."""
 
 import mlx.core as mx
@@ -14,6 +15,24 @@ from runtime.models.pools import pieces, prompt_piece
 
 def kv(n: int, value: float = 0.0):
     return mx.full((1, 1, n, 2), value), mx.full((1, 1, n, 2), value)
+
+
+def places(start: int, n: int):
+    """`n` positions' keys and values, each position's its own number."""
+    k = mx.arange(start, start + n, dtype=mx.float32).reshape(1, 1, n, 1) * mx.ones((1, 1, 1, 2))
+    return k, -k
+
+
+def fed(caches, steps) -> None:
+    for start, n in steps:
+        for c in caches:
+            c.update_and_fetch(*places(start, n))
+
+
+def held(cache) -> tuple:
+    """What the cache holds: a growing cache's keys and values up to its offset, a window's whole buffer."""
+    n = cache.offset if type(cache) is KVCache else cache.keys.shape[2]
+    return cache.offset, getattr(cache, "_idx", None), cache.keys[..., :n, :].tolist(), cache.values[..., :n, :].tolist()
 
 
 @pytest.mark.parametrize("cache, fed, ahead, exact", [
@@ -70,3 +89,33 @@ def test_a_verify_is_cut_before_it_would_complete_a_second_window(offset, length
 def test_a_prompt_is_cut_in_chunks_and_a_resumed_answers_tokens_as_decoding_fed_them(at, length, said, chunk,
                                                                                      windows, expected):
     assert prompt_piece(at, length, said, chunk, windows) == expected
+
+
+@pytest.mark.parametrize("kept", [1, 2, 4, 5, 6])
+def test_a_step_cut_back_by_its_recorded_writes_holds_what_feeding_only_its_kept_places_holds(kept):
+    """A window past its size (a trim would give back what it rotated over) and a growing cache; the step
+    comes in two writes (as a verify's pieces do), the cut keeps the first `kept` of its six places."""
+    def mesh():
+        return [KVCache(), RotatingKVCache(max_size=8)]
+    caches, expected = mesh(), mesh()
+    fed(caches + expected, [(0, 10), (10, 1)])
+    saved = rollback.checkpoint(caches, 6, recording=True)
+    assert saved.replays and [leaf for leaf, _ in saved.trimmed] == caches[:1]
+    fed(caches, [(11, 4), (15, 2)])
+    assert saved.cut(kept)
+    fed(expected, [(11, min(kept, 4))] + ([(15, kept - 4)] if kept > 4 else []))
+    assert [held(c) for c in caches] == [held(c) for c in expected]
+    fed(caches + expected, [(11 + kept, 3)])  # and they go on alike
+    assert [held(c) for c in caches] == [held(c) for c in expected]
+    assert all("update_and_fetch" not in vars(c) for c in caches), "the recording ends with the cut"
+
+
+def test_a_cache_written_from_inside_the_model_is_not_cut_by_replay_and_a_release_ends_recording():
+    window, state = RotatingKVCache(max_size=4), ArraysCache(1)
+    fed([window], [(0, 6)])
+    saved = rollback.checkpoint([window, state], 2, recording=True)
+    fed([window], [(6, 2)])
+    assert not saved.replays and not saved.cut(1)  # a recurrent state: its kept places must be fed again
+    assert window.offset == 8 and "update_and_fetch" in vars(window)
+    saved.release()
+    assert "update_and_fetch" not in vars(window)

@@ -31,7 +31,7 @@ def ends_after(tokens: list[int], count: int, max_tokens: int, eos_ids: set[int]
                  if finish_reason(token, count + i + 1, max_tokens, eos_ids) is not None), len(tokens))
 
 
-DRAFT_COUNTS = ("draft_proposed", "draft_accepted", "draft_fallbacks")  # each drafting engine's, as RankStatus counts
+DRAFT_COUNTS = ("draft_proposed", "draft_accepted", "draft_fallbacks", "draft_refeeds")  # each drafting engine's, as RankStatus counts
 
 
 def place_logprobs(logits: mx.array, processors: list, said: mx.array | None, drafts: mx.array) -> mx.array:
@@ -273,6 +273,8 @@ class MTPEngine(SingleRequestEngine):
     kernel's layout limit past some prompt length) ends drafting for that request, the target's caches
     back where the step began: plain decoding from there, said in the log and counted, the rank alive."""
 
+    records = False  # whether a verify records its writes into caches a trim cannot cut back (`_cut` replays them)
+
     def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 1, prefill_step_size: int = 512,
                  log=print):
         super().__init__(eos_ids, log)
@@ -322,7 +324,7 @@ class MTPEngine(SingleRequestEngine):
         else:
             inputs, first = mx.array([r.pending], dtype=mx.uint32), 0
         ahead = inputs.shape[0] + (0 if r.drafts is None else r.drafts.shape[0])
-        saved = rollback.checkpoint(r.cache, ahead)
+        saved = rollback.checkpoint(r.cache, ahead, recording=self.records)
         verified = None
         if r.drafts is not None:
             with self._refusals("the target's verify"):
@@ -534,9 +536,9 @@ class DSparkEngine(MTPEngine):
     verifies the block as MTPEngine's verify does, sampling each place with the request's per-token key, so
     the answer is the plain decoder's token for token.
 
-    The target's caches go back to the kept places by trimming when a trim undoes every layer exactly,
-    else by undoing the step (runtime/prefix/rollback.py: pooled and windowed layers back to their state before
-    it) and feeding the kept places again. A refusal anywhere in a drafted step (the
+    The target's caches go back to the kept places by trimming when a trim undoes every layer exactly, else
+    (pooled and windowed layers) by undoing the step and writing the kept places' recorded writes again
+    (runtime/prefix/rollback.py): one target forward a step. A refusal anywhere in a drafted step (the
     target's verify, the stages) ends drafting for that request, the caches restored: plain from there,
     the rank alive. One request at a time: `DraftWhenAlone` gives it the requests that are alone, and takes
     the one it drafts to the batch (`handover`) when another arrives.
@@ -546,6 +548,8 @@ class DSparkEngine(MTPEngine):
     depend on where it starts. A request's cache comes from the prefix store's token tape (`prefixes`) and
     its tape goes back there when it ends, so the next turn of a conversation prefills only its new tokens."""
 
+    records = True
+
     def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
                  prefixes=None, log=print):
         block = int(model.args.dspark_block_size)
@@ -554,11 +558,12 @@ class DSparkEngine(MTPEngine):
         # the stages' context needs no prefix's positions (it drafts from what it is given), so a request's
         # cache may come from the token tape, where the MTP head's could not
         self.prefixes = prefixes
+        self.refeeds = 0  # verifies whose kept places went through the target again (a cache nothing could cut)
         self._arm = getattr(sys.modules[type(model).__module__], "set_dspark_verify_armed", lambda flag: None)
         self._windows = pools.overlap_windows(model)
 
     def stats(self) -> dict:
-        return {**super().stats(), "drafter": "dspark"}
+        return {**super().stats(), "drafter": "dspark", "draft_refeeds": self.refeeds}
 
     def handover(self) -> tuple[Job, int | None]:
         """The active request's rest for the batch engine, at a step boundary: its cache (the places it kept,
@@ -611,13 +616,22 @@ class DSparkEngine(MTPEngine):
 
     def _cut(self, saved: rollback.Checkpoint, kept: mx.array, fed: int) -> None:
         """The target's caches back to its base plus the `kept` places: trimmed when a trim undoes every
-        layer's step exactly, else undone to where the step began and the kept places fed again."""
-        if kept.shape[0] == fed:
-            return
+        layer's step exactly, else cut by writing the kept places' recorded writes again (rollback's `cut`:
+        no second forward); only where some layer's writes could not be recorded, undone to where the step
+        began and the kept places fed again, counted."""
         r = self._active
+        if kept.shape[0] == fed:
+            saved.release()
+            return
         if saved.trims:
             trim_to(r.cache, r.base + kept.shape[0])
             return
+        with mx.stream(generation_stream):
+            cut = saved.cut(kept.shape[0])
+        if cut:
+            mx.eval([c.state for c in r.cache])
+            return
+        self.refeeds += 1
         saved.undo()
         with mx.stream(generation_stream):
             self._forward(kept, armed=False)

@@ -11,8 +11,9 @@ it) in one forward of `1 + width` places, `width` the most drafts a row takes (e
 row's places are sampled with its own keys and processors and each keeps its drafts up to its first miss,
 at most its own width of them. Every rank agrees on every row's count (`drafting.agree`). Where a
 row kept fewer than it fed, the batch's caches go back to where the step began (runtime/prefix/rollback.py: omlx's
-pooled and windowed caches cannot be trimmed) and every row's kept places are fed again in one forward, the
-shorter rows right-padded (mlx-lm's `prepare`/`finalize`: the pads leave no trace). The verify's width is
+pooled and windowed caches cannot be trimmed) and the step's recorded writes of every row's kept places are
+written again, the shorter rows right-padded (mlx-lm's `prepare`/`finalize`: the pads leave no trace): one
+target forward a step. The verify's width is
 kept under the smallest pooled window that overlaps the one before it, so every row's forward completes at
 most one of them whatever its offset: each row's caches then hold what decoding it alone, one position at a
 time, would hold, and its answer is that decoding's, token for token.
@@ -78,7 +79,7 @@ class RowwiseDSpark:
         self._joining: deque[Request] = deque()  # prompts going in (in their own caches), first come first
         self._rows: list[Request] = []  # the batch, in the order of its caches' rows
         self._cache: list | None = None  # the batch's caches
-        self.proposed = self.accepted = self.fallbacks = self.batched_steps = 0
+        self.proposed = self.accepted = self.fallbacks = self.batched_steps = self.refeeds = 0
 
     # --- Engine -------------------------------------------------------------------------------------------
     def insert(self, job: Job) -> int:
@@ -116,7 +117,8 @@ class RowwiseDSpark:
 
     def stats(self) -> dict:
         return {**self.prefixes.stats(), "draft_proposed": self.proposed, "draft_accepted": self.accepted,
-                "draft_fallbacks": self.fallbacks, "draft_batched_steps": self.batched_steps}
+                "draft_fallbacks": self.fallbacks, "draft_batched_steps": self.batched_steps,
+                "draft_refeeds": self.refeeds}
 
     # --- a prompt going in --------------------------------------------------------------------------------
     def _prefill(self, row: Request) -> None:
@@ -154,7 +156,7 @@ class RowwiseDSpark:
         inputs = mx.stack([self._places(r, width) for r in rows])
         if width:
             in_order(self._cache)
-        saved = rollback.checkpoint(self._cache, 1 + width)
+        saved = rollback.checkpoint(self._cache, 1 + width, recording=True)
         try:
             taps, logprobs, sampled = self._target(rows, inputs)
         except Exception as e:
@@ -177,8 +179,9 @@ class RowwiseDSpark:
             self.batched_steps += sum(r.drafts is not None for r in rows) > 1
         fed = [len(r.kept) for r in rows]
         if min(fed) < 1 + width:
-            saved.undo()
-            self._feed(inputs, fed)
+            self._cut(saved, inputs, fed)
+        else:
+            saved.release()
         out, ended = [], []
         for i, r in enumerate(rows):
             mine = self._emit(r, logprobs[i], drafts[i])
@@ -209,19 +212,31 @@ class RowwiseDSpark:
         mx.eval(taps, logprobs, sampled)
         return taps, logprobs, sampled
 
-    def _feed(self, inputs: mx.array, lengths: list[int]) -> None:
-        """Each row's first `lengths[i]` places through the target again, in one forward of the longest."""
+    def _cut(self, saved: rollback.Checkpoint, inputs: mx.array, lengths: list[int]) -> None:
+        """The batch's caches back to each row's first `lengths[i]` places of the step: its recorded writes of
+        them written again (no second forward); only where some layer's writes could not be recorded, undone and
+        those places fed again in one forward of the longest, counted."""
+        with mx.stream(generation_stream):
+            if not saved.cut(max(lengths), around=self._padded(lengths)):
+                self.refeeds += 1
+                saved.undo()
+                with self._padded(lengths):
+                    self._model(inputs[:, :max(lengths)], self._cache)
+        mx.eval([c.state for c in self._cache])
+
+    @contextmanager
+    def _padded(self, lengths: list[int]):
+        """The writes inside as a forward of the longest row's places, the shorter rows right-padded (mlx-lm's
+        `prepare`/`finalize`: the pads leave no trace)."""
         pads = padding(lengths)
         padded = max(pads) > 0
         if padded:
             for c in self._cache:
                 c.prepare(lengths=lengths, right_padding=pads)
-        with mx.stream(generation_stream):
-            self._model(inputs[:, :max(lengths)], self._cache)
+        yield
         if padded:
             for c in self._cache:
                 c.finalize()
-        mx.eval([c.state for c in self._cache])
 
     def _emit(self, row: Request, logprobs: mx.array, drafts: tuple[int, int]) -> list[Emission]:
         """The row's kept tokens, the first saying the step's `drafts` (proposed, accepted), which the engine's

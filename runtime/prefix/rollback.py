@@ -8,10 +8,16 @@ whole. A checkpoint therefore goes to the leaves (`caches` of a CacheList, recur
 leaf's own attributes with every array held as a view of its own (a handle on today's buffer, no copy; a
 later write copies on write, never into the view). A leaf whose trim is exact for the step ahead keeps only
 its offset: undoing it is a trim, so the common case costs no copy on write.
+
+A checkpoint that records also keeps each held leaf's writes of the step (the keys and values a window takes,
+the rows a pool accumulates and the pooled rows it appends: the arguments of their calls, no copy). Cutting the
+step back to its first places then undoes each held leaf and writes the kept part of those calls again, which is
+what feeding the kept places again would write, without a second forward of the target.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -47,33 +53,119 @@ def view(value):
     return value
 
 
+POOLS = ("PoolingCache", "BatchPoolingCache")  # omlx's DeepSeek-V4 compressor and indexer pools
+
+
+def writes(leaf) -> tuple[str, ...]:
+    """The methods through which a step writes into `leaf`, when all its writes can be written again from their
+    arguments: a key-value cache's update (positions on axis 2), a pool's accumulation (axis 1) and its pooled
+    rows; () for anything else (a recurrent state, written from what the model computes inside)."""
+    if type(leaf).__name__ in POOLS:
+        return ("accumulate_windows", "update_and_fetch")
+    if hasattr(leaf, "update_and_fetch") and hasattr(leaf, "offset"):
+        return ("update_and_fetch",)
+    return ()
+
+
+def record(leaf, calls: list) -> None:
+    """Until `release`, each write into `leaf` also goes into `calls` as (method, arguments)."""
+    for name in writes(leaf):
+        method = getattr(leaf, name)
+
+        def recorded(*args, _name=name, _method=method):
+            calls.append((_name, args))
+            return _method(*args)
+        setattr(leaf, name, recorded)
+
+
+def release(leaf) -> None:
+    for name in writes(leaf):
+        leaf.__dict__.pop(name, None)
+
+
+def replay(leaf, calls: list, places: int) -> None:
+    """The recorded `calls` into `leaf`, as far as they wrote its step's first `places` positions: a call over
+    positions past them cut short, a pool's pooled rows cut to those its accumulation of them completed."""
+    left, rows = places, 0
+    for name, args in calls:
+        if name == "accumulate_windows":
+            if left == 0:
+                break
+            kv, gate, offset = args
+            n = min(left, kv.shape[1])
+            left -= n
+            ready = leaf.accumulate_windows(kv[:, :n], gate[:, :n], offset)[0]
+            rows = ready.shape[1] // leaf.ratio
+        elif type(leaf).__name__ in POOLS:
+            leaf.update_and_fetch(args[0][:, :rows])
+        else:
+            if left == 0:
+                break
+            keys, values = args
+            n = min(left, keys.shape[2])
+            left -= n
+            leaf.update_and_fetch(keys[..., :n, :], values[..., :n, :])
+
+
 @dataclass
 class Checkpoint:
-    """Each leaf as a step found it: its offset where a trim undoes the step, else its attributes."""
+    """Each leaf as a step found it: its offset where a trim undoes the step, else its attributes (and, when
+    recording, the step's writes into it)."""
 
     trimmed: list  # (leaf, offset)
-    held: list  # (leaf, attributes)
+    held: list  # (leaf, attributes, the recorded calls or None)
 
     @property
     def trims(self) -> bool:
         """Every leaf is undone by a trim: the caches can be cut to any place the step reached."""
         return not self.held
 
+    @property
+    def replays(self) -> bool:
+        """Every held leaf's writes were recorded: the caches can be cut to any place the step reached."""
+        return all(calls is not None for _, _, calls in self.held)
+
     def undo(self) -> None:
-        """The caches back where the step found them (repeatable)."""
+        """The caches back where the step found them (repeatable), no longer recording."""
         for leaf, offset in self.trimmed:
             leaf.trim(leaf.offset - offset)
-        for leaf, attributes in self.held:
+        for leaf, attributes, _ in self.held:
             leaf.__dict__.clear()
             leaf.__dict__.update({k: view(v) for k, v in attributes.items()})
 
+    def release(self) -> None:
+        """Stop recording: the caches as the step left them."""
+        for leaf, _, calls in self.held:
+            if calls is not None:
+                release(leaf)
 
-def checkpoint(caches, ahead: int) -> Checkpoint:
-    """A checkpoint of `caches` before a step that feeds them `ahead` positions."""
+    def cut(self, places: int, around=nullcontext()) -> bool:
+        """The caches back to the step's first `places` positions, without feeding them again: trimmed leaves
+        trimmed, held ones undone and their kept writes replayed (inside `around`: a batch's padding). False
+        (nothing cut) unless it `replays`."""
+        if not self.replays:
+            return False
+        for leaf, offset in self.trimmed:
+            leaf.trim(leaf.offset - offset - places)
+        for leaf, attributes, _ in self.held:
+            leaf.__dict__.clear()
+            leaf.__dict__.update({k: view(v) for k, v in attributes.items()})
+        with around:
+            for leaf, _, calls in self.held:
+                replay(leaf, calls, places)
+        return True
+
+
+def checkpoint(caches, ahead: int, recording: bool = False) -> Checkpoint:
+    """A checkpoint of `caches` before a step that feeds them `ahead` positions; `recording`, it records the
+    step's writes into the held leaves that allow it (then `cut`, `undo` or `release` ends the recording)."""
     trimmed, held = [], []
     for leaf in leaves(caches):
         if trims_exactly(leaf, ahead):
             trimmed.append((leaf, leaf.offset))
-        else:
-            held.append((leaf, {k: view(v) for k, v in vars(leaf).items()}))
+            continue
+        calls = [] if recording and writes(leaf) else None
+        held.append((leaf, {k: view(v) for k, v in vars(leaf).items()}, calls))
+        if calls is not None:
+            record(leaf, calls)
     return Checkpoint(trimmed, held)

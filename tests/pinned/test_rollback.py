@@ -3,7 +3,8 @@ CacheList holds a sliding window and one or two PoolingCaches that write in plac
 Indexer past `index_topk`). Greedy decoding that feeds three rejected drafts and undoes them every five
 tokens, or whose verify is refused halfway through the layers, is the plain decoding token for token and
 logprob for logprob; a shallow copy's restore (what meshd did before) is not, which shows the model's
-answer depends on its caches."""
+answer depends on its caches. So is greedy decoding whose verifies keep some of their drafts and are cut back
+to them by writing the kept places' recorded writes again (one forward a step); cut back by a trim, it is not."""
 
 import copy
 
@@ -13,6 +14,7 @@ import pytest
 from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
 
 from pinned.dsv4 import tiny_v4
+from runtime.models import pools
 from runtime.prefix import rollback
 
 omlx_v4.apply_deepseek_v4_patch()  # what follows is omlx's, registered by its patch
@@ -85,6 +87,47 @@ def plain(model, prompt):
     return decode(model, prompt, 40)
 
 
+def drafted(model, prompt, plain: list[int], cut) -> list[int]:
+    """Greedy tokens from verifies of five drafts, of which the first 0, 1, ... 5 (in turn) are right (the plain
+    answer's): each verify in the pieces decoding gives (pools.pieces), its caches then `cut` back to the pending
+    token and the drafts the target kept."""
+    cache, windows = model.make_cache(), pools.overlap_windows(model)
+    logits, at, tokens = model(prompt, cache)[:, -1], prompt.shape[1], []
+    while len(tokens) < len(plain) - 6:
+        tokens.append(int(mx.argmax(logits, axis=-1).item()))
+        good = len(tokens) % 6
+        drafts = plain[len(tokens):len(tokens) + good] + [(t + 1) % 500 for t in plain[len(tokens) + good:][:5 - good]]
+        saved = rollback.checkpoint(cache, 6, recording=True)
+        places, outs = mx.array([[tokens[-1], *drafts]]), []
+        for n in pools.pieces(at, 6, windows):
+            outs.append(model(places[:, sum(o.shape[1] for o in outs):][:, :n], cache))
+        sampled = mx.argmax(mx.concatenate(outs, axis=1)[0], axis=-1).tolist()
+        kept = next((i for i, (d, s) in enumerate(zip(drafts, sampled)) if d != s), 5)
+        tokens += drafts[:kept]
+        cut(saved, cache, kept + 1)
+        logits, at = mx.concatenate(outs, axis=1)[:, kept], at + kept + 1
+    return tokens[:len(plain) - 6]
+
+
+def replayed(saved, cache, places):
+    if places == 6:
+        saved.release()
+    else:
+        assert saved.cut(places)
+
+
+def trimmed(saved, cache, places):
+    saved.release()
+    for leaf in rollback.leaves(cache):
+        leaf.trim(6 - places)
+
+
+def test_a_verify_cut_back_to_the_drafts_it_kept_by_replaying_its_writes_leaves_the_answer_the_plain_one(
+        model, prompt, plain):
+    assert drafted(model, prompt, plain[0], replayed) == plain[0][:-6]
+    assert drafted(model, prompt, plain[0], trimmed) != plain[0][:-6]  # pools and windows trimmed keep what was cut
+
+
 def test_the_caches_are_omlxs_compressed_ones(model):
     kinds = [[type(c).__name__ for c in (x.caches if isinstance(x, CacheList) else [x])] for x in model.make_cache()]
     assert kinds == [["RotatingKVCache"], ["RotatingKVCache", "PoolingCache", "PoolingCache"],
@@ -118,7 +161,7 @@ def test_a_checkpoint_of_a_window_past_its_size_holds_it_and_trims_the_rest():
         c.update_and_fetch(mx.zeros((1, 1, 6, 2)), mx.zeros((1, 1, 6, 2)))
     saved = rollback.checkpoint([grown, CacheList(window, PoolingCache(4))], 1)
     assert [leaf for leaf, _ in saved.trimmed] == [grown] and not saved.trims
-    assert [type(leaf) for leaf, _ in saved.held] == [RotatingKVCache, PoolingCache]
+    assert [type(leaf) for leaf, *_ in saved.held] == [RotatingKVCache, PoolingCache]
     for c in (grown, window):
         c.update_and_fetch(mx.ones((1, 1, 1, 2)), mx.ones((1, 1, 1, 2)))
     saved.undo()
