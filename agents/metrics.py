@@ -35,6 +35,9 @@ class AgentMetrics:
                                      "target accepted", labels=["node", "rank", "kind"])
         refusals = CounterMetricFamily("meshd_agent_rank_draft_fallbacks", "Requests the drafter refused (a "
                                        "shape), decoded plainly instead", labels=["node", "rank"])
+        refeeds = CounterMetricFamily("meshd_agent_rank_draft_refeeds", "Verifies whose kept places went through "
+                                      "the target again (a cache whose writes could not be cut back): a second "
+                                      "forward that step", labels=["node", "rank"])
         hidden = GaugeMetricFamily("meshd_agent_rank_kernels_hidden", "The model's kernels the rank hid at load "
                                    "(they refuse its share of the heads; the model takes its portable path)",
                                    labels=["node", "rank"])
@@ -70,6 +73,7 @@ class AgentMetrics:
                 drafts.add_metric([node, str(rec.rank), "proposed"], status.draft_proposed)
                 drafts.add_metric([node, str(rec.rank), "accepted"], status.draft_accepted)
                 refusals.add_metric([node, str(rec.rank)], status.draft_fallbacks)
+                refeeds.add_metric([node, str(rec.rank)], status.draft_refeeds)
             hidden.add_metric([node, str(rec.rank)], status.kernels_hidden)
             for outcome, field in TAPE_OUTCOMES:
                 tape.add_metric([node, str(rec.rank), outcome], getattr(status, field))
@@ -103,6 +107,6 @@ class AgentMetrics:
         memory.add_metric([node, "available"], mem.available)
         events = CounterMetricFamily("meshd_agent_events", "Events emitted", labels=["node"])
         events.add_metric([node], self.sup.events.seq)
-        yield from (up, rss, cpu, mlx, armed, drafts, refusals, hidden, tape, checkpoint_bytes, snapshots,
+        yield from (up, rss, cpu, mlx, armed, drafts, refusals, refeeds, hidden, tape, checkpoint_bytes, snapshots,
                     snapshots_skipped, snapshot_bytes, gen, exits, sigs, orphans, survivors, reboot, memory, events)
 
