@@ -1,8 +1,9 @@
-"""Row-wise DSpark against undrafted batching, in one process on one device: B requests at once (B = 1, 2, 4),
+"""Row-wise DSpark against undrafted batching, in one process on one device: B requests at once (B = 1, 2, 4, 8),
 greedy, decoded by the engines a DSpark mesh runs (`drafted_everywhere`: DSparkEngine for a request alone,
 the row-wise batch for more) and by the batch engine alone (what `--drafter off` runs), in alternating rounds.
 For each: aggregate tokens/s over the answers (prompts included, as a client meets them), target forwards
-(counted at the model's call) and tokens per forward per row, the acceptance; whether every answer was the
+(counted at the model's call) and tokens per forward per row, the acceptance, the verifies whose kept places
+were fed again (none, where every cache's writes replay: one target forward a step); whether every answer was the
 undrafted one, token for token.
 
 The target is omlx's own DeepSeek-V4 (flyto-mlx's, in .venv-omlx) with the DSpark stages of
@@ -73,7 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--batches", default="1,2,4")
+    ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     set_up_omlx()
@@ -85,7 +86,7 @@ def main() -> None:
     rows, same = [], True
     for batch in (int(b) for b in args.batches.split(",")):
         rate = {name: [] for name in engines}
-        per_forward, answers, acceptance = {name: [] for name in engines}, {}, []
+        per_forward, answers, acceptance, refeeds = {name: [] for name in engines}, {}, [], []
         for r in range(args.rounds):
             for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
                 engine = engines[name]()
@@ -96,21 +97,23 @@ def main() -> None:
                 if name == "drafted":
                     s = engine.stats()
                     acceptance.append(s["draft_accepted"] / max(1, s["draft_proposed"]))
+                    refeeds.append(s["draft_refeeds"])
                 say(f"B={batch} round {r + 1} {name}: {rate[name][-1]:.1f} tok/s, {forwards} forwards")
         same &= answers["drafted"] == answers["undrafted"]
         rows.append(f"| {batch} | {spread(rate['undrafted'], '{:.1f}')} | {spread(rate['drafted'], '{:.1f}')} | "
                     f"{statistics.median(rate['drafted']) / statistics.median(rate['undrafted']):.2f}x | "
                     f"{statistics.median(per_forward['undrafted']):.2f} | {statistics.median(per_forward['drafted']):.2f} | "
-                    f"{statistics.median(acceptance):.0%} |")
+                    f"{statistics.median(acceptance):.0%} | {max(refeeds)} |")
     report(["", f"## Row-wise DSpark against undrafted batching, one process (`bench/rowwise.py`, "
             f"{time.strftime('%Y-%m-%d')})", "",
             "omlx's own DeepSeek-V4 (flyto-mlx 0.7.0 at mlx 0.32.3 / mlx-lm 0.31.3; 5 layers 64 wide, compress "
             "ratios [0, 4, 128, 4, 0], window 16) with the DSpark stand-in's 3 stages (blocks of 5: 5 drafts for a "
             "request alone, 3 a row in a batch), on this machine's CPU. B requests of 40 prompt tokens sent at "
             f"once, {args.tokens} greedy tokens each; {args.rounds} alternating rounds, median (min-max). "
-            "Forwards are the target's, prompts' and re-fed places' included.", "",
+            "Forwards are the target's, prompts' included; re-fed steps are verifies whose kept places went through the "
+            "target again (a cache whose writes could not be replayed), the most of any round.", "",
             "| B | undrafted tok/s | drafted tok/s | drafted / undrafted | tokens a forward a row, undrafted | "
-            "drafted | acceptance |", "|---|---|---|---|---|---|---|", *rows, "",
+            "drafted | acceptance | re-fed steps |", "|---|---|---|---|---|---|---|---|", *rows, "",
             "Every drafted answer was the undrafted one, token for token." if same
             else "The answers were NOT the same.", "",
             f"Command: `{Path(sys.executable).parent.parent.name}/bin/python bench/rowwise.py --rounds {args.rounds} "
