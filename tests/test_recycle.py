@@ -45,14 +45,15 @@ def samples(url: str, name: str) -> list:
             for s in family.samples if s.name == name]
 
 
-def streams_until(proxy: str, body: dict, until, out: list) -> None:
+def streams_until(proxy: str, body: dict, until, out: list, on_answer=lambda: None) -> None:
     """Streamed answers back to back until `until()`; into `out` each one's status, events, the generation
     it began on, where it resumed (the proxy's comments), when it was sent, when its headers (naming the
-    generation chosen) came and when it ended."""
+    generation chosen) came and when it ended. `on_answer()` as each one's headers come."""
     while not until():
         began = time.time()
         r = requests.post(f"{proxy}/chat/completions", json={**body, "stream": True}, stream=True, timeout=300)
         answered = time.time()
+        on_answer()
         lines = list(r.iter_lines(decode_unicode=True))
         out.append({"status": r.status_code, "events": sse_events(lines), "began": began, "answered": answered,
                     "ended": time.time(),
@@ -137,23 +138,30 @@ def test_meshctl_restart_under_streaming_clients_is_planned_warm_and_costs_no_an
     wait_for(lambda: all(a.get("/v1/ranks").json()["standby_ready"] for a in agents), 120,
              "a ready standby rank on every agent", interval=0.2)
     before = status(mesh)["generation"]  # read under load: an idle mesh could recycle by age before the restart
+    # the back-to-back answers start and end together, so at an instant all may be waiting for their headers:
+    # a long one surely in flight when the restart begins
+    long, answering = [], threading.Event()
+    longest = threading.Thread(target=streams_until, args=(where["proxy"], {**body, "max_tokens": 2000},
+                                                           lambda: bool(long), long, answering.set))
+    longest.start()
+    assert answering.wait(120), "the long answer to begin"
     restart = meshctl(mesh, "restart", "--wait")
     assert restart.returncode == 0, restart.stdout + restart.stderr
     served = [len(out) for out in answers]  # the next generation serves: each client's next answers are its
     wait_for(lambda: all(len(out) >= n + 2 for out, n in zip(answers, served)), 120, "answers of the next generation")
     done.set()
-    for c in clients:
+    for c in (*clients, longest):
         c.join(timeout=300)
     answers = [a for out in answers for a in out]
-    assert_whole(answers)
+    assert_whole(answers + long)
     assert len({text(a) for a in answers}) == 1
 
     assert status(mesh)["failures_in_window"] == 0
     planned = next(i for i in recycles(mesh) if i["generation"] == before)
     assert planned["steps"] == ["recycle"] and "meshctl restart" in planned["detail"] and planned["serving_back_at"]
     # in flight: its generation chosen before the restart began (one sent just before waits for the next)
-    in_flight = [a for a in answers if a["answered"] < planned["opened_at"] < a["ended"]]
-    assert in_flight and all((a["generation"], a["resumed"]) == (before, []) for a in in_flight), \
+    in_flight = [a for a in answers + long if a["answered"] < planned["opened_at"] < a["ended"]]
+    assert long[0] in in_flight and all((a["generation"], a["resumed"]) == (before, []) for a in in_flight), \
         ("each stream in flight at the restart finished on the generation it began on, none cut",
          [{k: a[k] for k in ("generation", "resumed", "began", "answered", "ended")} for a in in_flight])
     assert planned["migrated"] == 0
