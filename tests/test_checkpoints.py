@@ -210,7 +210,7 @@ def test_the_tape_serves_the_longest_checkpoint_the_new_prompt_stops_at_and_coun
     assert tape.served(tokens[:12] + (99, 98), stops=(5, 10, 13)) == 10
     assert tape.served(tokens[:12] + (99, 98), stops=(5, 13)) == 0  # 10 is not where this prompt stops
     assert tape.served(tokens[:25]) == 20  # a prompt that extends the whole tape: all of it
-    cache, cached, _, inherited = tape.take(tokens[:19] + (77, 78, 79), stops=(10, 19, 21))
+    cache, cached, _, inherited, _ = tape.take(tokens[:19] + (77, 78, 79), stops=(10, 19, 21))
     assert cached == 19 and cache[0][0].tolist() == [[19.0] * 4] and inherited == tuple(points[1:])
     tape.store(tokens[:19] + (77, 78), state_cache(21.0), checkpoints=inherited)
     assert tape.checkpoint_count == 2 and tape.checkpoint_bytes == 32 and tape.checkpoint_hits == 1

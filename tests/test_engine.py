@@ -28,7 +28,7 @@ def test_tape_returns_the_longest_stored_prefix_trimmed_to_what_is_shared():
     tape = TokenTape(capacity=4)
     tape.store((1, 2, 3, 4), cache_of(4))
     tape.store((9, 9), cache_of(2))
-    cache, n, _, _ = tape.take((1, 2, 3, 7, 8))
+    cache, n, _, _, _ = tape.take((1, 2, 3, 7, 8))
     assert n == 3
     assert cache[0].offset == 3
     assert cache[0].state[0][0, 0, :3, 0].tolist() == [0, 1, 2]
@@ -37,26 +37,37 @@ def test_tape_returns_the_longest_stored_prefix_trimmed_to_what_is_shared():
 def test_tape_leaves_at_least_one_token_to_prefill():
     tape = TokenTape()
     tape.store((1, 2, 3), cache_of(3))
-    cache, n, _, _ = tape.take((1, 2, 3))
+    cache, n, _, _, _ = tape.take((1, 2, 3))
     assert n == 2 and cache[0].offset == 2
 
 
 def test_tape_take_copies_so_the_stored_entry_survives():
     tape = TokenTape()
     tape.store((1, 2, 3, 4), cache_of(4))
-    first, _, _, _ = tape.take((1, 2, 5))
-    second, n, _, _ = tape.take((1, 2, 3, 4, 5))
+    first, _, _, _, _ = tape.take((1, 2, 5))
+    second, n, _, _, _ = tape.take((1, 2, 3, 4, 5))
     assert first[0].offset == 2 and n == 4 and second[0].offset == 4
+
+
+def test_a_tape_gives_the_taps_it_kept_of_the_positions_before_the_prefix_it_serves():
+    tape = TokenTape()
+    taps = mx.arange(4, dtype=mx.float32).reshape(1, 4, 1) + 6  # a tape of 10 tokens keeps its last 4: 6, 7, 8, 9
+    tape.store(tuple(range(10)), cache_of(10), taps=taps)
+    assert tape.take(tuple(range(10)) + (50,))[4][0, :, 0].tolist() == [6, 7, 8, 9]  # the next turn: all of them
+    assert tape.take(tuple(range(8)) + (50,))[4][0, :, 0].tolist() == [6, 7]  # a history cut at 8: none after it
+    assert tape.take(tuple(range(5)) + (50,))[4] is None  # before every position they hold: none
+    tape.store((20, 21, 22), cache_of(3))
+    assert tape.take((20, 21, 22, 23))[4] is None  # a tape kept without taps (a plain batch's)
 
 
 def test_tape_miss_and_eviction():
     tape = TokenTape(capacity=2)
-    assert tape.take((1, 2)) == (None, 0, "", ())
+    assert tape.take((1, 2)) == (None, 0, "", (), None)
     tape.store((1, 1), cache_of(2))
     tape.store((2, 2), cache_of(2))
     tape.store((3, 3), cache_of(2))
     assert len(tape) == 2
-    assert tape.take((1, 1, 1)) == (None, 0, "", ())
+    assert tape.take((1, 1, 1)) == (None, 0, "", (), None)
 
 
 def test_extending_tape_replaces_its_prefix():

@@ -498,7 +498,7 @@ def test_tenants_never_share_a_prefix_in_memory_or_on_disk_and_a_restore_keeps_w
     tape.store(secret, real_cache(40), tape_id(secret, "alice"), "alice")
     assert tape.served(secret + (1,), "alice") == 40
     assert tape.served(secret + (1,), "bob") == 0 and tape.served(secret + (1,)) == 0
-    cache, cached, _, _ = tape.take(secret[:20] + (99,), "bob")
+    cache, cached, _, _, _ = tape.take(secret[:20] + (99,), "bob")
     assert (cache, cached, tape.misses) == (None, 0, 1)  # a miss, as if nothing were held
     assert tape_id(secret, "alice") != tape_id(secret, "bob") != tape_id(secret)
 

@@ -300,7 +300,10 @@ class MTPEngine(SingleRequestEngine):
         MTP head's cache, DSpark's stages'); the target's caches (and the head's) hold its tape[:base] for good."""
         prefix = (self.prefixes.take(job) if self.prefixes is not None
                   else Prefix(make_prompt_cache(self._model), 0, NO_SNAPSHOT, Taken(())))
-        return Request.begin(job, prefix, context=self._model.make_mtp_cache(), width=self.num_draft_tokens)
+        return Request.begin(job, prefix, context=self._context(prefix), width=self.num_draft_tokens)
+
+    def _context(self, prefix: Prefix) -> list:
+        return self._model.make_mtp_cache()
 
     def _prefill(self) -> None:
         """A chunk of the prompt that is not its last through the target; the head learns its positions."""
@@ -343,6 +346,7 @@ class MTPEngine(SingleRequestEngine):
         at = first + n - 1  # the place of the last token kept
         self._cut(saved, inputs[:at + 1], inputs.shape[0])
         r.base += at + 1
+        self._kept(learned, at)
         r.tape += tokens[:n]
         out = self._emit(tokens[:n], logprobs, (len(guessed), min(kept, n)))
         if self._active is not None:
@@ -359,7 +363,8 @@ class MTPEngine(SingleRequestEngine):
         if self.prefixes is not None:
             r = self._active
             self.prefixes.pump()
-            r.since = self.prefixes.keep(r.job.tenant, r.since, r.fed if final else r.tape, r.cache, final, r.taken)
+            r.since = self.prefixes.keep(r.job.tenant, r.since, r.fed if final else r.tape, r.cache, final, r.taken,
+                                         r.recent)
 
     def _finish(self) -> None:
         if self._active is not None:
@@ -383,6 +388,10 @@ class MTPEngine(SingleRequestEngine):
     @staticmethod
     def _agree(kept: int) -> None:
         """Nothing to settle here: this step's collectives did not depend on what was kept."""
+
+    def _kept(self, learned, at: int) -> None:
+        """The step's places through `at` are the request's for good (what the head learned of them is in its
+        cache already)."""
 
     def _cut(self, saved: rollback.Checkpoint, kept: mx.array, fed: int) -> None:
         """The target's caches back to its base plus the `kept` places, of the `fed` the step put in."""
@@ -561,6 +570,7 @@ class DSparkEngine(MTPEngine):
         self.refeeds = 0  # verifies whose kept places went through the target again (a cache nothing could cut)
         self._arm = getattr(sys.modules[type(model).__module__], "set_dspark_verify_armed", lambda flag: None)
         self._windows = pools.overlap_windows(model)
+        self._window = dspark.window(model)
 
     def stats(self) -> dict:
         return {**super().stats(), "drafter": "dspark", "draft_refeeds": self.refeeds}
@@ -595,6 +605,7 @@ class DSparkEngine(MTPEngine):
         if r.drafting:
             with self._refusals():
                 self._model.dspark_append_context(taps, r.context)
+        r.recent = dspark.recent(r.recent, taps, self._window)
         mx.eval([c.state for c in r.cache])
         r.base += len(chunk)
         r.taken.reached(r.cache, r.base)
@@ -613,6 +624,13 @@ class DSparkEngine(MTPEngine):
     @staticmethod
     def _agree(kept: int) -> None:
         agree([kept])
+
+    def _context(self, prefix: Prefix) -> list:
+        return dspark.context(self._model, prefix.taps, prefix.cached)
+
+    def _kept(self, taps: mx.array, at: int) -> None:
+        r = self._active
+        r.recent = dspark.recent(r.recent, taps[:, :at + 1], self._window)
 
     def _cut(self, saved: rollback.Checkpoint, kept: mx.array, fed: int) -> None:
         """The target's caches back to its base plus the `kept` places: trimmed when a trim undoes every

@@ -38,6 +38,7 @@ class Request:
     drafting: bool = True
     width: int = 0  # the most drafts a step it takes (its job's draft_tokens, at most its engine's)
     context: list | None = None
+    recent: mx.array | None = None  # the target's taps at the last positions its caches hold (DSpark's: its tape keeps them)
     kept: list[int] = field(default_factory=list)
 
     @classmethod
@@ -50,7 +51,7 @@ class Request:
                    list(job.prompt[prefix.cached:]), prefix.cached, processors,
                    next((p for p in processors if isinstance(p, GrammarMask)), None),
                    mx.array(job.prompt, dtype=mx.uint32) if processors else None, context=context,
-                   drafting=drafts > 0, width=drafts)
+                   drafting=drafts > 0, width=drafts, recent=prefix.taps)
 
     @property
     def rid(self) -> str:

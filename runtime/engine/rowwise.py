@@ -74,6 +74,7 @@ class RowwiseDSpark:
         self.prefixes = prefixes
         self._chunk = prefill_step_size
         self._windows = pools.overlap_windows(model)
+        self._window = dspark.window(model)
         self.width = verify_width(num_draft_tokens, int(model.args.dspark_block_size), self._windows)
         self._log = log
         self._joining: deque[Request] = deque()  # prompts going in (in their own caches), first come first
@@ -83,7 +84,9 @@ class RowwiseDSpark:
 
     # --- Engine -------------------------------------------------------------------------------------------
     def insert(self, job: Job) -> int:
-        row = Request.begin(job, self.prefixes.take(job), context=self._model.make_mtp_cache(), width=self.width)
+        prefix = self.prefixes.take(job)
+        row = Request.begin(job, prefix, context=dspark.context(self._model, prefix.taps, prefix.cached),
+                            width=self.width)
         self._joining.append(row)
         return row.cached
 
@@ -131,6 +134,7 @@ class RowwiseDSpark:
         if row.drafting:
             with self._refusals(row, "DSpark's stages"):
                 self._model.dspark_append_context(taps, row.context)
+        row.recent = dspark.recent(row.recent, taps, self._window)
         mx.eval([c.state for c in row.cache])
         row.base += n
         row.taken.reached(row.cache, row.base)
@@ -185,6 +189,7 @@ class RowwiseDSpark:
         out, ended = [], []
         for i, r in enumerate(rows):
             mine = self._emit(r, logprobs[i], drafts[i])
+            r.recent = dspark.recent(r.recent, taps[i:i + 1, :len(r.kept)], self._window)
             out += mine
             if mine[-1].finish_reason is not None:
                 ended.append(r)
@@ -264,7 +269,7 @@ class RowwiseDSpark:
                 if r in leaving:
                     self.prefixes.pump()
                     r.since = self.prefixes.keep(r.job.tenant, r.since, r.fed, [c.extract(i) for c in self._cache],
-                                                 True, r.taken)
+                                                 True, r.taken, r.recent)
         self._rows = [self._rows[i] for i in keep]
         if keep:
             for c in self._cache:

@@ -102,6 +102,31 @@ def gate_kernels(package: str | None, model, config: dict, log) -> None:
                 f"({type(e).__name__}: {str(e)[:120]}); the model takes its portable path")
 
 
+def window(model) -> int:
+    """How many committed positions the stages' context holds (the newest)."""
+    return int(model.make_mtp_cache()[0].max_size)
+
+
+def recent(held: mx.array | None, taps: mx.array, size: int) -> mx.array:
+    """The target's taps at the last `size` positions a request's caches hold: `held`, then `taps` (those of the
+    positions just fed)."""
+    return (taps if held is None else mx.concatenate([held, taps], axis=1))[:, -size:]
+
+
+def context(model, taps: mx.array | None, at: int) -> list:
+    """The stages' context for a request whose caches hold `at` positions: `taps` (the target's at the positions
+    just before `at`, kept with the tape its cache came from) entered at their own positions, as a prefill of
+    them would have entered them; else empty. A stage refusing their shape leaves it empty: drafts only guess."""
+    stages = model.make_mtp_cache()
+    if taps is None:
+        return stages
+    try:
+        model.dspark_append_context(taps, stages, start_offset=at - taps.shape[1])
+    except Exception:
+        return model.make_mtp_cache()
+    return stages
+
+
 def draft(model, cache: list, committed: mx.array, anchor: int, width: int,
           allowed=lambda drafts, row: row) -> tuple[mx.array, mx.array]:
     """The first `width` drafts of DeepSeek's DSpark block after `anchor` (the token the target sampled last,

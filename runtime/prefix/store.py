@@ -25,6 +25,7 @@ class Prefix(NamedTuple):
     cached: int  # how much of its prompt that cache holds
     since: tuple[str, int]  # its snapshot point: the id and length of what its tape has on disk
     taken: Taken  # its checkpoints, to take as its prefill reaches the stops of its prompt
+    taps: object = None  # the target's taps at the last positions its cache holds, kept with its tape, or None
 
 
 class PrefixStore:
@@ -51,25 +52,25 @@ class PrefixStore:
         """A cache for `job` (its `prompt` and `tenant`) from the token tape, its snapshot point from it and its
         checkpoints (where its prompt stops, those its cache inherited)."""
         stops = self.stopping.stops(job.prompt)
-        cache, cached, sid, inherited = self.tape.take(job.prompt, job.tenant, stops)
+        cache, cached, sid, inherited, taps = self.tape.take(job.prompt, job.tenant, stops)
         since = NO_SNAPSHOT
         if self.snapshots:
             since = self.snapshots.base(sid, cached)
             if sid:
                 self.snapshots.used(sid)
-        return Prefix(cache if cache is not None else self.fresh(), cached, since, Taken(stops, inherited))
+        return Prefix(cache if cache is not None else self.fresh(), cached, since, Taken(stops, inherited), taps)
 
     def keep(self, tenant: str, since: tuple[str, int], tokens, cache: list, final: bool,
-             taken: Taken | None = None) -> tuple[str, int]:
+             taken: Taken | None = None, taps=None) -> tuple[str, int]:
         """A request's tape as it goes (`tokens` the ids its cache holds, or more): staged for its snapshot when
-        due; at its end (`tokens` exactly what its cache holds, `taken` its checkpoints) into the token tape.
-        Returns the request's snapshot point from here."""
+        due; at its end (`tokens` exactly what its cache holds, `taken` its checkpoints, `taps` the target's taps
+        at its last positions) into the token tape. Returns the request's snapshot point from here."""
         if final:
             tokens = tuple(tokens)
         if self.snapshots:
             since = self.snapshots.stage(tokens, cache, since, final, tenant)
         if final:
-            self.tape.store(tokens, cache, since[0], tenant, tuple(taken.points) if taken else ())
+            self.tape.store(tokens, cache, since[0], tenant, tuple(taken.points) if taken else (), taps)
         return since
 
     def due(self, since: tuple[str, int], told: int) -> bool:

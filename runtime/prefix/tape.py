@@ -7,7 +7,9 @@ omlx's DeepSeek-V4 pools; such a cache serves a prompt that extends its whole
 tape, or is cut back to the longest of its checkpoints (runtime/prefix/
 checkpoints.py) that lies within what the prompt shares with it and where the
 prompt's own prefill stops (`stops`: there a cut cache answers as a fresh
-prefill does). A tape that extends such a tape does not replace it. The
+prefill does). A tape that extends such a tape does not replace it. A drafted tape also keeps the target's taps
+at its last positions (`taps`, at most DSpark's stages' window of them): a prompt it serves gets those before the
+prefix served, so its stages draft its first block with their context (runtime/models/dspark.py `context`). The
 checkpoints' held bytes are bounded (`checkpoint_budget`): past it the least
 recently used tapes lose theirs first (`_thin`). Each entry carries the id its snapshot was written or restored
 under (runtime/prefix/snapshot.py), "" when it has none, and its tenant: a request
@@ -49,6 +51,16 @@ class Entry:
     sid: str  # its snapshot's id ("" without)
     tenant: str
     checkpoints: tuple[Checkpoint, ...] = ()
+    taps: object = None  # the target's taps at its last positions (mx.array [1, n, width]), or None
+
+
+def taps_before(taps, stored: int, served: int):
+    """Of the taps at the last positions of a tape of `stored` tokens, those before position `served`; None
+    when none is."""
+    if taps is None:
+        return None
+    n = taps.shape[1] - (stored - served)
+    return taps[:, :n] if n > 0 else None
 
 
 def replaces(shared: int, stored: int, new: int, trimmable: bool) -> bool:
@@ -108,18 +120,19 @@ class TokenTape:
         return self._best(prompt, tenant, stops)[1]
 
     def take(self, prompt: tuple[int, ...], tenant: str = "",
-             stops: tuple[int, ...] = ()) -> tuple[list | None, int, str, tuple[Checkpoint, ...]]:
+             stops: tuple[int, ...] = ()) -> tuple[list | None, int, str, tuple[Checkpoint, ...], object]:
         """A copy of the cache of `tenant` that serves the longest reusable prefix of `prompt`, cut back to it,
-        that prefix's length, the snapshot id of the entry it came from and the entry's checkpoints up to it
-        (the copy went through them: they cut it back too); (None, 0, "", ()) when none does. `stops`: where
-        the prompt's own prefill stops (runtime/prefix/checkpoints.py `stops`)."""
+        that prefix's length, the snapshot id of the entry it came from, the entry's checkpoints up to it
+        (the copy went through them: they cut it back too) and its taps before it (`taps_before`);
+        (None, 0, "", (), None) when none does. `stops`: where the prompt's own prefill stops
+        (runtime/prefix/checkpoints.py `stops`)."""
         best, best_len, point, shared = self._best(prompt, tenant, stops)
         if best is None:
             if shared:
                 self.not_reusable += 1
             else:
                 self.misses += 1
-            return None, 0, "", ()
+            return None, 0, "", (), None
         entry = self._entries[best]
         cache = copy.deepcopy(entry.cache)
         if point is not None:
@@ -127,19 +140,20 @@ class TokenTape:
             self.checkpoint_hits += 1
         elif trim_prompt_cache(cache, len(entry.tokens) - best_len) != len(entry.tokens) - best_len:
             self.not_reusable += 1
-            return None, 0, "", ()
+            return None, 0, "", (), None
         del self._entries[best]
         self._entries.append(entry)
         self.hits += 1
         self.hit_tokens += best_len
-        return cache, best_len, entry.sid, tuple(c for c in entry.checkpoints if c.at <= best_len)
+        return (cache, best_len, entry.sid, tuple(c for c in entry.checkpoints if c.at <= best_len),
+                taps_before(entry.taps, len(entry.tokens), best_len))
 
     def store(self, tape: tuple[int, ...], cache: list, sid: str = "", tenant: str = "",
-              checkpoints: tuple[Checkpoint, ...] = ()) -> None:
+              checkpoints: tuple[Checkpoint, ...] = (), taps=None) -> None:
         trimmable = can_trim_prompt_cache(cache)
         self._entries = deque(e for e in self._entries if e.tenant != tenant or
                               not replaces(common_prefix(e.tokens, tape), len(e.tokens), len(tape), trimmable))
-        self._entries.append(Entry(tape, cache, sid, tenant, tuple(c for c in checkpoints if c.at < len(tape))))
+        self._entries.append(Entry(tape, cache, sid, tenant, tuple(c for c in checkpoints if c.at < len(tape)), taps))
         while len(self._entries) > self.capacity:
             self._entries.popleft()
         self._thin()

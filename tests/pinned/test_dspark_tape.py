@@ -9,7 +9,8 @@ import pytest
 from common.openai_api import SamplingParams
 from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
-from runtime.engine.rowwise import drafted_everywhere
+from runtime.engine.rowwise import RowwiseDSpark, drafted_everywhere
+from runtime.models import dspark
 from runtime.prefix.store import PrefixStore
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
@@ -75,3 +76,39 @@ def test_the_turn_after_a_drafted_answer_prefills_only_its_new_tokens_and_answer
     assert d_cached == len(PROMPT) + len(first) - 1 and d_cached <= p_cached <= d_cached + 1
     assert d_prefilled == len(turn.prompt) - d_cached == len(NEW) + 1
     assert p_prefilled == len(turn.prompt) - p_cached + 1  # and the next token's step, queued before it reads
+
+
+
+@pytest.mark.parametrize("kind", ["alone", "rows"])
+def test_the_turn_after_a_drafted_answer_drafts_its_first_block_with_the_stages_context_of_the_turn_before(
+        model, monkeypatch, kind):
+    """The tape keeps the target's taps at its last positions: the next turn, served from it, enters them into
+    the stages' context at their own positions, so its first block is drafted from the rows the first turn's
+    stages held there, not from its new tokens alone."""
+    seen = []  # at each draft: where the stages' context stood and the rows it held
+    real = dspark.draft
+
+    def draft(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append((args[1][0].offset, [mx.array(c.keys) for c in args[1]]))
+        return out
+
+    monkeypatch.setattr(dspark, "draft", draft)
+    store = PrefixStore(model, prefill_step_size=32)
+    engine = (RowwiseDSpark(model, {1}, prefixes=store, prefill_step_size=32, log=lambda m: None) if kind == "rows"
+              else drafted_everywhere(model, {1}, store, prefill_step_size=32, log=lambda m: None))
+    first, _, _ = answer(engine, Job("t1", PROMPT, 48, 3, GREEDY))
+    before, before_rows = seen[-1]  # the first turn's last block
+    seen.clear()
+    turn = Job("t2", PROMPT + tuple(first) + NEW, 8, 4, GREEDY)
+    _, cached, _ = answer(engine, turn)
+    at, rows = seen[0]
+    window = dspark.window(model)
+    assert store.stats()["tape_hits"] == 1 and at == len(turn.prompt)
+    assert [r.shape[-2] for r in rows] == [window] * len(rows)
+    assert at - window < cached, "rows from before the new tokens: without the tape's taps only those would be there"
+    shared = range(max(at, before) - window, min(before, cached))  # positions both turns' stages held
+    assert len(shared) >= 4
+    for mine, theirs in zip(rows, before_rows):
+        assert mx.allclose(mine[..., [p - (at - window) for p in shared], :],
+                           theirs[..., [p - (before - window) for p in shared], :], atol=1e-5).item()

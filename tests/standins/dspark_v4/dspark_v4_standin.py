@@ -87,9 +87,11 @@ def install() -> bool:
         def __init__(self, max_size: int):
             self.max_size, self.offset, self.keys = max_size, 0, None
 
-        def append(self, rows, start_offset=None) -> None:
-            if start_offset is not None and start_offset != self.offset:
-                raise ValueError(f"DSpark context is at {self.offset}, not {start_offset}")
+        def append(self, rows, *, start_offset=None) -> None:
+            if start_offset is not None and self.keys is None:  # an empty context starts where it is told
+                self.offset = start_offset
+            elif start_offset is not None and start_offset != self.offset:
+                raise ValueError(f"DSpark context is not contiguous: cache={self.offset}, append={start_offset}")
             self.offset += rows.shape[2]
             rows = rows if self.keys is None else mx.concatenate([self.keys, rows], axis=2)
             self.keys = rows[:, :, -self.max_size:]
@@ -240,7 +242,8 @@ def install() -> bool:
     def dspark_append_context(self, main_hidden, cache, *, start_offset=None):
         main_x = self.mtp[0].main_norm(self.mtp[0].main_proj(main_hidden))
         for stage, c in zip(self.mtp, cache):
-            c.append(stage.attn.context_row(main_x, c.offset), start_offset)
+            c.append(stage.attn.context_row(main_x, c.offset if start_offset is None else start_offset),
+                     start_offset=start_offset)
         return main_x
 
     def dspark_forward(self, main_hidden, anchor_ids, cache=None, *, draft_length=None):

@@ -29,9 +29,11 @@ class DSparkContextCache:
         self.offset = 0
         self.keys = None
 
-    def append(self, keys: mx.array, start_offset: int | None = None) -> None:
-        if start_offset is not None and start_offset != self.offset:
-            raise ValueError(f"DSpark context is at {self.offset}, not {start_offset}")
+    def append(self, keys: mx.array, *, start_offset: int | None = None) -> None:
+        if start_offset is not None and self.keys is None:  # an empty context starts where it is told
+            self.offset = start_offset
+        elif start_offset is not None and start_offset != self.offset:
+            raise ValueError(f"DSpark context is not contiguous: cache={self.offset}, append={start_offset}")
         self.offset += keys.shape[1]
         keys = keys if self.keys is None else mx.concatenate([self.keys, keys], axis=1)
         self.keys = keys[:, -self.max_size:]
@@ -103,7 +105,8 @@ def make_mtp_cache(self) -> list:
 def dspark_append_context(self, main_hidden, cache, *, start_offset=None):
     main_x = self.mtp[0].main_norm(self.mtp[0].main_proj(main_hidden))
     for stage, c in zip(self.mtp, cache):
-        c.append(stage.self_attn.context_row(main_x, c.offset), start_offset)
+        c.append(stage.self_attn.context_row(main_x, c.offset if start_offset is None else start_offset),
+                 start_offset=start_offset)
     return main_x
 
 
