@@ -547,7 +547,7 @@ class DSparkEngine(MTPEngine):
 
     The target's caches go back to the kept places by trimming when a trim undoes every layer exactly, else
     (pooled and windowed layers) by undoing the step and writing the kept places' recorded writes again
-    (runtime/prefix/rollback.py): one target forward a step. A refusal anywhere in a drafted step (the
+    (runtime/prefix/rollback.py): no second forward for the cut. A refusal anywhere in a drafted step (the
     target's verify, the stages) ends drafting for that request, the caches restored: plain from there,
     the rank alive. One request at a time: `DraftWhenAlone` gives it the requests that are alone, and takes
     the one it drafts to the batch (`handover`) when another arrives.
