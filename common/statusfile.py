@@ -48,6 +48,7 @@ class RankStatus:
     tape_checkpoint_hits: int = 0  # tape hits a checkpoint served (a cache a trim cannot cut back, cut back to it)
     tape_checkpoints: int = 0  # the checkpoints the tape holds (runtime/prefix/checkpoints.py)
     tape_checkpoint_bytes: int = 0  # the memory they hold, within --checkpoint-budget-mb
+    tape_taps_bytes: int = 0  # the memory the tapes' kept taps hold (DSpark's stages' context for the next turn)
     snapshots_written: int = 0  # prefix snapshot segments this rank wrote (runtime/prefix/snapshot.py)
     snapshots_restored: int = 0  # tapes restored from them
     snapshots_skipped: dict = field(default_factory=dict)  # by reason: missing, truncated, corrupt, foreign, ...

@@ -53,6 +53,7 @@ def test_a_tape_gives_the_taps_it_kept_of_the_positions_before_the_prefix_it_ser
     tape = TokenTape()
     taps = mx.arange(4, dtype=mx.float32).reshape(1, 4, 1) + 6  # a tape of 10 tokens keeps its last 4: 6, 7, 8, 9
     tape.store(tuple(range(10)), cache_of(10), taps=taps)
+    assert tape.taps_bytes == 4 * 4  # said in the status file
     assert tape.take(tuple(range(10)) + (50,))[4][0, :, 0].tolist() == [6, 7, 8, 9]  # the next turn: all of them
     assert tape.take(tuple(range(8)) + (50,))[4][0, :, 0].tolist() == [6, 7]  # a history cut at 8: none after it
     assert tape.take(tuple(range(5)) + (50,))[4] is None  # before every position they hold: none

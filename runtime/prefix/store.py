@@ -96,4 +96,5 @@ class PrefixStore:
         return {"tape_hits": tape.hits, "tape_hit_tokens": tape.hit_tokens, "tape_misses": tape.misses,
                 "tape_not_reusable": tape.not_reusable, "tape_checkpoint_hits": tape.checkpoint_hits,
                 "tape_checkpoints": tape.checkpoint_count, "tape_checkpoint_bytes": tape.checkpoint_bytes,
+                "tape_taps_bytes": tape.taps_bytes,
                 **(self.snapshots.stats() if self.snapshots else {})}

@@ -94,6 +94,11 @@ class TokenTape:
         return sum(c.nbytes for c in self._checkpoints())
 
     @property
+    def taps_bytes(self) -> int:
+        """Memory the tapes' kept taps hold (at most the stages' window of positions a tape)."""
+        return sum(e.taps.nbytes for e in self._entries if e.taps is not None)
+
+    @property
     def checkpoint_count(self) -> int:
         return len(self._checkpoints())
 

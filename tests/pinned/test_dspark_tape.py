@@ -98,6 +98,8 @@ def test_the_turn_after_a_drafted_answer_drafts_its_first_block_with_the_stages_
     engine = (RowwiseDSpark(model, {1}, prefixes=store, prefill_step_size=32, log=lambda m: None) if kind == "rows"
               else drafted_everywhere(model, {1}, store, prefill_step_size=32, log=lambda m: None))
     first, _, _ = answer(engine, Job("t1", PROMPT, 48, 3, GREEDY))
+    width = len(model.args.dspark_target_layer_ids) * model.args.hidden_size  # the taps' width a position
+    assert store.stats()["tape_taps_bytes"] == dspark.window(model) * width * 4, "said in the status file"
     before, before_rows = seen[-1]  # the first turn's last block
     seen.clear()
     turn = Job("t2", PROMPT + tuple(first) + NEW, 8, 4, GREEDY)
