@@ -73,7 +73,7 @@ class Restorer:
         self._queue = list(plan_)
         self._read: dict = {}  # by the thread: tape -> Read, or None when it could not be read
         self._built: dict[str, tuple | None] = {}
-        self._building: tuple | None = None  # the cache being built: its tape, tenant and the build's steps
+        self._building: tuple | None = None  # the cache being built: its tape, what was read of it and the build's steps
         self.build_bytes = BUILD_BYTES
         self._cv = threading.Condition()
         self._closed = False
@@ -140,14 +140,14 @@ class Restorer:
             if got is None:
                 self._built[sid] = None
                 return
-            self._building = (sid, got.tenant, self.snaps.building(got, self.fresh), time.monotonic(), [0])
-        sid, tenant, steps, began, built = self._building
+            self._building = (sid, got, self.snaps.building(got, self.fresh), time.monotonic(), [0])
+        sid, got, steps, began, built = self._building
         done = 0
         try:
             while done < self.build_bytes:
                 done += next(steps)
         except StopIteration as end:
-            self._built[sid] = (*end.value, tenant) if end.value is not None else None
+            self._built[sid] = (*end.value, got.tenant, got.taps) if end.value is not None else None
             self._building = None
             if end.value is not None:  # its parts' bytes over the wall time they took, the steps between included
                 self.rates.note(build_bps=(built[0] + done) / max(time.monotonic() - began, 1e-6))

@@ -337,12 +337,12 @@ def test_a_snapshot_folder_deleted_while_serving_fails_that_write_is_made_again_
     assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path, snaps.folder)} == {"0o700"}  # made again, private
 
 
-def restorer_over(tmp_path, tapes: list[tuple], read_bps: float, prefill_tps: float):
-    """A rank of one that served `tapes` in its last generation, now restoring them while it serves, with
-    these rates measured before."""
+def restorer_over(tmp_path, tapes: list[tuple], read_bps: float, prefill_tps: float, taps=None):
+    """A rank of one that served `tapes` in its last generation (their last positions' `taps` kept with them),
+    now restoring them while it serves, with these rates measured before."""
     snaps = Snapshots(tmp_path, ME, 1 << 24, every=4)
     for tape in tapes:
-        snaps.stage(tape, real_cache(len(tape)), ("", 0), final=True)
+        snaps.stage(tape, real_cache(len(tape)), ("", 0), final=True, taps=taps)
     snaps.close()
     again = Snapshots(tmp_path, ME, 1 << 24, every=4)
     rates = Rates(None)
@@ -379,6 +379,14 @@ def test_a_restored_cache_is_built_a_leaf_an_iteration_so_requests_step_between_
     assert restorer.adopt(lambda b: [b]) == [tape_id(tokens)] and tape.served(tokens + (1,)) == len(tokens)
     # the build's rate is over the wall time its parts took, what a request waiting for it would wait
     assert 0 < restorer.rates.build_bps <= restorer.snaps.nbytes_of(tape_id(tokens)) * 4 / 0.5
+
+
+def test_a_restored_tape_gives_the_next_turn_the_taps_its_snapshot_kept(tmp_path):
+    tokens, taps = tuple(range(10, 30)), mx.random.normal((1, 4, 6))  # DSpark's stages' context for the next turn
+    restorer, tape = restorer_over(tmp_path, [tokens], 0, 0, taps=taps)
+    wait_for(lambda: restorer.adopt(lambda b: [b]) == [tape_id(tokens)], 10, "the tape restored")
+    assert mx.array_equal(tape.take(tokens + (7,))[4], taps).item()
+    assert tape.take(tokens[:17] + (7,))[4].shape == (1, 1, 6)  # of a shorter prefix, those before it
 
 
 def test_a_request_that_a_pending_tape_serves_waits_for_it_and_a_new_conversation_goes_at_once(tmp_path):

@@ -360,6 +360,12 @@ class Read:
     nbytes: int
     tenant: str
 
+    @property
+    def taps(self) -> mx.array | None:
+        """The target's taps at the tape's last positions, as its last segment kept them (None without)."""
+        last, _ = self.parts[-1]
+        return to_mx(*last["taps"]) if "taps" in last else None
+
 
 def read_part(seg: Segment, types: list[str], key: bytes) -> tuple[dict, list]:
     """A segment's arrays and its leaves' description (type, meta state, the state's entries that are not
@@ -374,7 +380,7 @@ def read_part(seg: Segment, types: list[str], key: bytes) -> tuple[dict, list]:
         its = [t for t, _, _ in about]
         n = seg.end - seg.start
         fits = arrays["tokens"][0].shape == (n,) and (snapshot_kind(its) == "whole" or all(
-            a.shape[2] == n for k, (a, _) in arrays.items() if k != "tokens"))
+            a.shape[2] == n for k, (a, _) in arrays.items() if k not in ("tokens", "taps")))
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise Unusable("corrupt", f"{seg.path.name}: unreadable ({e})")
     if its != types:
@@ -624,10 +630,12 @@ class Snapshots:
             seg = self.segments.get(sid)
         return (sid, seg.end) if seg else ("", 0)
 
-    def stage(self, tokens, cache: list, since: tuple[str, int], final: bool, tenant: str = "") -> tuple[str, int]:
+    def stage(self, tokens, cache: list, since: tuple[str, int], final: bool, tenant: str = "",
+              taps: mx.array | None = None) -> tuple[str, int]:
         """Take the state of a tape's cache for the writer when `due`: its tokens past `since` (a snapshot id
-        and its length) for plain KV caches, its whole state for others; returns the tape's snapshot point
-        after it (the same while the writer is stopped: nothing is staged for no one)."""
+        and its length) for plain KV caches, its whole state for others, and `taps` (the target's at the last
+        positions its cache holds, for DSpark's stages: runtime/prefix/tape.py); returns the tape's snapshot
+        point after it (the same while the writer is stopped: nothing is staged for no one)."""
         if self.writer_error:
             return since
         parts = leaves(cache)
@@ -648,6 +656,8 @@ class Snapshots:
                         value = None
                     values.append(value)
                 about.append((type(leaf).__name__, getattr(leaf, "meta_state", None), values))
+            if taps is not None:
+                arrays["taps"] = mx.contiguous(taps)
         nbytes = sum(a.nbytes for a in arrays.values())
         with self._lock:
             if sid in self.segments:  # this very tape is on disk already

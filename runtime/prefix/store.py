@@ -68,7 +68,7 @@ class PrefixStore:
         if final:
             tokens = tuple(tokens)
         if self.snapshots:
-            since = self.snapshots.stage(tokens, cache, since, final, tenant)
+            since = self.snapshots.stage(tokens, cache, since, final, tenant, taps)
         if final:
             self.tape.store(tokens, cache, since[0], tenant, tuple(taken.points) if taken else (), taps)
         return since

@@ -21,7 +21,8 @@ from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
 from runtime.engine.rowwise import drafted_everywhere
 from runtime.prefix.store import PrefixStore
-from runtime.prefix.snapshot import Identity, Snapshots, read_header, segment_files, tape_id
+from runtime.models import dspark
+from runtime.prefix.snapshot import Identity, Snapshots, leaf_types, read_header, segment_files, tape_id
 
 ME = Identity("v4", 1, 0, "layout")
 TOKENS = tuple(int(t) for t in mx.random.randint(0, 500, (150,), key=mx.random.key(5)).tolist())
@@ -142,6 +143,8 @@ def test_an_answer_resumed_from_its_snapshot_in_flight_continues_as_plain_decodi
     again = Snapshots(tmp_path, ME, 1 << 30, every=EVERY)
     mid = min((s for s in again.segments.values() if s.end > len(TOKENS)), key=lambda s: s.end)
     assert mid.end < len(TOKENS) + 64  # the answer's first snapshot in flight, not its last
+    kept = again.read(mid.sid, leaf_types(make_prompt_cache(model))).taps  # DSpark's stages' context, on disk
+    assert (kept.shape[1] if drafted else kept) == (dspark.window(model) if drafted else None)
     [(tokens, cache, sid)] = again.restore([mid.sid], lambda: make_prompt_cache(model))
     second = engine(model, drafted, again)
     second.prefixes.tape.store(tokens, cache, sid)
