@@ -129,6 +129,10 @@ class Checkpoint:
         """The caches back where the step found them (repeatable), no longer recording."""
         for leaf, offset in self.trimmed:
             leaf.trim(leaf.offset - offset)
+        self._restore_held()
+
+    def _restore_held(self) -> None:
+        """Each held leaf's attributes as the step found them (its recording wrappers gone with the rest)."""
         for leaf, attributes, _ in self.held:
             leaf.__dict__.clear()
             leaf.__dict__.update({k: view(v) for k, v in attributes.items()})
@@ -147,9 +151,7 @@ class Checkpoint:
             return False
         for leaf, offset in self.trimmed:
             leaf.trim(leaf.offset - offset - places)
-        for leaf, attributes, _ in self.held:
-            leaf.__dict__.clear()
-            leaf.__dict__.update({k: view(v) for k, v in attributes.items()})
+        self._restore_held()
         with around:
             for leaf, _, calls in self.held:
                 replay(leaf, calls, places)
