@@ -29,7 +29,7 @@ from runtime.server import WARMUP
 from runtime.prefix.rates import Rates
 from runtime.restore import Restorer, plan, settled, worth_waiting
 from runtime.prefix.snapshot import (Identity, Segment, Snapshots, agree, digest, due, ends, evict, expired, read_header,
-                              scan, segment_files, serving, snapshot_key, snapshot_kind, tape_id, whole)
+                              read_segment, scan, segment_files, serving, snapshot_key, snapshot_kind, tape_id, whole)
 from runtime.prefix.store import PrefixStore
 from runtime.prefix.tape import TokenTape
 
@@ -272,16 +272,30 @@ def test_a_tape_restored_behind_serving_never_pushes_out_a_newer_one():
     assert (tape.hits, tape.misses) == (0, 0)  # `served` only asks
 
 
-def test_a_segment_is_durable_on_its_own_and_its_name_is_the_digest_of_its_bytes(tmp_path):
-    snaps = Snapshots(tmp_path, ME, 1 << 20, every=4)
+@pytest.mark.parametrize("writers", [1, 4])
+def test_a_segment_is_durable_on_its_own_and_its_name_is_the_digest_of_its_bytes(tmp_path, writers):
+    """Its arrays written side by side or one by one, a segment is the same file: its name the digest of its
+    header and of each array's bytes in the file's order (each keyed as the whole)."""
+    snaps = Snapshots(tmp_path, ME, 1 << 20, every=4, writers=writers)
     snaps.stage(tuple(range(10)), real_cache(10), ("", 0), final=True)
     snaps.close()
     [path] = segment_files(snaps.folder)
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
     h = digest(b"")  # the key of these snapshots: none
-    h.update(path.read_bytes())
+    h.update(data[:8 + n])
+    for name, t in header.items():
+        if name != "__metadata__":
+            a, b = t["data_offsets"]
+            one = digest(b"")
+            one.update(data[8 + n + a:8 + n + b])
+            h.update(one.digest())
     assert path.name.split(".")[1] == h.hexdigest()
     arrays = mx.load(str(path))  # a plain safetensors file: any reader takes it
     assert arrays["tokens"].tolist() == list(range(10)) and arrays["0.0"].shape == (1, 2, 10, 4)
+    assert all(mx.array_equal(arrays[f"{i}.0"], c.keys[..., :10, :]).item()
+               and mx.array_equal(arrays[f"{i}.1"], c.values[..., :10, :]).item() for i, c in enumerate(real_cache(10)))
 
 
 def test_the_writer_reports_what_is_pending_and_the_snapshots_of_a_bfloat16_cache_restore_exactly(tmp_path):
@@ -487,11 +501,9 @@ def test_snapshots_are_private_and_a_forged_one_is_skipped_without_the_nodes_key
     # a writer to the folder replaces the keys and values and names the file by the digest it can compute
     data = bytearray(path.read_bytes())
     data[-100] ^= 0xFF
-    h = digest(b"")
-    h.update(bytes(data))
-    forged = path.with_name(f"{path.name.split('.')[0]}.{h.hexdigest()}.safetensors")
-    path.unlink()
-    forged.write_bytes(bytes(data))
+    path.write_bytes(bytes(data))
+    unkeyed, _, _ = read_segment(path, b"")
+    forged = path.rename(path.with_name(f"{path.name.split('.')[0]}.{unkeyed}.safetensors"))
     again = Snapshots(tmp_path / "snapshots", ME, 1 << 20, every=4, key=key)
     assert again.restore(again.held(), fresh=lambda: [KVCache(), KVCache()]) == []
     assert again.skipped == {"corrupt": 1} and not forged.exists()

@@ -8,8 +8,9 @@ tokens. Caches written in place (a sliding window, DeepSeek-V4's pools) have no 
 their segments holds the whole state at its end (start 0) and names as parent the snapshot its tape grew
 from, which it does not need. Segments are written as the tape grows (after each prefill chunk and every
 `every` tokens of an answer), so a death loses at most the last one. The lockstep loop only slices and queues;
-a writer thread writes each segment once (its digest hashed as the bytes go out), flushes it to the disk and
-evicts least recently used tapes past the disk budget. The next generation restores the tapes every rank holds
+a writer thread writes each segment once, its arrays side by side (each hashed as its bytes go out, the segment's
+digest over its header and those hashes), flushes it to the disk and evicts least recently used tapes past the
+disk budget. The next generation restores the tapes every rank holds
 whole while it serves (runtime/restore.py); whatever is missing, truncated, corrupted or of another model,
 world, rank, shard layout or file format is skipped with a log line and a counted reason.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -28,7 +30,7 @@ import shutil
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -39,10 +41,11 @@ from mlx_lm.generate import generation_stream
 
 from runtime.prefix.rollback import leaves
 
-FORMAT = "meshd-snapshot/3"  # /3: digests keyed by the node's snapshot key
+FORMAT = "meshd-snapshot/4"  # /3: digests keyed by the node's snapshot key; /4: over each array's own digest
 # how a cache leaf is snapshotted: by its new tokens, appended to its parent's, or as its whole state
 LEAVES = {"KVCache": "append", "RotatingKVCache": "whole", "PoolingCache": "whole"}
 READERS = 4  # threads that read and hash one tape's segments
+WRITERS = 4  # threads that hash and write one segment's arrays
 PROGRESS_EVERY = 10_000  # files between the lines that say how far the scan of a large folder is
 
 
@@ -230,17 +233,50 @@ def digest(key: bytes):
     return hashlib.blake2b(digest_size=16, key=key)
 
 
-def write_segment(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str], key: bytes) -> str:
-    """`arrays` (evaluated) as a safetensors file at `path` (mode 0600: the tokens are a conversation), on
-    the disk when it returns; its digest, hashed from the bytes as they are written (never read back)."""
+def digest_of(data, key: bytes) -> bytes:
     h = digest(key)
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-        for chunk in (header_of(arrays, metadata), *(raw(a) for a in arrays.values())):
-            h.update(chunk)
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
+    h.update(data)
+    return h.digest()
+
+
+def combined(header: bytes, sums: list[bytes], key: bytes) -> str:
+    """A segment's digest: over its header's bytes and its arrays' own digests in the file's order (so that
+    its arrays are hashed side by side)."""
+    h = digest(key)
+    h.update(header)
+    for one in sums:
+        h.update(one)
     return h.hexdigest()
+
+
+def write_segment(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str], key: bytes,
+                  pool: Executor | None = None) -> str:
+    """`arrays` (evaluated) as a safetensors file at `path` (mode 0600: the tokens are a conversation), on
+    the disk when it returns; its digest, each array hashed from its bytes as they are written (never read
+    back), the arrays side by side on `pool`'s threads (hashing and writing release the GIL)."""
+    header = header_of(arrays, metadata)
+    at = list(itertools.accumulate((a.nbytes for a in arrays.values()), initial=len(header)))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        put(fd, memoryview(header), 0)
+
+        def one(a: mx.array, offset: int) -> bytes:
+            data = raw(a)
+            put(fd, data, offset)
+            return digest_of(data, key)
+
+        sums = list((pool.map if pool else map)(one, arrays.values(), at[:-1]))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return combined(header, sums, key)
+
+
+def put(fd: int, data: memoryview, offset: int) -> None:
+    """All of `data` written at `offset` (a large write may be taken in parts)."""
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def parse_header(name: str, first8: bytes, read, size: int) -> tuple[int, dict]:
@@ -297,16 +333,15 @@ def read_segment(path: Path, key: bytes) -> tuple[str, dict, dict[str, tuple[np.
     dtype). No MLX: a thread may read while the model runs."""
     data = path.read_bytes()
     n, header = parse_header(path.name, data[:8], lambda k: data[8:8 + k], len(data))
-    arrays = {}
+    arrays, sums = {}, []
     for name, t in header.items():
         if name != "__metadata__":
             a, b = t["data_offsets"]
             dtype = np.dtype(DTYPES[t["dtype"]])
             arrays[name] = (np.frombuffer(data, dtype=dtype, count=(b - a) // dtype.itemsize, offset=8 + n + a)
                             .reshape(t["shape"]), t["dtype"])
-    h = digest(key)
-    h.update(data)
-    return h.hexdigest(), header.get("__metadata__", {}), arrays
+            sums.append(digest_of(memoryview(data)[8 + n + a:8 + n + b], key))
+    return combined(data[:8 + n], sums, key), header.get("__metadata__", {}), arrays
 
 
 def to_mx(a: np.ndarray, dtype: str) -> mx.array:
@@ -439,7 +474,7 @@ class Snapshots:
     slices staged a step before (evaluated by then) to the writer thread; a tape's last slices go at once."""
 
     def __init__(self, root: Path, me: Identity, budget_bytes: int, every: int, log=print, key: bytes = b"",
-                 max_age: float = 0.0):
+                 max_age: float = 0.0, writers: int = WRITERS):
         self.me, self.budget, self.every, self.log, self.key = me, budget_bytes, every, log, key
         self.max_age = max_age  # seconds a tape unused is kept (0: as long as the budget allows)
         self.writer_error = ""  # why the writer thread stopped, if it did: nothing is staged then
@@ -468,6 +503,7 @@ class Snapshots:
         self._staged: list[tuple[Segment, dict[str, mx.array]]] = []
         self._pending = self._pending_n = 0  # bytes and segments staged or queued, not yet written
         self._queue: queue.Queue = queue.Queue()
+        self._arrays = ThreadPoolExecutor(writers, thread_name_prefix="snapshot-arrays") if writers > 1 else None
         self._thread = threading.Thread(target=self._write_loop, name="snapshot-writer", daemon=True)
         self._thread.start()
 
@@ -688,6 +724,8 @@ class Snapshots:
         self.pump()
         self._queue.put(None)
         self._thread.join(timeout)
+        if self._arrays and not self._thread.is_alive():
+            self._arrays.shutdown()
 
     def _write_loop(self) -> None:
         try:
@@ -720,7 +758,7 @@ class Snapshots:
         try:
             hashed = write_segment(tmp, arrays, {**self.me.tags(), "parent": seg.parent, "leaves": about,
                                                  "start": str(seg.start), "end": str(seg.end),
-                                                 "tenant": seg.tenant}, self.key)
+                                                 "tenant": seg.tenant}, self.key, self._arrays)
             path = self.folder / f"{seg.sid}.{hashed}.safetensors"
             os.replace(tmp, path)
             fsync_folder(self.folder)
