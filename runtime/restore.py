@@ -147,7 +147,8 @@ class Restorer:
             while done < self.build_bytes:
                 done += next(steps)
         except StopIteration as end:
-            self._built[sid] = (*end.value, got.tenant, got.taps) if end.value is not None else None
+            self._built[sid] = ((*end.value, got.tenant, got.taps, self.snaps.checkpoints(got))
+                                if end.value is not None else None)
             self._building = None
             if end.value is not None:  # its parts' bytes over the wall time they took, the steps between included
                 self.rates.note(build_bps=(built[0] + done) / max(time.monotonic() - began, 1e-6))

@@ -15,11 +15,15 @@ from mlx_lm.utils import _get_classes, load_tokenizer
 
 from kit import cutback
 from kit.families import FAMILIES
+from kit.waiting import wait_for
 from runtime.prefix import checkpoints
 from runtime.models.pools import prompt_piece
 from runtime.prefix.checkpoints import (Checkpoint, Held, Pool, Stopping, Taken, Trim, checkpoint, cut, message_markers,
                                         stops)
+from runtime.prefix.rates import Rates
+from runtime.prefix.snapshot import Identity, Snapshots
 from runtime.prefix.tape import TokenTape
+from runtime.restore import Restorer
 
 MARK = 7  # a message marker in the prompts below
 EVERY = 8  # the prefill's chunk
@@ -75,6 +79,35 @@ def test_a_cache_cut_back_to_a_checkpoint_answers_as_a_fresh_prefill(family):
         plain, plain_logprobs = fresh(model, second)
         assert said == plain, (family, at)
         assert logprobs == pytest.approx(plain_logprobs, abs=1e-5)
+
+
+def test_a_tape_restored_after_a_restart_serves_from_the_checkpoints_its_snapshot_kept(tmp_path):
+    """The checkpoints go to disk with the tape's last segment, so a tape restored by the next generation serves
+    a prompt that shares only its first messages as the tape in memory did: from the checkpoint where they
+    part, and as a fresh prefill of that prompt answers (gpt-oss: its answer moves with its windows, see the
+    trim test below)."""
+    model = model_of("gpt_oss")
+    first = tokens(1, 12) + [MARK] + tokens(2, 17)
+    cache, marked = model.make_cache(), {}
+    prefill(model, cache, first, 0, marked)
+    me = Identity("model", 1, 0, "layout")
+    snaps = Snapshots(tmp_path, me, 1 << 24, every=8)
+    snaps.stage(tuple(first), cache, ("", 0), final=True, checkpoints=tuple(marked.values()))
+    snaps.close()
+    again, tape = Snapshots(tmp_path, me, 1 << 24, every=8), TokenTape(capacity=8)
+    restorer = Restorer.agree(again, lambda b: [b], tape, model.make_cache, Rates(None), print, rank=0)
+    wait_for(lambda: restorer.adopt(lambda b: [b]) == again.held(), 10, "the tape restored")
+    assert sorted(marked) == [8, 12, 16, 24, 29] and again.skipped == {}
+    assert (tape.checkpoint_count, tape.checkpoint_bytes) == (5, sum(point.nbytes for point in marked.values()))
+    for at, second in {12: first[:13] + tokens(3, 9), 16: first[:16] + tokens(3, 9)}.items():
+        ours, cached, _, _, _ = tape.take(tuple(second), stops=stops(second, frozenset({MARK}), EVERY))
+        assert cached == at
+        said, logprobs = decode(model, ours, prefill(model, ours, second, at))
+        plain, plain_logprobs = fresh(model, second)
+        assert said == plain, at
+        assert logprobs == pytest.approx(plain_logprobs, abs=1e-5)
+    assert tape.checkpoint_hits == 2
+    again.close()
 
 
 @pytest.mark.parametrize("family", FAMILIES_IN_PLACE)

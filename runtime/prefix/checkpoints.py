@@ -75,12 +75,66 @@ def _part(leaf):
     return Held({k: view(v) for k, v in vars(leaf).items()})
 
 
-def checkpoint(caches, at: int) -> Checkpoint:
-    """`caches` (a request's, between two forwards) as they are now, when they hold `at` tokens."""
-    parts = tuple(_part(leaf) for leaf in leaves(caches))
+def _made(at: int, parts: tuple) -> Checkpoint:
     held = sum(_bytes(p.attributes) if isinstance(p, Held) else _bytes((p.buf_kv, p.buf_gate))
                for p in parts if not isinstance(p, Trim))
     return Checkpoint(at, parts, held)
+
+
+def checkpoint(caches, at: int) -> Checkpoint:
+    """`caches` (a request's, between two forwards) as they are now, when they hold `at` tokens."""
+    return _made(at, tuple(_part(leaf) for leaf in leaves(caches)))
+
+
+def _saved(value, put):
+    if isinstance(value, mx.array):
+        return {"array": put(value)}
+    if isinstance(value, (list, tuple)):
+        return {type(value).__name__: [_saved(v, put) for v in value]}
+    if isinstance(value, dict):
+        return {"dict": {k: _saved(v, put) for k, v in value.items()}}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"a cache attribute of type {type(value).__name__} cannot be saved")
+
+
+def _loaded(value, array):
+    if not isinstance(value, dict):
+        return value
+    [(kind, inner)] = value.items()
+    if kind == "array":
+        return array(inner)
+    if kind == "dict":
+        return {k: _loaded(v, array) for k, v in inner.items()}
+    return {"list": list, "tuple": tuple}[kind](_loaded(v, array) for v in inner)
+
+
+def saved(point: Checkpoint, put) -> dict:
+    """`point` as JSON for a snapshot, each of its arrays handed to `put`, which returns the name it is kept
+    under; TypeError when a cache holds what cannot be saved."""
+    def part(p):
+        if isinstance(p, Trim):
+            return {"trim": p.offset}
+        if isinstance(p, Pool):
+            return {"pool": [p.rows, p.remainder, _saved(p.buf_kv, put), _saved(p.buf_gate, put)]}
+        return {"held": _saved(p.attributes, put)}
+    return {"at": point.at, "parts": [part(p) for p in point.parts]}
+
+
+def loaded(data: dict, array) -> Checkpoint:
+    """A checkpoint `saved` wrote, its arrays got by name from `array`; KeyError, TypeError or ValueError when
+    `data` is not one."""
+    def part(p):
+        [(kind, value)] = p.items()
+        if kind == "trim":
+            return Trim(int(value))
+        if kind == "pool":
+            rows, remainder, buf_kv, buf_gate = value
+            return Pool(int(rows), _loaded(buf_kv, array), _loaded(buf_gate, array), int(remainder))
+        if kind == "held":
+            return Held(_loaded(value, array))
+        raise ValueError(f"a checkpoint part of kind {kind!r}")
+    return _made(int(data["at"]), tuple(part(p) for p in data["parts"]))
 
 
 def cut(caches, point: Checkpoint) -> None:

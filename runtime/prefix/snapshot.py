@@ -33,12 +33,14 @@ import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generation_stream
 
+from runtime.prefix.checkpoints import Checkpoint, loaded, saved
 from runtime.prefix.rollback import leaves
 
 FORMAT = "meshd-snapshot/4"  # /3: digests keyed by the node's snapshot key; /4: over each array's own digest
@@ -384,6 +386,16 @@ def scan(folder: Path, me: Identity, progress=lambda done, total: None) -> tuple
     return found, bad
 
 
+class Part(NamedTuple):
+    """A segment read and checked: its arrays (numpy, each with its safetensors dtype), its leaves' description
+    (type, meta state, the state's entries that are not arrays) and the tape's checkpoints it holds (as
+    runtime/prefix/checkpoints.py `saved` them; a tape's last segment holds them)."""
+
+    arrays: dict
+    about: list
+    points: list
+
+
 @dataclass(frozen=True)
 class Read:
     """A tape read from its segment files and checked, not yet in MLX: its tokens and each segment's arrays
@@ -398,23 +410,24 @@ class Read:
     @property
     def taps(self) -> mx.array | None:
         """The target's taps at the tape's last positions, as its last segment kept them (None without)."""
-        last, _ = self.parts[-1]
+        last = self.parts[-1].arrays
         return to_mx(*last["taps"]) if "taps" in last else None
 
 
-def read_part(seg: Segment, types: list[str], key: bytes) -> tuple[dict, list]:
-    """A segment's arrays and its leaves' description (type, meta state, the state's entries that are not
-    arrays), after checking its bytes against the digest in its name (Unusable "corrupt" otherwise), its
-    leaves against this model's caches ("foreign") and its arrays against its header ("corrupt")."""
+def read_part(seg: Segment, types: list[str], key: bytes) -> Part:
+    """A segment's `Part`, after checking its bytes against the digest in its name (Unusable "corrupt"
+    otherwise), its leaves against this model's caches ("foreign") and its arrays against its header
+    ("corrupt")."""
     hashed, meta, arrays = read_segment(seg.path, key)
     if hashed != seg.path.name.split(".")[1]:
         raise Unusable("corrupt", f"{seg.path.name}: its bytes do not match its digest (changed, or not written "
                                   "with this node's snapshot key)")
     try:
         about = json.loads(meta["leaves"])
+        points = json.loads(meta.get("checkpoints", "[]"))
         its = [t for t, _, _ in about]
         n = seg.end - seg.start
-        fits = arrays["tokens"][0].shape == (n,) and (snapshot_kind(its) == "whole" or all(
+        fits = isinstance(points, list) and arrays["tokens"][0].shape == (n,) and (snapshot_kind(its) == "whole" or all(
             a.shape[2] == n for k, (a, _) in arrays.items() if k not in ("tokens", "taps")))
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise Unusable("corrupt", f"{seg.path.name}: unreadable ({e})")
@@ -423,10 +436,10 @@ def read_part(seg: Segment, types: list[str], key: bytes) -> tuple[dict, list]:
                                   f"model's ({', '.join(sorted(set(types)))})")
     if not fits:
         raise Unusable("corrupt", f"{seg.path.name}: its arrays do not fit its header")
-    return arrays, about
+    return Part(arrays, about, points)
 
 
-def _part_or_error(seg: Segment, types: list[str], key: bytes) -> tuple[dict, list] | Exception:
+def _part_or_error(seg: Segment, types: list[str], key: bytes) -> Part | Exception:
     try:
         return read_part(seg, types, key)
     except (Unusable, OSError) as e:
@@ -443,11 +456,11 @@ def tokens_held(parts: list) -> int:
     return next((leaf.offset for leaf in parts if hasattr(leaf, "keys")), 0)
 
 
-def rebuilding(cache: list, parts: list[tuple[dict, list]]):
+def rebuilding(cache: list, parts: list[Part]):
     """`cache` (a fresh one) given the state the segments `parts` (`Read.parts`) hold, first to last, leaf by leaf:
     each leaf's arrays concatenated along the token axis (one part: a whole state), the rest of its state and
     its meta state as the last part says, evaluated; between two leaves, yields the bytes of the one built."""
-    _, about = parts[-1]
+    about = parts[-1].about
     built = 0
     for i, leaf in enumerate(leaves(cache)):
         if i:
@@ -457,7 +470,7 @@ def rebuilding(cache: list, parts: list[tuple[dict, list]]):
             leaf.meta_state = meta
         state = []
         for j in range(len(values)):
-            got = [to_mx(*arrays[f"{i}.{j}"]) for arrays, _ in parts if f"{i}.{j}" in arrays]
+            got = [to_mx(*part.arrays[f"{i}.{j}"]) for part in parts if f"{i}.{j}" in part.arrays]
             state.append(values[j] if not got else got[0] if len(got) == 1 else mx.concatenate(got, axis=2))
         leaf.state = tuple(state)
         arrays = [a for a in leaf.state if isinstance(a, mx.array)]
@@ -500,7 +513,7 @@ class Snapshots:
             path.unlink(missing_ok=True)
         self._others = self._trim_others()
         self._expire()
-        self._staged: list[tuple[Segment, dict[str, mx.array]]] = []
+        self._staged: list[tuple[Segment, dict[str, mx.array], dict[str, str]]] = []
         self._pending = self._pending_n = 0  # bytes and segments staged or queued, not yet written
         self._queue: queue.Queue = queue.Queue()
         self._arrays = ThreadPoolExecutor(writers, thread_name_prefix="snapshot-arrays") if writers > 1 else None
@@ -597,7 +610,7 @@ class Snapshots:
                         self._count_bytes()
                     return None
                 parts.append(part)
-        tokens = tuple(np.concatenate([arrays["tokens"][0] for arrays, _ in parts]).tolist())
+        tokens = tuple(np.concatenate([part.arrays["tokens"][0] for part in parts]).tolist())
         if tape_id(tokens, chain[0].tenant) != sid:
             self.skip("corrupt", f"tape {sid}: its tenant and tokens do not hash to its name")
             return None
@@ -627,6 +640,20 @@ class Snapshots:
             self.skip("corrupt", f"tape {read.sid}: its caches do not hold its {len(read.tokens)} tokens")
             return None
         return read.tokens, cache, read.sid
+
+    def checkpoints(self, read: Read) -> tuple[Checkpoint, ...]:
+        """The checkpoints a tape's last segment holds, in MLX (on the loop); none when they do not fit this
+        model's caches (counted)."""
+        last = read.parts[-1]
+        try:
+            points = tuple(loaded(p, lambda name: to_mx(*last.arrays[name])) for p in last.points)
+        except (KeyError, TypeError, ValueError) as e:
+            self.skip("corrupt", f"tape {read.sid}: its checkpoints are unreadable ({e}); restored without them")
+            return ()
+        if any(len(p.parts) != len(last.about) or not 0 < p.at < len(read.tokens) for p in points):
+            self.skip("corrupt", f"tape {read.sid}: its checkpoints do not fit its caches; restored without them")
+            return ()
+        return points
 
     def restored_as(self, sids: list[str]) -> None:
         """The tapes every rank restored: counted, and marked as used now."""
@@ -666,12 +693,30 @@ class Snapshots:
             seg = self.segments.get(sid)
         return (sid, seg.end) if seg else ("", 0)
 
+    def _points(self, sid: str, checkpoints: list[Checkpoint], arrays: dict[str, mx.array]) -> list[dict]:
+        """`checkpoints` as a segment's metadata holds them, their arrays added to `arrays`; none when a cache
+        holds what cannot be saved (said)."""
+        def put(a: mx.array) -> str:
+            name = f"cp.{len(arrays)}"
+            arrays[name] = mx.contiguous(a)
+            return name
+        kept = dict(arrays)
+        try:
+            return [saved(c, put) for c in checkpoints]
+        except TypeError as e:
+            arrays.clear()
+            arrays.update(kept)
+            self.log(f"snapshot of tape {sid} without its checkpoints: {e}")
+            return []
+
     def stage(self, tokens, cache: list, since: tuple[str, int], final: bool, tenant: str = "",
-              taps: mx.array | None = None) -> tuple[str, int]:
+              taps: mx.array | None = None, checkpoints: tuple[Checkpoint, ...] = ()) -> tuple[str, int]:
         """Take the state of a tape's cache for the writer when `due`: its tokens past `since` (a snapshot id
-        and its length) for plain KV caches, its whole state for others, and `taps` (the target's at the last
-        positions its cache holds, for DSpark's stages: runtime/prefix/tape.py); returns the tape's snapshot
-        point after it (the same while the writer is stopped: nothing is staged for no one)."""
+        and its length) for plain KV caches, its whole state for others, `taps` (the target's at the last
+        positions its cache holds, for DSpark's stages: runtime/prefix/tape.py) and at its end its
+        `checkpoints` (runtime/prefix/checkpoints.py: a restored tape is cut back to them as the one in memory
+        is); returns the tape's snapshot point after it (the same while the writer is stopped: nothing is
+        staged for no one)."""
         if self.writer_error:
             return since
         parts = leaves(cache)
@@ -694,6 +739,7 @@ class Snapshots:
                 about.append((type(leaf).__name__, getattr(leaf, "meta_state", None), values))
             if taps is not None:
                 arrays["taps"] = mx.contiguous(taps)
+            points = self._points(sid, [c for c in checkpoints if c.at < have] if final else [], arrays)
         nbytes = sum(a.nbytes for a in arrays.values())
         with self._lock:
             if sid in self.segments:  # this very tape is on disk already
@@ -707,7 +753,8 @@ class Snapshots:
             seg = Segment(sid, since[0], start, have, nbytes, time.time(), tenant=tenant)
             self.segments[sid] = seg  # the next segment's parent, before it is written
         mx.async_eval(list(arrays.values()))
-        self._staged.append((seg, arrays, json.dumps(about)))
+        self._staged.append((seg, arrays, {"leaves": json.dumps(about),
+                                           **({"checkpoints": json.dumps(points)} if points else {})}))
         if final:  # no step may follow to hand it over
             self.pump()
         return sid, have
@@ -733,12 +780,12 @@ class Snapshots:
                 if callable(item):  # a chore of the disk's that the loop hands over (`used`)
                     item()
                     continue
-                seg, arrays, about = item
+                seg, arrays, described = item
                 try:
                     with self._lock:
                         evicted = self.segments.get(seg.sid) is not seg  # before it was written
                     if not evicted:
-                        self._write(seg, arrays, about)
+                        self._write(seg, arrays, described)
                         self._expire()
                 finally:
                     with self._lock:
@@ -749,14 +796,14 @@ class Snapshots:
             self.log(f"snapshot writer stopped ({self.writer_error}); no snapshot is written until the next "
                      "generation")
 
-    def _write(self, seg: Segment, arrays: dict[str, mx.array], about: str) -> None:
+    def _write(self, seg: Segment, arrays: dict[str, mx.array], described: dict[str, str]) -> None:
         """One segment, durable on its own once its name is in the folder: written to a temporary file whose
         digest is hashed as it is written, renamed, the folder flushed. A write that finds the folder deleted
         under the rank (to free space) fails, counted `write_failed`; the folder is made again for the next one,
         and the segments that went with it are forgotten."""
         tmp = self.folder / f".{seg.sid}.safetensors"
         try:
-            hashed = write_segment(tmp, arrays, {**self.me.tags(), "parent": seg.parent, "leaves": about,
+            hashed = write_segment(tmp, arrays, {**self.me.tags(), "parent": seg.parent, **described,
                                                  "start": str(seg.start), "end": str(seg.end),
                                                  "tenant": seg.tenant}, self.key, self._arrays)
             path = self.folder / f"{seg.sid}.{hashed}.safetensors"

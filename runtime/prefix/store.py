@@ -65,12 +65,13 @@ class PrefixStore:
         """A request's tape as it goes (`tokens` the ids its cache holds, or more): staged for its snapshot when
         due; at its end (`tokens` exactly what its cache holds, `taken` its checkpoints, `taps` the target's taps
         at its last positions) into the token tape. Returns the request's snapshot point from here."""
+        points = tuple(taken.points) if final and taken else ()
         if final:
             tokens = tuple(tokens)
         if self.snapshots:
-            since = self.snapshots.stage(tokens, cache, since, final, tenant, taps)
+            since = self.snapshots.stage(tokens, cache, since, final, tenant, taps, points)
         if final:
-            self.tape.store(tokens, cache, since[0], tenant, tuple(taken.points) if taken else (), taps)
+            self.tape.store(tokens, cache, since[0], tenant, points, taps)
         return since
 
     def due(self, since: tuple[str, int], told: int) -> bool:

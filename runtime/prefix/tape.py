@@ -7,7 +7,7 @@ omlx's DeepSeek-V4 pools; such a cache serves a prompt that extends its whole
 tape, or is cut back to the longest of its checkpoints (runtime/prefix/
 checkpoints.py) that lies within what the prompt shares with it and where the
 prompt's own prefill stops (`stops`: there a cut cache answers as a fresh
-prefill does). A tape that extends such a tape does not replace it. A drafted tape also keeps the target's taps
+prefill does); its snapshot keeps the checkpoints, so a restored tape has them. A tape that extends such a tape does not replace it. A drafted tape also keeps the target's taps
 at its last positions (`taps`, at most DSpark's stages' window of them; its snapshot keeps them too): a prompt it
 serves gets those before the prefix served, so its stages draft its first block with their context
 (runtime/models/dspark.py `context`). The
@@ -176,14 +176,17 @@ class TokenTape:
                         break
                     e.checkpoints = tuple(c for c in e.checkpoints if c is not going)
 
-    def store_older(self, tape: tuple[int, ...], cache: list, sid: str, tenant: str = "", taps=None) -> bool:
+    def store_older(self, tape: tuple[int, ...], cache: list, sid: str, tenant: str = "", taps=None,
+                    checkpoints: tuple[Checkpoint, ...] = ()) -> bool:
         """A tape older than every one held (restored while serving): kept as the least recently used while
         there is room and no entry of its tenant serves every prompt it serves; whether it was kept."""
         if len(self._entries) >= self.capacity or any(
                 e.tenant == tenant and replaces(common_prefix(e.tokens, tape), len(tape), len(e.tokens),
                                                 can_trim_prompt_cache(e.cache)) for e in self._entries):
             return False
-        self._entries.appendleft(Entry(tape, cache, sid, tenant, taps=taps))
+        self._entries.appendleft(Entry(tape, cache, sid, tenant, tuple(c for c in checkpoints if c.at < len(tape)),
+                                       taps))
+        self._thin()
         return True
 
 

@@ -15,6 +15,7 @@ from kit import cutback
 from pinned.dsv4 import tiny_v4
 from runtime.prefix.checkpoints import Held, cut, stops
 from runtime.prefix.rollback import leaves
+from runtime.prefix.snapshot import Identity, Snapshots, leaf_types
 
 MARK = 7
 EVERY = 64
@@ -81,3 +82,29 @@ def test_a_cut_that_leaves_the_windows_as_they_are_answers_otherwise(model, went
     wrong = decode(model, ours, prefill(model, ours, second, 150))
     fresh = model.make_cache()
     assert wrong != decode(model, fresh, prefill(model, fresh, second, 0))
+
+
+def test_a_v4_tape_restored_from_its_snapshot_is_cut_back_to_the_checkpoints_it_kept(model, went_on, tmp_path):
+    """The checkpoints go to disk with the tape's last segment (its windows and open pools as they were at
+    each, beside the whole state at its end): a restored cache cut back to them answers every second prompt as
+    a fresh prefill does, as the cache in memory did above."""
+    cache, marked = went_on
+    held = tuple(FIRST) + tuple(range(ANSWER))  # the ids of what the cache holds: the prompt, then its answer's
+    me = Identity("v4", 1, 0, "layout")
+    snaps = Snapshots(tmp_path, me, 1 << 30, every=EVERY)
+    snaps.stage(held, cache, ("", 0), final=True, checkpoints=tuple(marked.values()))
+    snaps.close()
+    again = Snapshots(tmp_path, me, 1 << 30, every=EVERY)
+    [sid] = again.held()
+    read = again.read(sid, leaf_types(model.make_cache()))
+    (_, restored, _), points = again.build(read, model.make_cache), again.checkpoints(read)
+    assert [p.at for p in points] == sorted(marked) and again.skipped == {}
+    for case, (at, second) in SECONDS.items():
+        ours = copy.deepcopy(restored)
+        cut(ours, next(p for p in points if p.at == at))
+        said, logprobs = decode(model, ours, prefill(model, ours, second, at))
+        fresh = model.make_cache()
+        plain, plain_logprobs = decode(model, fresh, prefill(model, fresh, second, 0))
+        assert said == plain, case
+        assert logprobs == pytest.approx(plain_logprobs, abs=1e-5)
+    again.close()
