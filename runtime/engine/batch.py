@@ -196,8 +196,8 @@ class BatchEngine:
         return out
 
     def _snapshot_rows(self) -> None:
-        """The batched requests' answers in flight, snapshotted every `snapshots.every` tokens as a solo one's
-        are: each row's cache taken out of the batch (its new tokens sliced) when it is due."""
+        """The batched requests' answers in flight, snapshotted as a solo one's are: each row's cache taken out of
+        the batch when it is due (`PrefixStore.due`)."""
         due = [uid for uid, r in self._rows.items() if self.prefixes.due(r.since, len(r.job.prompt) + r.count)]
         if due:
             for uid, (cache, tokens) in self._gen.extract_cache(due).items():

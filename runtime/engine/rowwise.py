@@ -200,7 +200,17 @@ class RowwiseDSpark:
             r.drafts = self._draft(r, taps[i:i + 1, :len(r.kept)]) if r.drafting else None
         if ended:
             self._leave(ended)
+        self._snapshot_rows()
         return out
+
+    def _snapshot_rows(self) -> None:
+        """The rows' answers in flight, snapshotted when due as a request alone's are: each row's caches taken
+        out of the batch's (a copy of its row)."""
+        self.prefixes.pump()  # what was staged a step ago, evaluated by now
+        for i, r in enumerate(self._rows):
+            if self.prefixes.due(r.since, len(r.fed)):
+                r.since = self.prefixes.keep(r.job.tenant, r.since, r.fed, [c.extract(i) for c in self._cache], False,
+                                             taps=r.recent)
 
     def _places(self, row: Request, width: int) -> mx.array:
         """The row's pending token and `width` places after it: its own drafts, its pending token in the others."""

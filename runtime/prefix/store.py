@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from runtime.prefix.checkpoints import Stopping, Taken, needed
 from runtime.prefix.rates import Rates
-from runtime.prefix.snapshot import Snapshots, leaf_types, snapshot_kind
+from runtime.prefix.snapshot import Snapshots, due, leaf_types, snapshot_kind
 from runtime.prefix.tape import TokenTape
 
 NO_SNAPSHOT = ("", 0)  # the snapshot point of a tape with nothing on disk: (its snapshot id, tokens written)
@@ -40,9 +40,7 @@ class PrefixStore:
         self.snapshots = snapshots
         self.rates = rates or Rates(None)  # the speed of prefills and reads (restores weigh it: runtime/restore.py)
         self._prefilled = (0, 0.0)  # tokens prefilled alone and the seconds it took
-        # whether a batch's rows are snapshotted in flight: only plain KV caches, whose rows come out of a
-        # batch sliced (others are written at their end)
-        self.rows_snapshot = bool(snapshots) and snapshot_kind(leaf_types(self.fresh())) == "append"
+        self._kind = snapshot_kind(leaf_types(self.fresh())) if snapshots else None
 
     def fresh(self) -> list:
         """An empty cache of the model's."""
@@ -75,8 +73,10 @@ class PrefixStore:
         return since
 
     def due(self, since: tuple[str, int], told: int) -> bool:
-        """Whether a batched row whose tape holds `told` tokens is due for a snapshot in flight."""
-        return self.rows_snapshot and told - since[1] > self.snapshots.every
+        """Whether a batched row whose tape holds `told` tokens is due for a snapshot in flight (its cache is
+        then taken out of the batch: plain KV caches every `every` tokens, others whole once a quarter of their
+        tape is new, as `snapshot.due` says for a request alone)."""
+        return self._kind is not None and due(since[1], told, self.snapshots.every, False, self._kind == "whole")
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         """A prefill done alone, noted in the rates restores weigh."""

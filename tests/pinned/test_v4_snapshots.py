@@ -102,14 +102,17 @@ def test_a_corrupted_truncated_foreign_or_old_v4_snapshot_is_skipped_with_its_re
 GREEDY = SamplingParams(max_tokens=1).sampling()
 
 
-def run(engine, job: Job) -> tuple[list[int], list[float], int | None]:
+def run(engine, job: Job, *beside: Job) -> tuple[list[int], list[float], int | None]:
     """The job's tokens, their log probabilities (when it asks) and the cached count its engine said (with its
-    insert, else with its first token)."""
+    insert, else with its first token); the jobs `beside` sent with it (a batch's rows)."""
     cached, said = engine.insert(job), []
+    for other in beside:
+        engine.insert(other)
     while engine.busy:
         for e in engine.step():
-            cached = e.cached if e.cached is not None else cached
-            said += [(e.token, e.logprob)] if e.token is not None else []
+            if e.rid == job.rid:
+                cached = e.cached if e.cached is not None else cached
+                said += [(e.token, e.logprob)] if e.token is not None else []
     return [t for t, _ in said], [p for _, p in said], cached
 
 
@@ -122,6 +125,7 @@ def engine(model, drafted: bool, snapshots=None):
 
 
 ANSWER = Job("a", TOKENS, 128, 3, GREEDY, logprobs=0)
+BESIDE = Job("b", TOKENS[::-1], 128, 4, GREEDY)  # another conversation, in the same batch
 
 
 @pytest.fixture(scope="module")
@@ -130,18 +134,21 @@ def plain_answer(model):
     return run(engine(model, False), ANSWER)[:2]
 
 
-@pytest.mark.parametrize("drafted", [False, True], ids=["plain", "drafted"])
+@pytest.mark.parametrize("drafted,beside", [(False, ()), (True, ()), (False, (BESIDE,)), (True, (BESIDE,))],
+                         ids=["plain", "drafted", "plain rows", "drafted rows"])
 def test_an_answer_resumed_from_its_snapshot_in_flight_continues_as_plain_decoding(model, plain_answer, tmp_path,
-                                                                                   drafted):
+                                                                                   drafted, beside):
     """The answer's tokens past its snapshot go through the target as decoding fed them (pools.prompt_piece):
-    fed as a prompt's chunks, its pools would differ, and its log probabilities by 1e-2."""
+    fed as a prompt's chunks, its pools would differ, and its log probabilities by 1e-2. A batch's rows are
+    snapshotted in flight too, each taken out of the batch whole when due."""
     plain, plain_logprobs = plain_answer
     first = engine(model, drafted, Snapshots(tmp_path, ME, 1 << 30, every=EVERY))
-    assert run(first, ANSWER)[0] == plain
+    assert run(first, ANSWER, *beside)[0] == plain
     first.close()
 
     again = Snapshots(tmp_path, ME, 1 << 30, every=EVERY)
-    mid = min((s for s in again.segments.values() if s.end > len(TOKENS)), key=lambda s: s.end)
+    mid = min((s for s in again.segments.values() if s.end > len(TOKENS)
+               and again.tokens_of(s.sid)[1][:len(TOKENS)] == TOKENS), key=lambda s: s.end)
     assert mid.end < len(TOKENS) + 64  # the answer's first snapshot in flight, not its last
     kept = again.read(mid.sid, leaf_types(make_prompt_cache(model))).taps  # DSpark's stages' context, on disk
     assert (kept.shape[1] if drafted else kept) == (dspark.window(model) if drafted else None)
