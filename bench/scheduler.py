@@ -1,13 +1,13 @@
-"""The engines on the prefix store, the request record and the scheduler (this tree) against the engines before
-them (commit 590ba63, checked out beside it), in one process each on this machine's CPU: a drafted request
-alone and B = 2, 4 drafted rows (`drafted_everywhere`: DSpark alone, row-wise for more), and plain batching at
-B = 1, 2, 4 (the batch engine; a lone request in SoloDecode). Each round runs both trees, one after the other in
+"""The engines of this tree against those of another commit checked out beside it (the engines before the prefix
+store, the request record and the scheduler: 590ba63, or any later one), in one process each on this machine's
+CPU: a drafted request alone and B = 2, 4 drafted rows (`drafted_everywhere`: DSpark alone, row-wise for more),
+and plain batching at B = 1, 2, 4 (the batch engine; a lone request in SoloDecode). Each round runs both trees, one after the other in
 a process of its own (the order alternating), each case once to warm and once timed; tokens/s over the answers
 (prompts included), median (min-max), and whether both trees said the same tokens.
 
 The target is omlx's own DeepSeek-V4 with the DSpark stand-in's stages (tests/pinned/dsv4.py), in .venv-omlx:
 
-    git worktree add --detach /tmp/meshd-base 590ba63
+    git worktree add --detach /tmp/meshd-base 590ba63    # or another commit
     .venv-omlx/bin/python bench/scheduler.py [--base /tmp/meshd-base] [--rounds 3] [--tokens 48] [--write]
 
 --write appends the table to docs/BENCHMARKS.md."""
@@ -74,7 +74,8 @@ def worker(root: Path, checkpoint: Path, tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", type=Path, default=Path("/tmp/meshd-base"), help="a checkout of commit 590ba63")
+    ap.add_argument("--base", type=Path, default=Path("/tmp/meshd-base"),
+                    help="a checkout of the commit to compare with (590ba63: the engines before the scheduler)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--write", action="store_true")
@@ -84,9 +85,10 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args.checkpoint, args.tokens)))
         return
-    if not (args.base / "runtime" / "rowwise.py").is_file():
-        sys.exit(f"{args.base} is not a checkout of the engines before the scheduler: "
-                 f"git worktree add --detach {args.base} 590ba63")
+    if not (args.base / "runtime").is_dir():
+        sys.exit(f"{args.base} is not a checkout of meshd: git worktree add --detach {args.base} 590ba63")
+    base = subprocess.run(["git", "-C", str(args.base), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
     sys.path[:0] = [str(ROOT / "tests")]
     checkpoint = Path(tempfile.mkdtemp(prefix="meshd-scheduler-bench-")) / "v4"
     importlib.import_module("pinned.dsv4").build_v4_checkpoint(checkpoint)
@@ -110,16 +112,17 @@ def main() -> None:
             f"{spread(rates['today', (kind, b)], '{:.1f}')} | "
             f"{statistics.median(rates['today', (kind, b)]) / statistics.median(rates['before', (kind, b)]):.2f}x |"
             for kind, b in CASES]
-    report(["", f"## The engines on the prefix store, the request record and the scheduler against the engines "
-            f"before them (`bench/scheduler.py`, {time.strftime('%Y-%m-%d')})", "",
+    report(["", f"## The engines of this tree against commit {base}'s (`bench/scheduler.py`, "
+            f"{time.strftime('%Y-%m-%d')})", "",
             "omlx's own DeepSeek-V4 (tests/pinned/dsv4.py's tiny checkpoint with the DSpark stand-in's stages) on "
             f"this machine's CPU (2 cores, shared). B requests of 40 prompt tokens sent at once, {args.tokens} "
             "greedy tokens each; drafted: DSpark alone for B = 1, row-wise for more; plain: the batch engine "
-            f"(SoloDecode for B = 1). Before: commit 590ba63. {args.rounds} alternating rounds, each tree in a "
+            f"(SoloDecode for B = 1). Before: commit {base}. {args.rounds} alternating rounds, each tree in a "
             "process of its own, each case warmed once; tokens/s, median (min-max).", "",
             "| engine | B | before tok/s | today tok/s | today / before |", "|---|---|---|---|---|", *rows, "",
             "Both trees said the same tokens in every case." if same else "The answers were NOT the same.", "",
-            f"Command: `{Path(sys.executable).parent.parent.name}/bin/python bench/scheduler.py --rounds "
+            f"Command: `git worktree add --detach {args.base} {base}; {Path(sys.executable).parent.parent.name}"
+            f"/bin/python bench/scheduler.py --base {args.base} --rounds "
             f"{args.rounds} --tokens {args.tokens}`"], args.write)
 
 

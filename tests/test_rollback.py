@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from runtime.prefix import rollback
-from runtime.models.pools import pieces, prompt_piece
+from runtime.models.pools import pieces, prompt_piece, verify_width
 
 
 def kv(n: int, value: float = 0.0):
@@ -75,6 +75,19 @@ def test_every_leaf_comes_back_as_the_step_found_it_however_often_it_is_undone()
 ])
 def test_a_verify_is_cut_before_it_would_complete_a_second_window(offset, length, windows, expected):
     assert pieces(offset, length, windows) == expected
+
+
+@pytest.mark.parametrize("asked, block, windows, expected", [
+    (0, 5, (4,), 3),  # the block by default, fewer than a ratio-4 window: a verify of 4 places completes one
+    (5, 5, (4,), 3),
+    (2, 5, (4,), 2),  # fewer asked: fewer fed
+    (9, 5, (), 5),  # no overlapping pool: the whole block, never more
+    (0, 5, (8, 128), 5),
+])
+def test_a_verify_feeds_at_most_the_drafts_that_keep_it_one_forward(asked, block, windows, expected):
+    width = verify_width(asked, block, windows)
+    assert width == expected
+    assert all(pieces(offset, 1 + width, windows) == [1 + width] for offset in range(300, 300 + 2 * block))
 
 
 @pytest.mark.parametrize("at, length, said, chunk, windows, expected", [

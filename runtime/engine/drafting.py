@@ -540,10 +540,11 @@ class DSparkEngine(MTPEngine):
     gives its logits and the taps of its target layers; the committed positions' taps enter the stages'
     context (never a draft's, so that context needs no trim); a block of drafts comes from one pass of
     the stages over the anchor (the token the target sampled last) and noise tokens, the checkpoint's whole
-    block whatever num_draft_tokens keeps of it, each row biased by the Markov head from the draft before it
-    and taken greedily (dspark.draft: DeepSeek's block, as dspark-mlx drafts it). The sharded target
-    verifies the block as MTPEngine's verify does, sampling each place with the request's per-token key, so
-    the answer is the plain decoder's token for token.
+    block whatever num_draft_tokens keeps of it (at most what keeps a verify one forward, `pools.verify_width`:
+    3 of V4's 5), each row biased by the Markov head from the draft before it and taken greedily
+    (dspark.draft: DeepSeek's block, as dspark-mlx drafts it). The sharded target verifies the block as
+    MTPEngine's verify does, sampling each place with the request's per-token key, so the answer is the plain
+    decoder's token for token.
 
     The target's caches go back to the kept places by trimming when a trim undoes every layer exactly, else
     (pooled and windowed layers) by undoing the step and writing the kept places' recorded writes again
@@ -561,8 +562,8 @@ class DSparkEngine(MTPEngine):
 
     def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
                  prefixes=None, log=print):
-        block = int(model.args.dspark_block_size)
-        super().__init__(model, eos_ids, num_draft_tokens=min(num_draft_tokens or block, block),
+        super().__init__(model, eos_ids, num_draft_tokens=pools.verify_width(
+            num_draft_tokens, int(model.args.dspark_block_size), pools.overlap_windows(model)),
                          prefill_step_size=prefill_step_size, log=log)
         # the stages' context needs no prefix's positions (it drafts from what it is given), so a request's
         # cache may come from the token tape, where the MTP head's could not

@@ -41,13 +41,6 @@ from runtime.engine.request import Request
 from runtime.prefix.store import PrefixStore
 
 
-def verify_width(num_draft_tokens: int, block: int, windows: tuple[int, ...]) -> int:
-    """How many drafts each row feeds a step: what was asked (the stages' whole block when 0), at most the
-    block, and fewer than the smallest overlapping pooled window so that no row's forward completes two."""
-    width = min(num_draft_tokens or block, block)
-    return min(width, min(windows) - 1) if windows else width
-
-
 def in_order(caches: list) -> None:
     """Each rotated window of a batch's caches put back in the order of its positions, before a forward of more
     than one place. mlx-lm's BatchRotatingKVCache masks such a forward from where a rotated window writes
@@ -75,7 +68,7 @@ class RowwiseDSpark:
         self._chunk = prefill_step_size
         self._windows = pools.overlap_windows(model)
         self._window = dspark.window(model)
-        self.width = verify_width(num_draft_tokens, int(model.args.dspark_block_size), self._windows)
+        self.width = pools.verify_width(num_draft_tokens, int(model.args.dspark_block_size), self._windows)
         self._log = log
         self._joining: deque[Request] = deque()  # prompts going in (in their own caches), first come first
         self._rows: list[Request] = []  # the batch, in the order of its caches' rows
@@ -314,8 +307,9 @@ class RowwiseDSpark:
 
 def drafted_everywhere(model, eos_ids: set[int], prefixes, *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
                        log=print) -> DraftWhenAlone:
-    """DSpark for every request: one alone drafted by `DSparkEngine` (its whole block a step), more drafted row
-    by row in one batch; `prefixes` the prefix store both share."""
+    """DSpark for every request: one alone drafted by `DSparkEngine`, more drafted row by row in one batch,
+    each as many drafts a step as keep its verify one forward (`pools.verify_width`); `prefixes` the prefix
+    store both share."""
     return DraftWhenAlone(
         DSparkEngine(model, eos_ids, num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size,
                      prefixes=prefixes, log=log),

@@ -24,6 +24,16 @@ def overlap_windows(model) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def verify_width(num_draft_tokens: int, block: int, windows: tuple[int, ...]) -> int:
+    """How many drafts a verify feeds a step: what was asked (the stages' whole block when 0), at most the
+    block, and fewer than the smallest overlapping window, so that a verify completes at most one of each and
+    is one forward (a verify of 6 places on ratio-4 windows completes two about half the time: two pieces,
+    two forwards, for two drafts that rarely both land; a lone request 1.21x as fast at 3 as at 5,
+    bench/scheduler.py in docs/BENCHMARKS.md)."""
+    width = min(num_draft_tokens or block, block)
+    return min(width, min(windows) - 1) if windows else width
+
+
 def pieces(offset: int, length: int, windows: tuple[int, ...]) -> list[int]:
     """The lengths in which to feed `length` positions from position `offset` so that each forward completes
     at most one window of each size in `windows`: then each is what decoding its positions one at a time
