@@ -2,8 +2,9 @@
 against one by one, in alternating rounds.
 
 A tape of `--tokens` tokens in the KV shape of an 8B model (32 layers, 8 KV heads of 128, bf16: 128 KiB a
-token) is prefilled `--chunk` tokens at a time at `--prefill-tps` (each chunk's keys and values written into
-real mlx-lm KVCaches, a segment staged and pumped after each, as the engine does). When the last chunk is
+token) is prefilled `--chunk` tokens at a time at `--prefill-tps`: real mlx-lm KVCaches whose keys and values
+were made beforehand grow by a chunk a step (no model runs: the writer alone is measured), a segment staged
+and pumped after each, as the engine does. When the last chunk is
 staged (the answer's end: what a SIGKILL then would lose) the bench counts the segments not yet landed,
 then times how long the writer takes to land them. Each round writes to a fresh folder.
 
@@ -26,21 +27,20 @@ from benchkit import report, say, spread
 from runtime.prefix.snapshot import WRITERS, Identity, Snapshots
 
 
-def prefill(folder: Path, args, writers: int) -> dict:
+def prefill(folder: Path, args, writers: int, kv: list[mx.array]) -> dict:
     """One tape prefilled and snapshotted as it goes: the segments behind at its end, the seconds to land
     them, the writer's rate over the whole tape."""
     me = Identity("bench", 1, 0, "bench")
     snaps = Snapshots(folder, me, 1 << 40, every=args.chunk, log=lambda m: None, writers=writers)
     cache = [KVCache() for _ in range(args.layers)]
+    for c, a in zip(cache, kv):
+        c.keys, c.values = a, a
     tokens = tuple(range(args.tokens))
-    kv = mx.random.normal((1, args.kv_heads, args.chunk, args.head_dim)).astype(mx.bfloat16)
-    mx.eval(kv)
     since, began = ("", 0), time.monotonic()
     for at in range(0, args.tokens, args.chunk):
         n = min(args.chunk, args.tokens - at)
         for c in cache:
-            c.update_and_fetch(kv[:, :, :n], kv[:, :, :n] + 1)
-        mx.eval([c.keys for c in cache])
+            c.offset = at + n
         final = at + n == args.tokens
         since = snaps.stage(tokens[:at + n], cache, since, final=final)
         snaps.pump()
@@ -68,11 +68,14 @@ def main() -> None:
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     ways = {f"{WRITERS} side by side": WRITERS, "one by one": 1}
+    kv = [mx.random.normal((1, args.kv_heads, args.tokens, args.head_dim)).astype(mx.bfloat16)
+          for _ in range(args.layers)]
+    mx.eval(kv)
     got: dict[str, list[dict]] = {name: [] for name in ways}
     for r in range(args.rounds):
         for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
             with tempfile.TemporaryDirectory(prefix="meshd-writer-bench-", dir=args.dir) as folder:
-                got[name].append(one := prefill(Path(folder), args, ways[name]))
+                got[name].append(one := prefill(Path(folder), args, ways[name], kv))
             say(f"round {r + 1} {name}: {one['behind']} of {one['segments']} segments behind at the end, "
                 f"landed {one['drain_s']:.2f} s later, {one['mb_s']:.0f} MB/s")
     rows = [f"| {name} | {spread([g['behind'] for g in got[name]], '{:.0f}')} | "
