@@ -173,7 +173,7 @@ class Restorer:
         self.build_some()
         agreed = settled([json.loads(b) for b in gather(json.dumps(
             {sid: built is not None for sid, built in self._built.items()}).encode())])
-        adopted, tokens = [], 0
+        adopted, tokens, points = [], 0, 0
         for sid, ok in agreed.items():
             built = self._built.pop(sid)
             self.pending.remove(sid)
@@ -182,6 +182,7 @@ class Restorer:
             if ok and self.tape.store_older(*built):
                 adopted.append(sid)
                 tokens += len(built[0])
+                points += len(built[-1])
             elif ok:  # the tape filled meanwhile, or a newer tape serves every prompt it serves
                 full = len(self.tape) >= self.tape.capacity
                 self.snaps.skip("capacity" if full else "superseded",
@@ -193,8 +194,8 @@ class Restorer:
         self.snaps.restores_pending = len(self.pending)
         self.restored_tokens += tokens
         if adopted:
-            self.log(f"restored {len(adopted)} tape(s) ({tokens} tokens) from snapshots while serving; "
-                     f"{len(self.pending)} pending")
+            self.log(f"restored {len(adopted)} tape(s) ({tokens} tokens, {points} checkpoints) from snapshots while "
+                     f"serving; {len(self.pending)} pending")
         if not self.pending:
             self.close()
             self.log(f"restores done in {time.monotonic() - self._began:.1f}s: {self.snaps.restored} tape(s), "
