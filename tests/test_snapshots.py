@@ -30,6 +30,7 @@ from runtime.prefix.rates import Rates
 from runtime.restore import Restorer, plan, settled, worth_waiting
 from runtime.prefix.snapshot import (Identity, Segment, Snapshots, agree, digest, due, ends, evict, expired, read_header,
                               read_segment, scan, segment_files, serving, snapshot_key, snapshot_kind, tape_id, whole)
+from runtime.prefix import snapshot
 from runtime.prefix.store import PrefixStore
 from runtime.prefix.tape import TokenTape
 
@@ -273,9 +274,10 @@ def test_a_tape_restored_behind_serving_never_pushes_out_a_newer_one():
 
 
 @pytest.mark.parametrize("writers", [1, 4])
-def test_a_segment_is_durable_on_its_own_and_its_name_is_the_digest_of_its_bytes(tmp_path, writers):
+def test_a_segment_is_durable_on_its_own_and_its_name_is_the_digest_of_its_bytes(tmp_path, writers, monkeypatch):
     """Its arrays written side by side or one by one, a segment is the same file: its name the digest of its
     header and of each array's bytes in the file's order (each keyed as the whole)."""
+    monkeypatch.setattr(snapshot, "SIDE_BY_SIDE", 0)  # this small segment's arrays to the writers too
     snaps = Snapshots(tmp_path, ME, 1 << 20, every=4, writers=writers)
     snaps.stage(tuple(range(10)), real_cache(10), ("", 0), final=True)
     snaps.close()

@@ -48,6 +48,7 @@ FORMAT = "meshd-snapshot/4"  # /3: digests keyed by the node's snapshot key; /4:
 LEAVES = {"KVCache": "append", "RotatingKVCache": "whole", "PoolingCache": "whole"}
 READERS = 4  # threads that read and hash one tape's segments
 WRITERS = 4  # threads that hash and write one segment's arrays
+SIDE_BY_SIDE = 1 << 22  # bytes of a segment from which its arrays go to those threads (a smaller one: one by one)
 PROGRESS_EVERY = 10_000  # files between the lines that say how far the scan of a large folder is
 
 
@@ -255,7 +256,8 @@ def write_segment(path: Path, arrays: dict[str, mx.array], metadata: dict[str, s
                   pool: Executor | None = None) -> str:
     """`arrays` (evaluated) as a safetensors file at `path` (mode 0600: the tokens are a conversation), on
     the disk when it returns; its digest, each array hashed from its bytes as they are written (never read
-    back), the arrays side by side on `pool`'s threads (hashing and writing release the GIL)."""
+    back), the arrays side by side on `pool`'s threads (hashing and writing release the GIL) when they are
+    SIDE_BY_SIDE bytes or more."""
     header = header_of(arrays, metadata)
     at = list(itertools.accumulate((a.nbytes for a in arrays.values()), initial=len(header)))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -267,7 +269,8 @@ def write_segment(path: Path, arrays: dict[str, mx.array], metadata: dict[str, s
             put(fd, data, offset)
             return digest_of(data, key)
 
-        sums = list((pool.map if pool else map)(one, arrays.values(), at[:-1]))
+        side_by_side = pool is not None and at[-1] >= SIDE_BY_SIDE
+        sums = list((pool.map if side_by_side else map)(one, arrays.values(), at[:-1]))
         os.fsync(fd)
     finally:
         os.close(fd)
