@@ -699,18 +699,18 @@ class Snapshots:
     def _points(self, sid: str, checkpoints: list[Checkpoint], arrays: dict[str, mx.array]) -> list[dict]:
         """`checkpoints` as a segment's metadata holds them, their arrays added to `arrays`; none when a cache
         holds what cannot be saved (said)."""
+        held: dict[str, mx.array] = {}
+
         def put(a: mx.array) -> str:
-            name = f"cp.{len(arrays)}"
-            arrays[name] = mx.contiguous(a)
+            held[name := f"cp.{len(held)}"] = mx.contiguous(a)
             return name
-        kept = dict(arrays)
         try:
-            return [saved(c, put) for c in checkpoints]
+            points = [saved(c, put) for c in checkpoints]
         except TypeError as e:
-            arrays.clear()
-            arrays.update(kept)
             self.log(f"snapshot of tape {sid} without its checkpoints: {e}")
             return []
+        arrays.update(held)
+        return points
 
     def stage(self, tokens, cache: list, since: tuple[str, int], final: bool, tenant: str = "",
               taps: mx.array | None = None, checkpoints: tuple[Checkpoint, ...] = ()) -> tuple[str, int]:
@@ -742,7 +742,7 @@ class Snapshots:
                 about.append((type(leaf).__name__, getattr(leaf, "meta_state", None), values))
             if taps is not None:
                 arrays["taps"] = mx.contiguous(taps)
-            points = self._points(sid, [c for c in checkpoints if c.at < have] if final else [], arrays)
+            points = self._points(sid, [c for c in checkpoints if c.at < have], arrays)
         nbytes = sum(a.nbytes for a in arrays.values())
         with self._lock:
             if sid in self.segments:  # this very tape is on disk already

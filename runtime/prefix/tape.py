@@ -64,6 +64,11 @@ def taps_before(taps, stored: int, served: int):
     return taps[:, :n] if n > 0 else None
 
 
+def within(checkpoints: tuple[Checkpoint, ...], tape: tuple[int, ...]) -> tuple[Checkpoint, ...]:
+    """The checkpoints short of a tape's end (its cache itself serves the whole tape)."""
+    return tuple(c for c in checkpoints if c.at < len(tape))
+
+
 def replaces(shared: int, stored: int, new: int, trimmable: bool) -> bool:
     """Whether a new tape of `new` tokens, sharing `shared` with a stored one of `stored`, serves every prompt
     that one serves: it is the same tape, or it extends it and its cache (`trimmable`) can be cut back to it."""
@@ -159,7 +164,7 @@ class TokenTape:
         trimmable = can_trim_prompt_cache(cache)
         self._entries = deque(e for e in self._entries if e.tenant != tenant or
                               not replaces(common_prefix(e.tokens, tape), len(e.tokens), len(tape), trimmable))
-        self._entries.append(Entry(tape, cache, sid, tenant, tuple(c for c in checkpoints if c.at < len(tape)), taps))
+        self._entries.append(Entry(tape, cache, sid, tenant, within(checkpoints, tape), taps))
         while len(self._entries) > self.capacity:
             self._entries.popleft()
         self._thin()
@@ -184,8 +189,7 @@ class TokenTape:
                 e.tenant == tenant and replaces(common_prefix(e.tokens, tape), len(tape), len(e.tokens),
                                                 can_trim_prompt_cache(e.cache)) for e in self._entries):
             return False
-        self._entries.appendleft(Entry(tape, cache, sid, tenant, tuple(c for c in checkpoints if c.at < len(tape)),
-                                       taps))
+        self._entries.appendleft(Entry(tape, cache, sid, tenant, within(checkpoints, tape), taps))
         self._thin()
         return True
 
