@@ -1,4 +1,4 @@
-"""docs/MODELS.md from tests/test_families.py's own results: runs that file (its JUnit XML) and writes, for
+"""docs/MODELS.md from tests/models/test_families.py's own results: runs that file (its JUnit XML) and writes, for
 every model family mlx-lm can shard, what each test proved on this machine; the sections after the table
 (each under a `## ` heading: recipes written by hand) are kept as they are. Arguments go to pytest.
 
@@ -81,7 +81,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "families.xml"
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                        "tests/test_families.py", *sys.argv[1:]], cwd=ROOT)
+                        "tests/models/test_families.py", *sys.argv[1:]], cwd=ROOT)
         results = outcomes(junit)
     caches = {f: sorted(needs_of(config).caches) for f, config in FAMILIES.items()}
     device = "Metal" if mx.metal.is_available() else f"{platform.system()} {platform.machine()}, no Metal"
@@ -90,7 +90,7 @@ def main() -> None:
     doc.write_text(f"""# Model families
 
 Every model family mlx-lm {mlx_lm.__version__} can shard (its `Model` has `shard()`), as
-tests/test_families.py proves it on a tiny random model built from mlx-lm's own class (tests/kit/families.py:
+tests/models/test_families.py proves it on a tiny random model built from mlx-lm's own class (tests/kit/families.py:
 two layers, one of each kind where a family mixes kinds, sliding windows of 8 tokens under prompts of 9 to 30). Written by
 `.venv/bin/python bench/models_table.py`, which runs that file; this run: mlx {mx.__version__}, {device}.
 

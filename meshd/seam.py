@@ -172,7 +172,7 @@ async def wait_until(changed: asyncio.Condition, serving: Callable[[], Serving],
         return now
     async with changed:
         try:  # asyncio.timeout, not wait_for: under Python 3.11 a waiter cancelled while wait_for's inner task
-            # took the lock back could leave the condition locked for good (tests/test_seam.py)
+            # took the lock back could leave the condition locked for good (tests/control/test_seam.py)
             async with asyncio.timeout(timeout):
                 await changed.wait_for(lambda: predicate(serving()))
         except TimeoutError:

@@ -11,7 +11,7 @@ from pathlib import Path
 # rejects. A sliding window past its size, a recurrent state or a compressed one cannot.
 TRIMMABLE = frozenset({"KVCache", "QuantizedKVCache", "ConcatenateKVCache"})
 # Families whose mlx-lm 0.32.2 code reads the left padding of a batch, so a prompt shorter than another in the
-# same batch gets another answer than it gets alone (tests/test_families.py shows each still does).
+# same batch gets another answer than it gets alone (tests/models/test_families.py shows each still does).
 PADDING_BLIND = {
     "longcat_flash_ngram": "its n-gram embedding hashes the padding",
     "minimax_m3_vl": "its sparse attention indexes the padding",

@@ -2,7 +2,7 @@
 loaded and sharded with mlx-lm, every rank stepping mlx-lm's BatchGenerator together; rank 0 serves
 GET /health, GET /v1/models and POST /v1/chat/completions (greedy, whole answers) and hands each request to
 the others with a broadcast. It knows nothing of meshd: no status file, no drain; `--meshd-generation` is
-only the marker meshd's agent finds it by. tests/test_own_driver.py runs it under the agents'
+only the marker meshd's agent finds it by. tests/agent/test_own_driver.py runs it under the agents'
 `own-driver` profile."""
 
 import argparse

@@ -1,6 +1,6 @@
 """The demo mesh's own life, each test on a demo of its own: `meshctl up` with the default four nodes,
 `meshctl down` leaving no process behind, up again on the same ports; a demo of one node that serves and
-recovers; an `up` that fails because another process took the control port meanwhile. (tests/test_demo_mesh.py
+recovers; an `up` that fails because another process took the control port meanwhile. (tests/meshctl/test_demo_mesh.py
 drives one demo through deaths and restarts.)"""
 
 import http.server

@@ -3,8 +3,8 @@ head (model type demo_mtp, registered by the overlay runtime.models.overlays.dem
 on four real ranks over the ring, through real agents and a controller.
 Drafted answers are the plain answers token for token, past the prefill chunk;
 a head sharded without its all-reduce is caught by the lockstep digests. (A
-head that refuses a shape falls back for that request: tests/test_drafter_refusals.py
-in one process, and DSpark's refusal in lockstep on four ranks in tests/test_dspark.py.)"""
+head that refuses a shape falls back for that request: tests/engine/test_drafter_refusals.py
+in one process, and DSpark's refusal in lockstep on four ranks in tests/models/test_dspark.py.)"""
 
 import json
 import re

@@ -15,7 +15,7 @@ controller that no majority answers refuses to start and `meshctl up` prints
 its reason; an agent away during the round promises when it is back, before
 its first command; an absurd epoch is refused on the wire and in a promise file
 (which an operator deletes, no restart), and no later start is blocked by it.
-The pure parts: tests/test_epochs.py."""
+The pure parts: tests/control/test_epochs.py."""
 
 import json
 import os

@@ -331,7 +331,7 @@ def test_the_proxy_answers_health_cors_every_name_of_its_model_and_tools(two_age
         assert "Access-Control-Allow-Origin" not in stranger.headers
 
         names = [m["id"] for m in requests.get(f"{proxy}/models", timeout=10).json()["data"]]
-        assert names == ["demo", "org/demo-1b"]  # names, never the path (tests/test_model_ids.py)
+        assert names == ["demo", "org/demo-1b"]  # names, never the path (tests/dataplane/test_model_ids.py)
         for name in [*names, str(demo_model), demo_model.name]:  # the path and its directory's name still answer
             r = requests.post(f"{proxy}/chat/completions", headers={"Origin": "https://chat.example"}, timeout=60,
                               json={"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})

@@ -2,7 +2,7 @@
 verify or in the MTP head's draft, falls back for that request and the engine steps on, for the model's own
 MTP head and for a draft model: the answer is the plain decoder's and the next request drafts again. The
 engines run here on the real demo model with an MTP head (runtime.models.overlays.demo_mtp's faults); the same
-fallback in lockstep on four ranks runs in tests/test_dspark.py."""
+fallback in lockstep on four ranks runs in tests/models/test_dspark.py."""
 
 import pytest
 from mlx_lm import load

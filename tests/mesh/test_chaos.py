@@ -8,7 +8,7 @@ request is refused, hangs or ends malformed, no rank fault reaches a client as a
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from chaos import FAULTS, Chaos  # noqa: E402
 

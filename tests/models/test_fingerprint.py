@@ -11,17 +11,16 @@ import struct
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from common import fingerprint
 from common.fingerprint import weights_digest
 from kit.agents import make_agents
 from kit.snapshots import Gen
+from kit.weights import nudge
 from runtime.models.demo_model import DemoModelSpec, build_demo_model
 
 BIG = DemoModelSpec(hidden_size=256, intermediate_size=512, seed=3)  # 3.7 MB in one file
-NUDGED = "model.layers.1.self_attn.v_proj.weight"
 
 
 @pytest.fixture(autouse=True)
@@ -37,19 +36,6 @@ def big_model(tmp_path_factory) -> Path:
 def copy(model: Path, to: Path) -> Path:
     shutil.copytree(model, to)
     return to
-
-
-def nudge(model: Path, tensor: str = NUDGED, delta: float = 0.05) -> tuple[int, int, int]:
-    """Add `delta` to a float32 tensor in place; the bytes it spans and the file's size."""
-    path = model / "model.safetensors"
-    with open(path, "r+b") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        start, end = (8 + n + o for o in json.loads(f.read(n))[tensor]["data_offsets"])
-        f.seek(start)
-        values = np.frombuffer(f.read(end - start), dtype=np.float32) + np.float32(delta)
-        f.seek(start)
-        f.write(values.astype(np.float32).tobytes())
-    return start, end, path.stat().st_size
 
 
 def test_a_tensor_changed_in_the_middle_of_the_file_gives_another_fingerprint(big_model, tmp_path):

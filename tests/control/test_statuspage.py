@@ -1,6 +1,6 @@
 """The status page's drawings, table-tested (data in, SVG out), and its meshes section read from a real
 HTTP server that answers /v1/meshes as a proxy in front of several meshes does. The page itself, in a
-real browser after real traffic and a real incident, is tests/test_observability.py's."""
+real browser after real traffic and a real incident, is tests/mesh/test_observability.py's."""
 
 import asyncio
 import contextlib

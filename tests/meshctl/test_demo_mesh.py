@@ -1,7 +1,7 @@
 """The demo mesh, as a user drives it: `meshctl up`, chat through the proxy,
 deaths of every kind and the recovery after them, a controller restart, and
 `meshctl down` leaving nothing behind. The module's mesh is a demo of two nodes, which recovers sooner
-than the default four on a small machine (tests/test_demo_up_down.py serves the default)."""
+than the default four on a small machine (tests/meshctl/test_demo_up_down.py serves the default)."""
 
 import json
 import os

@@ -3,14 +3,14 @@
 each other: the control plane and the data plane meet only in meshd/seam.py. The data plane imports nothing of
 the runtime (APART). Inside the runtime its rooms run downwards too (RUNTIME_ROOMS): the rank process at its top,
 then the engine, the prefix store, the models. A project import sits at the top of its module, but for the few listed in LATE with the
-reason each is late."""
+reason each is late. The tests sit in rooms that mirror the code's folders (TEST_ROOMS)."""
 
 import ast
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ROOMS = {"common": 0, "agents": 1, "runtime": 1, "meshd": 2, "meshd.nodes": 3, "meshd.control": 4,
          "meshd.dataplane": 4, "meshd.meshctl": 5, "bench": 6}
 TOPS = ("common", "agents", "runtime", "meshd", "bench")
@@ -21,6 +21,12 @@ APART = {"meshd.dataplane": {"runtime"}}
 # model), the prefix store (tape, snapshots, rates, cache cut-backs), the engine (requests, sampling, grammar,
 # decoding and drafting), and the rank process at runtime/'s top (rank, lockstep, server, restore, wake, ...).
 RUNTIME_ROOMS = {"runtime.models": 0, "runtime.prefix": 1, "runtime.engine": 2, "runtime": 3}
+# Each room of tests/ and the folder of code it tests; "mesh" holds what runs across every plane (chaos, fuzzing,
+# the listeners, security, metrics, the import map). A room is not named as a package: a process with tests/ on its
+# path would find the room in the package's place.
+TEST_ROOMS = {"agent": "agents", "control": "meshd/control", "dataplane": "meshd/dataplane", "meshctl": "meshd/meshctl",
+              "nodes": "meshd/nodes", "rank": "runtime", "engine": "runtime/engine", "prefix": "runtime/prefix",
+              "models": "runtime/models", "pinned": "runtime", "mesh": "."}
 BENCH = {p.stem for p in (ROOT / "bench").glob("*.py")}  # a bench imports its neighbours by their bare names
 
 # Project imports inside a function, each with why it waits until it runs.
@@ -165,3 +171,11 @@ def test_project_imports_sit_at_the_top_of_their_module():
     found = {(module, name) for module, path in modules() for name in late_imports(path.read_text())}
     assert found - set(LATE) == set(), "move these imports to the top of their module, or list them in LATE"
     assert set(LATE) - found == set(), "these are at the top now: take them out of LATE"
+
+
+def test_every_test_sits_in_a_room_that_mirrors_a_folder_of_code():
+    tests = ROOT / "tests"
+    rooms = {p.parent.relative_to(tests).as_posix() for p in tests.rglob("test_*.py") if "standins" not in p.parts}
+    assert rooms == set(TEST_ROOMS), "a test file belongs in one of TEST_ROOMS' folders (see its comment)"
+    assert all((ROOT / code).is_dir() for code in TEST_ROOMS.values())
+    assert set(TEST_ROOMS) & set(TOPS) == set()

@@ -31,7 +31,7 @@ from kit.demo_answers import endless
 from kit.meshctl import mesh_up, meshctl
 from kit.openai import sse_events
 from kit.waiting import wait_for
-from test_fingerprint import nudge
+from kit.weights import nudge
 from meshd.dataplane.exchange import poisoning
 from meshd.dataplane.proxyconfig import check_twins, load_front
 from meshd.dataplane.routing import Failed, MeshSeen, PrefixMemory, Route, conflicts, prefix_keys, route

@@ -4,7 +4,7 @@ how it reads it back, the highest generation it reports, and the controller's
 round (meshd/epochs.py): which epoch it takes (over its own mesh's agents, never
 above the bound), which generation numbers are used, whether its round holds,
 what an agent's answer says of it, what the store's last epoch is worth. The
-round on real processes: tests/test_takeover.py."""
+round on real processes: tests/control/test_takeover.py."""
 
 import json
 

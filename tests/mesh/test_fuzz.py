@@ -38,7 +38,7 @@ from meshd.seam import rank_key, rank_secret
 from meshd.store import Store
 from runtime.server import Frontend
 
-OPENAPI = Path(__file__).resolve().parents[1] / "openapi"
+OPENAPI = Path(__file__).resolve().parents[2] / "openapi"
 EXAMPLES = 25
 
 

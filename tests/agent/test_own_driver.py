@@ -19,7 +19,7 @@ from kit.dspark import build_dspark_model, omlx_mesh
 from kit.meshctl import meshctl
 from kit.waiting import wait_for
 
-DRIVER = Path(__file__).parent / "standins" / "own_driver.py"
+DRIVER = Path(__file__).parents[1] / "standins" / "own_driver.py"
 PROFILE = {"command": ["{python}", str(DRIVER), "--model", "{model}", "--host", "{host}", "--port", "{port}",
                        "--meshd-generation", "{generation}"],
            "args": {"max_tokens": "--max-tokens"}, "status_file": False}

@@ -18,7 +18,7 @@ from kit.meshctl import Demo, demo_home, demo_meshctl
 from kit.waiting import wait_for
 from meshd.meshctl.ports import free_ports
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NODES = 2  # a demo of two: the default four's ranks load twice as long on a small machine
 TARGETS = NODES + 2  # every agent, the controller, the proxy
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -35,7 +35,7 @@ from meshd.meshctl.background import pids_below
 from meshd.nodes.agentclient import AgentClient
 from meshd.nodes.doctor import judge_snapshots
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

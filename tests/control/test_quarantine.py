@@ -3,8 +3,8 @@ two long streams, each drain outlasted (drain_grace shorter than the answers) an
 quarantine neither stream nor the same request sent again: each answer goes on on the next generation,
 whole. Nor do two meshes' deaths together: both meshes behind one proxy, their ranks SIGKILLed at once under
 a stream, quarantine neither it nor the same request sent again. A cut restart's streams, resumed exactly, are
-tests/test_recycle.py's; the rule (only one mesh's repeated deaths count) is table-tested in
-tests/test_meshes.py."""
+tests/control/test_recycle.py's; the rule (only one mesh's repeated deaths count) is table-tested in
+tests/dataplane/test_meshes.py."""
 
 import os
 import signal

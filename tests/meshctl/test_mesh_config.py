@@ -14,7 +14,7 @@ from common.tomlcheck import write_toml
 from meshd.meshctl import demo
 from meshd.config import ConfigError, gpu_of, hostfile_for, load, parse
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 NODE = {"name": "a", "agent": "http://127.0.0.1:7701", "token_file": "t"}
 BASE = {"nodes": [NODE], "runtime": {"model": "/m"}}
