@@ -56,6 +56,9 @@ class AgentMetrics:
                                                 labels=["node", "rank", "reason"])
         snapshot_bytes = GaugeMetricFamily("meshd_agent_rank_snapshot_bytes", "What the rank's snapshot directory "
                                            "holds on disk", labels=["node", "rank"])
+        snapshot_checkpoint_bytes = GaugeMetricFamily("meshd_agent_rank_snapshot_checkpoint_bytes", "Of what the "
+                                                      "rank's snapshot directory holds, the tapes' checkpoints",
+                                                      labels=["node", "rank"])
         gen = GaugeMetricFamily("meshd_agent_generation", "Generation of the live rank (-1 when none)",
                                 labels=["node"])
         for rec in self.sup.live():
@@ -83,6 +86,7 @@ class AgentMetrics:
             for reason, n in sorted(status.snapshots_skipped.items()):
                 snapshots_skipped.add_metric([node, str(rec.rank), reason], n)
             snapshot_bytes.add_metric([node, str(rec.rank)], status.snapshot_bytes)
+            snapshot_checkpoint_bytes.add_metric([node, str(rec.rank)], status.snapshot_checkpoint_bytes)
         current = self.sup.current_generation()
         gen.add_metric([node], -1 if current is None else current)
         exits = CounterMetricFamily("meshd_agent_rank_exits", "Rank exits by kind", labels=["node", "kind"])
@@ -108,5 +112,6 @@ class AgentMetrics:
         events = CounterMetricFamily("meshd_agent_events", "Events emitted", labels=["node"])
         events.add_metric([node], self.sup.events.seq)
         yield from (up, rss, cpu, mlx, armed, drafts, refusals, refeeds, hidden, tape, checkpoint_bytes, snapshots,
-                    snapshots_skipped, snapshot_bytes, gen, exits, sigs, orphans, survivors, reboot, memory, events)
+                    snapshots_skipped, snapshot_bytes, snapshot_checkpoint_bytes, gen, exits, sigs, orphans, survivors,
+                    reboot, memory, events)
 

@@ -53,6 +53,7 @@ class RankStatus:
     snapshots_restored: int = 0  # tapes restored from them
     snapshots_skipped: dict = field(default_factory=dict)  # by reason: missing, truncated, corrupt, foreign, ...
     snapshot_bytes: int = 0  # what its snapshot directory holds
+    snapshot_checkpoint_bytes: int = 0  # of those, the tapes' checkpoints (runtime/prefix/checkpoints.py)
     snapshots_pending: int = 0  # segments staged or queued for the writer, not yet on the disk
     snapshot_pending_bytes: int = 0  # their bytes
     snapshot_restores_pending: int = 0  # tapes of the last generation still being restored while it serves

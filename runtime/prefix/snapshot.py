@@ -98,6 +98,7 @@ class Segment:
     used_at: float
     path: Path | None = None
     tenant: str = ""  # whose tape it is (runtime/prefix/tape.py)
+    checkpoint_bytes: int = 0  # of `nbytes`, the tape's checkpoints' arrays (a tape's last segment holds them)
 
     @property
     def needs(self) -> str:
@@ -309,18 +310,24 @@ def parse_header(name: str, first8: bytes, read, size: int) -> tuple[int, dict]:
     return n, header
 
 
+def checkpoint_bytes(header: dict) -> int:
+    """The bytes a segment's header gives its checkpoints' arrays (`Snapshots._points` names them `cp.N`)."""
+    return sum(end - start for name, entry in header.items() if name.startswith("cp.")
+               for start, end in [entry["data_offsets"]])
+
+
 def read_header(path: Path) -> dict:
     """A segment file's safetensors metadata, its header checked (`parse_header`)."""
-    return read_meta(path)[0]
+    return read_meta(path)[0].get("__metadata__", {})
 
 
 def read_meta(path: Path) -> tuple[dict, os.stat_result]:
-    """A segment file's safetensors metadata, its header checked, and the file's stat: one open, one read
-    for a small header."""
+    """A segment file's safetensors header, checked, and the file's stat: one open, one read for a small
+    header."""
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
         _, header = parse_header(path.name, f.read(8), f.read, st.st_size)
-    return header.get("__metadata__", {}), st
+    return header, st
 
 
 def read_tokens(path: Path) -> list[int]:
@@ -373,7 +380,8 @@ def scan(folder: Path, me: Identity, progress=lambda done, total: None) -> tuple
         if done % PROGRESS_EVERY == 0:
             progress(done, len(paths))
         try:
-            meta, st = read_meta(path)
+            header, st = read_meta(path)
+            meta = header.get("__metadata__", {})
             if meta.get("format") != FORMAT:
                 raise Unusable("foreign", f"{path.name}: of snapshot format {meta.get('format')}, this rank reads "
                                           f"{FORMAT}")
@@ -381,7 +389,7 @@ def scan(folder: Path, me: Identity, progress=lambda done, total: None) -> tuple
                 raise Unusable("foreign", f"{path.name}: of another model, world, rank or shard layout")
             sid = path.name.split(".")[0]
             found[sid] = Segment(sid, str(meta["parent"]), int(meta["start"]), int(meta["end"]), st.st_size,
-                                 st.st_mtime, path, str(meta.get("tenant", "")))
+                                 st.st_mtime, path, str(meta.get("tenant", "")), checkpoint_bytes(header))
         except Unusable as e:
             bad[path] = e.reason
         except (OSError, KeyError, ValueError, TypeError, AttributeError):  # a header of other shapes
@@ -550,11 +558,14 @@ class Snapshots:
             self.skip(reason, f"{len(names)} {what}: {shown}", count=len(names))
 
     def _count_bytes(self) -> None:
-        self.nbytes = self._others + sum(s.nbytes for s in self.segments.values() if s.path is not None)
+        written = [s for s in self.segments.values() if s.path is not None]
+        self.nbytes = self._others + sum(s.nbytes for s in written)
+        self.checkpoint_nbytes = sum(s.checkpoint_bytes for s in written)
 
     def stats(self) -> dict:
         return {"snapshots_written": self.written, "snapshots_restored": self.restored,
                 "snapshots_skipped": dict(self.skipped), "snapshot_bytes": self.nbytes,
+                "snapshot_checkpoint_bytes": self.checkpoint_nbytes,
                 "snapshots_pending": self._pending_n, "snapshot_pending_bytes": self._pending,
                 "snapshot_restores_pending": self.restores_pending, "snapshot_writer_error": self.writer_error}
 
@@ -753,7 +764,8 @@ class Snapshots:
                 return since
             self._pending += nbytes
             self._pending_n += 1
-            seg = Segment(sid, since[0], start, have, nbytes, time.time(), tenant=tenant)
+            seg = Segment(sid, since[0], start, have, nbytes, time.time(), tenant=tenant,
+                          checkpoint_bytes=sum(a.nbytes for name, a in arrays.items() if name.startswith("cp.")))
             self.segments[sid] = seg  # the next segment's parent, before it is written
         mx.async_eval(list(arrays.values()))
         self._staged.append((seg, arrays, {"leaves": json.dumps(about),

@@ -94,11 +94,14 @@ def test_a_tape_restored_after_a_restart_serves_from_the_checkpoints_its_snapsho
     snaps = Snapshots(tmp_path, me, 1 << 24, every=8)
     snaps.stage(tuple(first), cache, ("", 0), final=True, checkpoints=tuple(marked.values()))
     snaps.close()
+    held = sum(point.nbytes for point in marked.values())
+    assert held > 0 and snaps.stats()["snapshot_checkpoint_bytes"] == held  # said apart from the caches' bytes
     again, tape = Snapshots(tmp_path, me, 1 << 24, every=8), TokenTape(capacity=8)
+    assert again.stats()["snapshot_checkpoint_bytes"] == held  # and read back from the headers after a restart
     restorer = Restorer.agree(again, lambda b: [b], tape, model.make_cache, Rates(None), print, rank=0)
     wait_for(lambda: restorer.adopt(lambda b: [b]) == again.held(), 10, "the tape restored")
     assert sorted(marked) == [8, 12, 16, 24, 29] and again.skipped == {}
-    assert (tape.checkpoint_count, tape.checkpoint_bytes) == (5, sum(point.nbytes for point in marked.values()))
+    assert (tape.checkpoint_count, tape.checkpoint_bytes) == (5, held)
     for at, second in {12: first[:13] + tokens(3, 9), 16: first[:16] + tokens(3, 9)}.items():
         ours, cached, _, _, _ = tape.take(tuple(second), stops=stops(second, frozenset({MARK}), EVERY))
         assert cached == at
