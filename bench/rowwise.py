@@ -8,7 +8,7 @@ undrafted one, token for token; and the acceptance of each request's next turn (
 
 The target is omlx's own DeepSeek-V4 (flyto-mlx's, in .venv-omlx) with the DSpark stages of
 tests/standins/dspark_v4, the tiny checkpoint of tests/pinned/dsv4.py: ratio-4 layers with pooled caches, a
-window of 16, blocks of 5 (3 drafts fed a step, alone or in rows).
+window of 16, blocks of 5 (all 5 fed a step, alone or in rows: the windows a verify completes pooled alone).
 
     .venv-omlx/bin/python bench/rowwise.py [--rounds 3] [--tokens 64] [--write]
 
@@ -141,8 +141,8 @@ def main() -> None:
     report(["", f"## Row-wise DSpark against undrafted batching, one process (`bench/rowwise.py`, "
             f"{time.strftime('%Y-%m-%d')})", "",
             "omlx's own DeepSeek-V4 (flyto-mlx 0.7.0 at mlx 0.32.3 / mlx-lm 0.31.3; 5 layers 64 wide, compress "
-            "ratios [0, 4, 128, 4, 0], window 16) with the DSpark stand-in's 3 stages (blocks of 5, of which a verify "
-            "feeds 3, alone or in rows), on this machine's CPU. B requests of 40 prompt tokens sent at "
+            "ratios [0, 4, 128, 4, 0], window 16) with the DSpark stand-in's 3 stages (blocks of 5, all of which a verify "
+            "feeds, alone or in rows), on this machine's CPU. B requests of 40 prompt tokens sent at "
             f"once, {args.tokens} greedy tokens each; {args.rounds} alternating rounds, median (min-max). "
             "Forwards are the target's, prompts' included; re-fed steps are verifies whose kept places went through the "
             "target again (a cache whose writes could not be replayed), the most of any round. Acceptance on next "

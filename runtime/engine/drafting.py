@@ -540,8 +540,8 @@ class DSparkEngine(MTPEngine):
     gives its logits and the taps of its target layers; the committed positions' taps enter the stages'
     context (never a draft's, so that context needs no trim); a block of drafts comes from one pass of
     the stages over the anchor (the token the target sampled last) and noise tokens, the checkpoint's whole
-    block whatever num_draft_tokens keeps of it (at most what keeps a verify one forward, `pools.verify_width`:
-    3 of V4's 5), each row biased by the Markov head from the draft before it and taken greedily
+    block whatever num_draft_tokens keeps of it (`pools.verify_width`: on V4 the whole block, its windows
+    pooled alone), each row biased by the Markov head from the draft before it and taken greedily
     (dspark.draft: DeepSeek's block, as dspark-mlx drafts it). The sharded target verifies the block as
     MTPEngine's verify does, sampling each place with the request's per-token key, so the answer is the plain
     decoder's token for token.
@@ -553,24 +553,27 @@ class DSparkEngine(MTPEngine):
     the rank alive. One request at a time: `DraftWhenAlone` gives it the requests that are alone, and takes
     the one it drafts to the batch (`handover`) when another arrives.
 
-    The prompt goes through the target as the plain decoder takes it, and every forward after it in the
-    pieces decoding one position at a time gives (pools.pieces): omlx's pooled windows make a forward
-    depend on where it starts. A request's cache comes from the prefix store's token tape (`prefixes`) and
+    The prompt goes through the target as the plain decoder takes it, and every forward after it as decoding
+    one position at a time feeds it: each pooled window it completes pooled alone (pools.pool_alone), or
+    where a model's pools cannot be, in the pieces that decoding gives (pools.pieces): omlx's pooled windows
+    make a forward depend on where it starts. A request's cache comes from the prefix store's token tape (`prefixes`) and
     its tape goes back there when it ends, so the next turn of a conversation prefills only its new tokens."""
 
     records = True
 
     def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
                  prefixes=None, log=print):
+        self._windows = pools.overlap_windows(model)
+        # the windows a verify must not complete two of in one forward: none once each pools alone
+        self._verify_windows = () if pools.pool_alone(model) else self._windows
         super().__init__(model, eos_ids, num_draft_tokens=pools.verify_width(
-            num_draft_tokens, int(model.args.dspark_block_size), pools.overlap_windows(model)),
+            num_draft_tokens, int(model.args.dspark_block_size), self._verify_windows),
                          prefill_step_size=prefill_step_size, log=log)
         # the stages' context needs no prefix's positions (it drafts from what it is given), so a request's
         # cache may come from the token tape, where the MTP head's could not
         self.prefixes = prefixes
         self.refeeds = 0  # verifies whose kept places went through the target again (a cache nothing could cut)
         self._arm = getattr(sys.modules[type(model).__module__], "set_dspark_verify_armed", lambda flag: None)
-        self._windows = pools.overlap_windows(model)
         self._window = dspark.window(model)
 
     def stats(self) -> dict:
@@ -657,14 +660,16 @@ class DSparkEngine(MTPEngine):
         mx.eval([c.state for c in r.cache])
 
     def _forward(self, inputs: mx.array, armed: bool) -> tuple[mx.array, mx.array]:
-        """The positions through the target from the request's base on, in the pieces decoding them one at a time
-        would give (pools.pieces), its verify armed for a piece of drafts when `armed`: the logits and the taps."""
+        """The positions through the target from the request's base on, as decoding them one at a time would
+        feed them (its pooled windows each alone: pools.decoding; else in the pieces it gives, pools.pieces),
+        its verify armed for a piece of drafts when `armed`: the logits and the taps."""
         r = self._active
         outs, at = [], 0
-        for n in pools.pieces(r.base, inputs.shape[0], self._windows):
+        for n in pools.pieces(r.base, inputs.shape[0], self._verify_windows):
             self._arm(armed and n > 1)
             try:
-                outs.append(self._model(inputs[None, at:at + n], r.cache, return_hidden=True))
+                with pools.decoding():
+                    outs.append(self._model(inputs[None, at:at + n], r.cache, return_hidden=True))
             finally:
                 self._arm(False)
             at += n

@@ -13,10 +13,11 @@ at most its own width of them. Every rank agrees on every row's count (`drafting
 row kept fewer than it fed, the batch's caches go back to where the step began (runtime/prefix/rollback.py: omlx's
 pooled and windowed caches cannot be trimmed) and the step's recorded writes of every row's kept places are
 written again, the shorter rows right-padded (mlx-lm's `prepare`/`finalize`: the pads leave no trace): one
-target forward a step. The verify's width is
-kept under the smallest pooled window that overlaps the one before it, so every row's forward completes at
-most one of them whatever its offset: each row's caches then hold what decoding it alone, one position at a
-time, would hold, and its answer is that decoding's, token for token.
+target forward a step. Each pooled window a row's places complete is pooled alone in the verify
+(`pools.pool_alone`: omlx overlaps a forward's windows after its first, decoding none), so a row drafts the
+whole block whatever its offset (where a model's pools cannot be pooled alone, the verify's width stays under
+its smallest overlapping window): each row's caches then hold what decoding it alone, one position at a time,
+would hold, and its answer is that decoding's, token for token.
 
 A row that ends leaves the batch at once, its caches taken out of it into the prefix store's token tape (so
 the next turn of its conversation prefills only its new tokens); a row that comes joins at the next step.
@@ -68,7 +69,8 @@ class RowwiseDSpark:
         self._chunk = prefill_step_size
         self._windows = pools.overlap_windows(model)
         self._window = dspark.window(model)
-        self.width = pools.verify_width(num_draft_tokens, int(model.args.dspark_block_size), self._windows)
+        self.width = pools.verify_width(num_draft_tokens, int(model.args.dspark_block_size),
+                                        () if pools.pool_alone(model) else self._windows)
         self._log = log
         self._joining: deque[Request] = deque()  # prompts going in (in their own caches), first come first
         self._rows: list[Request] = []  # the batch, in the order of its caches' rows
@@ -213,7 +215,7 @@ class RowwiseDSpark:
 
     def _target(self, rows: list[Request], inputs: mx.array):
         """Every row's places through the target: its taps, and each row's log probabilities and samples."""
-        with mx.stream(generation_stream):
+        with mx.stream(generation_stream), pools.decoding():
             logits, taps = self._model(inputs, self._cache, return_hidden=True)
             logprobs = [place_logprobs(logits[i], r.processors, r.said, inputs[i, 1:]) for i, r in enumerate(rows)]
             sampled = mx.stack([sample_places(r.job, r.count, lp) for r, lp in zip(rows, logprobs)])
@@ -228,7 +230,7 @@ class RowwiseDSpark:
             if not saved.cut(max(lengths), around=self._padded(lengths)):
                 self.refeeds += 1
                 saved.undo()
-                with self._padded(lengths):
+                with self._padded(lengths), pools.decoding():
                     self._model(inputs[:, :max(lengths)], self._cache)
         mx.eval([c.state for c in self._cache])
 
@@ -308,7 +310,7 @@ class RowwiseDSpark:
 def drafted_everywhere(model, eos_ids: set[int], prefixes, *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
                        log=print) -> DraftWhenAlone:
     """DSpark for every request: one alone drafted by `DSparkEngine`, more drafted row by row in one batch,
-    each as many drafts a step as keep its verify one forward (`pools.verify_width`); `prefixes` the prefix
+    each as many drafts a step as it asks, at most the block (`pools.verify_width`); `prefixes` the prefix
     store both share."""
     return DraftWhenAlone(
         DSparkEngine(model, eos_ids, num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size,

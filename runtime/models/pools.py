@@ -1,9 +1,15 @@
 """Pooled windows, whatever the model: the compressors whose pooled row overlaps the window before it (omlx's
 DeepSeek-V4 at ratio 4) make a forward's result depend on where it starts and how many windows it completes,
-so forwards are cut into the pieces that decoding one position at a time would give. Pure arithmetic over
-positions, but for reading the windows off a model."""
+so prompts are cut into the pieces that decoding one position at a time would give. Pure arithmetic over
+positions, but for reading the windows off a model and `pool_alone`, which lets a forward that stands for
+decoding (a verify) complete any number of windows as decoding would."""
 
 from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+
+_DECODING = [False]  # inside `decoding()`: every window a forward completes is pooled alone
 
 
 def attention(layer):
@@ -15,21 +21,58 @@ def overlap_windows(model) -> tuple[int, ...]:
     """The window sizes of the model's compressors whose pooled row overlaps the window before it (omlx's
     DeepSeek-V4 at ratio 4, in its attention and its indexer). omlx overlaps only windows that arrive in one
     forward: the first window of a forward pools alone, as every window of a one-position decode does."""
-    sizes = set()
-    for layer in model.layers:
-        attn = attention(layer)
-        for compressor in (getattr(attn, "compressor", None), getattr(getattr(attn, "indexer", None), "compressor", None)):
-            if getattr(compressor, "overlap", False):
-                sizes.add(int(compressor.compress_ratio))
-    return tuple(sorted(sizes))
+    return tuple(sorted({int(c.compress_ratio) for layer in model.layers for c in _compressors(attention(layer))
+                         if getattr(c, "overlap", False)}))
+
+
+def _compressors(attn) -> list:
+    """An attention's compressors: its own and its indexer's (omlx's DeepSeek-V4)."""
+    return [c for c in (getattr(attn, "compressor", None), getattr(getattr(attn, "indexer", None), "compressor", None))
+            if c is not None]
+
+
+def pool_alone(model) -> bool:
+    """Have the model's overlapping compressors pool each window a forward completes alone while `decoding()`
+    is on, as a one-position decode pools every window (omlx overlaps only the windows after the first of a
+    forward): a verify of many places then completes two windows, or more, and its caches and logits are
+    decoding's, in one forward. Installed once for the model's module (omlx's `_overlap_compress_kv`, kept as
+    it was outside `decoding()`); False where the model has no such compressor or pools otherwise, and its
+    verifies stay under the smallest window (`verify_width`)."""
+    compressors = [c for layer in model.layers for c in _compressors(attention(layer)) if getattr(c, "overlap", False)]
+    if not compressors:
+        return False
+    module = sys.modules[type(compressors[0]).__module__]
+    pooled = getattr(module, "_overlap_compress_kv", None)
+    if pooled is None:
+        return False
+    if not getattr(pooled, "alone_when_decoding", False):
+        def compress(kv, gate, ape, head_dim):
+            windows = kv.shape[1]
+            if not _DECODING[0] or windows == 1:
+                return pooled(kv, gate, ape, head_dim)
+            alone = pooled(kv.reshape(-1, 1, *kv.shape[2:]), gate.reshape(-1, 1, *gate.shape[2:]), ape, head_dim)
+            return alone.reshape(kv.shape[0], windows, alone.shape[-1])
+        compress.alone_when_decoding = True
+        module._overlap_compress_kv = compress
+    return True
+
+
+@contextmanager
+def decoding():
+    """The forwards inside stand for decoding their places one at a time: windows pooled alone (`pool_alone`)."""
+    _DECODING[0] = True
+    try:
+        yield
+    finally:
+        _DECODING[0] = False
 
 
 def verify_width(num_draft_tokens: int, block: int, windows: tuple[int, ...]) -> int:
     """How many drafts a verify feeds a step: what was asked (the stages' whole block when 0), at most the
-    block, and fewer than the smallest overlapping window, so that a verify completes at most one of each and
-    is one forward (a verify of 6 places on ratio-4 windows completes two about half the time: two pieces,
-    two forwards, for two drafts that rarely both land; a lone request 1.21x as fast at 3 as at 5,
-    bench/scheduler.py in docs/BENCHMARKS.md)."""
+    block, and fewer than the smallest of `windows` (the overlapping ones a verify must not complete two of:
+    none where each pools alone, `pool_alone`), so that a verify is one forward (fed in `pieces`, a verify of
+    6 places on ratio-4 windows took two forwards about every second step, for two drafts that rarely both
+    landed)."""
     width = min(num_draft_tokens or block, block)
     return min(width, min(windows) - 1) if windows else width
 

@@ -105,18 +105,18 @@ def test_rows_drafted_together_joining_and_leaving_mid_answer_each_answer_plain_
     rows = RowwiseDSpark(model, set(), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32,
                          log=lambda m: m)
     assert decoded(rows, *zip(jobs, COMING)) == plain
-    assert rows.width == 3 and rows.batched_steps > 10 and rows.fallbacks == 0  # under ratio 4: one window a row
+    assert rows.width == 5 and rows.batched_steps > 10 and rows.fallbacks == 0  # the block: windows pooled alone
     if sampling is GREEDY:
         assert rows.accepted > rows.proposed / 3  # the stages' drafts, kept; seeded ones miss at temperature 0.9
 
 
 def test_requests_that_ask_for_fewer_drafts_or_none_get_them_alone_handed_over_and_row_by_row_and_answer_plainly(
         model):
-    """draft_tokens below the engine's 3 a row (0: none): a request alone, then handed over to the batch when
+    """draft_tokens below the engine's 5 a row (0: none): a request alone, then handed over to the batch when
     another comes, and rows of the batch each keep to their own; every answer is plain decoding's and each step
     says what it proposed and how many of those the answer kept."""
     jobs = [replace(job, draft_tokens=asked) for job, asked in zip(ROWS, (None, 1, 0, 2))]
-    widths = {"a": 3, "b": 1, "c": 0, "d": 2}
+    widths = {"a": 5, "b": 1, "c": 0, "d": 2}
     plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in jobs}
     prefixes = PrefixStore(model, prefill_step_size=32)
     engines = (drafted_everywhere(model, set(), prefixes, prefill_step_size=32, log=lambda m: m),

@@ -168,7 +168,7 @@ def test_the_check_tells_each_difference(model, prompt, taps, monkeypatch):
     assert distance(narrow, reference_blocks(reference(model), taps, commits, width)) > 100 * TOL
 
 
-@pytest.mark.parametrize("width", [3, 2], ids=["3 of the block (all a verify feeds)", "2 of the block"])
+@pytest.mark.parametrize("width", [5, 3], ids=["the block", "3 of the block"])
 def test_the_engines_blocks_are_dspark_mlxs_for_the_taps_of_what_it_committed(model, width, monkeypatch):
     """DSparkEngine answering a prompt (prefilled in one chunk, then blocks verified and kept in part): each
     block it drafted is the reference's for the anchor it drafted after, the context the taps of every

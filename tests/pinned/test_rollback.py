@@ -4,7 +4,9 @@ Indexer past `index_topk`). Greedy decoding that feeds three rejected drafts and
 tokens, or whose verify is refused halfway through the layers, is the plain decoding token for token and
 logprob for logprob; a shallow copy's restore (what meshd did before) is not, which shows the model's
 answer depends on its caches. So is greedy decoding whose verifies keep some of their drafts and are cut back
-to them by writing the kept places' recorded writes again (one forward a step); cut back by a trim, it is not."""
+to them by writing the kept places' recorded writes again (one forward a step); cut back by a trim, it is not.
+A verify of five drafts is one forward with each window pooled alone (pools.pool_alone); as omlx pools a forward's
+windows (overlapping those after its first), it is not the plain answer."""
 
 import copy
 
@@ -87,25 +89,48 @@ def plain(model, prompt):
     return decode(model, prompt, 40)
 
 
-def drafted(model, prompt, plain: list[int], cut) -> list[int]:
+def in_pieces(model, places, cache, at: int):
+    """The places in the pieces decoding gives (pools.pieces): each completes one ratio-4 window at most."""
+    outs = []
+    for n in pools.pieces(at, places.shape[1], pools.overlap_windows(model)):
+        outs.append(model(places[:, sum(o.shape[1] for o in outs):][:, :n], cache))
+    return mx.concatenate(outs, axis=1)
+
+
+def alone(model, places, cache, at: int):
+    """The places in one forward, each window it completes pooled alone, as decoding pools it."""
+    assert pools.pool_alone(model)
+    with pools.decoding():
+        return model(places, cache)
+
+
+def as_omlx_pools(model, places, cache, at: int):
+    """The places in one forward, the windows after its first pooled over the one before (omlx's prompt path)."""
+    return model(places, cache)
+
+
+def drafted(model, prompt, plain: list[int], cut, feed=in_pieces, logprobs: list | None = None) -> list[int]:
     """Greedy tokens from verifies of five drafts, of which the first 0, 1, ... 5 (in turn) are right (the plain
-    answer's): each verify in the pieces decoding gives (pools.pieces), its caches then `cut` back to the pending
-    token and the drafts the target kept."""
-    cache, windows = model.make_cache(), pools.overlap_windows(model)
+    answer's): each verify fed by `feed`, its caches then `cut` back to the pending token and the drafts the
+    target kept; each token's log probability into `logprobs`."""
+    cache = model.make_cache()
     logits, at, tokens = model(prompt, cache)[:, -1], prompt.shape[1], []
     while len(tokens) < len(plain) - 6:
         tokens.append(int(mx.argmax(logits, axis=-1).item()))
+        if logprobs is not None:
+            logprobs.append(float((logits - mx.logsumexp(logits, axis=-1, keepdims=True))[0, tokens[-1]].item()))
         good = len(tokens) % 6
         drafts = plain[len(tokens):len(tokens) + good] + [(t + 1) % 500 for t in plain[len(tokens) + good:][:5 - good]]
         saved = rollback.checkpoint(cache, 6, recording=True)
-        places, outs = mx.array([[tokens[-1], *drafts]]), []
-        for n in pools.pieces(at, 6, windows):
-            outs.append(model(places[:, sum(o.shape[1] for o in outs):][:, :n], cache))
-        sampled = mx.argmax(mx.concatenate(outs, axis=1)[0], axis=-1).tolist()
+        verified = feed(model, mx.array([[tokens[-1], *drafts]]), cache, at)
+        sampled = mx.argmax(verified[0], axis=-1).tolist()
         kept = next((i for i, (d, s) in enumerate(zip(drafts, sampled)) if d != s), 5)
+        if logprobs is not None:
+            lp = verified[0, :kept] - mx.logsumexp(verified[0, :kept], axis=-1, keepdims=True)
+            logprobs += [float(lp[i, d].item()) for i, d in enumerate(drafts[:kept])]
         tokens += drafts[:kept]
         cut(saved, cache, kept + 1)
-        logits, at = mx.concatenate(outs, axis=1)[:, kept], at + kept + 1
+        logits, at = verified[:, kept], at + kept + 1
     return tokens[:len(plain) - 6]
 
 
@@ -126,6 +151,33 @@ def test_a_verify_cut_back_to_the_drafts_it_kept_by_replaying_its_writes_leaves_
         model, prompt, plain):
     assert drafted(model, prompt, plain[0], replayed) == plain[0][:-6]
     assert drafted(model, prompt, plain[0], trimmed) != plain[0][:-6]  # pools and windows trimmed keep what was cut
+
+
+def test_a_verify_of_the_whole_block_in_one_forward_with_its_windows_pooled_alone_answers_plainly(model, prompt, plain):
+    ours = []
+    assert drafted(model, prompt, plain[0], replayed, alone, ours) == plain[0][:-6]
+    assert ours[:len(plain[1]) - 6] == pytest.approx(plain[1][:-6], abs=1e-4)
+
+
+def pooled_after(model, prompt, feed) -> tuple[mx.array, list]:
+    """Eight places after the prompt (they complete two ratio-4 windows) fed by `feed`: their logits and the
+    pools' rows."""
+    cache = model.make_cache()
+    model(prompt, cache)
+    logits = feed(model, mx.arange(5, 13)[None], cache, prompt.shape[1])
+    return logits, [leaf.pooled for leaf in rollback.leaves(cache) if type(leaf) is PoolingCache]
+
+
+def one_at_a_time(model, places, cache, at: int):
+    return mx.concatenate([model(places[:, i:i + 1], cache) for i in range(places.shape[1])], axis=1)
+
+
+def test_a_forward_that_completes_two_windows_pools_them_as_decoding_only_when_each_pools_alone(model, prompt):
+    logits, pooled = pooled_after(model, prompt, one_at_a_time)
+    ours, ours_pooled = pooled_after(model, prompt, alone)
+    assert mx.allclose(ours, logits, atol=1e-5) and all(mx.allclose(a, b, atol=1e-5) for a, b in zip(ours_pooled, pooled))
+    _, overlapped = pooled_after(model, prompt, as_omlx_pools)
+    assert sum(not mx.allclose(a, b, atol=1e-2) for a, b in zip(overlapped, pooled)) == 4  # every ratio-4 pool
 
 
 def test_the_caches_are_omlxs_compressed_ones(model):
