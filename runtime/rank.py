@@ -75,8 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-model", default=None, help="draft model for speculative decoding")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="tokens drafted per step (default: 3 with --draft-model, 1 with a model's MTP head, "
-                        "the block size with DSpark's stages, at most what keeps a verify one forward: 3 on "
-                        "DeepSeek-V4)")
+                        "the block size with DSpark's stages, at most the block)")
     p.add_argument("--model-package", default=None,
                    help="a Python package imported before the model loads, which registers its model type "
                         "(and MTP head) into mlx-lm: a model overlay")

@@ -564,8 +564,7 @@ class DSparkEngine(MTPEngine):
     def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
                  prefixes=None, log=print):
         self._windows = pools.overlap_windows(model)
-        # the windows a verify must not complete two of in one forward: none once each pools alone
-        self._verify_windows = () if pools.pool_alone(model) else self._windows
+        self._verify_windows = pools.verify_windows(model)
         super().__init__(model, eos_ids, num_draft_tokens=pools.verify_width(
             num_draft_tokens, int(model.args.dspark_block_size), self._verify_windows),
                          prefill_step_size=prefill_step_size, log=log)

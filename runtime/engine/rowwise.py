@@ -70,7 +70,7 @@ class RowwiseDSpark:
         self._windows = pools.overlap_windows(model)
         self._window = dspark.window(model)
         self.width = pools.verify_width(num_draft_tokens, int(model.args.dspark_block_size),
-                                        () if pools.pool_alone(model) else self._windows)
+                                        pools.verify_windows(model))
         self._log = log
         self._joining: deque[Request] = deque()  # prompts going in (in their own caches), first come first
         self._rows: list[Request] = []  # the batch, in the order of its caches' rows

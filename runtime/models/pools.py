@@ -57,6 +57,12 @@ def pool_alone(model) -> bool:
     return True
 
 
+def verify_windows(model) -> tuple[int, ...]:
+    """The windows a verify must not complete two of in one forward (`verify_width`, `pieces`): none once the
+    model's overlapping windows pool alone (`pool_alone`, installed here), else all of them."""
+    return () if pool_alone(model) else overlap_windows(model)
+
+
 @contextmanager
 def decoding():
     """The forwards inside stand for decoding their places one at a time: windows pooled alone (`pool_alone`)."""

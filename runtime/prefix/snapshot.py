@@ -48,6 +48,7 @@ FORMAT = "meshd-snapshot/4"  # /3: digests keyed by the node's snapshot key; /4:
 LEAVES = {"KVCache": "append", "RotatingKVCache": "whole", "PoolingCache": "whole"}
 READERS = 4  # threads that read and hash one tape's segments
 WRITERS = 4  # threads that hash and write one segment's arrays
+CHECKPOINT = "cp."  # the names of a segment's arrays that hold its tape's checkpoints' ("cp.0", "cp.1", ...)
 SIDE_BY_SIDE = 1 << 22  # bytes of a segment from which its arrays go to those threads (a smaller one: one by one)
 PROGRESS_EVERY = 10_000  # files between the lines that say how far the scan of a large folder is
 
@@ -311,8 +312,8 @@ def parse_header(name: str, first8: bytes, read, size: int) -> tuple[int, dict]:
 
 
 def checkpoint_bytes(header: dict) -> int:
-    """The bytes a segment's header gives its checkpoints' arrays (`Snapshots._points` names them `cp.N`)."""
-    return sum(end - start for name, entry in header.items() if name.startswith("cp.")
+    """The bytes a segment's header gives its checkpoints' arrays."""
+    return sum(end - start for name, entry in header.items() if name.startswith(CHECKPOINT)
                for start, end in [entry["data_offsets"]])
 
 
@@ -713,7 +714,7 @@ class Snapshots:
         held: dict[str, mx.array] = {}
 
         def put(a: mx.array) -> str:
-            held[name := f"cp.{len(held)}"] = mx.contiguous(a)
+            held[name := f"{CHECKPOINT}{len(held)}"] = mx.contiguous(a)
             return name
         try:
             points = [saved(c, put) for c in checkpoints]
@@ -765,7 +766,7 @@ class Snapshots:
             self._pending += nbytes
             self._pending_n += 1
             seg = Segment(sid, since[0], start, have, nbytes, time.time(), tenant=tenant,
-                          checkpoint_bytes=sum(a.nbytes for name, a in arrays.items() if name.startswith("cp.")))
+                          checkpoint_bytes=sum(a.nbytes for name, a in arrays.items() if name.startswith(CHECKPOINT)))
             self.segments[sid] = seg  # the next segment's parent, before it is written
         mx.async_eval(list(arrays.values()))
         self._staged.append((seg, arrays, {"leaves": json.dumps(about),
