@@ -39,6 +39,7 @@ from runtime.engine.drafting import (DraftWhenAlone, DSparkEngine, agree, allowe
                               sample_places)
 from runtime.engine.jobs import Emission, Job, emission, finish_reason
 from runtime.engine.request import Request
+from runtime.engine.scheduler import Row, plan
 from runtime.prefix.store import PrefixStore
 
 
@@ -90,13 +91,13 @@ class RowwiseDSpark:
         self._leave([r for r in self._rows if r.job.rid == rid], ended=False)
 
     def step(self) -> list[Emission]:
-        if self._joining:
-            row = self._joining[0]
-            if len(row.todo) > 1:
-                self._prefill(row)
-            if len(row.todo) == 1:
-                self._join(self._joining.popleft())
-        return self._verify() if self._rows else []
+        """The step `scheduler.plan` makes of the rows and the prompts going in, carried out."""
+        step = plan([self._seen(r) for r in self._joining], [self._seen(r) for r in self._rows])
+        if step.prefill:
+            self._prefill(self._joining[0])
+        if step.join:
+            self._join(self._joining.popleft())
+        return self._verify(step.width) if step.verify else []
 
     @property
     def busy(self) -> bool:
@@ -118,11 +119,20 @@ class RowwiseDSpark:
                 "draft_fallbacks": self.fallbacks, "draft_batched_steps": self.batched_steps,
                 "draft_refeeds": self.refeeds}
 
+    def _seen(self, row: Request) -> Row:
+        """The row as the scheduler weighs it."""
+        left = len(row.todo)
+        return Row(row.rid, left, self._piece(row) if left > 1 else 0, row.width if row.drafting else 0)
+
     # --- a prompt going in --------------------------------------------------------------------------------
+    def _piece(self, row: Request) -> int:
+        """How much of the row's prompt its next prefill feeds: as the plain decoder takes it (pools.prompt_piece)."""
+        return pools.prompt_piece(row.base, len(row.job.prompt), row.job.offset, self._chunk, self._windows,
+                                  row.taken.stops)
+
     def _prefill(self, row: Request) -> None:
-        """A chunk of the row's prompt through its own caches, its taps into its stages' context."""
-        n = pools.prompt_piece(row.base, len(row.job.prompt), row.job.offset, self._chunk, self._windows,
-                               row.taken.stops)
+        """A piece of the row's prompt through its own caches, its taps into its stages' context."""
+        n = self._piece(row)
         chunk, row.todo = row.todo[:n], row.todo[n:]
         with mx.stream(generation_stream):
             _, taps = self._model(mx.array(chunk, dtype=mx.uint32)[None], row.cache, return_hidden=True)
@@ -149,9 +159,10 @@ class RowwiseDSpark:
         self._rows.append(row)
 
     # --- a step of the batch ------------------------------------------------------------------------------
-    def _verify(self) -> list[Emission]:
+    def _verify(self, width: int) -> list[Emission]:
+        """Every row's pending token and `width` places after it through the target in one forward; each row
+        keeps its drafts up to its first miss."""
         rows = self._rows
-        width = max((r.width for r in rows if r.drafting), default=0)
         inputs = mx.stack([self._places(r, width) for r in rows])
         if width:
             in_order(self._cache)
@@ -164,7 +175,7 @@ class RowwiseDSpark:
             saved.undo()  # a kernel refusing the batched verify's shape: every row plainly from here
             for r in rows:
                 self._refused(r, "the target's batched verify", e)
-            return self._verify()
+            return self._verify(0)
         kept = []
         drafts = []  # each row's (proposed, accepted) this step
         for r, tokens, places in zip(rows, sampled.tolist(), inputs.tolist()):

@@ -1,10 +1,12 @@
 """The scheduler's decisions, pure: which requests start alone and which batched, when one running alone hands
-over to the batch, and when the tapes restored behind serving join the token tape. Every engine and the rank
-loop ask here, so each is decided once; every rank asks with the same facts at the same step (the lockstep
-loop's), so every rank decides alike."""
+over to the batch, each step of a batch whose prompts go in apart (which prompt a piece goes in, which joins,
+how wide the verify drafts), and when the tapes restored behind serving join the token tape. Every engine and
+the rank loop ask here and carry out the answer, so each is decided once; every rank asks with the same facts
+at the same step (the lockstep loop's), so every rank decides alike."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -25,6 +27,38 @@ def admit(waiting: int, alone: bool, batched: bool) -> Admission:
     if waiting == 1 and not (alone or batched):
         return Admission(alone=True)
     return Admission(hand_over=alone, join=waiting)
+
+
+@dataclass(frozen=True)
+class Row:
+    """A request of a batch as the scheduler sees it at a step boundary."""
+
+    rid: str
+    left: int = 1  # its prompt not yet through the target; 1: its last token, its first pending one
+    piece: int = 0  # how much of that prompt its next prefill feeds (the executor's pools.prompt_piece)
+    width: int = 0  # the drafts a step it takes while drafted (0: decoded plainly)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step of a batch whose prompts go in apart, each in its own caches, and join it at their last token."""
+
+    prefill: str | None = None  # the prompt a piece of which goes in: the first that came, while more than its
+    # last token is left
+    join: str | None = None  # the prompt that joins the batch: the first, once its last token is all that is left
+    width: int = 0  # the drafts a row the step's verify feeds: the widest drafted row's, the one joining among them
+    verify: bool = False  # the batch takes a step: it has rows
+
+
+def plan(joining: Sequence[Row], rows: Sequence[Row]) -> Plan:
+    """A batch's step: one piece of the first prompt going in (first come first; the others wait behind it); that
+    prompt joins the batch in the step its last piece goes in, and verifies in it; every row verifies as wide as
+    the widest drafted row drafts (a row that takes fewer fills the rest with guesses, never kept)."""
+    first = joining[0] if joining else None
+    prefill = first if first is not None and first.left > 1 else None
+    join = first if first is not None and first.left - (prefill.piece if prefill else 0) == 1 else None
+    batch = [*rows, *([join] if join else [])]
+    return Plan(prefill and prefill.rid, join and join.rid, max((r.width for r in batch), default=0), bool(batch))
 
 
 def adopt_restored(warm: bool, draining: bool, busy: bool, awaited: bool) -> bool:

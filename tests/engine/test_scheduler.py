@@ -1,6 +1,6 @@
-"""The scheduler's decisions (runtime/engine/scheduler.py), as tables, and the drafted engine's routing between a
-request alone and the batch on them, with fake executors: arrivals, hand-overs, joins and cancels in
-milliseconds, no model and no mesh."""
+"""The scheduler's decisions (runtime/engine/scheduler.py), as tables; a batch's steps as its plans make them, and the
+drafted engine's routing between a request alone and the batch, with fake executors: arrivals, prompts going in,
+joins, hand-overs and cancels in milliseconds, no model and no mesh."""
 
 from dataclasses import replace
 
@@ -8,7 +8,7 @@ import pytest
 
 from runtime.engine.drafting import DraftWhenAlone
 from runtime.engine.jobs import Emission, Job
-from runtime.engine.scheduler import Admission, admit, adopt_restored
+from runtime.engine.scheduler import Admission, Plan, Row, admit, adopt_restored, plan
 
 GREEDY = {"temperature": 0.0}
 
@@ -35,6 +35,90 @@ def test_a_request_runs_alone_only_while_nothing_else_does(waiting, alone, batch
 ])
 def test_restored_tapes_join_when_ready_and_idle_or_awaited(warm, draining, busy, awaited, adopts):
     assert adopt_restored(warm, draining, busy, awaited) is adopts
+
+
+@pytest.mark.parametrize("joining,rows,expected", [
+    ((), (), Plan()),  # nothing: no step
+    ((), (Row("a", width=5), Row("b", width=2)), Plan(width=5, verify=True)),  # as wide as the widest drafted
+    ((), (Row("a"), Row("b")), Plan(verify=True)),  # no row drafted: one place a row
+    ((Row("c", left=9, piece=4),), (), Plan(prefill="c")),  # a piece of the prompt; the rest next step
+    ((Row("c", left=5, piece=4, width=3),), (), Plan("c", "c", 3, True)),  # its last piece: joins, verifies
+    ((Row("c", width=3),), (Row("a", width=1),), Plan(None, "c", 3, True)),  # only its last token was left
+    ((Row("c", left=9, piece=4), Row("d")), (Row("a"),), Plan("c", None, 0, True)),  # d waits behind c
+    ((Row("c", left=9, piece=4, width=5),), (Row("a", width=2),), Plan("c", None, 2, True)),  # c not in it yet
+])
+def test_a_batch_step_prefills_the_first_prompt_joins_it_at_its_last_token_and_verifies_at_the_widest_draft(
+        joining, rows, expected):
+    assert plan(joining, rows) == expected
+
+
+class FakeRows:
+    """A batch's executor as RowwiseDSpark is one: prompts go in `chunk` tokens a step (all but their last), each
+    row says a token a step; it records what each step did."""
+
+    def __init__(self, chunk=4):
+        self.chunk, self.joining, self.rows, self.done = chunk, [], {}, []
+
+    def insert(self, rid, prompt, answer, width=0):
+        self.joining.append([rid, prompt, answer, width])
+
+    def cancel(self, rid):
+        self.joining = [j for j in self.joining if j[0] != rid]
+        self.rows.pop(rid, None)
+
+    def seen(self):
+        return ([Row(rid, left, min(self.chunk, left - 1), width) for rid, left, _, width in self.joining],
+                [Row(rid, width=width) for rid, (_, width) in self.rows.items()])
+
+    def step(self):
+        step = plan(*self.seen())
+        did = []
+        if step.prefill:
+            first = self.joining[0]
+            first[1] -= min(self.chunk, first[1] - 1)
+            did.append(f"prefill {step.prefill} to {first[1]}")
+        if step.join:
+            rid, _, answer, width = self.joining.pop(0)
+            self.rows[rid] = [answer, width]
+            did.append(f"join {rid}")
+        if step.verify:
+            did.append(f"verify {''.join(self.rows)} at {step.width}")
+            for rid, row in list(self.rows.items()):
+                row[0] -= 1
+                if not row[0]:
+                    del self.rows[rid]
+                    self.done.append(rid)
+        return did
+
+
+def test_prompts_go_in_first_come_first_join_at_their_last_piece_and_a_cancel_frees_the_next():
+    batch = FakeRows(chunk=4)
+    batch.insert("a", prompt=6, answer=3, width=5)
+    batch.insert("b", prompt=3, answer=3)
+    batch.insert("c", prompt=9, answer=2, width=2)
+    steps = [batch.step()]
+    batch.cancel("c")  # still behind b: never goes in
+    steps += [batch.step() for _ in range(4)]
+    assert steps == [
+        ["prefill a to 2"],  # a's first piece; b and c wait behind it
+        ["prefill a to 1", "join a", "verify a at 5"],  # a's last piece: it joins and verifies in the same step
+        ["prefill b to 1", "join b", "verify ab at 5"],  # b is plain: it fills a's width with guesses
+        ["verify ab at 5"],  # a ends
+        ["verify b at 0"],  # b alone, plain: one place
+    ]
+    assert batch.done == ["a", "b"] and not batch.joining and not batch.rows
+
+
+def test_a_row_whose_drafting_ends_narrows_the_verify_and_a_cancelled_row_leaves_it():
+    batch = FakeRows()
+    batch.insert("a", prompt=1, answer=9, width=3)
+    batch.insert("b", prompt=1, answer=9, width=5)
+    assert batch.step() == ["join a", "verify a at 3"]
+    assert batch.step() == ["join b", "verify ab at 5"]
+    batch.rows["b"][1] = 0  # b's drafts refused: plain from here
+    assert batch.step() == ["verify ab at 3"]
+    batch.cancel("a")
+    assert batch.step() == ["verify b at 0"]
 
 
 class FakeDrafter:
