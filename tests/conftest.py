@@ -1,10 +1,19 @@
+import os
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from meshd.meshctl.ports import SPAN
 from runtime.models.demo_model import DemoModelSpec, build_demo_model
+
+# Each xdist worker picks its ports, and the processes it starts theirs, in a span of its own
+# (meshd/meshctl/ports.py): two workers never pick one port before either binds it.
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    _worker, _workers = int(os.environ["PYTEST_XDIST_WORKER"][2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    _width = (SPAN[1] - SPAN[0]) // _workers
+    os.environ["MESHD_PORT_SPAN"] = f"{SPAN[0] + _worker * _width}-{SPAN[0] + (_worker + 1) * _width}"
 
 # tests/pinned runs on its own, named, in .venv-omlx at omlx's pins (scripts/test runs it after the rest)
 collect_ignore = ["pinned"]

@@ -4,10 +4,13 @@ else at a random base (tests, side by side with a running demo). A port is
 free when a server can bind it as meshd's servers do (SO_REUSEADDR) and no live
 socket holds it: the connections a server that just stopped leaves in
 TIME_WAIT do not count. A port is handed out once per process: two runs picked
-before either is bound never overlap."""
+before either is bound never overlap. Processes that pick side by side, each
+before the other binds, stay apart by each picking in a span of its own
+(MESHD_PORT_SPAN: the test suite gives each of its workers one)."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -51,12 +54,28 @@ def run_free(base: int, count: int, taken: set[int] = frozenset()) -> bool:
     return not held or (all(_binds(p, reuse=True) for p in held) and not _live_ports().intersection(held))
 
 
+SPAN = (20000, 32000)  # below Linux's ephemeral range (32768 on)
+
+
+def span(value: str | None) -> tuple[int, int]:
+    """The ports random runs are picked from, as MESHD_PORT_SPAN (`value`) says them: "LOW-HIGH", HIGH not
+    among them; unset or empty, 20000-32000."""
+    if not value:
+        return SPAN
+    low, _, high = value.partition("-")
+    if not (low.isdigit() and high.isdigit() and 1024 <= int(low) < int(high) <= 65536):
+        raise ValueError(f"MESHD_PORT_SPAN={value!r} is no span of ports: give LOW-HIGH with 1024 <= LOW < HIGH "
+                         "<= 65536 (e.g. 20000-26000), or unset it")
+    return int(low), int(high)
+
+
 def free_run(count: int = 1, preferred: int | None = None, taken: set[int] = frozenset()) -> int:
     """The first port of `count` consecutive free ports, none of them in `taken`."""
     taken = set(taken) | _handed_out
     rng = random.Random()
+    low, high = span(os.environ.get("MESHD_PORT_SPAN"))
     candidates = [preferred] if preferred is not None else []
-    candidates += [rng.randrange(20000, 32000 - count) for _ in range(500)]  # below Linux's ephemeral range
+    candidates += [rng.randrange(low, max(low + 1, high - count)) for _ in range(500)]
     for base in candidates:
         if run_free(base, count, taken):
             _handed_out.update(range(base, base + count))

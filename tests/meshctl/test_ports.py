@@ -7,7 +7,7 @@ import psutil
 import pytest
 
 from kit.waiting import wait_for
-from meshd.meshctl.ports import free_run, run_free
+from meshd.meshctl.ports import SPAN, free_run, run_free, span
 
 
 def server() -> socket.socket:
@@ -62,3 +62,24 @@ def test_a_run_is_free_only_when_each_of_its_ports_is(taken_offset):
     assert not run_free(base, 3, taken={base + taken_offset})
     with server() as s:
         assert not run_free(s.getsockname()[1] - taken_offset, 3)
+
+
+@pytest.mark.parametrize("value,expected", [
+    (None, SPAN), ("", SPAN),  # unset: below Linux's ephemeral range
+    ("20000-26000", (20000, 26000)),
+    ("26000-20000", "no span of ports"), ("80-9000", "no span of ports"), ("20000", "no span of ports"),
+    ("a-b", "no span of ports"), ("20000-70000", "no span of ports"),
+])
+def test_the_span_random_runs_come_from_is_checked_with_its_fix(value, expected):
+    if isinstance(expected, tuple):
+        assert span(value) == expected
+        return
+    with pytest.raises(ValueError, match=expected) as refused:
+        span(value)
+    assert "LOW-HIGH" in str(refused.value)
+
+
+def test_a_process_picks_only_in_its_span(monkeypatch):
+    monkeypatch.setenv("MESHD_PORT_SPAN", "23000-23100")
+    bases = [free_run(2) for _ in range(10)]
+    assert all(23000 <= b and b + 2 <= 23100 for b in bases) and len(set(bases)) == 10
