@@ -3,7 +3,9 @@ a step.
 
 A request's prompt goes through the target in its own caches, as the plain decoder takes it (in chunks, a
 resumed answer's tokens in the pieces decoding gives: pools.prompt_piece), its taps entering its own stages'
-context; once only its last token is left it joins the batch, its caches merged into the batch's. Each step
+context; once only its last token is left it joins the batch (`scheduler.plan` says each step). A row alone
+decodes in its own caches (a batch's cost a lone row speed: bench/rowwise.py); they merge into a batch's when
+a second row joins, and the row left alone takes its own back out. Each step
 every row feeds its pending token and its drafts (a row without drafts, its first step or its drafting
 refused, feeds its pending token in their places: a guess like any other, kept only where the target samples
 it) in one forward of `1 + width` places, `width` the most drafts a row takes (each row its request's
@@ -75,7 +77,8 @@ class RowwiseDSpark:
         self._log = log
         self._joining: deque[Request] = deque()  # prompts going in (in their own caches), first come first
         self._rows: list[Request] = []  # the batch, in the order of its caches' rows
-        self._cache: list | None = None  # the batch's caches
+        self._cache: list | None = None  # the batch's caches: a lone row's own until a second row joins
+        self._merged = False  # whether they are merged (a batch's rows), else the one row's own
         self.proposed = self.accepted = self.fallbacks = self.batched_steps = self.refeeds = 0
 
     # --- Engine -------------------------------------------------------------------------------------------
@@ -149,12 +152,13 @@ class RowwiseDSpark:
     def _join(self, row: Request) -> None:
         """The row's caches into the batch's: its last prompt token is its first pending one."""
         (row.pending,), row.todo = row.todo, []
-        single = [c.merge([c]) for c in row.cache]
         if self._cache is None:
-            self._cache = single
+            self._cache = row.cache
         else:
-            for batch, one in zip(self._cache, single):
-                batch.extend(one)
+            if not self._merged:
+                self._cache, self._merged = [c.merge([c]) for c in self._cache], True
+            for batch, one in zip(self._cache, row.cache):
+                batch.extend(one.merge([one]))
         row.cache = None
         self._rows.append(row)
 
@@ -215,8 +219,7 @@ class RowwiseDSpark:
         self.prefixes.pump()  # what was staged a step ago, evaluated by now
         for i, r in enumerate(self._rows):
             if self.prefixes.due(r.since, len(r.fed)):
-                r.since = self.prefixes.keep(r.job.tenant, r.since, r.fed, [c.extract(i) for c in self._cache], False,
-                                             taps=r.recent)
+                r.since = self.prefixes.keep(r.job.tenant, r.since, r.fed, self._own(i), False, taps=r.recent)
 
     def _places(self, row: Request, width: int) -> mx.array:
         """The row's pending token and `width` places after it: its own drafts, its pending token in the others."""
@@ -284,14 +287,19 @@ class RowwiseDSpark:
             for i, r in enumerate(self._rows):
                 if r in leaving:
                     self.prefixes.pump()
-                    r.since = self.prefixes.keep(r.job.tenant, r.since, r.fed, [c.extract(i) for c in self._cache],
-                                                 True, r.taken, r.recent)
+                    r.since = self.prefixes.keep(r.job.tenant, r.since, r.fed, self._own(i), True, r.taken, r.recent)
         self._rows = [self._rows[i] for i in keep]
-        if keep:
+        if not keep:
+            self._cache, self._merged = None, False
+        elif self._merged:
             for c in self._cache:
                 c.filter(keep)
-        else:
-            self._cache = None
+            if len(keep) == 1:  # the row left alone goes on in caches of its own
+                self._cache, self._merged = self._own(0), False
+
+    def _own(self, i: int) -> list:
+        """Row `i`'s caches: taken out of the batch's (a copy of its row), or the lone row's own."""
+        return [c.extract(i) for c in self._cache] if self._merged else self._cache
 
     # --- drafts -------------------------------------------------------------------------------------------
     def _draft(self, row: Request, committed: mx.array) -> mx.array | None:
