@@ -1,6 +1,6 @@
 """Row-wise DSpark against undrafted batching, in one process on one device: B requests at once (B = 1, 2, 4, 8),
-greedy, decoded by the engines a DSpark mesh runs (`drafted_everywhere`: DSparkEngine for a request alone,
-the row-wise batch for more) and by the batch engine alone (what `--drafter off` runs), in alternating rounds.
+greedy, decoded by the engine a DSpark mesh runs (RowwiseDSpark: every request drafted row by row, a lone one as
+a batch of one) and by the batch engine alone (what `--drafter off` runs), in alternating rounds.
 For each: aggregate tokens/s over the answers (prompts included, as a client meets them), target forwards
 (counted at the model's call) and tokens per forward per row, the acceptance, the verifies whose kept places
 were fed again (none, where every cache's writes replay: one target forward a step); whether every answer was the
@@ -32,7 +32,7 @@ from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
 from runtime.models.overlay import OMLX
 from runtime.rank import load_sharded
-from runtime.engine.rowwise import RowwiseDSpark, drafted_everywhere
+from runtime.engine.rowwise import RowwiseDSpark
 from runtime.prefix.store import PrefixStore
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
@@ -102,17 +102,14 @@ def main() -> None:
     checkpoint = build_v4_checkpoint(Path(tempfile.mkdtemp(prefix="meshd-rowwise-bench-")) / "v4")
     counted = Counted(load_sharded(checkpoint, mx.distributed.init(), lambda done, total: None, OMLX))
     engines = {"undrafted": lambda: BatchEngine(counted, set(), prefill_step_size=128),
-               "drafted": lambda: drafted_everywhere(counted, set(), PrefixStore(counted, prefill_step_size=128),
-                                                     prefill_step_size=128, log=lambda m: None),
-               # a lone request as a batch of one: what a single engine for every request would give it
-               "rows": lambda: RowwiseDSpark(counted, set(), prefixes=PrefixStore(counted, prefill_step_size=128),
-                                             prefill_step_size=128, log=lambda m: None)}
-    rows, same, alone = [], True, {}
+               "drafted": lambda: RowwiseDSpark(counted, set(), prefixes=PrefixStore(counted, prefill_step_size=128),
+                                                prefill_step_size=128, log=lambda m: None)}
+    rows, same = [], True
     for batch in (int(b) for b in args.batches.split(",")):
         rate = {name: [] for name in engines}
         per_forward, answers, acceptance, refeeds = {name: [] for name in engines}, {}, [], []
         follow: dict[bool, list[float]] = {False: [], True: []}
-        names = [name for name in engines if name != "rows" or batch == 1]
+        names = list(engines)
         for r in range(args.rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 engine = engines[name]()
@@ -131,8 +128,6 @@ def main() -> None:
                         follow[blind].append(next_acceptance(engine, counted, batch, args.tokens, said, blind))
                 say(f"B={batch} round {r + 1} {name}: {rate[name][-1]:.1f} tok/s, {forwards} forwards")
         same &= all(answers[name] == answers["undrafted"] for name in names)
-        if batch == 1:
-            alone = rate
         rows.append(f"| {batch} | {spread(rate['undrafted'], '{:.1f}')} | {spread(rate['drafted'], '{:.1f}')} | "
                     f"{statistics.median(rate['drafted']) / statistics.median(rate['undrafted']):.2f}x | "
                     f"{statistics.median(per_forward['undrafted']):.2f} | {statistics.median(per_forward['drafted']):.2f} | "
@@ -153,10 +148,6 @@ def main() -> None:
             "drafted | acceptance | next turns, with context | next turns, blind | re-fed steps |",
             "|---|---|---|---|---|---|---|---|---|---|",
             *rows, "",
-            *([f"A request alone as a batch of one (RowwiseDSpark) against DSparkEngine, the path a request alone "
-               f"takes: {spread(alone['rows'], '{:.1f}')} against "
-               f"{spread(alone['drafted'], '{:.1f}')} tok/s, "
-               f"{statistics.median(alone['rows']) / statistics.median(alone['drafted']):.2f}x.", ""] if alone else []),
             "Every drafted answer was the undrafted one, token for token." if same
             else "The answers were NOT the same.", "",
             f"Command: `{Path(sys.executable).parent.parent.name}/bin/python bench/rowwise.py --rounds {args.rounds} "

@@ -1,6 +1,7 @@
 """The engines of this tree against those of another commit checked out beside it (the engines before the prefix
 store, the request record and the scheduler: 590ba63, or any later one), in one process each on this machine's
-CPU: a drafted request alone and B = 2, 4 drafted rows (`drafted_everywhere`: DSpark alone, row-wise for more),
+CPU: a drafted request alone and B = 2, 4 drafted rows (RowwiseDSpark; before 2026-12-07 `drafted_everywhere`:
+DSpark's single-request engine alone, row-wise for more),
 and plain batching at B = 1, 2, 4 (the batch engine; a lone request in SoloDecode). Each round runs both trees, one after the other in
 a process of its own (the order alternating), each case once to warm and once timed; tokens/s over the answers
 (prompts included), median (min-max), and whether both trees said the same tokens.
@@ -51,9 +52,13 @@ def worker(root: Path, checkpoint: Path, tokens: int) -> dict:
         return part["store"].PrefixStore(model, prefill_step_size=128) if "store" in part else \
             batch(model, set(), prefill_step_size=128)
 
-    engines = {"plain": lambda: batch(model, set(), prefill_step_size=128),
-               "drafted": lambda: part["rowwise"].drafted_everywhere(model, set(), prefixes(), prefill_step_size=128,
-                                                                     log=lambda m: None)}
+    def drafted():  # every request row by row, or before that a request alone on its own engine
+        rowwise = part["rowwise"]
+        if hasattr(rowwise, "drafted_everywhere"):
+            return rowwise.drafted_everywhere(model, set(), prefixes(), prefill_step_size=128, log=lambda m: None)
+        return rowwise.RowwiseDSpark(model, set(), prefixes=prefixes(), prefill_step_size=128, log=lambda m: None)
+
+    engines = {"plain": lambda: batch(model, set(), prefill_step_size=128), "drafted": drafted}
     greedy = importlib.import_module("common.openai_api").SamplingParams(max_tokens=1).sampling()
     out = {}
     for kind, b in CASES:
@@ -116,7 +121,8 @@ def main() -> None:
             f"{time.strftime('%Y-%m-%d')})", "",
             "omlx's own DeepSeek-V4 (tests/pinned/dsv4.py's tiny checkpoint with the DSpark stand-in's stages) on "
             f"this machine's CPU (2 cores, shared). B requests of 40 prompt tokens sent at once, {args.tokens} "
-            "greedy tokens each; drafted: DSpark alone for B = 1, row-wise for more; plain: the batch engine "
+            "greedy tokens each; drafted: each tree's DSpark engine (row by row; before 2026-12-07, a request alone on "
+            "its own engine); plain: the batch engine "
             f"(SoloDecode for B = 1). Before: commit {base}. {args.rounds} alternating rounds, each tree in a "
             "process of its own, each case warmed once; tokens/s, median (min-max).", "",
             "| engine | B | before tok/s | today tok/s | today / before |", "|---|---|---|---|---|", *rows, "",

@@ -47,7 +47,7 @@ from runtime.prefix.rates import Rates
 from runtime.prefix.store import PrefixStore
 from runtime.compiles import Compiles
 from runtime.restore import Restorer
-from runtime.engine.rowwise import drafted_everywhere
+from runtime.engine.rowwise import RowwiseDSpark
 from runtime.prefix.snapshot import LEAVES, Identity, Snapshots, leaf_types, shard_layout, snapshot_key, snapshot_kind
 from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend
@@ -438,8 +438,8 @@ def load(args, group, hb: Heartbeat, overlay, log) -> tuple:
 
 
 def make_engine(args, model, eos: set[int], rank: int, world: int, hb: Heartbeat, log):
-    """The engine the args and the model ask for: a draft model's, DSpark's stages drafting for a request
-    alone beside the batch engine, the model's MTP head, or the batch engine. Those that reuse prefixes share
+    """The engine the args and the model ask for: a draft model's, DSpark's stages drafting every request row
+    by row, the model's MTP head, or the batch engine. Those that reuse prefixes share
     one prefix store, built here (`engine.prefixes`; None for the others)."""
     model_path = Path(args.model)
     if args.draft_model:
@@ -447,13 +447,12 @@ def make_engine(args, model, eos: set[int], rank: int, world: int, hb: Heartbeat
         return SpeculativeEngine(model, draft, eos, num_draft_tokens=args.num_draft_tokens or 3,
                                  prefill_step_size=args.prefill_step_size)
     if args.drafter == "auto" and dspark.stages(model):
-        engine = drafted_everywhere(model, eos, prefix_store(args, model_path, model, rank, world, log),
-                                    num_draft_tokens=args.num_draft_tokens or 0,
-                                    prefill_step_size=args.prefill_step_size, log=log)
+        engine = RowwiseDSpark(model, eos, prefixes=prefix_store(args, model_path, model, rank, world, log),
+                               num_draft_tokens=args.num_draft_tokens or 0,
+                               prefill_step_size=args.prefill_step_size, log=log)
         hb.update(**engine.stats())
-        log(f"drafter armed: DSpark's {len(dspark.stages(model))} stages, blocks of {engine.drafter.num_draft_tokens} "
-            f"drafts for a request alone, {engine.batch.width} a row when more run batched (a drafted answer "
-            "joins the batch when another arrives)")
+        log(f"drafter armed: DSpark's {len(dspark.stages(model))} stages, blocks of {engine.width} drafts a row, "
+            "every request drafted row by row (a request alone is a batch of one)")
         return engine
     if args.drafter == "auto" and hasattr(model, "mtp_draft"):
         engine = MTPEngine(model, eos, num_draft_tokens=args.num_draft_tokens or 1,

@@ -1,10 +1,11 @@
-"""The drafting engines: one request at a time (speculation is singleton-only), the
-others wait FIFO. `SingleRequestEngine` is their shared Engine; a drafter
-subclasses it with how one request begins and advances."""
+"""What every drafter shares (each place of a verify sampled with its request's key and processors, drafts
+held to its grammar, how many tokens a step keeps, the ranks' agreement on it), and the drafters of one
+request at a time (a draft model, the model's MTP head: the others wait FIFO). `SingleRequestEngine` is
+their shared Engine; a drafter subclasses it with how one request begins and advances. DSpark drafts every
+request, row by row (runtime/engine/rowwise.py)."""
 
 from __future__ import annotations
 
-import sys
 from abc import ABC, abstractmethod
 from collections import deque
 from contextlib import contextmanager
@@ -15,23 +16,18 @@ from mlx_lm.generate import generate_step, generation_stream, speculative_genera
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from common.prefills import Position
-from runtime.models import dspark, pools
 from runtime.prefix import rollback
 from runtime.prefix.checkpoints import Taken
 from runtime.prefix.store import NO_SNAPSHOT, Prefix
 from runtime.engine.jobs import Divergence, Emission, Job, emission, finish_reason
 from runtime.engine.request import Request
 from runtime.engine.sampling import GrammarMask, processors_for, sample_at, sampler_for
-from runtime.engine.scheduler import admit
 
 
 def ends_after(tokens: list[int], count: int, max_tokens: int, eos_ids: set[int]) -> int:
     """How many of `tokens` an answer that said `count` tokens emits: up to the one that ends it."""
     return next((i + 1 for i, token in enumerate(tokens)
                  if finish_reason(token, count + i + 1, max_tokens, eos_ids) is not None), len(tokens))
-
-
-DRAFT_COUNTS = ("draft_proposed", "draft_accepted", "draft_fallbacks", "draft_refeeds")  # each drafting engine's, as RankStatus counts
 
 
 def place_logprobs(logits: mx.array, processors: list, said: mx.array | None, drafts: mx.array) -> mx.array:
@@ -78,7 +74,7 @@ class SingleRequestEngine(ABC):
     """The Engine of a drafter: the queue, the active request and how it ends. A subclass decodes the active
     request (its three abstract methods)."""
 
-    prefixes = None  # the prefix store the requests' caches come from and their tapes go to (DSparkEngine's)
+    prefixes = None  # a single-request engine keeps no prefix store: its caches are its request's alone
 
     def __init__(self, eos_ids: set[int], log=print):
         self._eos = eos_ids
@@ -273,8 +269,6 @@ class MTPEngine(SingleRequestEngine):
     kernel's layout limit past some prompt length) ends drafting for that request, the target's caches
     back where the step began: plain decoding from there, said in the log and counted, the rank alive."""
 
-    records = False  # whether a verify records its writes into caches a trim cannot cut back (`_cut` replays them)
-
     def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 1, prefill_step_size: int = 512,
                  log=print):
         super().__init__(eos_ids, log)
@@ -296,14 +290,10 @@ class MTPEngine(SingleRequestEngine):
         return self._verify()
 
     def _begin(self, job: Job) -> Request:
-        """The request with its cache (from the prefix store, where one is given) and its drafter's context (the
-        MTP head's cache, DSpark's stages'); the target's caches (and the head's) hold its tape[:base] for good."""
-        prefix = (self.prefixes.take(job) if self.prefixes is not None
-                  else Prefix(make_prompt_cache(self._model), 0, NO_SNAPSHOT, Taken(())))
-        return Request.begin(job, prefix, context=self._context(prefix), width=self.num_draft_tokens)
-
-    def _context(self, prefix: Prefix) -> list:
-        return self._model.make_mtp_cache()
+        """The request with a fresh cache and the MTP head's; the target's caches (and the head's) hold its
+        tape[:base] for good."""
+        return Request.begin(job, Prefix(make_prompt_cache(self._model), 0, NO_SNAPSHOT, Taken(())),
+                             context=self._model.make_mtp_cache(), width=self.num_draft_tokens)
 
     def _prefill(self) -> None:
         """A chunk of the prompt that is not its last through the target; the head learns its positions."""
@@ -314,7 +304,6 @@ class MTPEngine(SingleRequestEngine):
         self._learn(hidden, mx.array(chunk[1:] + r.todo[:1], dtype=mx.uint32))
         mx.eval([c.state for c in r.cache] + ([c.state for c in r.context] if r.drafting else []))
         r.base += len(chunk)
-        self._keep(final=False)
 
     def _verify(self) -> list[Emission]:
         """The places (the prompt's last chunk, or the pending token and the drafts) through the target,
@@ -327,7 +316,7 @@ class MTPEngine(SingleRequestEngine):
         else:
             inputs, first = mx.array([r.pending], dtype=mx.uint32), 0
         ahead = inputs.shape[0] + (0 if r.drafts is None else r.drafts.shape[0])
-        saved = rollback.checkpoint(r.cache, ahead, recording=self.records)
+        saved = rollback.checkpoint(r.cache, ahead)
         verified = None
         if r.drafts is not None:
             with self._refusals("the target's verify"):
@@ -340,68 +329,30 @@ class MTPEngine(SingleRequestEngine):
         learned, logprobs, sampled = verified
         tokens, guessed = sampled.tolist(), inputs[first + 1:].tolist()
         kept = next((i for i, (g, t) in enumerate(zip(guessed, tokens)) if g != t), len(guessed))
-        if guessed:
-            self._agree(kept)
         n = self._ends_after(tokens[:kept + 1])  # the tokens that go out; the last of them is not fed
-        at = first + n - 1  # the place of the last token kept
-        self._cut(saved, inputs[:at + 1], inputs.shape[0])
+        at = first + n - 1  # the place of the last token kept (what the head learned of it is in its cache)
+        trim_to(r.cache, r.base + at + 1)
         r.base += at + 1
-        self._kept(learned, at)
         r.tape += tokens[:n]
         out = self._emit(tokens[:n], logprobs, (len(guessed), min(kept, n)))
         if self._active is not None:
             if r.said is not None:
                 r.said = mx.concatenate([r.said, sampled[:n]])
             r.pending = tokens[n - 1]
-            r.drafts = self._next_drafts(learned, at, tokens[n - 1]) if r.drafting else None
-            self._keep(final=False)
+            r.drafts = self._chain(*learned, at) if r.drafting and learned else None
         return out
-
-    def _keep(self, final: bool) -> None:
-        """The request's tape so far to the shared token tape's engine: staged for its snapshot when due, at
-        its end stored, so a follow-up turn prefills only its new tokens."""
-        if self.prefixes is not None:
-            r = self._active
-            self.prefixes.pump()
-            r.since = self.prefixes.keep(r.job.tenant, r.since, r.fed if final else r.tape, r.cache, final, r.taken,
-                                         r.recent)
-
-    def _finish(self) -> None:
-        if self._active is not None:
-            self._keep(final=True)
-        super()._finish()
 
     def _target(self, job: Job, inputs: mx.array, first: int):
         """The places through the target, sampled from `first` on, and the head's learning of them: what
         it learned, the log probabilities and the samples, evaluated."""
         with mx.stream(generation_stream):
             hidden = self._model.hidden(inputs[None], self._active.cache)
-            logprobs = self._logprobs(self._model.head(hidden[0, first:]), inputs[first + 1:])
-            sampled = self._sample(job, logprobs)
+            logprobs = place_logprobs(self._model.head(hidden[0, first:]), self._active.processors,
+                                      self._active.said, inputs[first + 1:])
+            sampled = sample_places(job, self._active.count, logprobs)
         learned = self._learn(hidden, mx.concatenate([inputs[1:first + 1], sampled]))
         mx.eval([sampled, logprobs, *(learned or ())])
         return learned, logprobs, sampled
-
-    def _sample(self, job: Job, logprobs: mx.array) -> mx.array:
-        return sample_places(job, self._active.count, logprobs)
-
-    @staticmethod
-    def _agree(kept: int) -> None:
-        """Nothing to settle here: this step's collectives did not depend on what was kept."""
-
-    def _kept(self, learned, at: int) -> None:
-        """The step's places through `at` are the request's for good (what the head learned of them is in its
-        cache already)."""
-
-    def _cut(self, saved: rollback.Checkpoint, kept: mx.array, fed: int) -> None:
-        """The target's caches back to its base plus the `kept` places, of the `fed` the step put in."""
-        trim_to(self._active.cache, self._active.base + kept.shape[0])
-
-    def _next_drafts(self, learned, at: int, anchor: int) -> mx.array | None:
-        return self._chain(*learned, at) if learned else None
-
-    def _logprobs(self, logits: mx.array, drafts: mx.array) -> mx.array:
-        return place_logprobs(logits, self._active.processors, self._active.said, drafts)
 
     def _learn(self, hidden: mx.array, next_tokens: mx.array) -> tuple[mx.array, mx.array] | None:
         """The head's cache, cut back to the kept positions, learns (hidden state at p, token at p+1) for
@@ -440,249 +391,3 @@ class MTPEngine(SingleRequestEngine):
         except Exception as e:
             self._active.drafting = False
             self._refused(who, e)
-
-
-class DraftWhenAlone:
-    """A drafter for a request alone, a batch engine for more (DSpark's: `runtime.engine.rowwise.RowwiseDSpark`, every
-    row drafted). A request that arrives while the drafter has one starts at the next step: the drafted answer
-    hands over to the batch at that step boundary, keeping its place exactly (`handover`: its cache, the
-    tokens it said, the sampling keys and grammar of its place), and both go on there. What waits goes to the
-    drafter when it is one request and nothing else runs, else to the batch engine, which takes arrivals while
-    it runs. Both take caches from and give tapes to the same prefix store (`prefixes`)."""
-
-    def __init__(self, drafter, batch, log=print):
-        self.drafter, self.batch = drafter, batch
-        self._log = log
-        self._waiting: deque[Job] = deque()
-        self._untold: dict[str, int] = {}  # jobs that waited, then went to the batch: their cached count
-        self._steps = 0
-        self._arrived: dict[str, int] = {}  # a job that arrived while the drafter had one: the step it came at
-        self._beside: dict[str, tuple[int, str, int]] = {}  # such a job once in the batch: that step, and the
-        # drafted answer handed over for it and that answer's tokens by then
-        self.handovers = 0  # drafted answers handed over to the batch mid-way
-
-    def insert(self, job: Job) -> int | None:
-        if self.batch.busy:
-            return self.batch.insert(job)
-        if self.drafter.busy:
-            self._arrived[job.rid] = self._steps
-        self._waiting.append(job)
-        return None  # said with its first token, by whichever engine takes it
-
-    def cancel(self, rid: str) -> None:
-        self._waiting = deque(j for j in self._waiting if j.rid != rid)
-        for held in (self._untold, self._arrived, self._beside):
-            held.pop(rid, None)
-        self.drafter.cancel(rid)
-        self.batch.cancel(rid)
-
-    def step(self) -> list[Emission]:
-        self._steps += 1
-        if self._waiting:
-            self._admit()
-        if self.drafter.busy:
-            return self.drafter.step()
-        out = [replace(e, cached=self._untold.pop(e.rid)) if e.rid in self._untold else e for e in self.batch.step()]
-        for e in out:
-            if e.rid in self._beside:
-                arrived, other, said = self._beside.pop(e.rid)
-                self._log(f"{e.rid} came while {other} was drafted ({said} tokens said): {other} went on in the "
-                          f"batch, {e.rid}'s first token {self._steps - arrived} steps after it came")
-        return out
-
-    def _admit(self) -> None:
-        """What waits starts at this step (`scheduler.admit`): a lone request with the drafter when nothing
-        runs; else in the batch, a drafted answer in flight handed over to it first."""
-        arrived, self._arrived = self._arrived, {}
-        admission = admit(len(self._waiting), self.drafter.busy, self.batch.busy)
-        if admission.alone:
-            self.drafter.insert(self._waiting.popleft())
-            return
-        if admission.hand_over:
-            rest, cached = self.drafter.handover()
-            self.handovers += 1
-            self.batch.insert(rest)
-            if cached is not None:
-                self._untold[rest.rid] = cached
-            self._beside.update({rid: (at, rest.rid, rest.offset) for rid, at in arrived.items()})
-        for _ in range(admission.join):
-            job = self._waiting.popleft()
-            self._untold[job.rid] = self.batch.insert(job)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._waiting) or self.drafter.busy or self.batch.busy
-
-    def prompt_tokens_in_flight(self) -> int:
-        return (self.drafter.prompt_tokens_in_flight() + self.batch.prompt_tokens_in_flight()
-                + sum(len(j.prompt) for j in self._waiting))
-
-    def prefilling(self) -> list[Position]:
-        return self.drafter.prefilling() + self.batch.prefilling()
-
-    def close(self) -> None:
-        self.drafter.close()
-        self.batch.close()
-
-    @property
-    def prefixes(self):
-        """The prefix store the drafter and the batch share."""
-        return self.drafter.prefixes
-
-    def stats(self) -> dict:
-        batch, drafter = self.batch.stats(), self.drafter.stats()
-        return {**batch, **drafter, "draft_handovers": self.handovers,
-                **{k: batch[k] + drafter[k] for k in DRAFT_COUNTS if k in batch}}
-
-
-class DSparkEngine(MTPEngine):
-    """One request at a time, drafted by DeepSeek-V4's DSpark stages (omlx's overlay): the target's forward
-    gives its logits and the taps of its target layers; the committed positions' taps enter the stages'
-    context (never a draft's, so that context needs no trim); a block of drafts comes from one pass of
-    the stages over the anchor (the token the target sampled last) and noise tokens, the checkpoint's whole
-    block whatever num_draft_tokens keeps of it (`pools.verify_width`: on V4 the whole block, its windows
-    pooled alone), each row biased by the Markov head from the draft before it and taken greedily
-    (dspark.draft: DeepSeek's block, as dspark-mlx drafts it). The sharded target verifies the block as
-    MTPEngine's verify does, sampling each place with the request's per-token key, so the answer is the plain
-    decoder's token for token.
-
-    The target's caches go back to the kept places by trimming when a trim undoes every layer exactly, else
-    (pooled and windowed layers) by undoing the step and writing the kept places' recorded writes again
-    (runtime/prefix/rollback.py): no second forward for the cut. A refusal anywhere in a drafted step (the
-    target's verify, the stages) ends drafting for that request, the caches restored: plain from there,
-    the rank alive. One request at a time: `DraftWhenAlone` gives it the requests that are alone, and takes
-    the one it drafts to the batch (`handover`) when another arrives.
-
-    The prompt goes through the target as the plain decoder takes it, and every forward after it as decoding
-    one position at a time feeds it: each pooled window it completes pooled alone (pools.pool_alone), or
-    where a model's pools cannot be, in the pieces that decoding gives (pools.pieces): omlx's pooled windows
-    make a forward depend on where it starts. A request's cache comes from the prefix store's token tape (`prefixes`) and
-    its tape goes back there when it ends, so the next turn of a conversation prefills only its new tokens."""
-
-    records = True
-
-    def __init__(self, model, eos_ids: set[int], *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
-                 prefixes=None, log=print):
-        self._windows = pools.overlap_windows(model)
-        self._verify_windows = pools.verify_windows(model)
-        super().__init__(model, eos_ids, num_draft_tokens=pools.verify_width(
-            num_draft_tokens, int(model.args.dspark_block_size), self._verify_windows),
-                         prefill_step_size=prefill_step_size, log=log)
-        # the stages' context needs no prefix's positions (it drafts from what it is given), so a request's
-        # cache may come from the token tape, where the MTP head's could not
-        self.prefixes = prefixes
-        self.refeeds = 0  # verifies whose kept places went through the target again (a cache nothing could cut)
-        self._arm = getattr(sys.modules[type(model).__module__], "set_dspark_verify_armed", lambda flag: None)
-        self._window = dspark.window(model)
-
-    def stats(self) -> dict:
-        return {**super().stats(), "drafter": "dspark", "draft_refeeds": self.refeeds}
-
-    def handover(self) -> tuple[Job, int | None]:
-        """The active request's rest for the batch engine, at a step boundary: its cache (the places it kept,
-        as plain decoding left them) into the token tape, where the batch's `take` finds it whole; the job
-        from its next token on (its prompt what it said so far, its sampling keys and grammar from there), and
-        the cached count its first token must carry (None once that token went out)."""
-        r = self._active
-        job = r.job
-        rest = replace(job, prompt=tuple(r.tape), max_tokens=job.max_tokens - r.count, offset=job.offset + r.count)
-        cached = None if r.count else r.cached
-        self._finish()
-        return rest, cached
-
-    def _advance(self) -> list[Emission]:
-        if len(self._active.todo) > 1:
-            self._prefill()
-            return []
-        return self._verify()
-
-    def _prefill(self) -> None:
-        """A chunk of the prompt, as the plain decoder takes it (all but the last token, in chunks; a resumed
-        answer's tokens in the pieces decoding gives): a target whose forward depends on where its chunks
-        start (omlx's pooled windows) answers as plainly."""
-        r = self._active
-        n = pools.prompt_piece(r.base, len(r.job.prompt), r.job.offset, self._chunk, self._windows, r.taken.stops)
-        chunk, r.todo = r.todo[:n], r.todo[n:]
-        with mx.stream(generation_stream):
-            _, taps = self._model(mx.array(chunk, dtype=mx.uint32)[None], r.cache, return_hidden=True)
-        if r.drafting:
-            with self._refusals():
-                self._model.dspark_append_context(taps, r.context)
-        r.recent = dspark.recent(r.recent, taps, self._window)
-        mx.eval([c.state for c in r.cache])
-        r.base += len(chunk)
-        r.taken.reached(r.cache, r.base)
-        self._keep(final=False)
-
-    def _target(self, job: Job, inputs: mx.array, first: int):
-        """The places through the target (its verify armed for a block of drafts), sampled from `first`
-        on: the taps, the log probabilities and the samples, read back."""
-        with mx.stream(generation_stream):
-            logits, taps = self._forward(inputs, armed=first == 0)
-            logprobs = self._logprobs(logits[0, first:], inputs[first + 1:])
-            sampled = self._sample(job, logprobs)
-        mx.eval(taps, logprobs, sampled)
-        return taps, logprobs, sampled
-
-    @staticmethod
-    def _agree(kept: int) -> None:
-        agree([kept])
-
-    def _context(self, prefix: Prefix) -> list:
-        return dspark.context(self._model, prefix.taps, prefix.cached)
-
-    def _kept(self, taps: mx.array, at: int) -> None:
-        r = self._active
-        r.recent = dspark.recent(r.recent, taps[:, :at + 1], self._window)
-
-    def _cut(self, saved: rollback.Checkpoint, kept: mx.array, fed: int) -> None:
-        """The target's caches back to its base plus the `kept` places: trimmed when a trim undoes every
-        layer's step exactly, else cut by writing the kept places' recorded writes again (rollback's `cut`:
-        no second forward); only where some layer's writes could not be recorded, undone to where the step
-        began and the kept places fed again, counted."""
-        r = self._active
-        if kept.shape[0] == fed:
-            saved.release()
-            return
-        if saved.trims:
-            trim_to(r.cache, r.base + kept.shape[0])
-            return
-        with mx.stream(generation_stream):
-            cut = saved.cut(kept.shape[0])
-        if cut:
-            mx.eval([c.state for c in r.cache])
-            return
-        self.refeeds += 1
-        saved.undo()
-        with mx.stream(generation_stream):
-            self._forward(kept, armed=False)
-        mx.eval([c.state for c in r.cache])
-
-    def _forward(self, inputs: mx.array, armed: bool) -> tuple[mx.array, mx.array]:
-        """The positions through the target from the request's base on, as decoding them one at a time would
-        feed them (its pooled windows each alone: pools.decoding; else in the pieces it gives, pools.pieces),
-        its verify armed for a piece of drafts when `armed`: the logits and the taps."""
-        r = self._active
-        outs, at = [], 0
-        for n in pools.pieces(r.base, inputs.shape[0], self._verify_windows):
-            self._arm(armed and n > 1)
-            try:
-                with pools.decoding():
-                    outs.append(self._model(inputs[None, at:at + n], r.cache, return_hidden=True))
-            finally:
-                self._arm(False)
-            at += n
-        if len(outs) == 1:
-            return outs[0]
-        return tuple(mx.concatenate(parts, axis=1) for parts in zip(*outs))
-
-    def _next_drafts(self, taps: mx.array, at: int, anchor: int) -> mx.array | None:
-        return self._draft(taps[:, :at + 1], anchor)
-
-    def _draft(self, committed: mx.array, anchor: int) -> mx.array | None:
-        """The next block's first drafts, the request's width of them (on the device: they go into the next
-        verify's graph), the committed places' taps entering the stages' context first (dspark.draft)."""
-        with self._refusals():
-            return dspark.draft(self._model, self._active.context, committed, anchor, self._active.width,
-                                self._allowed)[0]
-        return None

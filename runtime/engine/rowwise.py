@@ -1,14 +1,14 @@
-"""Row-wise DSpark: every request of a batch drafted, each row from its own committed taps, one batched verify
-a step.
+"""Row-wise DSpark: every request drafted, a lone one as a batch of one, each row from its own committed taps,
+one batched verify a step.
 
 A request's prompt goes through the target in its own caches, as the plain decoder takes it (in chunks, a
 resumed answer's tokens in the pieces decoding gives: pools.prompt_piece), its taps entering its own stages'
 context; once only its last token is left it joins the batch (`scheduler.plan` says each step). A row alone
-decodes in its own caches (a batch's cost a lone row speed: bench/rowwise.py); they merge into a batch's when
-a second row joins, and the row left alone takes its own back out. Each step
+decodes in its own caches, its verify armed as omlx arms a lone request's (`set_dspark_verify_armed`); they
+merge into a batch's when a second row joins, and the row left alone takes its own back out. Each step
 every row feeds its pending token and its drafts (a row without drafts, its first step or its drafting
 refused, feeds its pending token in their places: a guess like any other, kept only where the target samples
-it) in one forward of `1 + width` places, `width` the most drafts a row takes (each row its request's
+it) in one forward of `1 + width` places, `width` the most drafts a row has (each row its request's
 `draft_tokens`, at most the engine's; a row that takes fewer fills the rest with guesses, never kept); each
 row's places are sampled with its own keys and processors and each keeps its drafts up to its first miss,
 at most its own width of them. Every rank agrees on every row's count (`drafting.agree`). Where a
@@ -22,11 +22,13 @@ its smallest overlapping window): each row's caches then hold what decoding it a
 would hold, and its answer is that decoding's, token for token.
 
 A row that ends leaves the batch at once, its caches taken out of it into the prefix store's token tape (so
-the next turn of its conversation prefills only its new tokens); a row that comes joins at the next step.
+the next turn of its conversation prefills only its new tokens); a row that comes joins once its prompt is in,
+while the others go on: no answer waits for another, and none is handed over.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import replace
@@ -37,8 +39,7 @@ from mlx_lm.generate import generation_stream
 from common.prefills import Position
 from runtime.models import dspark, pools
 from runtime.prefix import rollback
-from runtime.engine.drafting import (DraftWhenAlone, DSparkEngine, agree, allowed_by, ends_after, place_logprobs,
-                              sample_places)
+from runtime.engine.drafting import agree, allowed_by, ends_after, place_logprobs, sample_places
 from runtime.engine.jobs import Emission, Job, emission, finish_reason
 from runtime.engine.request import Request
 from runtime.engine.scheduler import Row, plan
@@ -61,7 +62,7 @@ def padding(lengths: list[int]) -> list[int]:
 
 
 class RowwiseDSpark:
-    """The Engine that drafts every row of a batch with DeepSeek-V4's DSpark stages; caches and tapes come
+    """The Engine that drafts every request with DeepSeek-V4's DSpark stages, row by row; caches and tapes come
     from and go to the prefix store `prefixes`."""
 
     def __init__(self, model, eos_ids: set[int], *, prefixes: PrefixStore, num_draft_tokens: int = 0,
@@ -72,6 +73,7 @@ class RowwiseDSpark:
         self._chunk = prefill_step_size
         self._windows = pools.overlap_windows(model)
         self._window = dspark.window(model)
+        self._arm = getattr(sys.modules[type(model).__module__], "set_dspark_verify_armed", lambda flag: None)
         self.width = pools.verify_width(num_draft_tokens, int(model.args.dspark_block_size),
                                         pools.verify_windows(model))
         self._log = log
@@ -118,14 +120,14 @@ class RowwiseDSpark:
         self.prefixes.close()
 
     def stats(self) -> dict:
-        return {**self.prefixes.stats(), "draft_proposed": self.proposed, "draft_accepted": self.accepted,
-                "draft_fallbacks": self.fallbacks, "draft_batched_steps": self.batched_steps,
-                "draft_refeeds": self.refeeds}
+        return {**self.prefixes.stats(), "drafter": "dspark", "draft_proposed": self.proposed,
+                "draft_accepted": self.accepted, "draft_fallbacks": self.fallbacks,
+                "draft_batched_steps": self.batched_steps, "draft_refeeds": self.refeeds}
 
     def _seen(self, row: Request) -> Row:
         """The row as the scheduler weighs it."""
         left = len(row.todo)
-        return Row(row.rid, left, self._piece(row) if left > 1 else 0, row.width if row.drafting else 0)
+        return Row(row.rid, left, self._piece(row) if left > 1 else 0, 0 if row.drafts is None else row.width)
 
     # --- a prompt going in --------------------------------------------------------------------------------
     def _piece(self, row: Request) -> int:
@@ -178,7 +180,7 @@ class RowwiseDSpark:
                 raise
             saved.undo()  # a kernel refusing the batched verify's shape: every row plainly from here
             for r in rows:
-                self._refused(r, "the target's batched verify", e)
+                self._refused(r, "the target's verify", e)
             return self._verify(0)
         kept = []
         drafts = []  # each row's (proposed, accepted) this step
@@ -228,9 +230,14 @@ class RowwiseDSpark:
                                mx.full((width - sum(d.shape[0] for d in drafts),), row.pending, dtype=mx.uint32)])
 
     def _target(self, rows: list[Request], inputs: mx.array):
-        """Every row's places through the target: its taps, and each row's log probabilities and samples."""
+        """Every row's places through the target (a lone row's drafts through its armed verify): its taps, and
+        each row's log probabilities and samples."""
         with mx.stream(generation_stream), pools.decoding():
-            logits, taps = self._model(inputs, self._cache, return_hidden=True)
+            self._arm(not self._merged and inputs.shape[1] > 1)
+            try:
+                logits, taps = self._model(inputs, self._cache, return_hidden=True)
+            finally:
+                self._arm(False)
             logprobs = [place_logprobs(logits[i], r.processors, r.said, inputs[i, 1:]) for i, r in enumerate(rows)]
             sampled = mx.stack([sample_places(r.job, r.count, lp) for r, lp in zip(rows, logprobs)])
         mx.eval(taps, logprobs, sampled)
@@ -324,15 +331,3 @@ class RowwiseDSpark:
         self.fallbacks += 1
         self._log(f"{who} refused ({type(e).__name__}: {str(e)[:200]}); request {row.job.rid} goes on "
                   "without drafts")
-
-
-def drafted_everywhere(model, eos_ids: set[int], prefixes, *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
-                       log=print) -> DraftWhenAlone:
-    """DSpark for every request: one alone drafted by `DSparkEngine`, more drafted row by row in one batch,
-    each as many drafts a step as it asks, at most the block (`pools.verify_width`); `prefixes` the prefix
-    store both share."""
-    return DraftWhenAlone(
-        DSparkEngine(model, eos_ids, num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size,
-                     prefixes=prefixes, log=log),
-        RowwiseDSpark(model, eos_ids, prefixes=prefixes, num_draft_tokens=num_draft_tokens,
-                      prefill_step_size=prefill_step_size, log=log), log)

@@ -36,7 +36,7 @@ class Row:
     rid: str
     left: int = 1  # its prompt not yet through the target; 1: its last token, its first pending one
     piece: int = 0  # how much of that prompt its next prefill feeds (the executor's pools.prompt_piece)
-    width: int = 0  # the drafts a step it takes while drafted (0: decoded plainly)
+    width: int = 0  # the drafts it has for this step (0: none yet, or it is decoded plainly)
 
 
 @dataclass(frozen=True)
@@ -46,14 +46,15 @@ class Plan:
     prefill: str | None = None  # the prompt a piece of which goes in: the first that came, while more than its
     # last token is left
     join: str | None = None  # the prompt that joins the batch: the first, once its last token is all that is left
-    width: int = 0  # the drafts a row the step's verify feeds: the widest drafted row's, the one joining among them
+    width: int = 0  # the drafts a row the step's verify feeds: the most any row has
     verify: bool = False  # the batch takes a step: it has rows
 
 
 def plan(joining: Sequence[Row], rows: Sequence[Row]) -> Plan:
     """A batch's step: one piece of the first prompt going in (first come first; the others wait behind it); that
     prompt joins the batch in the step its last piece goes in, and verifies in it; every row verifies as wide as
-    the widest drafted row drafts (a row that takes fewer fills the rest with guesses, never kept)."""
+    the row with the most drafts (a row with fewer fills the rest with guesses, never kept; no drafts at all,
+    as in a lone row's first step, one place a row)."""
     first = joining[0] if joining else None
     prefill = first if first is not None and first.left > 1 else None
     join = first if first is not None and first.left - (prefill.piece if prefill else 0) == 1 else None

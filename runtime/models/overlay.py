@@ -34,7 +34,7 @@ class Overlay:
     loads: tuple[str, ...] = ()  # checkpoint tensor prefixes that must end up in the model
     methods: tuple[str, ...] = ()  # what the loaded model must have (its drafter's entry points)
     armed: str = ""  # the model attribute that says its drafter is on
-    batches: bool = False  # its drafter takes a request alone and more run batched (runtime.engine.drafting.DraftWhenAlone)
+    batches: bool = False  # its drafter drafts more than one request at once (runtime.engine.rowwise.RowwiseDSpark)
     after_load: tuple[Call, ...] = ()  # once the model is loaded: the overlay's own decoding hooks switched off
     disarmed: tuple[str, ...] = ()  # model attributes set False after load, for the same
     fix: str = ""  # how to get a version that has everything

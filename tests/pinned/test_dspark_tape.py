@@ -9,7 +9,7 @@ import pytest
 from common.openai_api import SamplingParams
 from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
-from runtime.engine.rowwise import RowwiseDSpark, drafted_everywhere
+from runtime.engine.rowwise import RowwiseDSpark
 from runtime.models import dspark
 from runtime.prefix.store import PrefixStore
 
@@ -55,7 +55,7 @@ def answer(engine, job: Job, fed: Fed | None = None) -> tuple[list[int], int | N
 def engines(model, drafted: bool):
     if not drafted:
         return BatchEngine(model, {1}, prefill_step_size=32)
-    return drafted_everywhere(model, {1}, PrefixStore(model, prefill_step_size=32), prefill_step_size=32)
+    return RowwiseDSpark(model, {1}, prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -79,9 +79,8 @@ def test_the_turn_after_a_drafted_answer_prefills_only_its_new_tokens_and_answer
 
 
 
-@pytest.mark.parametrize("kind", ["alone", "rows"])
 def test_the_turn_after_a_drafted_answer_drafts_its_first_block_with_the_stages_context_of_the_turn_before(
-        model, monkeypatch, kind):
+        model, monkeypatch):
     """The tape keeps the target's taps at its last positions: the next turn, served from it, enters them into
     the stages' context at their own positions, so its first block is drafted from the rows the first turn's
     stages held there, not from its new tokens alone."""
@@ -95,8 +94,7 @@ def test_the_turn_after_a_drafted_answer_drafts_its_first_block_with_the_stages_
 
     monkeypatch.setattr(dspark, "draft", draft)
     store = PrefixStore(model, prefill_step_size=32)
-    engine = (RowwiseDSpark(model, {1}, prefixes=store, prefill_step_size=32, log=lambda m: None) if kind == "rows"
-              else drafted_everywhere(model, {1}, store, prefill_step_size=32, log=lambda m: None))
+    engine = RowwiseDSpark(model, {1}, prefixes=store, prefill_step_size=32, log=lambda m: None)
     first, _, _ = answer(engine, Job("t1", PROMPT, 48, 3, GREEDY))
     width = len(model.args.dspark_target_layer_ids) * model.args.hidden_size  # the taps' width a position
     assert store.stats()["tape_taps_bytes"] == dspark.window(model) * width * 4, "said in the status file"

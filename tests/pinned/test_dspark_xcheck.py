@@ -26,8 +26,9 @@ from mlx.utils import tree_flatten
 
 from common.openai_api import SamplingParams
 from runtime.models import dspark
-from runtime.engine.drafting import DSparkEngine
 from runtime.engine.jobs import Job
+from runtime.engine.rowwise import RowwiseDSpark
+from runtime.prefix.store import PrefixStore
 
 TOL = 2e-5  # the two implementations' float32 logprobs differ by under 1e-5
 TAPS = 48  # positions of target taps the blocks draft from: three windows
@@ -170,7 +171,7 @@ def test_the_check_tells_each_difference(model, prompt, taps, monkeypatch):
 
 @pytest.mark.parametrize("width", [5, 3], ids=["the block", "3 of the block"])
 def test_the_engines_blocks_are_dspark_mlxs_for_the_taps_of_what_it_committed(model, width, monkeypatch):
-    """DSparkEngine answering a prompt (prefilled in one chunk, then blocks verified and kept in part): each
+    """A request alone answering a prompt (prefilled in one chunk, then blocks verified and kept in part): each
     block it drafted is the reference's for the anchor it drafted after, the context the taps of every
     position before that anchor as decoding them one at a time gives them."""
     prompt = tuple(mx.random.randint(0, 500, (30,), key=mx.random.key(12)).tolist())
@@ -183,7 +184,8 @@ def test_the_engines_blocks_are_dspark_mlxs_for_the_taps_of_what_it_committed(mo
         return drafts, logits
 
     monkeypatch.setattr(dspark, "draft", recorded)
-    engine = DSparkEngine(model, {1}, num_draft_tokens=width, prefill_step_size=32)
+    engine = RowwiseDSpark(model, {1}, prefixes=PrefixStore(model, prefill_step_size=32), num_draft_tokens=width,
+                           prefill_step_size=32)
     engine.insert(Job("x", prompt, 64, 0, SamplingParams(max_tokens=1).sampling()))
     said, commits = list(prompt), []
     while engine.busy:
