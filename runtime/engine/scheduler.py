@@ -14,7 +14,7 @@ from dataclasses import dataclass
 class Admission:
     """What the requests waiting at a step boundary do, in this order."""
 
-    alone: bool = False  # the one waiting starts alone (the plain loop's speed, or drafted by a drafter)
+    alone: bool = False  # the one waiting starts alone, at the plain loop's speed (SoloDecode)
     hand_over: bool = False  # the request running alone goes on in the batch, its place kept exactly
     join: int = 0  # how many of the waiting, first come first, join the batch
 
