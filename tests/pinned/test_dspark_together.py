@@ -111,11 +111,11 @@ def test_rows_drafted_together_joining_and_leaving_mid_answer_each_answer_plain_
         assert rows.accepted > rows.proposed / 3  # the stages' drafts, kept; seeded ones miss at temperature 0.9
 
 
-def test_requests_that_ask_for_fewer_drafts_or_none_get_them_alone_handed_over_and_row_by_row_and_answer_plainly(
+def test_requests_that_ask_for_fewer_drafts_or_none_get_them_alone_joined_and_row_by_row_and_answer_plainly(
         model):
-    """draft_tokens below the engine's 5 a row (0: none): a request alone, then handed over to the batch when
-    another comes, and rows of the batch each keep to their own; every answer is plain decoding's and each step
-    says what it proposed and how many of those the answer kept."""
+    """draft_tokens below the engine's 5 a row (0: none): a request alone, then joined by another, and rows of
+    the batch each keep to their own; every answer is plain decoding's and each step says what it proposed and
+    how many of those the answer kept."""
     jobs = [replace(job, draft_tokens=asked) for job, asked in zip(ROWS, (None, 1, 0, 2))]
     widths = {"a": 5, "b": 1, "c": 0, "d": 2}
     plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in jobs}
