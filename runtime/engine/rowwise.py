@@ -97,9 +97,10 @@ class RowwiseDSpark:
 
     def step(self) -> list[Emission]:
         """The step `scheduler.plan` makes of the rows and the prompts going in, carried out."""
-        step = plan([self._seen(r) for r in self._joining], [self._seen(r) for r in self._rows])
+        joining = [self._seen(r) for r in self._joining]
+        step = plan(joining, [self._seen(r) for r in self._rows])
         if step.prefill:
-            self._prefill(self._joining[0])
+            self._prefill(self._joining[0], joining[0].piece)
         if step.join:
             self._join(self._joining.popleft())
         return self._verify(step.width) if step.verify else []
@@ -135,9 +136,8 @@ class RowwiseDSpark:
         return pools.prompt_piece(row.base, len(row.job.prompt), row.job.offset, self._chunk, self._windows,
                                   row.taken.stops)
 
-    def _prefill(self, row: Request) -> None:
-        """A piece of the row's prompt through its own caches, its taps into its stages' context."""
-        n = self._piece(row)
+    def _prefill(self, row: Request, n: int) -> None:
+        """The next `n` of the row's prompt through its own caches, its taps into its stages' context."""
         chunk, row.todo = row.todo[:n], row.todo[n:]
         with mx.stream(generation_stream):
             _, taps = self._model(mx.array(chunk, dtype=mx.uint32)[None], row.cache, return_hidden=True)
