@@ -38,6 +38,8 @@ class AgentMetrics:
         refeeds = CounterMetricFamily("meshd_agent_rank_draft_refeeds", "Verifies whose kept places went through "
                                       "the target again (a cache whose writes could not be cut back): a second "
                                       "forward that step", labels=["node", "rank"])
+        batched = CounterMetricFamily("meshd_agent_rank_draft_batched_steps", "Verifies that drafted two rows or more "
+                                      "at once (the drafting engine's batch)", labels=["node", "rank"])
         hidden = GaugeMetricFamily("meshd_agent_rank_kernels_hidden", "The model's kernels the rank hid at load "
                                    "(they refuse its share of the heads; the model takes its portable path)",
                                    labels=["node", "rank"])
@@ -77,6 +79,7 @@ class AgentMetrics:
                 drafts.add_metric([node, str(rec.rank), "accepted"], status.draft_accepted)
                 refusals.add_metric([node, str(rec.rank)], status.draft_fallbacks)
                 refeeds.add_metric([node, str(rec.rank)], status.draft_refeeds)
+                batched.add_metric([node, str(rec.rank)], status.draft_batched_steps)
             hidden.add_metric([node, str(rec.rank)], status.kernels_hidden)
             for outcome, field in TAPE_OUTCOMES:
                 tape.add_metric([node, str(rec.rank), outcome], getattr(status, field))
@@ -111,7 +114,7 @@ class AgentMetrics:
         memory.add_metric([node, "available"], mem.available)
         events = CounterMetricFamily("meshd_agent_events", "Events emitted", labels=["node"])
         events.add_metric([node], self.sup.events.seq)
-        yield from (up, rss, cpu, mlx, armed, drafts, refusals, refeeds, hidden, tape, checkpoint_bytes, snapshots,
-                    snapshots_skipped, snapshot_bytes, snapshot_checkpoint_bytes, gen, exits, sigs, orphans, survivors,
-                    reboot, memory, events)
+        yield from (up, rss, cpu, mlx, armed, drafts, refusals, refeeds, batched, hidden, tape, checkpoint_bytes,
+                    snapshots, snapshots_skipped, snapshot_bytes, snapshot_checkpoint_bytes, gen, exits, sigs, orphans,
+                    survivors, reboot, memory, events)
 

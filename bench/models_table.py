@@ -101,8 +101,9 @@ two layers, one of each kind where a family mixes kinds, sliding windows of 8 to
   it on one engine: each answered exactly as a fresh engine answers it.
 - **4 at once = alone**: one request, then three more joining it after its first token: each answer is the one
   it gets alone.
-- **draft model**: speculative decoding with a draft model (`--draft-model`), greedy: plain decoding's answers.
-  None of these families has an MTP head in stock mlx-lm (it drops `mtp.*` at load; docs/RUNTIME.md, model
+- **draft model**: speculative decoding with a draft model (`--draft-model`), greedy: plain decoding's answers,
+  whatever the family's caches (a verify's writes are undone exactly, a sliding window's and a recurrent
+  state's too: runtime/prefix/rollback.py). None of these families has an MTP head in stock mlx-lm (it drops `mtp.*` at load; docs/RUNTIME.md, model
   overlays).
 - **mesh with agents**: agents, the controller and meshd-proxy on loopback (`meshctl up`): a conversation,
   its repeat, another question after the same system prompt, its next turn, and four questions at once through

@@ -1,6 +1,6 @@
 """The MTP drafter's engine alone, in one process on one device: what a
 verify step costs against a plain step, with no mesh around it. Plain
-decoding (the solo path) and MTPEngine at each --draft-tokens in alternating
+decoding (the solo path) and the drafting engine with the MTP head at each --draft-tokens in alternating
 rounds, decode tokens/s after the first token and the acceptance rate; then
 the shapes a verify runs, timed apart (one token through the target, k+1
 tokens, the head's block beside them), each evaluated alone, the median of
@@ -28,7 +28,9 @@ from mlx_lm.utils import load_model
 from common.openai_api import SamplingParams
 import runtime.models.overlays.demo_mtp  # noqa: F401  registers model type demo_mtp
 from runtime.models.demo_model import build_demo_model
-from runtime.engine.drafting import MTPEngine
+from runtime.engine.proposers import Head
+from runtime.engine.rowwise import RowwiseEngine
+from runtime.prefix.store import PrefixStore
 from runtime.engine.batch import BatchEngine, Job
 
 PROMPT = tuple(range(5, 45))
@@ -87,7 +89,8 @@ def main() -> None:
     spec = mtp_spec(args.hidden, args.layers, args.train_steps)
     model, _ = load_model(build_demo_model(Path(tempfile.mkdtemp(prefix="meshd-mtp-engine-")) / "model", spec))
     kinds = {"plain": lambda: BatchEngine(model, set()),
-             **{f"drafted k={k}": (lambda k=k: MTPEngine(model, set(), num_draft_tokens=k, log=lambda line: None))
+             **{f"drafted k={k}": (lambda k=k: RowwiseEngine(model, set(), Head(model), prefixes=PrefixStore(model),
+                                                             num_draft_tokens=k, log=lambda line: None))
                 for k in args.draft_tokens}}
     rates, stats, answers = {name: [] for name in kinds}, {}, {}
     for n in range(args.rounds + 1):  # round 0 warms up and is not counted

@@ -1,6 +1,6 @@
 """Row-wise DSpark against undrafted batching, in one process on one device: B requests at once (B = 1, 2, 4, 8),
-greedy, decoded by the engine a DSpark mesh runs (RowwiseDSpark: every request drafted row by row, a lone one as
-a batch of one) and by the batch engine alone (what `--drafter off` runs), in alternating rounds.
+greedy, decoded by the engine a DSpark mesh runs (the drafting engine with DSpark's stages: every request drafted
+row by row, a lone one as a batch of one) and by the batch engine alone (what `--drafter off` runs), in alternating rounds.
 For each: aggregate tokens/s over the answers (prompts included, as a client meets them), target forwards
 (counted at the model's call) and tokens per forward per row, the acceptance, the verifies whose kept places
 were fed again (none, where every cache's writes replay: one target forward a step); whether every answer was the
@@ -32,7 +32,8 @@ from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
 from runtime.models.overlay import OMLX
 from runtime.rank import load_sharded
-from runtime.engine.rowwise import RowwiseDSpark
+from runtime.engine.proposers import Stages
+from runtime.engine.rowwise import RowwiseEngine
 from runtime.prefix.store import PrefixStore
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
@@ -102,7 +103,8 @@ def main() -> None:
     checkpoint = build_v4_checkpoint(Path(tempfile.mkdtemp(prefix="meshd-rowwise-bench-")) / "v4")
     counted = Counted(load_sharded(checkpoint, mx.distributed.init(), lambda done, total: None, OMLX))
     engines = {"undrafted": lambda: BatchEngine(counted, set(), prefill_step_size=128),
-               "drafted": lambda: RowwiseDSpark(counted, set(), prefixes=PrefixStore(counted, prefill_step_size=128),
+               "drafted": lambda: RowwiseEngine(counted, set(), Stages(counted),
+                                                prefixes=PrefixStore(counted, prefill_step_size=128),
                                                 prefill_step_size=128, log=lambda m: None)}
     rows, same = [], True
     for batch in (int(b) for b in args.batches.split(",")):

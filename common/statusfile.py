@@ -38,7 +38,7 @@ class RankStatus:
     draft_accepted: int = 0
     draft_fallbacks: int = 0  # requests the drafter refused (a shape), decoded plainly instead
     draft_refeeds: int = 0  # verifies whose kept places went through the target again (caches nothing else cut back)
-    draft_batched_steps: int = 0  # verify steps that drafted two rows or more at once (row-wise DSpark)
+    draft_batched_steps: int = 0  # verify steps that drafted two rows or more at once (the drafting engine)
     kernels_hidden: int = 0  # the model's kernels hidden at load: they refuse this rank's share of the heads
     tape_hits: int = 0  # prompts the token tape served: a cache reused exactly
     tape_hit_tokens: int = 0  # the tokens it served, not prefilled: a resumed answer's own among them

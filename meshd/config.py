@@ -14,7 +14,6 @@ from common.modelref import is_repo_id
 from common.states import LadderStep, Profile
 from common.tomlcheck import (ConfigError, Problems, listen_host, loopback, port_in_range, read_toml, split_listen,
                               table, wildcard)
-from runtime.models.overlay import overlay_for
 
 
 PLANNED_RESTARTS = ("drain", "cut")  # what a planned restart does with the streams in flight
@@ -209,15 +208,6 @@ class MeshConfig:
     ssh: Ssh = field(default_factory=Ssh)
     retention: Retention = field(default_factory=Retention)
     recycle: Recycle = field(default_factory=Recycle)
-
-    @property
-    def speculative(self) -> bool:
-        """The ranks decode one request at a time: a draft model, or (with a model overlay) the model's own
-        MTP head unless `args.drafter = "off"` asks for continuous batching. An overlay whose drafter
-        batches (omlx's DSpark: a request alone drafted, more batched on the backbone) is not."""
-        rt, overlay = self.runtime, overlay_for(self.runtime.model_package)
-        drafts = overlay is not None and not overlay.batches and rt.args.get("drafter", "auto") != "off"
-        return bool(rt.draft_model) or drafts
 
     @property
     def rank0_url(self) -> str:

@@ -96,8 +96,8 @@ def needs(key: str) -> Needs:
 
 def proxy_reads(key: str) -> bool:
     """Does meshd-proxy read this key as it starts (its own table, and what it serves by: the answer lengths and
-    the served name in the runtime args, one request at a time while drafting)?"""
-    return key.startswith(("proxy.", "runtime.args.", "runtime.draft_model"))
+    the served name in the runtime args)?"""
+    return key.startswith(("proxy.", "runtime.args."))
 
 
 def changes(running: MeshConfig, edited: MeshConfig) -> list[Change]:

@@ -34,7 +34,7 @@ from common.states import RankState
 from common.statusfile import RankStatus
 from runtime.engine import grammar
 from runtime.models import dspark, families
-from runtime.engine.drafting import MTPEngine, SpeculativeEngine
+from runtime.engine.proposers import DraftModel, Head, Proposer, Stages
 from runtime.engine.batch import BatchEngine
 from runtime.engine.scheduler import adopt_restored
 from runtime.lockstep import Cancel, CompileGrammar, Drain, DrainMode, Insert, Message, RestoreFirst
@@ -47,7 +47,7 @@ from runtime.prefix.rates import Rates
 from runtime.prefix.store import PrefixStore
 from runtime.compiles import Compiles
 from runtime.restore import Restorer
-from runtime.engine.rowwise import RowwiseDSpark
+from runtime.engine.rowwise import RowwiseEngine
 from runtime.prefix.snapshot import LEAVES, Identity, Snapshots, leaf_types, shard_layout, snapshot_key, snapshot_kind
 from runtime.wake import rouse
 from runtime.server import WARMUP, Frontend
@@ -80,8 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a Python package imported before the model loads, which registers its model type "
                         "(and MTP head) into mlx-lm: a model overlay")
     p.add_argument("--drafter", choices=["auto", "off"], default="auto",
-                   help="auto: draft with the model's own MTP head when it has one (one request at a time); "
-                        "off: continuous batching without drafts")
+                   help="auto: draft with the model's own drafter when it has one (DSpark's stages, an MTP "
+                        "head), every request row by row; off: continuous batching without drafts")
     p.add_argument("--prefill-step-size", type=int, default=512)
     p.add_argument("--completion-batch-size", type=int, default=16)
     p.add_argument("--drain-deadline", type=float, default=30.0,
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = group.rank(), group.size()
     model_path = Path(args.model)
     config = load_config(model_path)
-    families.refuse(config, draft=args.draft_model, drafter=args.drafter, batch=args.completion_batch_size)
+    families.refuse(config, draft=args.draft_model, batch=args.completion_batch_size)
     tokenizer = load_tokenizer(model_path, eos_token_ids=config.get("eos_token_id"))
     # every rank compiles the grammars answers are held to (runtime/engine/grammar.py)
     grammar.serve(tokenizer, args.grammar_cache_mb << 20)
@@ -408,8 +408,7 @@ def open_frontend(args, tokenizer, context: int, secret: str) -> Frontend:
     """Rank 0's HTTP frontend, listening (its doors shut until the warm-up)."""
     limits = oa.Limits(args.model_name or Path(args.model).name, args.max_tokens, args.max_tokens_limit)
     frontend = Frontend(tokenizer, limits, generation=args.generation, context_length=context,
-                        host=args.host, port=args.port, drain_deadline=args.drain_deadline, secret=secret,
-                        holds_grammars=not args.draft_model)
+                        host=args.host, port=args.port, drain_deadline=args.drain_deadline, secret=secret)
     try:
         frontend.start()
     except OSError as e:
@@ -438,40 +437,39 @@ def load(args, group, hb: Heartbeat, overlay, log) -> tuple:
 
 
 def make_engine(args, model, eos: set[int], rank: int, world: int, hb: Heartbeat, log):
-    """The engine the args and the model ask for: a draft model's, DSpark's stages drafting every request row
-    by row, the model's MTP head, or the batch engine. Those that reuse prefixes share
-    one prefix store, built here (`engine.prefixes`; None for the others)."""
-    model_path = Path(args.model)
+    """The engine the args and the model ask for: every request drafted row by row (by a draft model, DSpark's
+    stages or the model's MTP head), or the batch engine. Either takes the one prefix store built here
+    (`engine.prefixes`)."""
+    prefixes = prefix_store(args, Path(args.model), model, rank, world, log)
+    proposer = proposer_for(args, model)
+    if proposer is None:
+        return BatchEngine(model, eos, prefill_step_size=args.prefill_step_size,
+                           completion_batch_size=args.completion_batch_size, prefixes=prefixes)
+    engine = RowwiseEngine(model, eos, proposer, prefixes=prefixes, num_draft_tokens=args.num_draft_tokens or 0,
+                           prefill_step_size=args.prefill_step_size,
+                           completion_batch_size=args.completion_batch_size, log=log)
+    hb.update(**engine.stats())
+    log(f"drafter armed: {proposer.armed(engine.width)}, every request drafted row by row (a request alone is a "
+        "batch of one)")
+    return engine
+
+
+def proposer_for(args, model) -> Proposer | None:
+    """Who drafts: the --draft-model, else with --drafter auto DSpark's stages or the model's MTP head; None
+    when nothing drafts."""
     if args.draft_model:
-        draft, _ = load_whole(args.draft_model)
-        return SpeculativeEngine(model, draft, eos, num_draft_tokens=args.num_draft_tokens or 3,
-                                 prefill_step_size=args.prefill_step_size)
+        return DraftModel(model, load_whole(args.draft_model)[0], args.prefill_step_size)
     if args.drafter == "auto" and dspark.stages(model):
-        engine = RowwiseDSpark(model, eos, prefixes=prefix_store(args, model_path, model, rank, world, log),
-                               num_draft_tokens=args.num_draft_tokens or 0,
-                               prefill_step_size=args.prefill_step_size, log=log)
-        hb.update(**engine.stats())
-        log(f"drafter armed: DSpark's {len(dspark.stages(model))} stages, blocks of {engine.width} drafts a row, "
-            "every request drafted row by row (a request alone is a batch of one)")
-        return engine
+        return Stages(model)
     if args.drafter == "auto" and hasattr(model, "mtp_draft"):
-        engine = MTPEngine(model, eos, num_draft_tokens=args.num_draft_tokens or 1,
-                           prefill_step_size=args.prefill_step_size, log=log)
-        hb.update(**engine.stats())
-        log(f"drafter armed: the model's MTP head, {engine.num_draft_tokens} draft token(s) a step, one request "
-            "at a time")
-        return engine
-    return BatchEngine(model, eos, prefill_step_size=args.prefill_step_size,
-                       completion_batch_size=args.completion_batch_size,
-                       prefixes=prefix_store(args, model_path, model, rank, world, log))
+        return Head(model)
+    return None
 
 
-def restore_behind(prefixes: PrefixStore | None, model, lockstep: Lockstep, loaded_in: float, log,
-                   rank: int) -> Restorer | None:
-    """The restores of the tapes every rank holds into the engine's prefix store, behind serving (None
-    without one); every rank agrees on them here, a collective."""
-    if prefixes is None:
-        return None
+def restore_behind(prefixes: PrefixStore, model, lockstep: Lockstep, loaded_in: float, log,
+                   rank: int) -> Restorer:
+    """The restores of the tapes every rank holds into the engine's prefix store, behind serving; every rank
+    agrees on them here, a collective."""
     if not prefixes.rates.read_bps:  # nothing measured before: what reading the weights took
         prefixes.rates.note(read_bps=sum(v.nbytes for _, v in tree_flatten(model.parameters())) / max(loaded_in, 1e-3))
     restorer = Restorer.agree(prefixes.snapshots, lockstep.gather, prefixes.tape, prefixes.fresh, prefixes.rates,

@@ -76,11 +76,8 @@ class Pending:
 class Frontend:
     def __init__(self, tokenizer, limits: oa.Limits, *, generation: int, context_length: int,
                  host: str, port: int, drain_deadline: float = 30.0, max_body_bytes: int = 4 << 20,
-                 secret: str = "", holds_grammars: bool = True):
+                 secret: str = ""):
         self.tokenizer = tokenizer
-        # whether its engine can hold an answer to a grammar: a draft model's verify (mlx-lm's speculative step)
-        # shows the logits processors only the answer's last tokens
-        self.holds_grammars = holds_grammars
         self.limits = limits
         self.generation = generation
         self.weights_fingerprint = ""  # of the weights the ranks loaded, said with readiness (set after the load)
@@ -275,11 +272,6 @@ class Frontend:
 
     async def _complete(self, request: web.Request, kind: str) -> web.StreamResponse:
         req = oa.parse_request(kind, await read_json(request), self.limits, internal=True, grammars=grammar.builder())
-        if req.params.grammar and not self.holds_grammars:
-            raise ApiError(400, f"'{req.params.held_by}' holds the answer to a grammar, which a mesh decoding with a "
-                                "draft model cannot do exactly; serve this model without draft_model (its own MTP "
-                                "head or DSpark hold answers exactly), or leave structured output out",
-                           param=req.params.held_by, code="unsupported_parameter")
         if req.params.grammar:  # compiled in the grammar worker, off this loop (runtime/engine/grammar.py)
             try:
                 await asyncio.wrap_future(grammar.prepare(req.params.grammar))

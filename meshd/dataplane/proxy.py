@@ -3,8 +3,8 @@ routing, the idle probe.
 
 - Validates requests itself (the same rules as the runtime), so bad input is a
   4xx JSON error even while no generation runs.
-- Admits per mesh, through a FIFO with a concurrency limit (1 when decoding is
-  speculative); a full queue is 429.
+- Admits per mesh, through a FIFO with a concurrency limit; a full queue is
+  429.
 - Hands each request to an `Exchange` (exchange.py) through a `Routed`, the
   exchange's `Gate`: each attempt's mesh as routing.py decides it (model,
   affinity, queue, failover, fallback), counted by mesh and reason.
@@ -77,7 +77,7 @@ class MeshLink:
         self.limits = oa.Limits(self.names[0], default_max_tokens=int(rt.args.get("max_tokens", 0)),
                                 max_tokens_limit=int(rt.args.get("max_tokens_limit", 8192)),
                                 aliases=self.names[1:])
-        self.admission = Admission(1 if mesh.cfg.speculative else p.concurrency, p.queue_limit)
+        self.admission = Admission(p.concurrency, p.queue_limit)
         self.routed = dict.fromkeys(REASONS, 0)
         self.ended_on_purpose: deque[int] = deque(maxlen=64)  # the generations it said end on purpose
         self.served_generation = -1

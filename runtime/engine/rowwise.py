@@ -1,21 +1,22 @@
-"""Row-wise DSpark: every request drafted, a lone one as a batch of one, each row from its own committed taps,
+"""The drafting engine: every request drafted row by row, a lone one as a batch of one, its drafts proposed
+by the engine's proposer (runtime/engine/proposers.py: DSpark's stages, the model's MTP head, a draft model),
 one batched verify a step.
 
 A request's prompt goes through the target in its own caches, as the plain decoder takes it (in chunks, a
-resumed answer's tokens in the pieces decoding gives: pools.prompt_piece), its taps entering its own stages'
-context; once only its last token is left it joins the batch (`scheduler.plan` says each step). A row alone
-decodes in its own caches, its verify armed as omlx arms a lone request's (`set_dspark_verify_armed`); they
-merge into a batch's when a second row joins, and the row left alone takes its own back out. Each step
-every row feeds its pending token and its drafts (a row without drafts, its first step or its drafting
-refused, feeds its pending token in their places: a guess like any other, kept only where the target samples
-it) in one forward of `1 + width` places, `width` the most drafts a row has (each row its request's
-`draft_tokens`, at most the engine's; a row that takes fewer fills the rest with guesses, never kept); each
-row's places are sampled with its own keys and processors and each keeps its drafts up to its first miss,
-at most its own width of them. Every rank agrees on every row's count (`drafting.agree`). Where a
-row kept fewer than it fed, the batch's caches go back to where the step began (runtime/prefix/rollback.py: omlx's
-pooled and windowed caches cannot be trimmed) and the step's recorded writes of every row's kept places are
-written again, the shorter rows right-padded (mlx-lm's `prepare`/`finalize`: the pads leave no trace): one
-target forward a step. Each pooled window a row's places complete is pooled alone in the verify
+resumed answer's tokens in the pieces decoding gives: pools.prompt_piece), its drafter learning it as it goes;
+once only its last token is left it joins the batch (`scheduler.plan` says each step). A row alone decodes in
+its own caches (DSpark's verify armed as omlx arms a lone request's: `set_dspark_verify_armed`); they merge
+into a batch's when a second row joins, and the row left alone takes its own back out. Each step every row
+feeds its pending token and its drafts (a row without drafts, its first step or its drafting refused, feeds
+its pending token in their places: a guess like any other, kept only where the target samples it) in one
+forward of `1 + width` places, `width` the most drafts a row has (each row its request's `draft_tokens`, at
+most the engine's; a row that takes fewer fills the rest with guesses, never kept); each row's places are
+sampled with its own keys and processors and each keeps its drafts up to its first miss, at most its own
+width of them. Every rank agrees on every row's count (`drafting.agree`). Where a row kept fewer than it fed,
+the batch's caches go back to where the step began (runtime/prefix/rollback.py: a trim where that is exact;
+omlx's pooled and windowed caches cannot be trimmed) and the step's recorded writes of every row's kept places
+are written again, the shorter rows right-padded (mlx-lm's `prepare`/`finalize`: the pads leave no trace):
+one target forward a step. Each pooled window a row's places complete is pooled alone in the verify
 (`pools.pool_alone`: omlx overlaps a forward's windows after its first, decoding none), so a row drafts the
 whole block whatever its offset (where a model's pools cannot be pooled alone, the verify's width stays under
 its smallest overlapping window): each row's caches then hold what decoding it alone, one position at a time,
@@ -28,7 +29,6 @@ while the others go on: no answer waits for another, and none is handed over.
 
 from __future__ import annotations
 
-import sys
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import replace
@@ -39,8 +39,9 @@ from mlx_lm.generate import generation_stream
 from common.prefills import Position
 from runtime.models import dspark, pools
 from runtime.prefix import rollback
-from runtime.engine.drafting import agree, allowed_by, ends_after, place_logprobs, sample_places
+from runtime.engine.drafting import agree, ends_after, place_logprobs, sample_places
 from runtime.engine.jobs import Emission, Job, emission, finish_reason
+from runtime.engine.proposers import Proposer
 from runtime.engine.request import Request
 from runtime.engine.scheduler import Row, plan
 from runtime.prefix.store import PrefixStore
@@ -61,21 +62,21 @@ def padding(lengths: list[int]) -> list[int]:
     return [max(lengths) - n for n in lengths]
 
 
-class RowwiseDSpark:
-    """The Engine that drafts every request with DeepSeek-V4's DSpark stages, row by row; caches and tapes come
-    from and go to the prefix store `prefixes`."""
+class RowwiseEngine:
+    """The Engine that drafts every request row by row, its drafts `proposer`'s; caches and tapes come from and
+    go to the prefix store `prefixes`."""
 
-    def __init__(self, model, eos_ids: set[int], *, prefixes: PrefixStore, num_draft_tokens: int = 0,
-                 prefill_step_size: int = 512, log=print):
+    def __init__(self, model, eos_ids: set[int], proposer: Proposer, *, prefixes: PrefixStore,
+                 num_draft_tokens: int = 0, prefill_step_size: int = 512, completion_batch_size: int = 16,
+                 log=print):
         self._model = model
+        self.proposer = proposer
         self._eos = eos_ids
         self.prefixes = prefixes
         self._chunk = prefill_step_size
+        self._room = completion_batch_size  # the most rows the batch takes
         self._windows = pools.overlap_windows(model)
-        self._window = dspark.window(model)
-        self._arm = getattr(sys.modules[type(model).__module__], "set_dspark_verify_armed", lambda flag: None)
-        self.width = pools.verify_width(num_draft_tokens, int(model.args.dspark_block_size),
-                                        pools.verify_windows(model))
+        self.width = proposer.width(num_draft_tokens)
         self._log = log
         self._joining: deque[Request] = deque()  # prompts going in (in their own caches), first come first
         self._rows: list[Request] = []  # the batch, in the order of its caches' rows
@@ -86,8 +87,7 @@ class RowwiseDSpark:
     # --- Engine -------------------------------------------------------------------------------------------
     def insert(self, job: Job) -> int:
         prefix = self.prefixes.take(job)
-        row = Request.begin(job, prefix, context=dspark.context(self._model, prefix.taps, prefix.cached),
-                            width=self.width)
+        row = Request.begin(job, prefix, context=self.proposer.context(prefix), width=self.width)
         self._joining.append(row)
         return row.cached
 
@@ -98,7 +98,7 @@ class RowwiseDSpark:
     def step(self) -> list[Emission]:
         """The step `scheduler.plan` makes of the rows and the prompts going in, carried out."""
         joining = [self._seen(r) for r in self._joining]
-        step = plan(joining, [self._seen(r) for r in self._rows])
+        step = plan(joining, [self._seen(r) for r in self._rows], self._room)
         if step.prefill:
             self._prefill(self._joining[0], joining[0].piece)
         if step.join:
@@ -121,7 +121,7 @@ class RowwiseDSpark:
         self.prefixes.close()
 
     def stats(self) -> dict:
-        return {**self.prefixes.stats(), "drafter": "dspark", "draft_proposed": self.proposed,
+        return {**self.prefixes.stats(), "drafter": self.proposer.drafter, "draft_proposed": self.proposed,
                 "draft_accepted": self.accepted, "draft_fallbacks": self.fallbacks,
                 "draft_batched_steps": self.batched_steps, "draft_refeeds": self.refeeds}
 
@@ -137,16 +137,16 @@ class RowwiseDSpark:
                                   row.taken.stops)
 
     def _prefill(self, row: Request, n: int) -> None:
-        """The next `n` of the row's prompt through its own caches, its taps into its stages' context."""
+        """The next `n` of the row's prompt through its own caches, its drafter learning them."""
         chunk, row.todo = row.todo[:n], row.todo[n:]
         with mx.stream(generation_stream):
-            _, taps = self._model(mx.array(chunk, dtype=mx.uint32)[None], row.cache, return_hidden=True)
-        if row.drafting:
-            with self._refusals(row, "DSpark's stages"):
-                self._model.dspark_append_context(taps, row.context)
-        row.recent = dspark.recent(row.recent, taps, self._window)
-        mx.eval([c.state for c in row.cache])
+            _, states = self.proposer.forward(mx.array(chunk, dtype=mx.uint32)[None], row.cache)
         row.base += n
+        self._committed(row, states)
+        if row.drafting:
+            with self._refusals(row):
+                self.proposer.prefilled(row, states, mx.array(chunk[1:] + row.todo[:1], dtype=mx.uint32))
+        mx.eval([c.state for c in row.cache])
         row.taken.reached(row.cache, row.base)
         self.prefixes.pump()
         row.since = self.prefixes.keep(row.job.tenant, row.since, row.tape, row.cache, False)
@@ -174,7 +174,7 @@ class RowwiseDSpark:
             in_order(self._cache)
         saved = rollback.checkpoint(self._cache, 1 + width, recording=True)
         try:
-            taps, logprobs, sampled = self._target(rows, inputs)
+            states, logprobs, sampled = self._target(rows, inputs)
         except Exception as e:
             if not width:
                 raise
@@ -201,7 +201,8 @@ class RowwiseDSpark:
         out, ended = [], []
         for i, r in enumerate(rows):
             mine = self._emit(r, logprobs[i], drafts[i])
-            r.recent = dspark.recent(r.recent, taps[i:i + 1, :len(r.kept)], self._window)
+            committed = None if states is None else states[i:i + 1, :len(r.kept)]
+            self._committed(r, committed)
             out += mine
             if mine[-1].finish_reason is not None:
                 ended.append(r)
@@ -209,7 +210,7 @@ class RowwiseDSpark:
             if r.said is not None:
                 r.said = mx.concatenate([r.said, sampled[i, :len(r.kept)]])
             r.pending = r.kept[-1]
-            r.drafts = self._draft(r, taps[i:i + 1, :len(r.kept)]) if r.drafting else None
+            r.drafts = self._draft(r, committed) if r.drafting else None
         if ended:
             self._leave(ended)
         self._snapshot_rows()
@@ -230,18 +231,18 @@ class RowwiseDSpark:
                                mx.full((width - sum(d.shape[0] for d in drafts),), row.pending, dtype=mx.uint32)])
 
     def _target(self, rows: list[Request], inputs: mx.array):
-        """Every row's places through the target (a lone row's drafts through its armed verify): its taps, and
-        each row's log probabilities and samples."""
+        """Every row's places through the target (a lone row's drafts through its armed verify): the states its
+        drafter drafts from, and each row's log probabilities and samples."""
         with mx.stream(generation_stream), pools.decoding():
-            self._arm(not self._merged and inputs.shape[1] > 1)
+            self.proposer.arm(not self._merged and inputs.shape[1] > 1)
             try:
-                logits, taps = self._model(inputs, self._cache, return_hidden=True)
+                logits, states = self.proposer.forward(inputs, self._cache)
             finally:
-                self._arm(False)
+                self.proposer.arm(False)
             logprobs = [place_logprobs(logits[i], r.processors, r.said, inputs[i, 1:]) for i, r in enumerate(rows)]
             sampled = mx.stack([sample_places(r.job, r.count, lp) for r, lp in zip(rows, logprobs)])
-        mx.eval(taps, logprobs, sampled)
-        return taps, logprobs, sampled
+        mx.eval(states, logprobs, sampled)
+        return states, logprobs, sampled
 
     def _cut(self, saved: rollback.Checkpoint, inputs: mx.array, lengths: list[int]) -> None:
         """The batch's caches back to each row's first `lengths[i]` places of the step: its recorded writes of
@@ -252,7 +253,7 @@ class RowwiseDSpark:
                 self.refeeds += 1
                 saved.undo()
                 with self._padded(lengths), pools.decoding():
-                    self._model(inputs[:, :max(lengths)], self._cache)
+                    self._model(inputs[:, :max(lengths)], cache=self._cache)
         mx.eval([c.state for c in self._cache])
 
     @contextmanager
@@ -309,21 +310,25 @@ class RowwiseDSpark:
         return [c.extract(i) for c in self._cache] if self._merged else self._cache
 
     # --- drafts -------------------------------------------------------------------------------------------
-    def _draft(self, row: Request, committed: mx.array) -> mx.array | None:
-        """The row's next drafts after its pending token, its committed places' taps entering its stages'
-        context first."""
-        with self._refusals(row, "DSpark's stages"):
-            return dspark.draft(self._model, row.context, committed, row.pending, row.width,
-                                lambda drafts, logits: allowed_by(row.grammar, row.said, drafts, logits))[0]
+    def _committed(self, row: Request, states) -> None:
+        """The target's states at the positions the row's caches just took, the last of them kept for its tape
+        where its drafter drafts from them in a next turn (DSpark's taps)."""
+        if self.proposer.keeps:
+            row.recent = dspark.recent(row.recent, states, self.proposer.keeps)
+
+    def _draft(self, row: Request, committed) -> mx.array | None:
+        """The row's next drafts after its pending token, from the target's states at its committed places."""
+        with self._refusals(row):
+            return self.proposer.draft(row, committed)
         return None
 
     @contextmanager
-    def _refusals(self, row: Request, who: str):
+    def _refusals(self, row: Request):
         try:
             with mx.stream(generation_stream):
                 yield
         except Exception as e:
-            self._refused(row, who, e)
+            self._refused(row, self.proposer.who, e)
 
     def _refused(self, row: Request, who: str, e: Exception) -> None:
         """A kernel's refusal of a shape (the same on every rank): the row goes on without drafts."""

@@ -46,18 +46,21 @@ class Plan:
     prefill: str | None = None  # the prompt a piece of which goes in: the first that came, while more than its
     # last token is left
     join: str | None = None  # the prompt that joins the batch: the first, once its last token is all that is left
+    # and the batch has room for it
     width: int = 0  # the drafts a row the step's verify feeds: the most any row has
     verify: bool = False  # the batch takes a step: it has rows
 
 
-def plan(joining: Sequence[Row], rows: Sequence[Row]) -> Plan:
+def plan(joining: Sequence[Row], rows: Sequence[Row], room: int) -> Plan:
     """A batch's step: one piece of the first prompt going in (first come first; the others wait behind it); that
-    prompt joins the batch in the step its last piece goes in, and verifies in it; every row verifies as wide as
-    the row with the most drafts (a row with fewer fills the rest with guesses, never kept; no drafts at all,
-    as in a lone row's first step, one place a row)."""
+    prompt joins the batch in the step its last piece goes in, and verifies in it, while the batch has fewer than
+    `room` rows (else it waits, its prompt in, for a row to end); every row verifies as wide as the row with the
+    most drafts (a row with fewer fills the rest with guesses, never kept; no drafts at all, as in a lone row's
+    first step, one place a row)."""
     first = joining[0] if joining else None
     prefill = first if first is not None and first.left > 1 else None
-    join = first if first is not None and first.left - (prefill.piece if prefill else 0) == 1 else None
+    join = first if first is not None and first.left - (prefill.piece if prefill else 0) == 1 \
+        and len(rows) < room else None
     batch = [*rows, *([join] if join else [])]
     return Plan(prefill and prefill.rid, join and join.rid, max((r.width for r in batch), default=0), bool(batch))
 

@@ -7,8 +7,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-# Caches that give back any number of tokens whatever they hold: a drafter takes back the drafts the model
-# rejects. A sliding window past its size, a recurrent state or a compressed one cannot.
+# Caches that give back any number of tokens whatever they hold: a draft model takes back the drafts the target
+# rejects. A sliding window past its size, a recurrent state or a compressed one cannot. (The target's own caches
+# need not: a verify's writes are undone exactly whatever they are, runtime/prefix/rollback.py.)
 TRIMMABLE = frozenset({"KVCache", "QuantizedKVCache", "ConcatenateKVCache"})
 # Families whose mlx-lm 0.32.2 code reads the left padding of a batch, so a prompt shorter than another in the
 # same batch gets another answer than it gets alone (tests/models/test_families.py shows each still does).
@@ -24,29 +25,22 @@ class Needs:
     metal_kernels: tuple[str, ...] = ()  # mlx-lm's Metal-only kernels (mlx_lm.kernels) its model code calls
     caches: frozenset[str] = frozenset({"KVCache"})  # the cache types of its layers
     unbatchable: frozenset[str] = frozenset()  # those that cannot join mlx-lm's batches (no `merge`)
-    mtp: bool = False  # it has an MTP head to draft with (a model overlay's)
 
 
-def refusal(needs: Needs, *, metal: bool, draft: Needs | None = None, drafter: str = "auto",
-            batch: int = 16) -> str | None:
+def refusal(needs: Needs, *, metal: bool, draft: Needs | None = None, batch: int = 16) -> str | None:
     """Why this node cannot run the family as asked, None when it can. `draft`: the --draft-model's needs;
     `batch`: the --completion-batch-size."""
     family = needs.model_type
     if needs.metal_kernels and not metal:
         return (f"{family} models run on mlx-lm's Metal-only kernels ({', '.join(needs.metal_kernels)}) "
                 "and this node has no Metal GPU; serve them from Apple silicon")
-    if draft is not None or (needs.mtp and drafter == "auto"):
-        drafting = "--draft-model (speculative decoding)" if draft is not None else "the MTP drafter (--drafter auto)"
-        for n, whose in ((needs, "its"), (draft, "the draft model's")):
-            untrimmable = sorted(n.caches - TRIMMABLE) if n else ()
-            if untrimmable:
-                return (f"{drafting} cannot draft for {family} models: {whose} {', '.join(untrimmable)} cannot "
-                        "give back the drafted tokens the model rejects, so answers would change; serve it "
-                        "without drafts (drop --draft-model; --drafter off)")
-        return None
+    if draft is not None and (untrimmable := sorted(draft.caches - TRIMMABLE)):
+        return (f"--draft-model (speculative decoding) cannot draft with a {draft.model_type} model: the draft "
+                f"model's {', '.join(untrimmable)} cannot give back the drafts the target rejects, so it would "
+                "draft nothing after its first miss; pick a draft model with plain KV caches, or drop --draft-model")
     if needs.unbatchable:
-        return (f"{family} models cannot be served: meshd's engine runs every request through mlx-lm's "
-                f"BatchGenerator, which cannot take their {', '.join(sorted(needs.unbatchable))} (no merge in "
+        return (f"{family} models cannot be served: meshd's engines batch every request (mlx-lm's BatchGenerator, "
+                f"or a drafter's rows), which cannot take their {', '.join(sorted(needs.unbatchable))} (no merge in "
                 "this mlx-lm); serve it with an mlx-lm whose cache merges")
     if family in PADDING_BLIND and batch > 1:
         return (f"{family} models answer differently when batched with a longer prompt in this mlx-lm "
@@ -77,15 +71,15 @@ def needs_of(config: dict) -> Needs:
     model = model_class(args_class.from_dict(config))
     caches = cache_types(make_prompt_cache(model))
     return Needs(config["model_type"], kernels, frozenset(c.__name__ for c in caches),
-                 frozenset(c.__name__ for c in caches if not hasattr(c, "merge")), hasattr(model, "mtp_draft"))
+                 frozenset(c.__name__ for c in caches if not hasattr(c, "merge")))
 
 
-def refuse(config: dict, *, draft: str | None, drafter: str, batch: int) -> None:
+def refuse(config: dict, *, draft: str | None, batch: int) -> None:
     """Exit naming why the model of `config` cannot run here as asked (`draft`: the --draft-model directory)."""
     import mlx.core as mx
     from mlx_lm.utils import load_config
 
     why = refusal(needs_of(config), metal=mx.metal.is_available(),
-                  draft=needs_of(load_config(Path(draft))) if draft else None, drafter=drafter, batch=batch)
+                  draft=needs_of(load_config(Path(draft))) if draft else None, batch=batch)
     if why:
         raise SystemExit(f"meshd-rank: {why}")

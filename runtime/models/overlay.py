@@ -2,8 +2,8 @@
 
 A package that registers itself on import needs nothing more. One whose patches must be called (omlx's
 `deepseek_v4` + `mlx_lm_mtp`: patch functions, MTP switched on) has an adapter here, which names the calls,
-the entry points a usable version has, the checkpoint tensors that must land in the model, the model
-methods its drafter uses and whether that drafter batches (the proxy admits by it). Every entry point is
+the entry points a usable version has, the checkpoint tensors that must land in the model and the model
+methods its drafter uses. Every entry point is
 looked up before any is called, so an old version fails naming what it lacks, not half set up.
 """
 
@@ -34,7 +34,6 @@ class Overlay:
     loads: tuple[str, ...] = ()  # checkpoint tensor prefixes that must end up in the model
     methods: tuple[str, ...] = ()  # what the loaded model must have (its drafter's entry points)
     armed: str = ""  # the model attribute that says its drafter is on
-    batches: bool = False  # its drafter drafts more than one request at once (runtime.engine.rowwise.RowwiseDSpark)
     after_load: tuple[Call, ...] = ()  # once the model is loaded: the overlay's own decoding hooks switched off
     disarmed: tuple[str, ...] = ()  # model attributes set False after load, for the same
     fix: str = ""  # how to get a version that has everything
@@ -49,7 +48,6 @@ OMLX = Overlay(
     loads=("mtp.",),
     methods=("make_mtp_cache", "dspark_append_context", "dspark_forward", "dspark_markov"),
     armed="_omlx_dspark_decode_enabled",
-    batches=True,
     # omlx drafts a lone row of mlx-lm's batch generator itself (its GenerationBatch.next patch), with no
     # cross-rank agreement: under meshd the ranks' engines draft, in lockstep, and omlx's path stays off
     after_load=(Call("omlx.patches.mlx_lm_mtp:set_mtp_active", (False,)),),

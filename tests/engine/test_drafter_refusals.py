@@ -10,12 +10,14 @@ from mlx_lm import load
 from common.openai_api import SamplingParams
 import runtime.models.overlays.demo_mtp  # noqa: F401  (registers model type demo_mtp)
 from runtime.models.demo_model import DemoModelSpec, build_demo_model
-from runtime.engine.drafting import MTPEngine, SpeculativeEngine
+from runtime.engine.proposers import DraftModel, Head
 from runtime.engine.batch import BatchEngine, Job
+from kit.drafters import drafting
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
 SEEDED = SamplingParams(max_tokens=1, temperature=0.9, seed=7).sampling()
 PROMPT = tuple(range(40, 70))  # one prefill chunk, longer than a verify: only verifies can be refused
+OTHER = tuple(range(140, 170))  # a prompt the tape holds nothing of: the head learns all of it
 REFUSE_AT = len(PROMPT) + 6  # a few tokens in
 
 
@@ -37,8 +39,8 @@ def answer(engine, job: Job) -> list[int]:
 def drafter(kind: str, models, log):
     target, draft, eos = models
     if kind == "mtp":
-        return MTPEngine(target, eos, num_draft_tokens=2, log=log)
-    return SpeculativeEngine(target, draft, eos, num_draft_tokens=3, log=log)
+        return drafting(target, eos, Head(target), num_draft_tokens=2, log=log)
+    return drafting(target, eos, DraftModel(target, draft), num_draft_tokens=3, log=log)
 
 
 TARGET = ("MESHD_FAULT_TARGET_REFUSE_AT", "ValueError")  # the target refuses a verify's shape
@@ -54,16 +56,17 @@ def test_a_refusal_in_the_target_or_the_head_falls_back_for_that_request(models,
                                                                          monkeypatch):
     target, _, eos = models
     variable, error = fault
-    job = Job("a", PROMPT, 24, 7, sampling)
-    plain = answer(BatchEngine(target, eos), job)
+    plain = {p: answer(BatchEngine(target, eos), Job("x", p, 24, 7, sampling)) for p in (PROMPT, OTHER)}
     said = []
     engine = drafter(kind, models, said.append)
-    unrefused = answer(engine, job)
+    unrefused = answer(engine, Job("a", PROMPT, 24, 7, sampling))
     monkeypatch.setenv(variable, str(REFUSE_AT))
-    refused = answer(engine, Job("b", PROMPT, 24, 7, sampling))
-    assert len(plain) == 24 and unrefused == refused == plain
+    refused = answer(engine, Job("b", OTHER, 24, 7, sampling))
+    assert len(plain[PROMPT]) == 24 and unrefused == plain[PROMPT] and refused == plain[OTHER]
     assert engine.fallbacks == 1 and len(said) == 1, said
     assert f"refused ({error}: Unsupported DSpark physical-ring GEMM layout" in said[0]
     assert "request b goes on without drafts" in said[0]
     monkeypatch.delenv(variable)
-    assert answer(engine, Job("c", PROMPT, 24, 7, sampling)) == plain and engine.fallbacks == 1
+    proposed = engine.proposed
+    assert answer(engine, Job("c", PROMPT, 24, 7, sampling)) == plain[PROMPT] and engine.fallbacks == 1
+    assert engine.proposed > proposed  # drafted again, its prompt from the tape

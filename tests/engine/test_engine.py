@@ -9,8 +9,9 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from common.openai_api import SamplingParams
 from runtime.models.demo_model import DemoModelSpec, build_demo_model
-from runtime.engine.drafting import MTPEngine
+from runtime.engine.proposers import DraftModel, Head
 from runtime.engine.batch import BatchEngine, Job
+from kit.drafters import drafting
 from runtime.engine.jobs import Divergence
 from runtime.lockstep import Lockstep, PeerLost, fold
 from runtime.engine.sampling import SeededSampler
@@ -324,7 +325,7 @@ def test_the_heads_drafts_do_not_depend_on_how_the_prompt_was_chunked(mtp_demo, 
     job = Job("a", tuple(range(5, 45)), 48, 7, {**SAMPLING, "temperature": 0.0})
     runs = []
     for chunk in (16, 512):
-        engine = MTPEngine(model, set(), num_draft_tokens=k, prefill_step_size=chunk, log=lambda line: None)
+        engine = drafting(model, set(), Head(model), num_draft_tokens=k, prefill_step_size=chunk)
         runs.append((drain(engine, job), engine.stats()))
     assert runs[0] == runs[1] and runs[0][1]["draft_accepted"] > 0
 
@@ -336,7 +337,7 @@ def test_mtp_drafting_answers_what_plain_decoding_answers(mtp_demo, sampling, k)
     s = {**SAMPLING, **sampling}
     job = Job("a", tuple(range(5, 45)), 48, 7, s)
     plain = drain(BatchEngine(model, eos, prefill_step_size=16), job)
-    engine = MTPEngine(model, eos, num_draft_tokens=k, prefill_step_size=16, log=lambda line: None)
+    engine = drafting(model, eos, Head(model), num_draft_tokens=k, prefill_step_size=16)
     assert drain(engine, job) == plain
     stats = engine.stats()
     assert stats["draft_proposed"] > 0 and stats["draft_fallbacks"] == 0
@@ -359,15 +360,13 @@ def test_a_request_that_asks_for_fewer_drafts_or_none_gets_them_and_the_same_ans
     """draft_tokens caps a request's drafts a step below its engine's 3 (0: none at all); each step says what it
     proposed and how many of those the answer kept, and the answer is plain decoding's whatever it asked. The
     draft model is the target itself: every draft it proposes is kept."""
-    from runtime.engine.drafting import SpeculativeEngine
-
     model, eos = mtp_demo
     draft = model if kind == "draft model" else None
     job = Job("a", tuple(range(5, 45)), 48, 7, {**SAMPLING, "temperature": 0.0})
     plain = drain(BatchEngine(model, eos, prefill_step_size=16), job)
     for asked, width in ((None, 3), (1, 1), (0, 0), (9, 3)):
-        engine = MTPEngine(model, eos, num_draft_tokens=3, prefill_step_size=16, log=lambda line: None) \
-            if draft is None else SpeculativeEngine(model, draft, eos, num_draft_tokens=3)
+        engine = drafting(model, eos, Head(model) if draft is None else DraftModel(model, draft), num_draft_tokens=3,
+                          prefill_step_size=16)
         said = steps(engine, replace(job, draft_tokens=asked))
         assert [t for tokens, _ in said for t in tokens] == plain, asked
         drafts = [d for _, d in said]

@@ -11,7 +11,8 @@ from common.prefills import EVERY, LONG_SECONDS, LONG_TOKENS, Position, Progress
 from meshd.control.statuspage import prefills_section
 from meshd.meshctl.progress import frame
 from runtime.engine.batch import BatchEngine
-from runtime.engine.drafting import MTPEngine
+from runtime.engine.proposers import Head
+from kit.drafters import drafting
 from runtime.engine.jobs import Job
 from runtime.models.demo_model import DemoModelSpec, build_demo_model
 
@@ -133,6 +134,6 @@ def mtp_demo(tmp_path_factory):
 
 
 def test_a_drafted_request_goes_in_a_chunk_a_step_its_last_with_its_first_token(mtp_demo):
-    drafted = goes_in(MTPEngine(mtp_demo, set(), prefill_step_size=16, log=lambda line: None),
+    drafted = goes_in(drafting(mtp_demo, set(), Head(mtp_demo), prefill_step_size=16),
                       [Job("a", tuple(range(5, 55)), 2, 0, SAMPLING)])
     assert drafted[:4] == [[("a", 16, 50)], [("a", 32, 50)], [("a", 48, 50)], []]

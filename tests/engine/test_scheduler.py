@@ -43,11 +43,20 @@ def test_restored_tapes_join_when_ready_and_idle_or_awaited(warm, draining, busy
 ])
 def test_a_batch_step_prefills_the_first_prompt_joins_it_at_its_last_token_and_verifies_at_the_most_drafts(
         joining, rows, expected):
-    assert plan(joining, rows) == expected
+    assert plan(joining, rows, 16) == expected
+
+
+@pytest.mark.parametrize("joining,expected", [
+    ((Row("c", left=9, piece=4),), Plan("c", None, 0, True)),  # its prompt goes in, in its own caches
+    ((Row("c"),), Plan(None, None, 0, True)),  # in, it waits for a row to end
+    ((Row("c", left=5, piece=4),), Plan("c", None, 0, True)),  # its last piece goes in; it waits, its last token left
+])
+def test_a_full_batch_takes_no_row_until_one_ends(joining, expected):
+    assert plan(joining, (Row("a"), Row("b")), 2) == expected
 
 
 class FakeRows:
-    """A batch's executor as RowwiseDSpark is one: prompts go in `chunk` tokens a step (all but their last), each
+    """A batch's executor as the drafting engine is one: prompts go in `chunk` tokens a step (all but their last), each
     row says a token a step and has its drafts from its second step on; it records what each step did."""
 
     def __init__(self, chunk=4):
@@ -69,7 +78,7 @@ class FakeRows:
                 [Row(rid, width=width if drafted else 0) for rid, (_, width, drafted) in self.rows.items()])
 
     def step(self):
-        step = plan(*self.seen())
+        step = plan(*self.seen(), 16)
         did = []
         if step.prefill:
             first = self.joining[0]

@@ -20,17 +20,15 @@ from mlx_lm.utils import load_tokenizer
 from openai import APIError, OpenAI, UnprocessableEntityError
 from pydantic import BaseModel, Field
 
-from common import openai_api as oa
 from kit.held import held_tokens
 from kit.meshctl import Demo, demo_home, demo_meshctl
-from meshd.meshctl.ports import free_ports
 from kit.openai import sse_events
 import runtime.models.overlays.demo_mtp  # noqa: F401  (registers the demo model with an MTP head)
 from runtime.engine import grammar
 from runtime.models.demo_model import DemoModelSpec, build_demo_model
-from runtime.engine.drafting import MTPEngine
+from runtime.engine.proposers import DraftModel, Head
+from kit.drafters import drafting
 from runtime.engine.batch import BatchEngine
-from runtime.server import Frontend, FrontendPhase
 
 ASK = [{"role": "user", "content": "hi"}]
 ORDER = {"type": "object", "additionalProperties": False, "required": ["customer", "items", "rush"], "properties": {
@@ -127,20 +125,25 @@ def test_each_format_holds_the_answer_and_greedy_equals_one_process(demo, client
         {"name": "get_weather", "arguments": arguments}
 
 
-def test_mtp_drafts_held_to_the_grammar_are_accepted_and_the_answer_is_the_plain_one(tmp_path):
+@pytest.mark.parametrize("proposer", ["mtp", "draft model"])
+def test_drafts_held_to_the_grammar_are_accepted_and_the_answer_is_the_plain_one(tmp_path, proposer):
+    """The MTP head's drafts, and a draft model's (the target itself here), taken from what the grammar allows
+    after what was said: the grammar's forced keys and punctuation are drafted and kept, and the answer is
+    plain decoding's."""
     path = build_demo_model(tmp_path / "mtp", DemoModelSpec(mtp=True, mtp_train_steps=30))
     model, tokenizer = mlx_lm.utils.load_model(path)[0], load_tokenizer(path)
     grammar.serve(tokenizer)
     eos = set(tokenizer.eos_token_ids)
     for sampling in ({}, {"temperature": 1.0, "seed": 3}):
         body = {"messages": ASK, "max_tokens": 300, "response_format": schema_format("order", ORDER), **sampling}
-        drafter = MTPEngine(model, eos, num_draft_tokens=2)
+        drafter = drafting(model, eos, Head(model) if proposer == "mtp" else DraftModel(model, model),
+                           num_draft_tokens=2)
         drafted = held_tokens(drafter, tokenizer, body)
         assert drafted == held_tokens(BatchEngine(model, eos), tokenizer, body)
         jsonschema.validate(json.loads(tokenizer.decode(drafted)), ORDER)
         stats = drafter.stats()
         print(sampling, stats)
-        # the head's drafts masked as the verify masks them: the grammar's forced keys and punctuation are taken
+        # the drafts masked as the verify masks them: the grammar's forced keys and punctuation are taken
         assert stats["draft_accepted"] > stats["draft_proposed"] // 4, stats
 
 
@@ -267,23 +270,3 @@ def test_a_rank_killed_mid_answer_resumes_it_into_a_valid_document(demo):
     jsonschema.validate(json.loads(text), ROWS)
     assert rest[-2]["choices"][0]["finish_reason"] == "stop"
     assert demo.wait_ready(after=g)["generation"] == g + 1
-
-
-def test_a_mesh_that_drafts_with_a_draft_model_refuses_held_answers_naming_the_way(tmp_path):
-    """mlx-lm's speculative step shows the logits processors only the answer's last tokens: no grammar could
-    hold it exactly, so rank 0 refuses before any rank works, and says what serves instead."""
-    tokenizer = load_tokenizer(build_demo_model(tmp_path / "m", DemoModelSpec()))
-    port = free_ports(1)[0]
-    rank0 = Frontend(tokenizer, oa.Limits("m", 8, 8), generation=1, context_length=256, host="127.0.0.1",
-                     port=port, holds_grammars=False)
-    rank0.start()
-    try:
-        rank0.phase = FrontendPhase.ADMITTING
-        for body, param in (({"response_format": {"type": "json_object"}}, "response_format"),
-                            ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice")):
-            r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
-                              json={"messages": ASK, "max_tokens": 4, **body})
-            error = r.json()["error"]
-            assert r.status_code == 400 and error["param"] == param and "draft_model" in error["message"], r.text
-    finally:
-        rank0.stop()

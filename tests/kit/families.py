@@ -158,7 +158,8 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
     from mlx_lm.utils import load_config
 
     from runtime.models import families
-    from runtime.engine.drafting import SpeculativeEngine
+    from kit.drafters import drafting
+    from runtime.engine.proposers import DraftModel
     from runtime.engine.batch import BatchEngine, Job
     from runtime.prefix.store import PrefixStore
     from common.openai_api import SamplingParams
@@ -167,10 +168,10 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
     config = load_config(path)
     row: dict = {"family": path.name, "world": group.size(), "batch_size": BATCH}
     try:
-        families.refuse(config, draft=None, drafter="off", batch=BATCH)
+        families.refuse(config, draft=None, batch=BATCH)
     except SystemExit as e:
         try:  # refused as batched: what the refusal names as the way out, if it is one
-            families.refuse(config, draft=None, drafter="off", batch=1)
+            families.refuse(config, draft=None, batch=1)
         except SystemExit:
             return {**row, "refused": str(e)}
         row.update(batch_size=1, one_at_a_time=str(e))
@@ -209,13 +210,12 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
         later = [job(rid, PROMPTS[rid]) for rid in ("p2", "p3", "p4")]
         return answer(engine(batch=batch), {0: [job("p1", PROMPTS["p1"])], 2: later})
 
-    def drafted(anyway: bool = False) -> dict:
-        if not anyway:
-            families.refuse(config, draft=str(draft_path), drafter="off", batch=1)
-        e = SpeculativeEngine(model, draft, eos, num_draft_tokens=2)
+    def drafted() -> dict:
+        families.refuse(config, draft=str(draft_path), batch=1)
+        e = drafting(model, eos, DraftModel(model, draft), num_draft_tokens=2)
         out = answer(e, {0: [job("p1", PROMPTS["p1"])]})
-        if e.fallbacks:  # mlx-lm raised in a drafted step; the engine went on undrafted (runtime/engine/drafting.py)
-            out["error"] = f"mlx-lm raised in {e.fallbacks} drafted step(s), which fell back to plain decoding"
+        if e.fallbacks:  # a drafted step raised; the engine went on undrafted (runtime/engine/rowwise.py)
+            out["error"] = f"{e.fallbacks} drafted step(s) raised and fell back to plain decoding"
         return out
 
     def reference(prompts: dict) -> dict:
@@ -240,8 +240,6 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
         scenario("reference", lambda: reference({**PROMPTS, **cases}))
         if row["batch_size"] == 1:  # what the refusal spares a client
             scenario("batched_anyway", lambda: batched(BATCH))
-        if "refused" in row["speculative"]:
-            scenario("speculative_anyway", lambda: drafted(anyway=True))
     return row
 
 

@@ -180,18 +180,14 @@ def test_the_json_schema_takes_the_configs_meshd_takes_and_refuses_the_mistakes(
         assert list(validator.iter_errors(bad)), bad
 
 
-@pytest.mark.parametrize("runtime,one_at_a_time,args", [
-    ({"model": "/m"}, False, {}),
-    ({"model": "/m", "draft_model": "/d"}, True, {"draft_model": "/d"}),
-    ({"model": "/m", "model_package": "dsv4_overlay"}, True, {"model_package": "dsv4_overlay"}),
-    ({"model": "/m", "model_package": "dsv4_overlay", "args": {"drafter": "off"}}, False,
+@pytest.mark.parametrize("runtime,args", [
+    ({"model": "/m"}, {}),
+    ({"model": "/m", "draft_model": "/d"}, {"draft_model": "/d"}),
+    ({"model": "/m", "model_package": "dsv4_overlay"}, {"model_package": "dsv4_overlay"}),
+    ({"model": "/m", "model_package": "dsv4_overlay", "args": {"drafter": "off"}},
      {"model_package": "dsv4_overlay", "drafter": "off"}),
-    ({"model": "/m", "model_package": "omlx"}, False, {"model_package": "omlx"}),  # DSpark batches more than one
-    ({"model": "mlx-community/Qwen3-8B-4bit"}, False, {"model_name": "mlx-community/Qwen3-8B-4bit"}),
-    ({"model": "mlx-community/Qwen3-8B-4bit", "args": {"model_name": "qwen"}}, False, {"model_name": "qwen"}),
-], ids=["plain", "draft model", "overlay drafts", "overlay batching", "DSpark", "repo id", "repo id named"])
-def test_what_the_ranks_are_started_with_and_whether_the_proxy_admits_one_at_a_time(runtime, one_at_a_time, args,
-                                                                                     tmp_path):
-    cfg = parse({**BASE, "runtime": runtime}, tmp_path)
-    assert cfg.speculative is one_at_a_time
-    assert cfg.runtime.launch_args() == args
+    ({"model": "mlx-community/Qwen3-8B-4bit"}, {"model_name": "mlx-community/Qwen3-8B-4bit"}),
+    ({"model": "mlx-community/Qwen3-8B-4bit", "args": {"model_name": "qwen"}}, {"model_name": "qwen"}),
+], ids=["plain", "draft model", "overlay drafts", "overlay batching", "repo id", "repo id named"])
+def test_what_the_ranks_are_started_with(runtime, args, tmp_path):
+    assert parse({**BASE, "runtime": runtime}, tmp_path).runtime.launch_args() == args

@@ -8,6 +8,7 @@ in one process, and DSpark's refusal in lockstep on four ranks in tests/models/t
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -40,17 +41,22 @@ def plain(mtp_model, tmp_path_factory):
         return answers(mesh.url, mtp_model)
 
 
-def answers(url: str, model) -> list[dict]:
-    out = []
-    for body in ({"max_tokens": 40}, {"max_tokens": 30, "temperature": 0.9, "seed": 7},
-                 {"max_tokens": 24, "logprobs": True, "top_logprobs": 2}):
+def answers(url: str, model, at_once: bool = False) -> list[dict]:
+    """Three answers, asked one after the other or `at_once`."""
+    def ask(body: dict) -> dict:
         r = requests.post(f"{url}/v1/chat/completions", timeout=120,
                           json={"messages": [{"role": "user", "content": PROMPT}], **endless(model), **body})
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
-        out.append({"content": choice["message"]["content"], "tokens": r.json()["usage"]["completion_tokens"],
-                    "logprobs": [t["logprob"] for t in (choice.get("logprobs") or {}).get("content", [])]})
-    return out
+        return {"content": choice["message"]["content"], "tokens": r.json()["usage"]["completion_tokens"],
+                "logprobs": [t["logprob"] for t in (choice.get("logprobs") or {}).get("content", [])]}
+
+    bodies = ({"max_tokens": 40}, {"max_tokens": 30, "temperature": 0.9, "seed": 7},
+              {"max_tokens": 24, "logprobs": True, "top_logprobs": 2})
+    if not at_once:
+        return [ask(body) for body in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(ask, bodies))
 
 
 def same(a: list[dict], b: list[dict]) -> bool:
@@ -62,7 +68,8 @@ def same(a: list[dict], b: list[dict]) -> bool:
 
 def test_drafted_answers_equal_plain_answers_at_tp4_through_meshd(mtp_model, plain, tmp_path):
     """Four agents and a controller with [runtime] model_package: doctor finds the overlay on every node, the
-    ranks arm the head, the answers through the proxy are the plain ones, the agents export the counts."""
+    ranks arm the head, the answers through the proxy are the plain ones, asked one after the other and all at
+    once (the proxy admits them together; they are drafted as rows of one batch), the agents export the counts."""
     agents = make_agents(tmp_path, 4, stall={"base": 10})
     for a in agents:
         a.start()
@@ -75,12 +82,15 @@ def test_drafted_answers_equal_plain_answers_at_tp4_through_meshd(mtp_model, pla
         assert len(overlay) == 4 and all(c["ok"] for c in overlay), overlay
         proxy = json.loads(meshctl(mesh, "status", "--json").stdout)["urls"]["proxy"].removesuffix("/v1")
         drafted = answers(proxy, mtp_model)
+        together = answers(proxy, mtp_model, at_once=True)
 
         def counts():
             text = "".join(a.get("/metrics").text for a in agents)
             armed = re.findall(r"^meshd_agent_rank_drafter_armed\{[^}]*\} 1\.0$", text, re.M)
             found = {kind: set(re.findall(rf'^meshd_agent_rank_draft_tokens_total{{[^}}]*kind="{kind}"[^}}]*}} '
                                           r"([0-9.]+)$", text, re.M)) for kind in ("proposed", "accepted")}
+            found["batched"] = set(re.findall(r"^meshd_agent_rank_draft_batched_steps_total\{[^}]*\} ([0-9.]+)$",
+                                              text, re.M))
             return len(armed) == 4 and all(len(v) == 1 for v in found.values()) and found
         found = wait_for(counts, 10, "every rank's draft counts in /metrics, the same")
     finally:
@@ -88,6 +98,8 @@ def test_drafted_answers_equal_plain_answers_at_tp4_through_meshd(mtp_model, pla
         for a in agents:
             a.kill()
     assert same(drafted, plain), (drafted, plain)
+    assert same(together, plain), (together, plain)
+    assert float(found["batched"].pop()) > 0  # the three drafted together at some steps
     assert plain[0]["tokens"] == 40 and plain[2]["logprobs"]
     proposed, accepted = float(found["proposed"].pop()), float(found["accepted"].pop())
     assert proposed > 0 and 0 < accepted <= proposed  # the head, distilled a little, guesses right at times

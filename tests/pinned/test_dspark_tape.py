@@ -9,7 +9,8 @@ import pytest
 from common.openai_api import SamplingParams
 from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
-from runtime.engine.rowwise import RowwiseDSpark
+from runtime.engine.proposers import Stages
+from runtime.engine.rowwise import RowwiseEngine
 from runtime.models import dspark
 from runtime.prefix.store import PrefixStore
 
@@ -55,7 +56,7 @@ def answer(engine, job: Job, fed: Fed | None = None) -> tuple[list[int], int | N
 def engines(model, drafted: bool):
     if not drafted:
         return BatchEngine(model, {1}, prefill_step_size=32)
-    return RowwiseDSpark(model, {1}, prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32)
+    return RowwiseEngine(model, {1}, Stages(model), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -94,7 +95,7 @@ def test_the_turn_after_a_drafted_answer_drafts_its_first_block_with_the_stages_
 
     monkeypatch.setattr(dspark, "draft", draft)
     store = PrefixStore(model, prefill_step_size=32)
-    engine = RowwiseDSpark(model, {1}, prefixes=store, prefill_step_size=32, log=lambda m: None)
+    engine = RowwiseEngine(model, {1}, Stages(model), prefixes=store, prefill_step_size=32, log=lambda m: None)
     first, _, _ = answer(engine, Job("t1", PROMPT, 48, 3, GREEDY))
     width = len(model.args.dspark_target_layer_ids) * model.args.hidden_size  # the taps' width a position
     assert store.stats()["tape_taps_bytes"] == dspark.window(model) * width * 4, "said in the status file"

@@ -23,7 +23,8 @@ from pinned.dsv4 import OVERLAY, PROMPT, pinned_env
 from runtime.engine import rowwise
 from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
-from runtime.engine.rowwise import RowwiseDSpark
+from runtime.engine.proposers import Stages
+from runtime.engine.rowwise import RowwiseEngine
 from runtime.prefix.store import PrefixStore
 
 LONG = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 256, "temperature": 0}
@@ -84,7 +85,7 @@ def test_a_request_joining_a_lone_drafted_answer_in_its_prompt_at_its_first_toke
         model, sampling):
     a, b = Job("a", A, 40, 3, sampling), Job("b", B, 12, 4, sampling)
     plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in (a, b)}
-    engine = RowwiseDSpark(model, set(), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32,
+    engine = RowwiseEngine(model, set(), Stages(model), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32,
                            log=lambda m: m)
     alone = []  # each verify: whether its one row decoded in its own caches
     verify = engine._verify
@@ -103,7 +104,7 @@ COMING = (0, 2, 5, 11)  # the step each row comes at: b, c and d join mid-answer
 def test_rows_drafted_together_joining_and_leaving_mid_answer_each_answer_plain_decoding(model, sampling):
     jobs = [replace(job, sampling=sampling) for job in ROWS]
     plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in jobs}
-    rows = RowwiseDSpark(model, set(), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32,
+    rows = RowwiseEngine(model, set(), Stages(model), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32,
                          log=lambda m: m)
     assert decoded(rows, *zip(jobs, COMING)) == plain
     assert rows.width == 5 and rows.batched_steps > 10 and rows.fallbacks == 0  # the block: windows pooled alone
@@ -121,7 +122,7 @@ def test_requests_that_ask_for_fewer_drafts_or_none_get_them_alone_joined_and_ro
     plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in jobs}
     prefixes = PrefixStore(model, prefill_step_size=32)
     for coming in ([(jobs[1], 0), (jobs[2], 4)], list(zip(jobs, COMING))):
-        engine = RowwiseDSpark(model, set(), prefixes=prefixes, prefill_step_size=32, log=lambda m: m)
+        engine = RowwiseEngine(model, set(), Stages(model), prefixes=prefixes, prefill_step_size=32, log=lambda m: m)
         drafts = {}
         assert decoded(engine, *coming, drafts=drafts) == {job.rid: plain[job.rid] for job, _ in coming}
         for rid, steps in drafts.items():
@@ -136,7 +137,7 @@ def test_a_row_whose_window_is_masked_as_mlx_lm_masks_it_answers_otherwise(model
     monkeypatch.setattr(rowwise, "in_order", lambda caches: None)
     jobs = [replace(job, sampling=SEEDED) for job in ROWS]
     plain = decoded(BatchEngine(model, set(), prefill_step_size=32), (jobs[3], 0))["d"]
-    rows = RowwiseDSpark(model, set(), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32)
+    rows = RowwiseEngine(model, set(), Stages(model), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32)
     assert decoded(rows, *zip(jobs, COMING))["d"] != plain
 
 

@@ -27,7 +27,8 @@ from mlx.utils import tree_flatten
 from common.openai_api import SamplingParams
 from runtime.models import dspark
 from runtime.engine.jobs import Job
-from runtime.engine.rowwise import RowwiseDSpark
+from runtime.engine.proposers import Stages
+from runtime.engine.rowwise import RowwiseEngine
 from runtime.prefix.store import PrefixStore
 
 TOL = 2e-5  # the two implementations' float32 logprobs differ by under 1e-5
@@ -184,7 +185,7 @@ def test_the_engines_blocks_are_dspark_mlxs_for_the_taps_of_what_it_committed(mo
         return drafts, logits
 
     monkeypatch.setattr(dspark, "draft", recorded)
-    engine = RowwiseDSpark(model, {1}, prefixes=PrefixStore(model, prefill_step_size=32), num_draft_tokens=width,
+    engine = RowwiseEngine(model, {1}, Stages(model), prefixes=PrefixStore(model, prefill_step_size=32), num_draft_tokens=width,
                            prefill_step_size=32)
     engine.insert(Job("x", prompt, 64, 0, SamplingParams(max_tokens=1).sampling()))
     said, commits = list(prompt), []

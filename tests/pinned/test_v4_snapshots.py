@@ -19,7 +19,8 @@ from kit.waiting import wait_for
 from pinned.dsv4 import PROMPT, pinned_env
 from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
-from runtime.engine.rowwise import RowwiseDSpark
+from runtime.engine.proposers import Stages
+from runtime.engine.rowwise import RowwiseEngine
 from runtime.prefix.store import PrefixStore
 from runtime.models import dspark
 from runtime.prefix.snapshot import Identity, Snapshots, leaf_types, read_header, segment_files, tape_id
@@ -120,7 +121,7 @@ def engine(model, drafted: bool, snapshots=None):
     """The batch engine, or DSpark's, with no end-of-sequence token: every answer its full length."""
     prefixes = PrefixStore(model, prefill_step_size=32, snapshots=snapshots)
     if drafted:
-        return RowwiseDSpark(model, set(), prefixes=prefixes, prefill_step_size=32)
+        return RowwiseEngine(model, set(), Stages(model), prefixes=prefixes, prefill_step_size=32)
     return BatchEngine(model, set(), prefill_step_size=32, prefixes=prefixes)
 
 

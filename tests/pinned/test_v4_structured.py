@@ -19,7 +19,8 @@ from kit.held import held_tokens
 from pinned.test_v4_tools import build_v4_tokenizer_checkpoint, build_v4_weights
 from runtime.engine import grammar
 from runtime.engine.batch import BatchEngine
-from runtime.engine.rowwise import RowwiseDSpark
+from runtime.engine.proposers import Stages
+from runtime.engine.rowwise import RowwiseEngine
 from runtime.prefix.store import PrefixStore
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
@@ -81,7 +82,7 @@ def test_dspark_drafts_under_a_grammar_are_accepted_and_the_answer_is_plain_cons
     eos = set(tokenizer.eos_token_ids)
     body = {"messages": ASK, "max_tokens": 120, **sampling,
             "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER}}}
-    drafter = RowwiseDSpark(model, eos, prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32)
+    drafter = RowwiseEngine(model, eos, Stages(model), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32)
     drafted = held_tokens(drafter, tokenizer, body)
     assert drafted == held_tokens(BatchEngine(model, eos, prefill_step_size=32), tokenizer, body)
     jsonschema.validate(json.loads(tokenizer.decode(drafted)), ORDER)

@@ -14,7 +14,8 @@ import pytest
 from common.openai_api import SamplingParams
 from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
-from runtime.engine.rowwise import RowwiseDSpark
+from runtime.engine.proposers import Stages
+from runtime.engine.rowwise import RowwiseEngine
 from runtime.prefix.tape import common_prefix
 from runtime.prefix.store import PrefixStore
 
@@ -40,7 +41,7 @@ FIRST = message(SYSTEM, words(1, 190)) + message(USER, words(2, 80)) + [ASSISTAN
 def engine(model, drafted: bool):
     prefixes = PrefixStore(model, prefill_step_size=CHUNK, markers=MARKERS)
     if drafted:
-        return RowwiseDSpark(model, {1}, prefixes=prefixes, prefill_step_size=CHUNK)
+        return RowwiseEngine(model, {1}, Stages(model), prefixes=prefixes, prefill_step_size=CHUNK)
     return BatchEngine(model, {1}, prefill_step_size=CHUNK, prefixes=prefixes)
 
 
