@@ -5,6 +5,9 @@ For each: aggregate tokens/s over the answers (prompts included, as a client mee
 (counted at the model's call) and tokens per forward per row, the acceptance, the verifies whose kept places
 were fed again (none, where every cache's writes replay: one target forward a step); whether every answer was the
 undrafted one, token for token; and the acceptance of each request's next turn (served from the tape) against its first.
+Beside them, undrafted rows: the drafting engine with no proposer (every row's pending token alone through the
+target a step), which is what plain batching would be if the row-wise engine served it instead of mlx-lm's
+BatchGenerator (the batch engine).
 
 The target is omlx's own DeepSeek-V4 (flyto-mlx's, in .venv-omlx) with the DSpark stages of
 tests/standins/dspark_v4, the tiny checkpoint of tests/pinned/dsv4.py: ratio-4 layers with pooled caches, a
@@ -32,11 +35,29 @@ from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
 from runtime.models.overlay import OMLX
 from runtime.rank import load_sharded
-from runtime.engine.proposers import Stages
+from runtime.engine.proposers import Plain, Stages
 from runtime.engine.rowwise import RowwiseEngine
 from runtime.prefix.store import PrefixStore
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
+
+
+class Undrafted(Plain):
+    """No drafts: a row's pending token alone through the target each step."""
+
+    drafter, who, widest = "", "nobody", 0
+
+    def __init__(self, model):
+        self._model = model
+
+    def width(self, asked: int) -> int:
+        return 0
+
+    def context(self, prefix) -> None:
+        return None
+
+    def forward(self, inputs: mx.array, cache: list):
+        return self._model(inputs, cache=cache), None
 
 
 class Counted:
@@ -105,7 +126,10 @@ def main() -> None:
     engines = {"undrafted": lambda: BatchEngine(counted, set(), prefill_step_size=128),
                "drafted": lambda: RowwiseEngine(counted, set(), Stages(counted),
                                                 prefixes=PrefixStore(counted, prefill_step_size=128),
-                                                prefill_step_size=128, log=lambda m: None)}
+                                                prefill_step_size=128, log=lambda m: None),
+               "undrafted rows": lambda: RowwiseEngine(counted, set(), Undrafted(counted),
+                                                       prefixes=PrefixStore(counted, prefill_step_size=128),
+                                                       prefill_step_size=128, log=lambda m: None)}
     rows, same = [], True
     for batch in (int(b) for b in args.batches.split(",")):
         rate = {name: [] for name in engines}
@@ -134,7 +158,9 @@ def main() -> None:
                     f"{statistics.median(rate['drafted']) / statistics.median(rate['undrafted']):.2f}x | "
                     f"{statistics.median(per_forward['undrafted']):.2f} | {statistics.median(per_forward['drafted']):.2f} | "
                     f"{statistics.median(acceptance):.0%} | {statistics.median(follow[False]):.0%} | "
-                    f"{statistics.median(follow[True]):.0%} | {max(refeeds)} |")
+                    f"{statistics.median(follow[True]):.0%} | {max(refeeds)} | "
+                    f"{spread(rate['undrafted rows'], '{:.1f}')} | "
+                    f"{statistics.median(rate['undrafted rows']) / statistics.median(rate['undrafted']):.2f}x |")
     report(["", f"## Row-wise DSpark against undrafted batching, one process (`bench/rowwise.py`, "
             f"{time.strftime('%Y-%m-%d')})", "",
             "omlx's own DeepSeek-V4 (flyto-mlx 0.7.0 at mlx 0.32.3 / mlx-lm 0.31.3; 5 layers 64 wide, compress "
@@ -145,12 +171,15 @@ def main() -> None:
             "target again (a cache whose writes could not be replayed), the most of any round. Acceptance on next "
             "turns: each request's next turn (its prompt, its answer, a new message: served from the token tape), "
             "sent after the timed round, untimed; with its stages' context kept with the tape, and blind (the "
-            "tape's taps dropped first, in an engine of its own that answered the same first turns).", "",
+            "tape's taps dropped first, in an engine of its own that answered the same first turns). Undrafted rows: "
+            "the drafting engine with no proposer, against the batch engine (mlx-lm's BatchGenerator; SoloDecode "
+            "for B = 1).", "",
             "| B | undrafted tok/s | drafted tok/s | drafted / undrafted | tokens a forward a row, undrafted | "
-            "drafted | acceptance | next turns, with context | next turns, blind | re-fed steps |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "drafted | acceptance | next turns, with context | next turns, blind | re-fed steps | undrafted rows "
+            "tok/s | undrafted rows / batch engine |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
             *rows, "",
-            "Every drafted answer was the undrafted one, token for token." if same
+            "Every drafted answer, and every undrafted row's, was the batch engine's, token for token." if same
             else "The answers were NOT the same.", "",
             f"Command: `{Path(sys.executable).parent.parent.name}/bin/python bench/rowwise.py --rounds {args.rounds} "
             f"--tokens {args.tokens}`"], args.write)
