@@ -134,7 +134,9 @@ class Head(Plain):
         return self._model.head(hidden), hidden
 
     def prefilled(self, row: Request, hidden: mx.array, following: mx.array) -> None:
+        """The piece's pairs learned now: a long prompt's hidden states are not held until its first draft."""
         self._learn(row, hidden, following)
+        mx.eval([c.state for c in row.context])
 
     def draft(self, row: Request, hidden: mx.array) -> mx.array:
         """The head learns the verify's kept places (each paired with the token the target sampled there); its

@@ -14,7 +14,9 @@ from kit.drafters import drafting
 from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
 from runtime.engine.proposers import DraftModel, Head
+from runtime.engine.rowwise import RowwiseEngine
 from runtime.models.demo_model import DemoModelSpec, build_demo_model
+from runtime.prefix.store import PrefixStore
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
 SEEDED = SamplingParams(max_tokens=1, temperature=0.9, top_k=2, seed=5).sampling()  # drafts land at times
@@ -62,3 +64,20 @@ def test_requests_that_come_join_the_rows_and_each_answer_is_plain_decodings(mtp
     # a's prompt again: its prefix from the tape (all but its last token), the same answer
     assert engine.insert(replace(jobs["a"], rid="again")) == len(PROMPTS["a"]) - 1
     assert answers(engine, {}, {}) == {"again": plain["a"]}
+
+
+def test_a_batch_of_one_row_takes_the_next_request_when_the_first_ends(mtp_demo):
+    """--completion-batch-size 1 (what a family that reads the padding is served with): the second request's
+    prompt goes in while the first decodes, and it joins once the first has ended; no verify holds two rows."""
+    model, eos = mtp_demo
+    jobs = {rid: Job(rid, prompt, 24, i, GREEDY) for i, (rid, prompt) in enumerate(PROMPTS.items()) if rid != "c"}
+    plain = {rid: answers(BatchEngine(model, eos, prefill_step_size=16), jobs, {0: [rid]})[rid] for rid in jobs}
+    engine = RowwiseEngine(model, eos, Head(model), prefixes=PrefixStore(model, prefill_step_size=16),
+                           num_draft_tokens=3, prefill_step_size=16, completion_batch_size=1, log=lambda line: None)
+    said = []  # (rid, token) in the order they came out
+    engine.insert(jobs["a"])
+    engine.insert(jobs["b"])
+    while engine.busy:
+        said += [(e.rid, e.token) for e in engine.step() if e.token is not None]
+    assert said == [("a", t) for t in plain["a"]] + [("b", t) for t in plain["b"]]
+    assert engine.stats()["draft_batched_steps"] == 0 and engine.stats()["draft_accepted"] > 0
