@@ -146,10 +146,13 @@ class RankWatcher:
         rotate it). The copy reads until a read finds nothing new and the file is emptied right then, so
         lines the rank writes during the copy land in it; only the instant between that last read and the
         truncate is a gap, which is why a log is rotated once it has been quiet for a poll (the last
-        lines before a rank dies are the ones that say why) and only past twice the cap while busy."""
-        with path.open("rb") as src, rotated(path).open("wb") as dst:
+        lines before a rank dies are the ones that say why) and only past twice the cap while busy. The
+        copy takes LOG.1's place whole (written aside, then renamed): a reader never finds half of it."""
+        aside = rotated(path).with_name(rotated(path).name + ".part")
+        with path.open("rb") as src, aside.open("wb") as dst:
             while chunk := src.read(1 << 20):
                 dst.write(chunk)
+            aside.replace(rotated(path))
             os.truncate(path, 0)
         self._offset = 0
 
