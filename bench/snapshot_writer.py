@@ -1,5 +1,5 @@
-"""How far the snapshot writer is behind a prefill: a segment's arrays written side by side (the default)
-against one by one, in alternating rounds.
+"""How far the snapshot writer is behind a prefill: a segment's arrays written side by side (the default
+WRITERS threads, and any other counts `--writers` names) against one by one, in alternating rounds.
 
 A tape of `--tokens` tokens in the KV shape of an 8B model (32 layers, 8 KV heads of 128, bf16: 128 KiB a
 token) is prefilled `--chunk` tokens at a time at `--prefill-tps`: real mlx-lm KVCaches whose keys and values
@@ -8,7 +8,8 @@ and pumped after each, as the engine does. When the last chunk is
 staged (the answer's end: what a SIGKILL then would lose) the bench counts the segments not yet landed,
 then times how long the writer takes to land them. Each round writes to a fresh folder.
 
-    .venv/bin/python bench/snapshot_writer.py [--rounds 3] [--tokens 12288] [--prefill-tps 6800] [--write]"""
+    .venv/bin/python bench/snapshot_writer.py [--rounds 3] [--tokens 12288] [--prefill-tps 6800] [--writers 8 4 1]
+        [--write]"""
 
 from __future__ import annotations
 
@@ -65,9 +66,11 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dir", type=Path, default=None, help="where the segments go (a temporary folder)")
+    ap.add_argument("--writers", type=int, nargs="+", default=[WRITERS, 1],
+                    help="the writer threads of each way compared, the first against the last")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    ways = {f"{WRITERS} side by side": WRITERS, "one by one": 1}
+    ways = {f"{n} side by side" if n > 1 else "one by one": n for n in args.writers}
     kv = [mx.random.normal((1, args.kv_heads, args.tokens, args.head_dim)).astype(mx.bfloat16)
           for _ in range(args.layers)]
     mx.eval(kv)
@@ -81,7 +84,7 @@ def main() -> None:
     rows = [f"| {name} | {spread([g['behind'] for g in got[name]], '{:.0f}')} | "
             f"{spread([g['drain_s'] for g in got[name]])} | {spread([g['mb_s'] for g in got[name]], '{:.0f}')} |"
             for name in ways]
-    fast, slow = (statistics.median(g["drain_s"] for g in got[name]) for name in ways)
+    fast, slow = (statistics.median(g["drain_s"] for g in got[name]) for name in (list(ways)[0], list(ways)[-1]))
     mb = args.tokens * args.layers * 2 * args.kv_heads * args.head_dim * 2 / 1e6
     report(["", f"## The snapshot writer behind a prefill (`bench/snapshot_writer.py`, {time.strftime('%Y-%m-%d')})", "",
             f"A {args.tokens}-token tape ({mb:.0f} MB: {args.layers} layers, {args.kv_heads} KV heads of "
@@ -90,9 +93,10 @@ def main() -> None:
             "when the last was staged (what a SIGKILL at the answer's end loses).", "",
             "| a segment's arrays | segments behind at the end | seconds to land them | MB/s over the tape |",
             "|---|---|---|---|", *rows, "",
-            f"Landing the backlog: {fast / slow:.2f}x the time one by one takes.", "",
+            f"Landing the backlog: {fast / slow:.2f}x the time {list(ways)[-1]} takes.", "",
             f"Command: `{Path(sys.executable).parent.parent.name}/bin/python bench/snapshot_writer.py --rounds "
-            f"{args.rounds} --tokens {args.tokens} --prefill-tps {args.prefill_tps:.0f}`"], args.write)
+            f"{args.rounds} --tokens {args.tokens} --prefill-tps {args.prefill_tps:.0f} --writers "
+            f"{' '.join(map(str, args.writers))}`"], args.write)
 
 
 if __name__ == "__main__":

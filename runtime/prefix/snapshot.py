@@ -47,7 +47,10 @@ FORMAT = "meshd-snapshot/4"  # /3: digests keyed by the node's snapshot key; /4:
 # how a cache leaf is snapshotted: by its new tokens, appended to its parent's, or as its whole state
 LEAVES = {"KVCache": "append", "RotatingKVCache": "whole", "PoolingCache": "whole"}
 READERS = 4  # threads that read and hash one tape's segments
-WRITERS = 4  # threads that hash and write one segment's arrays
+# threads that hash and write one segment's arrays: each hashes at about 570 MB/s (keyed blake2b, on the cores of
+# one H100 machine), so 4 landed about 600 MB/s behind an 8B model's 890 MB/s prefill; 8 land about 780, and 16
+# no more than 8 (bench/snapshot_writer.py, docs/BENCHMARKS.md)
+WRITERS = 8
 CHECKPOINT = "cp."  # the names of a segment's arrays that hold its tape's checkpoints' ("cp.0", "cp.1", ...)
 SIDE_BY_SIDE = 1 << 22  # bytes of a segment from which its arrays go to those threads (a smaller one: one by one)
 PROGRESS_EVERY = 10_000  # files between the lines that say how far the scan of a large folder is
