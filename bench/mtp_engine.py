@@ -28,9 +28,8 @@ from mlx_lm.utils import load_model
 from common.openai_api import SamplingParams
 import runtime.models.overlays.demo_mtp  # noqa: F401  registers model type demo_mtp
 from runtime.models.demo_model import build_demo_model
+from kit.drafters import drafting
 from runtime.engine.proposers import Head
-from runtime.engine.rowwise import RowwiseEngine
-from runtime.prefix.store import PrefixStore
 from runtime.engine.batch import BatchEngine, Job
 
 PROMPT = tuple(range(5, 45))
@@ -89,8 +88,7 @@ def main() -> None:
     spec = mtp_spec(args.hidden, args.layers, args.train_steps)
     model, _ = load_model(build_demo_model(Path(tempfile.mkdtemp(prefix="meshd-mtp-engine-")) / "model", spec))
     kinds = {"plain": lambda: BatchEngine(model, set()),
-             **{f"drafted k={k}": (lambda k=k: RowwiseEngine(model, set(), Head(model), prefixes=PrefixStore(model),
-                                                             num_draft_tokens=k, log=lambda line: None))
+             **{f"drafted k={k}": (lambda k=k: drafting(model, set(), Head(model), num_draft_tokens=k))
                 for k in args.draft_tokens}}
     rates, stats, answers = {name: [] for name in kinds}, {}, {}
     for n in range(args.rounds + 1):  # round 0 warms up and is not counted

@@ -35,9 +35,8 @@ from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
 from runtime.models.overlay import OMLX
 from runtime.rank import load_sharded
+from kit.drafters import drafting
 from runtime.engine.proposers import Plain, Stages
-from runtime.engine.rowwise import RowwiseEngine
-from runtime.prefix.store import PrefixStore
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
 
@@ -49,9 +48,6 @@ class Undrafted(Plain):
 
     def __init__(self, model):
         self._model = model
-
-    def width(self, asked: int) -> int:
-        return 0
 
     def context(self, prefix) -> None:
         return None
@@ -124,12 +120,8 @@ def main() -> None:
     checkpoint = build_v4_checkpoint(Path(tempfile.mkdtemp(prefix="meshd-rowwise-bench-")) / "v4")
     counted = Counted(load_sharded(checkpoint, mx.distributed.init(), lambda done, total: None, OMLX))
     engines = {"undrafted": lambda: BatchEngine(counted, set(), prefill_step_size=128),
-               "drafted": lambda: RowwiseEngine(counted, set(), Stages(counted),
-                                                prefixes=PrefixStore(counted, prefill_step_size=128),
-                                                prefill_step_size=128, log=lambda m: None),
-               "undrafted rows": lambda: RowwiseEngine(counted, set(), Undrafted(counted),
-                                                       prefixes=PrefixStore(counted, prefill_step_size=128),
-                                                       prefill_step_size=128, log=lambda m: None)}
+               "drafted": lambda: drafting(counted, set(), Stages(counted), prefill_step_size=128),
+               "undrafted rows": lambda: drafting(counted, set(), Undrafted(counted), prefill_step_size=128)}
     rows, same = [], True
     for batch in (int(b) for b in args.batches.split(",")):
         rate = {name: [] for name in engines}

@@ -24,7 +24,6 @@ from runtime.prefix.store import Prefix
 class Proposer(Protocol):
     drafter: str  # as the engine's stats name it
     who: str  # as a refusal names it
-    keeps: int  # the target's states at a tape's last positions its next turn drafts from (0: none)
 
     def width(self, asked: int) -> int:
         """The most drafts a row takes a step, of `asked` (0: the drafter's own)."""
@@ -40,6 +39,10 @@ class Proposer(Protocol):
 
     def forward(self, inputs: mx.array, cache: list) -> tuple[mx.array, mx.array | None]:
         """The target's logits at `inputs` and the states its drafts are made from."""
+
+    def committed(self, row: Request, states) -> None:
+        """The row's caches took these positions, drafted or not: what of their states its tape keeps for a next
+        turn's drafts (`row.recent`)."""
 
     def prefilled(self, row: Request, states, following: mx.array) -> None:
         """A piece of the row's prompt went in: its states, and the token after each of its positions."""
@@ -87,6 +90,9 @@ class Stages:
     def forward(self, inputs: mx.array, cache: list):
         return self._model(inputs, cache=cache, return_hidden=True)
 
+    def committed(self, row: Request, taps: mx.array) -> None:
+        row.recent = dspark.recent(row.recent, taps, self.keeps)
+
     def prefilled(self, row: Request, taps: mx.array, following: mx.array) -> None:
         self._model.dspark_append_context(taps, row.context)
 
@@ -99,8 +105,7 @@ class Plain:
     """A proposer that keeps no taps for the tape, arms nothing and learns nothing of a prompt going in; it
     drafts `widest` a step unless asked for another width."""
 
-    keeps = 0
-    who, widest = "", 1
+    widest: int
 
     def width(self, asked: int) -> int:
         return asked or self.widest
@@ -109,6 +114,9 @@ class Plain:
         return f"{self.who}, {width} draft token(s) a step"
 
     def arm(self, flag: bool) -> None:
+        pass
+
+    def committed(self, row: Request, states) -> None:
         pass
 
     def prefilled(self, row: Request, states, following: mx.array) -> None:

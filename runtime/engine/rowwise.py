@@ -37,7 +37,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from common.prefills import Position
-from runtime.models import dspark, pools
+from runtime.models import pools
 from runtime.prefix import rollback
 from runtime.engine.drafting import agree, ends_after, place_logprobs, sample_places
 from runtime.engine.jobs import Emission, Job, emission, finish_reason
@@ -142,7 +142,7 @@ class RowwiseEngine:
         with mx.stream(generation_stream):
             _, states = self.proposer.forward(mx.array(chunk, dtype=mx.uint32)[None], row.cache)
         row.base += n
-        self._committed(row, states)
+        self.proposer.committed(row, states)
         if row.drafting:
             with self._refusals(row):
                 self.proposer.prefilled(row, states, mx.array(chunk[1:] + row.todo[:1], dtype=mx.uint32))
@@ -202,7 +202,7 @@ class RowwiseEngine:
         for i, r in enumerate(rows):
             mine = self._emit(r, logprobs[i], drafts[i])
             committed = None if states is None else states[i:i + 1, :len(r.kept)]
-            self._committed(r, committed)
+            self.proposer.committed(r, committed)
             out += mine
             if mine[-1].finish_reason is not None:
                 ended.append(r)
@@ -310,12 +310,6 @@ class RowwiseEngine:
         return [c.extract(i) for c in self._cache] if self._merged else self._cache
 
     # --- drafts -------------------------------------------------------------------------------------------
-    def _committed(self, row: Request, states) -> None:
-        """The target's states at the positions the row's caches just took, the last of them kept for its tape
-        where its drafter drafts from them in a next turn (DSpark's taps)."""
-        if self.proposer.keeps:
-            row.recent = dspark.recent(row.recent, states, self.proposer.keeps)
-
     def _draft(self, row: Request, committed) -> mx.array | None:
         """The row's next drafts after its pending token, from the target's states at its committed places."""
         with self._refusals(row):
