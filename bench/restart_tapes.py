@@ -41,6 +41,8 @@ from kit.waiting import wait_for
 from mlx_lm.utils import load_tokenizer
 
 DELAYS = (0.0, 0.5, 1.0, 2.0, 5.0)
+# seconds a generation may take to be ready: the kit's 120 s ran out twice for an 8B model on an H100
+READY_WITHIN = 600
 
 
 def conversation(tok, tag: str, tokens: int) -> list[dict]:
@@ -74,12 +76,12 @@ def kill(agents, g: Gen) -> float:
 def tapes_round(agents, model, tok, args, generation: int, kept: int, n: int) -> dict:
     for a in agents:
         shutil.rmtree(a.dir / "state" / "snapshots", ignore_errors=True)  # only this round's tapes
-    g = Gen(agents, model, generation, snapshot_every=256)
+    g = Gen(agents, model, generation, snapshot_every=256, ready_within=READY_WITHIN)
     for i in range(kept):
         first_token(g, conversation(tok, f"Round {n}, conversation {i}", args.prompt_tokens))
     wait_for(lambda: landed(g, len(agents)), 600, "the snapshots on disk", 0.2)
     killed = kill(agents, g)
-    g2 = Gen(agents, model, generation + 1, snapshot_every=256)
+    g2 = Gen(agents, model, generation + 1, snapshot_every=256, ready_within=READY_WITHIN)
     ready = time.perf_counter() - killed
     ttft, _ = first_token(g2, [{"role": "user", "content": f"Round {n}: a new conversation, {kept} kept."}])
     answered = time.perf_counter() - killed
@@ -91,7 +93,7 @@ def tapes_round(agents, model, tok, args, generation: int, kept: int, n: int) ->
 
 
 def delay_round(agents, model, tok, args, generation: int, delay: float, n: int) -> dict:
-    g = Gen(agents, model, generation, snapshot_every=256)
+    g = Gen(agents, model, generation, snapshot_every=256, ready_within=READY_WITHIN)
     convo = conversation(tok, f"Round {n}, delay {delay}", args.prompt_tokens)
     twin = conversation(tok, f"Twin {n}, delay {delay}", args.prompt_tokens)
     body = {"max_tokens": args.answer, "temperature": 0, "logit_bias": {str(t): -100 for t in tok.eos_token_ids}}
@@ -103,7 +105,7 @@ def delay_round(agents, model, tok, args, generation: int, delay: float, n: int)
     time.sleep(delay)
     kill(agents, g)
     turn = convo + [{"role": "assistant", "content": tok.decode(answer)}, {"role": "user", "content": "And?"}]
-    g2 = Gen(agents, model, generation + 1, snapshot_every=256)
+    g2 = Gen(agents, model, generation + 1, snapshot_every=256, ready_within=READY_WITHIN)
     after, after_tokens = first_token(g2, turn)
     g2.stop()
     prompt = len(tok.apply_chat_template(turn, add_generation_prompt=True))

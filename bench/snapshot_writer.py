@@ -1,5 +1,6 @@
 """How far the snapshot writer is behind a prefill: a segment's arrays written side by side (the default
-WRITERS threads, and any other counts `--writers` names) against one by one, in alternating rounds.
+WRITERS threads, and any other counts `--writers` names) against one by one, and against the writer of
+another checkout of meshd (`--base`), in alternating rounds.
 
 A tape of `--tokens` tokens in the KV shape of an 8B model (32 layers, 8 KV heads of 128, bf16: 128 KiB a
 token) is prefilled `--chunk` tokens at a time at `--prefill-tps`: real mlx-lm KVCaches whose keys and values
@@ -8,13 +9,16 @@ and pumped after each, as the engine does. When the last chunk is
 staged (the answer's end: what a SIGKILL then would lose) the bench counts the segments not yet landed,
 then times how long the writer takes to land them. Each round writes to a fresh folder.
 
+    git worktree add --detach /tmp/meshd-base a561907    # or another commit
     .venv/bin/python bench/snapshot_writer.py [--rounds 3] [--tokens 12288] [--prefill-tps 6800] [--writers 8 4 1]
-        [--write]"""
+        [--base /tmp/meshd-base] [--write]"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,11 +32,12 @@ from benchkit import report, say, spread
 from runtime.prefix.snapshot import WRITERS, Identity, Snapshots
 
 
-def prefill(folder: Path, args, writers: int, kv: list[mx.array]) -> dict:
-    """One tape prefilled and snapshotted as it goes: the segments behind at its end, the seconds to land
-    them, the writer's rate over the whole tape."""
+def prefill(folder: Path, args, way: tuple, kv: list[mx.array]) -> dict:
+    """One tape prefilled and snapshotted as it goes by `way` (a writer's class and its threads): the
+    segments behind at its end, the seconds to land them, the writer's rate over the whole tape."""
     me = Identity("bench", 1, 0, "bench")
-    snaps = Snapshots(folder, me, 1 << 40, every=args.chunk, log=lambda m: None, writers=writers)
+    writer, writers = way
+    snaps = writer(folder, me, 1 << 40, every=args.chunk, log=lambda m: None, writers=writers)
     cache = [KVCache() for _ in range(args.layers)]
     for c, a in zip(cache, kv):
         c.keys, c.values = a, a
@@ -48,8 +53,10 @@ def prefill(folder: Path, args, writers: int, kv: list[mx.array]) -> dict:
         time.sleep(max(0.0, began + (at + n) / args.prefill_tps - time.monotonic()))
     ended = time.monotonic()
     behind = snaps.stats()["snapshots_pending"]
-    snaps.close(timeout=600)
+    while snaps.stats()["snapshots_pending"]:  # landed: renamed into place, whatever is still flushing
+        time.sleep(0.002)
     landed = time.monotonic()
+    snaps.close(timeout=600)
     written = sum(p.stat().st_size for p in snaps.folder.glob("*.safetensors"))
     return {"behind": behind, "drain_s": landed - ended, "mb_s": written / 1e6 / (landed - began),
             "segments": snaps.written}
@@ -68,9 +75,13 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="where the segments go (a temporary folder)")
     ap.add_argument("--writers", type=int, nargs="+", default=[WRITERS, 1],
                     help="the writer threads of each way compared, the first against the last")
+    ap.add_argument("--base", type=Path, default=None,
+                    help="a checkout of meshd whose writer (its runtime/prefix/snapshot.py, its WRITERS) is compared")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
-    ways = {f"{n} side by side" if n > 1 else "one by one": n for n in args.writers}
+    ways = {f"{n} side by side" if n > 1 else "one by one": (Snapshots, n) for n in args.writers}
+    if args.base:
+        ways.update(base_way(args.base))
     kv = [mx.random.normal((1, args.kv_heads, args.tokens, args.head_dim)).astype(mx.bfloat16)
           for _ in range(args.layers)]
     mx.eval(kv)
@@ -86,17 +97,33 @@ def main() -> None:
             for name in ways]
     fast, slow = (statistics.median(g["drain_s"] for g in got[name]) for name in (list(ways)[0], list(ways)[-1]))
     mb = args.tokens * args.layers * 2 * args.kv_heads * args.head_dim * 2 / 1e6
-    report(["", f"## The snapshot writer behind a prefill (`bench/snapshot_writer.py`, {time.strftime('%Y-%m-%d')})", "",
+    day = time.strftime('%Y-%m-%d')
+    report(["", f"## The snapshot writer behind a prefill (`bench/snapshot_writer.py`, {day})", "",
             f"A {args.tokens}-token tape ({mb:.0f} MB: {args.layers} layers, {args.kv_heads} KV heads of "
             f"{args.head_dim}, bf16) prefilled {args.chunk} tokens a chunk at {args.prefill_tps:.0f} tok/s, a segment "
             f"staged after each; {args.rounds} alternating rounds, median (min-max). Behind: segments not landed "
             "when the last was staged (what a SIGKILL at the answer's end loses).", "",
             "| a segment's arrays | segments behind at the end | seconds to land them | MB/s over the tape |",
             "|---|---|---|---|", *rows, "",
-            f"Landing the backlog: {fast / slow:.2f}x the time {list(ways)[-1]} takes.", "",
+            f"Landing the backlog: {fast / slow:.2f}x the time {list(ways)[-1]} takes." if slow else
+            f"Nothing was behind {list(ways)[-1]} at the end.", "",
             f"Command: `{Path(sys.executable).parent.parent.name}/bin/python bench/snapshot_writer.py --rounds "
             f"{args.rounds} --tokens {args.tokens} --prefill-tps {args.prefill_tps:.0f} --writers "
-            f"{' '.join(map(str, args.writers))}`"], args.write)
+            f"{' '.join(map(str, args.writers))}{f' --base {args.base}' if args.base else ''}`"], args.write)
+
+
+def base_way(base: Path) -> dict[str, tuple]:
+    """The writer of the checkout `base`, named by its commit, with its default threads."""
+    spec = importlib.util.spec_from_file_location("base_snapshot", base / "runtime" / "prefix" / "snapshot.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        commit = subprocess.run(["git", "-C", str(base), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:  # no git on this machine: a copy of the file, its folder named for its commit
+        commit = ""
+    commit = commit or base.name
+    return {f"{commit}: {module.WRITERS} side by side": (module.Snapshots, module.WRITERS)}
 
 
 if __name__ == "__main__":

@@ -259,10 +259,10 @@ def combined(header: bytes, sums: list[bytes], key: bytes) -> str:
 
 def write_segment(path: Path, arrays: dict[str, mx.array], metadata: dict[str, str], key: bytes,
                   pool: Executor | None = None) -> str:
-    """`arrays` (evaluated) as a safetensors file at `path` (mode 0600: the tokens are a conversation), on
-    the disk when it returns; its digest, each array hashed from its bytes as they are written (never read
-    back), the arrays side by side on `pool`'s threads (hashing and writing release the GIL) when they are
-    SIDE_BY_SIDE bytes or more."""
+    """`arrays` (evaluated) as a safetensors file at `path` (mode 0600: the tokens are a conversation), whole
+    in the page cache when it returns (`flush` puts it on the disk); its digest, each array hashed from its
+    bytes as they are written (never read back), the arrays side by side on `pool`'s threads (hashing and
+    writing release the GIL) when they are SIDE_BY_SIDE bytes or more."""
     header = header_of(arrays, metadata)
     at = list(itertools.accumulate((a.nbytes for a in arrays.values()), initial=len(header)))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -276,10 +276,23 @@ def write_segment(path: Path, arrays: dict[str, mx.array], metadata: dict[str, s
 
         side_by_side = pool is not None and at[-1] >= SIDE_BY_SIDE
         sums = list((pool.map if side_by_side else map)(one, arrays.values(), at[:-1]))
-        os.fsync(fd)
     finally:
         os.close(fd)
     return combined(header, sums, key)
+
+
+def flush(path: Path) -> None:
+    """A file's bytes on the disk, then its folder's entry for it (the rename that named it); a file deleted
+    meanwhile needs neither."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_folder(path.parent)
 
 
 def put(fd: int, data: memoryview, offset: int) -> None:
@@ -532,6 +545,7 @@ class Snapshots:
         self._pending = self._pending_n = 0  # bytes and segments staged or queued, not yet written
         self._queue: queue.Queue = queue.Queue()
         self._arrays = ThreadPoolExecutor(writers, thread_name_prefix="snapshot-arrays") if writers > 1 else None
+        self._flusher = ThreadPoolExecutor(1, thread_name_prefix="snapshot-flush")
         self._thread = threading.Thread(target=self._write_loop, name="snapshot-writer", daemon=True)
         self._thread.start()
 
@@ -790,8 +804,10 @@ class Snapshots:
         self.pump()
         self._queue.put(None)
         self._thread.join(timeout)
-        if self._arrays and not self._thread.is_alive():
-            self._arrays.shutdown()
+        if not self._thread.is_alive():
+            self._flusher.shutdown()
+            if self._arrays:
+                self._arrays.shutdown()
 
     def _write_loop(self) -> None:
         try:
@@ -816,10 +832,12 @@ class Snapshots:
                      "generation")
 
     def _write(self, seg: Segment, arrays: dict[str, mx.array], described: dict[str, str]) -> None:
-        """One segment, durable on its own once its name is in the folder: written to a temporary file whose
-        digest is hashed as it is written, renamed, the folder flushed. A write that finds the folder deleted
-        under the rank (to free space) fails, counted `write_failed`; the folder is made again for the next one,
-        and the segments that went with it are forgotten."""
+        """One segment, whole on its own once its name is in the folder: written to a temporary file whose
+        digest is hashed as it is written and renamed, landed then (a rank's death loses nothing of it); put
+        on the disk while the next one is written (`_flush`), so the writer never waits on the disk. A file a
+        machine's crash tore is refused at restore by its digest. A
+        write that finds the folder deleted under the rank (to free space) fails, counted `write_failed`; the
+        folder is made again for the next one, and the segments that went with it are forgotten."""
         tmp = self.folder / f".{seg.sid}.safetensors"
         try:
             hashed = write_segment(tmp, arrays, {**self.me.tags(), "parent": seg.parent, **described,
@@ -827,7 +845,6 @@ class Snapshots:
                                                  "tenant": seg.tenant}, self.key, self._arrays)
             path = self.folder / f"{seg.sid}.{hashed}.safetensors"
             os.replace(tmp, path)
-            fsync_folder(self.folder)
             nbytes = path.stat().st_size
         except Exception as e:  # whatever the disk raises, the writer goes on and the tape is skipped
             with self._lock:
@@ -845,11 +862,20 @@ class Snapshots:
             self.segments[seg.sid] = replace(seg, nbytes=nbytes, path=path)
             gone = [self.segments.pop(sid).path for sid in evict(self.segments, max(0, self.budget - self._others))]
             self._count_bytes()
-        for path in gone:  # outside the lock: the loop's `stage` never waits on the disk
-            if path is not None:
+        for gone_path in gone:  # outside the lock: the loop's `stage` never waits on the disk
+            if gone_path is not None:
                 with contextlib.suppress(OSError):
-                    path.unlink(missing_ok=True)
+                    gone_path.unlink(missing_ok=True)
         self.written += 1
+        self._flusher.submit(self._flush, path)
+
+    def _flush(self, path: Path) -> None:
+        """A landed segment put on the disk. Where the disk fails it, the file stays: if its bytes are not what
+        was hashed, the restore refuses it by its digest (`corrupt`)."""
+        try:
+            flush(path)
+        except OSError as e:
+            self.log(f"snapshot {path.name} not flushed to the disk ({e}): a crash of the machine may tear it")
 
     def _lost_folder(self) -> str:
         """The rank's folder, deleted under it, made again (the segments that went with it forgotten); what

@@ -23,12 +23,12 @@ class Gen:
     """One generation of the 2-rank mesh, each rank started by its node's agent (its snapshots in the agent's
     state_dir/snapshots/)."""
 
-    def __init__(self, agents, model, generation, **args):
+    def __init__(self, agents, model, generation, ready_within: float = 120, **args):
         self.agents, self.generation = agents, generation
         self.port = start_generation(agents, generation, model,
                                      args={"snapshot_every": EVERY, "heartbeat_interval": 0.05, **args})
         self.url = f"http://127.0.0.1:{self.port}"
-        wait_mesh_ready(self.port)
+        wait_mesh_ready(self.port, ready_within)
 
     def status(self, rank):
         (rec,) = [r for r in self.agents[rank].ranks() if r["generation"] == self.generation]
