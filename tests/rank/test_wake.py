@@ -17,11 +17,12 @@ def test_a_request_to_an_idle_mesh_does_not_wait_out_the_other_ranks_doze(demo_m
         mesh.wait_ready()
         assert "dozing ranks are woken by requests through 127.0.0.1:" in mesh.log(0)
         waits = []
-        for _ in range(3):
+        for _ in range(5):
             time.sleep(4 * IDLE + 0.5)  # the doze has grown to IDLE
             waits.append(mesh.first_token())
-        # Unwoken, each would wait a uniform share of IDLE: all three under a fifth of it by luck is 1 in 125.
-        assert max(waits) < IDLE / 5, waits
+        # Unwoken, each would wait a uniform share of IDLE: four of five under a fifth of it by luck is 1 in 150.
+        # One may be late on a busy machine (a CI run's took 0.202 s once).
+        assert sorted(waits)[3] < IDLE / 5, waits
 
 
 def test_only_a_line_with_the_generations_token_is_woken():
