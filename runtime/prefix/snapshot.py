@@ -835,9 +835,9 @@ class Snapshots:
         """One segment, whole on its own once its name is in the folder: written to a temporary file whose
         digest is hashed as it is written and renamed, landed then (a rank's death loses nothing of it); put
         on the disk while the next one is written (`_flush`), so the writer never waits on the disk. A file a
-        machine's crash tore is refused at restore by its digest. A
-        write that finds the folder deleted under the rank (to free space) fails, counted `write_failed`; the
-        folder is made again for the next one, and the segments that went with it are forgotten."""
+        machine's crash tore is refused at restore by its digest. A write that finds the folder deleted under
+        the rank (to free space) fails, counted `write_failed`; the folder is made again for the next one, and
+        the segments that went with it are forgotten."""
         tmp = self.folder / f".{seg.sid}.safetensors"
         try:
             hashed = write_segment(tmp, arrays, {**self.me.tags(), "parent": seg.parent, **described,
