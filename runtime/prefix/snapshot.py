@@ -285,14 +285,10 @@ def flush(path: Path) -> None:
     """A file's bytes on the disk, then its folder's entry for it (the rename that named it); a file deleted
     meanwhile needs neither."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fsync(path)
     except FileNotFoundError:
         return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fsync_folder(path.parent)
+    fsync(path.parent)
 
 
 def put(fd: int, data: memoryview, offset: int) -> None:
@@ -923,8 +919,9 @@ def _touch(path: Path, when: float) -> None:
         os.utime(path, (when, when))
 
 
-def fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+def fsync(path: Path) -> None:
+    """A file's or a folder's state on the disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
