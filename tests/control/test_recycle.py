@@ -13,6 +13,7 @@ that `meshctl config check` refuses, each named."""
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -59,6 +60,21 @@ def streams_until(proxy: str, body: dict, until, out: list, on_answer=lambda: No
                     "ended": time.time(),
                     "generation": int(r.headers.get("X-Meshd-Generation", -1)),
                     "resumed": [line for line in lines if line.startswith(": resuming on mesh ")]})
+
+
+def at_each_cut(cuts: list[dict], answers: list[dict], logs: Path) -> str:
+    """What each cut found, for a failure's message: the answers the client had open at it (when each was sent,
+    answered and ended, relative to the cut; the generation it began on; where it resumed); the controller's
+    log lines of the fleet's phases and stops and the proxy's of the streams it cut (in `logs`)."""
+    lines = []
+    for cut in cuts:
+        t = cut["opened_at"]
+        lines.append(f"cut of generation {cut['generation']}:")
+        lines += [f"  began {a['began'] - t:+.2f}s answered {a['answered'] - t:+.2f}s ended {a['ended'] - t:+.2f}s "
+                  f"on {a['generation']} {a['resumed']}" for a in answers if a["began"] - 1 < t < a["ended"] + 1]
+    said = [line for name, says in (("controller", ("] fleet ", "stopping generation")), ("proxy", ("upstream failed",)))
+            for line in (logs / f"{name}.log").read_text().splitlines() if any(s in line for s in says)]
+    return "\n".join(lines + sorted(said))
 
 
 def text(answer: dict) -> str:
@@ -223,7 +239,8 @@ def test_cut_a_busy_generation_is_recycled_past_idle_deadline_and_restarts_resum
     # a short answer can be in its prefill or between two requests when a cut comes (it begins again on the
     # next generation, with nothing to resume); the long one is mid-answer
     resumed_on = {int(line.rpartition(" ")[2]) for a in answers + long_answers for line in a["resumed"]}
-    assert resumed_on == {i["generation"] + 1 for i in planned}, "each restart cut streams that resumed on the next"
+    assert resumed_on == {i["generation"] + 1 for i in planned}, "each restart cut streams that resumed on the " \
+        "next\n" + at_each_cut(planned, answers + long_answers, load(cut_mesh).state_dir / "run")
     assert status(cut_mesh)["failures_in_window"] == 0
 
 
