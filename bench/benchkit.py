@@ -5,6 +5,7 @@ result table to docs/BENCHMARKS.md."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -91,6 +92,20 @@ def alternate(meshes: dict, rounds: int, ask) -> tuple[list[dict], dict[str, lis
     time.sleep(1.5)
     rate = {name: [r[name]["tok_s"] for r in rows] for name in meshes}
     return rows, texts, rate, {name: statistics.median(v) for name, v in rate.items()}
+
+
+def base_module(base: Path, path: str):
+    """The module at `path` in another checkout `base` (e.g. a git worktree of an older commit), loaded beside
+    this tree's, and the name of that checkout: its commit, or its folder's name where git cannot say."""
+    spec = importlib.util.spec_from_file_location(f"base_{Path(path).stem}", base / path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        commit = subprocess.run(["git", "-C", str(base), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:  # no git on this machine: a copy of the file, its folder named for its commit
+        commit = ""
+    return module, commit or base.name
 
 
 def report(lines: list[str], write: bool) -> None:

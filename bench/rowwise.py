@@ -35,7 +35,7 @@ from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
 from runtime.models.overlay import OMLX
 from runtime.rank import load_sharded
-from kit.drafters import drafting
+from kit.drafters import Counted, drafting
 from runtime.engine.proposers import Plain, Stages
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
@@ -54,20 +54,6 @@ class Undrafted(Plain):
 
     def forward(self, inputs: mx.array, cache: list):
         return self._model(inputs, cache=cache), None
-
-
-class Counted:
-    """The model, its forwards counted."""
-
-    def __init__(self, model):
-        self.model, self.forwards = model, 0
-
-    def __call__(self, *args, **kwargs):
-        self.forwards += 1
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
 
 
 def jobs(batch: int, tokens: int) -> list[Job]:

@@ -16,9 +16,7 @@ then times how long the writer takes to land them. Each round writes to a fresh 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from benchkit import report, say, spread
+from benchkit import base_module, report, say, spread
 
 from runtime.prefix.snapshot import WRITERS, Identity, Snapshots
 
@@ -114,15 +112,7 @@ def main() -> None:
 
 def base_way(base: Path) -> dict[str, tuple]:
     """The writer of the checkout `base`, named by its commit, with its default threads."""
-    spec = importlib.util.spec_from_file_location("base_snapshot", base / "runtime" / "prefix" / "snapshot.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    try:
-        commit = subprocess.run(["git", "-C", str(base), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:  # no git on this machine: a copy of the file, its folder named for its commit
-        commit = ""
-    commit = commit or base.name
+    module, commit = base_module(base, "runtime/prefix/snapshot.py")
     return {f"{commit}: {module.WRITERS} side by side": (module.Snapshots, module.WRITERS)}
 
 

@@ -25,13 +25,19 @@ would hold, and its answer is that decoding's, token for token.
 A row that ends leaves the batch at once, its caches taken out of it into the prefix store's token tape (so
 the next turn of its conversation prefills only its new tokens); a row that comes joins once its prompt is in,
 while the others go on: no answer waits for another, and none is handed over.
+
+While no row drafts (each asked for none, or its drafting was refused), none has processors and no prompt waits
+to join, a step is plain: each row's pending token alone. Then the next step is queued on the device, fed the
+tokens this one sampled there, before this one is read back (as mlx-lm's generate_step and BatchGenerator go a
+step ahead): the host's work of a step runs while the device computes the next. A row that ends meanwhile
+leaves with its last token in its caches (its tape says so), and the queued step's place for it is dropped.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -62,6 +68,17 @@ def padding(lengths: list[int]) -> list[int]:
     return [max(lengths) - n for n in lengths]
 
 
+@dataclass
+class Queued:
+    """A plain step on the device, not read back yet: the rows it fed (the batch's, in their order then) and
+    what the target made of them."""
+
+    rows: list[Request]
+    states: mx.array | None
+    logprobs: list[mx.array]
+    sampled: mx.array
+
+
 class RowwiseEngine:
     """The Engine that drafts every request row by row, its drafts `proposer`'s; caches and tapes come from and
     go to the prefix store `prefixes`."""
@@ -82,6 +99,7 @@ class RowwiseEngine:
         self._rows: list[Request] = []  # the batch, in the order of its caches' rows
         self._cache: list | None = None  # the batch's caches: a lone row's own until a second row joins
         self._merged = False  # whether they are merged (a batch's rows), else the one row's own
+        self._queued: Queued | None = None  # a plain step on the device, not read back yet
         self.proposed = self.accepted = self.fallbacks = self.batched_steps = self.refeeds = 0
 
     # --- Engine -------------------------------------------------------------------------------------------
@@ -96,13 +114,19 @@ class RowwiseEngine:
         self._leave([r for r in self._rows if r.job.rid == rid], ended=False)
 
     def step(self) -> list[Emission]:
-        """The step `scheduler.plan` makes of the rows and the prompts going in, carried out."""
+        """The step `scheduler.plan` makes of the rows and the prompts going in, carried out; or, while the batch
+        decodes plainly, the step queued on the device a step ago read back, the next queued behind it first."""
+        if self._queued is not None:
+            return self._read(self._queued, go_on=self._plain())
         joining = [self._seen(r) for r in self._joining]
         step = plan(joining, [self._seen(r) for r in self._rows], self._room)
         if step.prefill:
             self._prefill(self._joining[0], joining[0].piece)
         if step.join:
             self._join(self._joining.popleft())
+        if step.verify and not step.width and self._plain():
+            pending = mx.array([[r.pending] for r in self._rows], dtype=mx.uint32)
+            return self._read(self._queue(pending, ahead=0), go_on=True)
         return self._verify(step.width) if step.verify else []
 
     @property
@@ -201,6 +225,7 @@ class RowwiseEngine:
         out, ended = [], []
         for i, r in enumerate(rows):
             mine = self._emit(r, logprobs[i], drafts[i])
+            r.base += len(r.kept)
             committed = None if states is None else states[i:i + 1, :len(r.kept)]
             self.proposer.committed(r, committed)
             out += mine
@@ -213,6 +238,50 @@ class RowwiseEngine:
             r.drafts = self._draft(r, committed) if r.drafting else None
         if ended:
             self._leave(ended)
+        self._snapshot_rows()
+        return out
+
+    # --- plain steps, each queued a step ahead ----------------------------------------------------------------
+    def _plain(self) -> bool:
+        """Whether the batch's next step is plain and can be queued before this one is read back (as mlx-lm's
+        generate_step queues the next token): no row drafts or has processors (they read what was said) and no
+        prompt waits to join (the batch stays as it is)."""
+        return bool(self._rows) and not self._joining and not any(r.drafting or r.processors for r in self._rows)
+
+    def _queue(self, pending: mx.array, ahead: int) -> Queued:
+        """Every row's `pending` token (on the device: [rows, 1]) through the target, queued and not waited for;
+        each row's token is its answer's token `count + ahead` (`ahead` tokens still to be read back before
+        it). Its caches hold the pending token from here (`base` counts it)."""
+        rows = list(self._rows)
+        with mx.stream(generation_stream), pools.decoding():
+            logits, states = self.proposer.forward(pending, self._cache)
+            logprobs = [place_logprobs(logits[i], [], None, pending[i, 1:]) for i in range(len(rows))]
+            sampled = mx.stack([sample_places(r.job, r.count + ahead, lp) for r, lp in zip(rows, logprobs)])
+        mx.async_eval([a for a in (states, sampled, *logprobs) if a is not None])
+        for r in rows:
+            r.base += 1
+        return Queued(rows, states, logprobs, sampled)
+
+    def _read(self, queued: Queued, go_on: bool) -> list[Emission]:
+        """The `queued` step read back, its rows' tokens emitted; with `go_on`, the next step is queued first,
+        from its tokens still on the device. A row cancelled since it was queued is passed over; one that ended
+        leaves with its last token in its caches (the next step fed it)."""
+        self._queued = None
+        if go_on:
+            where = [queued.rows.index(r) for r in self._rows]
+            self._queued = self._queue(queued.sampled[mx.array(where)], ahead=1)
+        out, ended = [], []
+        for i, (r, tokens) in enumerate(zip(queued.rows, queued.sampled.tolist())):
+            if r not in self._rows:
+                continue
+            r.kept = tokens
+            mine = self._emit(r, queued.logprobs[i], (0, 0))
+            self.proposer.committed(r, None if queued.states is None else queued.states[i:i + 1])
+            out += mine
+            if mine[-1].finish_reason is not None:
+                ended.append(r)
+            r.pending = tokens[-1]
+        self._leave(ended)
         self._snapshot_rows()
         return out
 
@@ -281,7 +350,6 @@ class RowwiseEngine:
             reason = finish_reason(token, row.count, row.job.max_tokens, self._eos)
             e = emission(row.job.rid, token, reason, logprobs[i], row.job.logprobs)
             out.append(e if i else replace(e, drafts=drafts))
-        row.base += len(row.kept)
         row.tape += row.kept
         return out
 

@@ -81,3 +81,40 @@ def test_a_batch_of_one_row_takes_the_next_request_when_the_first_ends(mtp_demo)
         said += [(e.rid, e.token) for e in engine.step() if e.token is not None]
     assert said == [("a", t) for t in plain["a"]] + [("b", t) for t in plain["b"]]
     assert engine.stats()["draft_batched_steps"] == 0 and engine.stats()["draft_accepted"] > 0
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_rows_that_ask_for_no_drafts_are_each_stepped_ahead_and_answer_as_plain_decoding(mtp_demo, sampling):
+    """Requests with draft_tokens 0 in a drafting engine: while no row drafts and none waits to join, each step
+    is queued on the device before the last one is read back. Rows joining mid-answer, one ending while the
+    next step was already queued, one cancelled while queued: every answer is plain decoding's, and the row
+    that ended with its last token fed keeps a tape that serves its next turn, all of it, the same answer."""
+    model, eos = mtp_demo
+    limits = {"a": 40, "b": 12, "c": 30, "d": 30}
+    prompts = {**PROMPTS, "d": tuple(range(160, 180))}
+    jobs = {rid: Job(rid, prompt, limits[rid], i, sampling, draft_tokens=0) for i, (rid, prompt) in
+            enumerate(prompts.items())}
+    plain = {rid: answers(BatchEngine(model, eos, prefill_step_size=16), jobs, {0: [rid]})[rid] for rid in jobs}
+    engine = drafting(model, eos, Head(model), num_draft_tokens=3, prefill_step_size=16)
+    out: dict[str, list[int]] = {}
+    ahead = []  # of each step that emitted tokens: whether the step after it was on the device when it returned
+    step, waiting = 0, {0: ["a"], 2: ["b"], 9: ["c", "d"]}
+    while engine.busy or waiting:
+        for rid in waiting.pop(step, []):
+            engine.insert(jobs[rid])
+        if step == 30:
+            engine.cancel("d")
+        for e in (emitted := engine.step()):
+            out.setdefault(e.rid, []).append(e.token)
+        if emitted:
+            ahead.append(engine._queued is not None)
+        step += 1
+    assert {rid: out[rid] for rid in "abc"} == {rid: plain[rid] for rid in "abc"}
+    assert out["d"] == plain["d"][:len(out["d"])] and len(out["d"]) < limits["d"]
+    assert engine.stats()["draft_proposed"] == 0
+    assert sum(ahead) > 0.8 * len(ahead), ahead  # all but the steps a prompt waited to join at
+    # b's next turn: its prompt, its answer and a new message, every token of the first turn from its tape
+    turn = replace(jobs["b"], rid="b2", prompt=prompts["b"] + tuple(plain["b"]) + (7, 8, 9))
+    assert engine.insert(turn) == len(prompts["b"]) + limits["b"]
+    assert answers(engine, {}, {}) == answers(BatchEngine(model, eos, prefill_step_size=16), {"b2": turn},
+                                                {0: ["b2"]})

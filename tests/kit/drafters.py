@@ -1,4 +1,5 @@
-"""The drafting engine as a rank builds it, with a prefix store of its own: `drafting(model, eos, Head(model))`."""
+"""The drafting engine as a rank builds it, with a prefix store of its own: `drafting(model, eos, Head(model))`;
+and a model whose forwards are counted."""
 
 from runtime.engine.proposers import Proposer
 from runtime.engine.rowwise import RowwiseEngine
@@ -9,3 +10,17 @@ def drafting(model, eos: set[int], proposer: Proposer, *, num_draft_tokens: int 
              log=lambda line: None) -> RowwiseEngine:
     return RowwiseEngine(model, eos, proposer, prefixes=PrefixStore(model, prefill_step_size=prefill_step_size),
                          num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size, log=log)
+
+
+class Counted:
+    """The model, its forwards counted."""
+
+    def __init__(self, model):
+        self.model, self.forwards = model, 0
+
+    def __call__(self, *args, **kwargs):
+        self.forwards += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)

@@ -1,0 +1,85 @@
+"""Plain batching on the row-wise engine against the batch engine, in one process on one device: B requests at
+once (B = 1, 2, 4, 8), greedy, no drafts, decoded by the batch engine (mlx-lm's BatchGenerator, SoloDecode for a
+request alone: what `--drafter off` runs) and by the row-wise engine with no proposer (every row's pending token
+alone through the target a step, the next step queued before the last is read back), in alternating rounds.
+With `--base DIR`, also the row-wise engine of another checkout (a git worktree of an older commit). The model is
+benchkit's Llama shape of random bf16 weights (the defaults are 8B's: a GPU run); on CPUs, a small one.
+
+    python3 bench/plain_rows.py --out DIR [--rounds 5] [--tokens 128] [--base DIR] [--write]
+    .venv/bin/python bench/plain_rows.py --out /tmp/pr --hidden 256 --layers 4 --intermediate 512 --heads 4 \\
+        --kv-heads 2 --vocab 4096       # on CPUs
+
+--write appends the table to docs/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from benchkit import add_gpu_run_args, base_module, build_llama_shape, report, say, spread
+from rowwise import Undrafted, jobs, run
+
+from kit.drafters import Counted
+from runtime.engine.batch import BatchEngine
+from runtime.engine.rowwise import RowwiseEngine
+from runtime.prefix.store import PrefixStore
+from runtime.rank import load_sharded
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_gpu_run_args(ap)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batches", default="1,2,4,8")
+    ap.add_argument("--base", type=Path, default=None, help="another checkout, whose row-wise engine runs too")
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    say("building the model")
+    counted = Counted(load_sharded(build_llama_shape(args, args.out / "model"), mx.distributed.init(),
+                                   lambda done, total: None))
+
+    def rows(engine):
+        return lambda: engine(counted, set(), Undrafted(counted), prefixes=PrefixStore(counted, prefill_step_size=512),
+                              log=lambda line: None)
+
+    engines = {"batch engine": lambda: BatchEngine(counted, set()), "row-wise": rows(RowwiseEngine)}
+    if args.base:
+        module, commit = base_module(args.base, "runtime/engine/rowwise.py")
+        engines[f"row-wise at {commit}"] = rows(module.RowwiseEngine)
+    names, lines, same = list(engines), [], True
+    for batch in (int(b) for b in args.batches.split(",")):
+        rate: dict[str, list[float]] = {name: [] for name in names}
+        answers = {}
+        run(engines["batch engine"](), counted, jobs(batch, 8))  # warm: the shapes of this batch compiled once
+        for r in range(args.rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                seconds, forwards, said = run(engines[name](), counted, jobs(batch, args.tokens))
+                rate[name].append(batch * args.tokens / seconds)
+                answers.setdefault(name, said)
+                say(f"B={batch} round {r + 1} {name}: {rate[name][-1]:.1f} tok/s, {forwards} forwards")
+        same &= all(answers[name] == answers["batch engine"] for name in names)
+        base = statistics.median(rate["batch engine"])
+        lines.append(f"| {batch} | " + " | ".join(
+            f"{spread(rate[name], '{:.1f}')}" + ("" if name == "batch engine" else
+                                                 f" ({statistics.median(rate[name]) / base:.2f}x)")
+            for name in names) + " |")
+    report(["", f"## Plain batching on the row-wise engine (`bench/plain_rows.py`, {time.strftime('%Y-%m-%d')})", "",
+            f"A Llama shape of random bf16 weights (hidden {args.hidden}, {args.layers} layers, {args.heads} heads, "
+            f"{args.kv_heads} KV heads, vocab {args.vocab}) on {mx.default_device()}. B requests of 40 prompt tokens "
+            f"sent at once, {args.tokens} greedy tokens each, no drafts; {args.rounds} alternating rounds, tok/s "
+            "over the answers (prompts included), median (min-max), and the ratio to the batch engine's median.", "",
+            "| B | " + " | ".join(names) + " |", "|---|" + "---|" * len(names), *lines, "",
+            "Every answer was the batch engine's, token for token." if same else "The answers were NOT the same.", "",
+            f"Command: `{Path(sys.executable).name} bench/plain_rows.py --out DIR --rounds {args.rounds} --tokens "
+            f"{args.tokens} --hidden {args.hidden} --layers {args.layers} --intermediate {args.intermediate} --heads "
+            f"{args.heads} --kv-heads {args.kv_heads} --vocab {args.vocab}"
+            f"{f' --base {args.base}' if args.base else ''}`"], args.write)
+
+
+if __name__ == "__main__":
+    main()
