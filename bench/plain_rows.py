@@ -3,11 +3,13 @@ once (B = 1, 2, 4, 8), greedy, no drafts, decoded by the batch engine (mlx-lm's 
 request alone: what `--drafter off` runs) and by the row-wise engine with no proposer (every row's pending token
 alone through the target a step, the next step queued before the last is read back), in alternating rounds.
 With `--base DIR`, also the row-wise engine of another checkout (a git worktree of an older commit). The model is
-benchkit's Llama shape of random bf16 weights (the defaults are 8B's: a GPU run); on CPUs, a small one.
+benchkit's Llama shape of random bf16 weights (the defaults are 8B's: a GPU run); on CPUs, a small one; or, with
+`--v4`, omlx's own DeepSeek-V4 (the tiny checkpoint of tests/pinned/dsv4.py, in .venv-omlx).
 
     python3 bench/plain_rows.py --out DIR [--rounds 5] [--tokens 128] [--base DIR] [--write]
     .venv/bin/python bench/plain_rows.py --out /tmp/pr --hidden 256 --layers 4 --intermediate 512 --heads 4 \\
         --kv-heads 2 --vocab 4096       # on CPUs
+    .venv-omlx/bin/python bench/plain_rows.py --out /tmp/pr --v4
 
 --write appends the table to docs/BENCHMARKS.md."""
 
@@ -17,6 +19,7 @@ import argparse
 import statistics
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,8 +27,10 @@ from benchkit import add_gpu_run_args, base_module, build_llama_shape, report, s
 from rowwise import Undrafted, jobs, run
 
 from kit.drafters import Counted
+from pinned.dsv4 import build_v4_checkpoint, set_up_omlx
 from runtime.engine.batch import BatchEngine
 from runtime.engine.rowwise import RowwiseEngine
+from runtime.models.overlay import OMLX
 from runtime.prefix.store import PrefixStore
 from runtime.rank import load_sharded
 
@@ -36,12 +41,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--base", type=Path, default=None, help="another checkout, whose row-wise engine runs too")
+    ap.add_argument("--v4", action="store_true", help="omlx's DeepSeek-V4 of tests/pinned, not the Llama shape")
     ap.add_argument("--write", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     say("building the model")
-    counted = Counted(load_sharded(build_llama_shape(args, args.out / "model"), mx.distributed.init(),
-                                   lambda done, total: None))
+    if args.v4:
+        set_up_omlx()
+        model = f"omlx's DeepSeek-V4 (tests/pinned/dsv4.py's checkpoint, {version('flyto-mlx')} of flyto-mlx)"
+        path, overlay = build_v4_checkpoint(args.out / "v4"), OMLX
+    else:
+        model = (f"A Llama shape of random bf16 weights (hidden {args.hidden}, {args.layers} layers, {args.heads} "
+                 f"heads, {args.kv_heads} KV heads, vocab {args.vocab})")
+        path, overlay = build_llama_shape(args, args.out / "model"), None
+    counted = Counted(load_sharded(path, mx.distributed.init(), lambda done, total: None, overlay))
 
     def rows(engine):
         return lambda: engine(counted, set(), Undrafted(counted), prefixes=PrefixStore(counted, prefill_step_size=512),
@@ -69,16 +82,17 @@ def main() -> None:
                                                  f" ({statistics.median(rate[name]) / base:.2f}x)")
             for name in names) + " |")
     report(["", f"## Plain batching on the row-wise engine (`bench/plain_rows.py`, {time.strftime('%Y-%m-%d')})", "",
-            f"A Llama shape of random bf16 weights (hidden {args.hidden}, {args.layers} layers, {args.heads} heads, "
-            f"{args.kv_heads} KV heads, vocab {args.vocab}) on {mx.default_device()}. B requests of 40 prompt tokens "
+            f"{model} on {mx.default_device()}. B requests of 40 prompt tokens "
             f"sent at once, {args.tokens} greedy tokens each, no drafts; {args.rounds} alternating rounds, tok/s "
             "over the answers (prompts included), median (min-max), and the ratio to the batch engine's median.", "",
             "| B | " + " | ".join(names) + " |", "|---|" + "---|" * len(names), *lines, "",
             "Every answer was the batch engine's, token for token." if same else "The answers were NOT the same.", "",
-            f"Command: `{Path(sys.executable).name} bench/plain_rows.py --out DIR --rounds {args.rounds} --tokens "
-            f"{args.tokens} --hidden {args.hidden} --layers {args.layers} --intermediate {args.intermediate} --heads "
-            f"{args.heads} --kv-heads {args.kv_heads} --vocab {args.vocab}"
-            f"{f' --base {args.base}' if args.base else ''}`"], args.write)
+            f"Command: `{Path(sys.executable).parent.parent.name}/bin/python bench/plain_rows.py --out DIR --rounds "
+            f"{args.rounds} --tokens {args.tokens} " + ("--v4" if args.v4 else
+                                                        f"--hidden {args.hidden} --layers {args.layers} --intermediate "
+                                                        f"{args.intermediate} --heads {args.heads} --kv-heads "
+                                                        f"{args.kv_heads} --vocab {args.vocab}")
+            + f"{f' --base {args.base}' if args.base else ''}`"], args.write)
 
 
 if __name__ == "__main__":
