@@ -49,7 +49,7 @@ from runtime.engine.drafting import agree, ends_after, place_logprobs, sample_pl
 from runtime.engine.jobs import Emission, Job, emission, finish_reason
 from runtime.engine.proposers import Proposer
 from runtime.engine.request import Request
-from runtime.engine.scheduler import Row, plan
+from runtime.engine.scheduler import Row, ahead, plan
 from runtime.prefix.store import PrefixStore
 
 
@@ -124,9 +124,9 @@ class RowwiseEngine:
             self._prefill(self._joining[0], joining[0].piece)
         if step.join:
             self._join(self._joining.popleft())
-        if step.verify and not step.width and self._plain():
+        if step.verify and self._plain():  # no row drafts: the step's width is 0
             pending = mx.array([[r.pending] for r in self._rows], dtype=mx.uint32)
-            return self._read(self._queue(pending, ahead=0), go_on=True)
+            return self._read(self._queue(pending, unread=0), go_on=True)
         return self._verify(step.width) if step.verify else []
 
     @property
@@ -243,20 +243,18 @@ class RowwiseEngine:
 
     # --- plain steps, each queued a step ahead ----------------------------------------------------------------
     def _plain(self) -> bool:
-        """Whether the batch's next step is plain and can be queued before this one is read back (as mlx-lm's
-        generate_step queues the next token): no row drafts or has processors (they read what was said) and no
-        prompt waits to join (the batch stays as it is)."""
-        return bool(self._rows) and not self._joining and not any(r.drafting or r.processors for r in self._rows)
+        """Whether the batch's next step is queued before this one is read back (`scheduler.ahead`)."""
+        return ahead(len(self._joining), [not (r.drafting or r.processors) for r in self._rows])
 
-    def _queue(self, pending: mx.array, ahead: int) -> Queued:
+    def _queue(self, pending: mx.array, unread: int) -> Queued:
         """Every row's `pending` token (on the device: [rows, 1]) through the target, queued and not waited for;
-        each row's token is its answer's token `count + ahead` (`ahead` tokens still to be read back before
+        each row's token is its answer's token `count + unread` (`unread` tokens still to be read back before
         it). Its caches hold the pending token from here (`base` counts it)."""
         rows = list(self._rows)
         with mx.stream(generation_stream), pools.decoding():
             logits, states = self.proposer.forward(pending, self._cache)
             logprobs = [place_logprobs(logits[i], [], None, pending[i, 1:]) for i in range(len(rows))]
-            sampled = mx.stack([sample_places(r.job, r.count + ahead, lp) for r, lp in zip(rows, logprobs)])
+            sampled = mx.stack([sample_places(r.job, r.count + unread, lp) for r, lp in zip(rows, logprobs)])
         mx.async_eval([a for a in (states, sampled, *logprobs) if a is not None])
         for r in rows:
             r.base += 1
@@ -269,7 +267,7 @@ class RowwiseEngine:
         self._queued = None
         if go_on:
             where = [queued.rows.index(r) for r in self._rows]
-            self._queued = self._queue(queued.sampled[mx.array(where)], ahead=1)
+            self._queued = self._queue(queued.sampled[mx.array(where)], unread=1)
         out, ended = [], []
         for i, (r, tokens) in enumerate(zip(queued.rows, queued.sampled.tolist())):
             if r not in self._rows:

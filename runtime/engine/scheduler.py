@@ -1,8 +1,9 @@
 """The scheduler's decisions, pure: which requests start alone and which batched, when one running alone hands
 over to the batch, each step of a batch whose prompts go in apart (which prompt a piece goes in, which joins,
-how wide the verify drafts), and when the tapes restored behind serving join the token tape. Every engine and
-the rank loop ask here and carry out the answer, so each is decided once; every rank asks with the same facts
-at the same step (the lockstep loop's), so every rank decides alike."""
+how wide the verify drafts, whether the next step is queued before this one is read back), and when the tapes
+restored behind serving join the token tape. Every engine and the rank loop ask here and carry out the answer,
+so each is decided once; every rank asks with the same facts at the same step (the lockstep loop's), so every
+rank decides alike."""
 
 from __future__ import annotations
 
@@ -63,6 +64,13 @@ def plan(joining: Sequence[Row], rows: Sequence[Row], room: int) -> Plan:
         and len(rows) < room else None
     batch = [*rows, *([join] if join else [])]
     return Plan(prefill and prefill.rid, join and join.rid, max((r.width for r in batch), default=0), bool(batch))
+
+
+def ahead(joining: int, plain: Sequence[bool]) -> bool:
+    """Whether a batch's next step can be queued on the device before this one is read back, as mlx-lm's
+    generate_step queues the next token: the batch has rows, each `plain` (it drafts nothing and has no
+    processors, which read what was said), and no prompt is `joining` (the batch stays as it is)."""
+    return bool(plain) and not joining and all(plain)
 
 
 def adopt_restored(warm: bool, draining: bool, busy: bool, awaited: bool) -> bool:

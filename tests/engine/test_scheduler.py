@@ -4,7 +4,7 @@ model and no mesh."""
 
 import pytest
 
-from runtime.engine.scheduler import Admission, Plan, Row, admit, adopt_restored, plan
+from runtime.engine.scheduler import Admission, Plan, Row, admit, adopt_restored, ahead, plan
 
 
 @pytest.mark.parametrize("waiting,alone,batched,expected", [
@@ -29,6 +29,17 @@ def test_a_request_runs_alone_only_while_nothing_else_does(waiting, alone, batch
 ])
 def test_restored_tapes_join_when_ready_and_idle_or_awaited(warm, draining, busy, awaited, adopts):
     assert adopt_restored(warm, draining, busy, awaited) is adopts
+
+
+@pytest.mark.parametrize("joining,plain,goes_ahead", [
+    (0, [], False),  # no rows: nothing to queue
+    (0, [True], True),  # a lone plain row: the next step queued before this one is read back
+    (0, [True, True, True], True),
+    (0, [True, False], False),  # a row drafts (or has processors): its next step needs this one read back
+    (1, [True, True], False),  # a prompt waits to join: the batch changes at the next step
+])
+def test_a_step_is_queued_ahead_only_while_every_row_is_plain_and_none_joins(joining, plain, goes_ahead):
+    assert ahead(joining, plain) is goes_ahead
 
 
 @pytest.mark.parametrize("joining,rows,expected", [
