@@ -30,7 +30,6 @@ import os
 import shutil
 import signal
 import time
-from pathlib import Path
 
 from benchkit import add_gpu_run_args, report, say, spread
 from gpu_restart import SENTENCE, build, first_token, ready_standby
@@ -146,6 +145,11 @@ def tables(result: dict) -> list[str]:
     return lines
 
 
+def keep(args, result: dict) -> None:
+    """The rounds so far on disk, so that a run cut short keeps what it measured."""
+    (args.out / f"restart_tapes-{args.part}.json").write_text(json.dumps(result, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_gpu_run_args(ap)
@@ -175,12 +179,13 @@ def main() -> None:
                     result["tapes"].append(tapes_round(agents, model, tok, args, generation, kept, n))
                     generation += 2
                     say(json.dumps(result["tapes"][-1]))
+                    keep(args, result)
             if args.part in ("delays", "both"):
                 for delay in (DELAYS if n % 2 == 0 else DELAYS[::-1]):
                     result["delays"].append(delay_round(agents, model, tok, args, generation, delay, n))
                     generation += 2
                     say(json.dumps(result["delays"][-1]))
-            (args.out / f"restart_tapes-{args.part}.json").write_text(json.dumps(result, indent=1))
+                    keep(args, result)
     finally:
         for a in agents:
             a.kill()

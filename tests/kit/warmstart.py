@@ -8,7 +8,10 @@ again: the ranks an agent starts (`common.procs.spawn`), the agents, controller 
 becomes its process as the fork server's children become theirs (`standby.become`, then the module as
 `python -m` runs it), and is its starter's own child, as an exec'd one is: the agent waits for its exit
 (`Child`) and signals its group, the sweep finds it by its environment (`show_environment`) and title.
-Everything else, and a process that reads its stdin (a standby), is exec'd as before.
+Everything else, and a process that reads its stdin (a standby), is exec'd as before; so is every process where
+MLX is its CUDA build (`CUDA`): a child forked from a process that loaded the CUDA driver hangs at its first
+evaluation (on an H200, a rank sat in `mx.random.seed` until it was killed; bench/rank_start.py started the
+same rank exec'd in 30 s).
 
 A starter's threads and event loop do not follow a fork: the child leaves the loop and its signal handlers,
 closes every descriptor but its standard ones (as exec does) and freezes the starter's objects, which its
@@ -29,6 +32,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 
 from common import procs, proctitle
@@ -37,14 +41,25 @@ from runtime import standby
 WARM = ("runtime.rank", "agents.server", "meshd.control.controllerd", "meshd.dataplane.proxyd")
 
 
+def _installed(name: str) -> bool:
+    try:
+        metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+CUDA = any(_installed(f"mlx-cuda-{v}") for v in (12, 13))
+
+
 def install(starts_as_this: Callable[[dict[str, str]], bool]) -> None:
     """`starts_as_this(env)`: would a process exec'd in `env` read at its start what this one read at its own
     (kit/forkserver.py `at_exec`)? Only such a process is forked."""
     cold, cold_detached = procs.spawn, procs.spawn_detached
 
     def warm(argv: list[str], env: dict[str, str]) -> bool:
-        return (argv[:2] == [sys.executable, "-m"] and argv[2:3] and argv[2] in WARM and starts_as_this(env)
-                and threads_all_pythons())
+        return (not CUDA and argv[:2] == [sys.executable, "-m"] and argv[2:3] and argv[2] in WARM
+                and starts_as_this(env) and threads_all_pythons())
 
     async def spawn(argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,
                     cwd: Path | None = None, stdin: bool = False):
