@@ -94,18 +94,26 @@ def alternate(meshes: dict, rounds: int, ask) -> tuple[list[dict], dict[str, lis
     return rows, texts, rate, {name: statistics.median(v) for name, v in rate.items()}
 
 
-def base_module(base: Path, path: str):
+def base_module(base: Path, path: str, *beside: str):
     """The module at `path` in another checkout `base` (e.g. a git worktree of an older commit), loaded beside
-    this tree's, and the name of that checkout: its commit, or its folder's name where git cannot say."""
+    this tree's, and the name of that checkout: its commit, or its folder's name where git cannot say. What it
+    imports from the modules at `beside` (paths in `base` too) is theirs in `base`, not this tree's."""
     spec = importlib.util.spec_from_file_location(f"base_{Path(path).stem}", base / path)
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    for other in beside:
+        theirs, _ = base_module(base, other)
+        name = other.removesuffix(".py").replace("/", ".")
+        for key, value in list(vars(module).items()):
+            if getattr(value, "__module__", None) == name and hasattr(theirs, key):
+                setattr(module, key, getattr(theirs, key))
     try:
-        commit = subprocess.run(["git", "-C", str(base), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
-    except OSError:  # no git on this machine: a copy of the file, its folder named for its commit
-        commit = ""
-    return module, commit or base.name
+        top, commit = subprocess.run(["git", "-C", str(base), "rev-parse", "--show-toplevel", "--short", "HEAD"],
+                                     capture_output=True, text=True).stdout.split() or ("", "")
+    except OSError:  # no git on this machine
+        top, commit = "", ""
+    # else a copy of the file, its folder named for its commit (inside another checkout, whose HEAD it is not)
+    return module, commit if top and Path(top).resolve() == base.resolve() else base.name
 
 
 def report(lines: list[str], write: bool) -> None:

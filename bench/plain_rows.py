@@ -35,6 +35,16 @@ from runtime.prefix.store import PrefixStore
 from runtime.rank import load_sharded
 
 
+def parts_at(want: list[int], got: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+
+
+def departures(want: dict[str, list[int]], got: dict[str, list[int]]) -> str:
+    """Which answers of `got` are not `want`'s, and the token where each first parts from it ("" if none)."""
+    parted = sorted(parts_at(want[rid], got[rid]) for rid in want if want[rid] != got[rid])
+    return f"{len(parted)} of {len(want)} answers part at token(s) {', '.join(map(str, parted))}" if parted else ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_gpu_run_args(ap)
@@ -62,9 +72,9 @@ def main() -> None:
 
     engines = {"batch engine": lambda: BatchEngine(counted, set()), "row-wise": rows(RowwiseEngine)}
     if args.base:
-        module, commit = base_module(args.base, "runtime/engine/rowwise.py")
+        module, commit = base_module(args.base, "runtime/engine/rowwise.py", "runtime/engine/scheduler.py")
         engines[f"row-wise at {commit}"] = rows(module.RowwiseEngine)
-    names, lines, same = list(engines), [], True
+    names, lines, apart = list(engines), [], []
     for batch in (int(b) for b in args.batches.split(",")):
         rate: dict[str, list[float]] = {name: [] for name in names}
         answers = {}
@@ -75,7 +85,8 @@ def main() -> None:
                 rate[name].append(batch * args.tokens / seconds)
                 answers.setdefault(name, said)
                 say(f"B={batch} round {r + 1} {name}: {rate[name][-1]:.1f} tok/s, {forwards} forwards")
-        same &= all(answers[name] == answers["batch engine"] for name in names)
+        apart += [f"B = {batch}, {name}: {differs}" for name in names[1:]
+                  if (differs := departures(answers["batch engine"], answers[name]))]
         base = statistics.median(rate["batch engine"])
         lines.append(f"| {batch} | " + " | ".join(
             f"{spread(rate[name], '{:.1f}')}" + ("" if name == "batch engine" else
@@ -86,7 +97,8 @@ def main() -> None:
             f"sent at once, {args.tokens} greedy tokens each, no drafts; {args.rounds} alternating rounds, tok/s "
             "over the answers (prompts included), median (min-max), and the ratio to the batch engine's median.", "",
             "| B | " + " | ".join(names) + " |", "|---|" + "---|" * len(names), *lines, "",
-            "Every answer was the batch engine's, token for token." if same else "The answers were NOT the same.", "",
+            *(["Answers that are not the batch engine's, token for token:", "", *(f"- {a}" for a in apart)] if apart
+              else ["Every answer was the batch engine's, token for token."]), "",
             f"Command: `{Path(sys.executable).parent.parent.name}/bin/python bench/plain_rows.py --out DIR --rounds "
             f"{args.rounds} --tokens {args.tokens} " + ("--v4" if args.v4 else
                                                         f"--hidden {args.hidden} --layers {args.layers} --intermediate "
