@@ -4,7 +4,9 @@ one batched verify a step.
 
 A request's prompt goes through the target in its own caches, as the plain decoder takes it (in chunks, a
 resumed answer's tokens in the pieces decoding gives: pools.prompt_piece), its drafter learning it as it goes;
-once only its last token is left it joins the batch (`scheduler.plan` says each step). A row alone decodes in
+prompts at the same place whose pieces are as long go in in one forward, their caches merged for it and taken
+back out (one shape, no pads: each row's caches are those it would have alone); once only its last token is
+left a prompt joins the batch (`scheduler.plan` says each step). A row alone decodes in
 its own caches (DSpark's verify armed as omlx arms a lone request's: `set_dspark_verify_armed`); they merge
 into a batch's when a second row joins, and the row left alone takes its own back out. Each step every row
 feeds its pending token and its drafts (a row without drafts, its first step or its drafting refused, feeds
@@ -121,8 +123,8 @@ class RowwiseEngine:
         joining = [self._seen(r) for r in self._joining]
         step = plan(joining, [self._seen(r) for r in self._rows], self._room)
         if step.prefill:
-            self._prefill(self._joining[0], joining[0].piece)
-        if step.join:
+            self._prefill([r for r in self._joining if r.rid in step.prefill], joining[0].piece)
+        for _ in step.join:
             self._join(self._joining.popleft())
         if step.verify and self._plain():  # no row drafts: the step's width is 0
             pending = mx.array([[r.pending] for r in self._rows], dtype=mx.uint32)
@@ -152,7 +154,8 @@ class RowwiseEngine:
     def _seen(self, row: Request) -> Row:
         """The row as the scheduler weighs it."""
         left = len(row.todo)
-        return Row(row.rid, left, self._piece(row) if left > 1 else 0, 0 if row.drafts is None else row.width)
+        return Row(row.rid, left, self._piece(row) if left > 1 else 0, 0 if row.drafts is None else row.width,
+                   row.base)
 
     # --- a prompt going in --------------------------------------------------------------------------------
     def _piece(self, row: Request) -> int:
@@ -160,20 +163,32 @@ class RowwiseEngine:
         return pools.prompt_piece(row.base, len(row.job.prompt), row.job.offset, self._chunk, self._windows,
                                   row.taken.stops)
 
-    def _prefill(self, row: Request, n: int) -> None:
-        """The next `n` of the row's prompt through its own caches, its drafter learning them."""
-        chunk, row.todo = row.todo[:n], row.todo[n:]
+    def _prefill(self, rows: list[Request], n: int) -> None:
+        """The next `n` of each row's prompt (rows at one place) through its own caches, in one forward: several
+        rows' caches merged for it (of one length, they need no pads) and taken back out after; each row's
+        drafter learning its own."""
+        chunks = [r.todo[:n] for r in rows]
+        for r in rows:
+            r.todo = r.todo[n:]
+        cache = rows[0].cache if len(rows) == 1 else [c.merge([r.cache[i] for r in rows])
+                                                      for i, c in enumerate(rows[0].cache)]
         with mx.stream(generation_stream):
-            _, states = self.proposer.forward(mx.array(chunk, dtype=mx.uint32)[None], row.cache)
-        row.base += n
-        self.proposer.committed(row, states)
-        if row.drafting:
-            with self._refusals(row):
-                self.proposer.prefilled(row, states, mx.array(chunk[1:] + row.todo[:1], dtype=mx.uint32))
-        mx.eval([c.state for c in row.cache])
-        row.taken.reached(row.cache, row.base)
-        self.prefixes.pump()
-        row.since = self.prefixes.keep(row.job.tenant, row.since, row.tape, row.cache, False)
+            _, states = self.proposer.forward(mx.array(chunks, dtype=mx.uint32), cache)
+            if len(rows) > 1:
+                for i, r in enumerate(rows):
+                    r.cache = [c.extract(i) for c in cache]
+        for i, (r, chunk) in enumerate(zip(rows, chunks)):
+            r.base += n
+            mine = None if states is None else states[i:i + 1]
+            self.proposer.committed(r, mine)
+            if r.drafting:
+                with self._refusals(r):
+                    self.proposer.prefilled(r, mine, mx.array(chunk[1:] + r.todo[:1], dtype=mx.uint32))
+        mx.eval([c.state for r in rows for c in r.cache])
+        for r in rows:
+            r.taken.reached(r.cache, r.base)
+            self.prefixes.pump()
+            r.since = self.prefixes.keep(r.job.tenant, r.since, r.tape, r.cache, False)
 
     def _join(self, row: Request) -> None:
         """The row's caches into the batch's: its last prompt token is its first pending one."""
@@ -288,7 +303,7 @@ class RowwiseEngine:
         out of the batch's (a copy of its row)."""
         self.prefixes.pump()  # what was staged a step ago, evaluated by now
         for i, r in enumerate(self._rows):
-            if self.prefixes.due(r.since, len(r.fed)):
+            if self.prefixes.due(r.since, r.base):  # len(r.fed), without copying the tape
                 r.since = self.prefixes.keep(r.job.tenant, r.since, r.fed, self._own(i), False, taps=r.recent)
 
     def _places(self, row: Request, width: int) -> mx.array:

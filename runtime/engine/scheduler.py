@@ -38,32 +38,41 @@ class Row:
     left: int = 1  # its prompt not yet through the target; 1: its last token, its first pending one
     piece: int = 0  # how much of that prompt its next prefill feeds (the executor's pools.prompt_piece)
     width: int = 0  # the drafts it has for this step (0: none yet, or it is decoded plainly)
+    at: int = 0  # how much of its prompt its caches hold (a prompt going in)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One step of a batch whose prompts go in apart, each in its own caches, and join it at their last token."""
+    """One step of a batch whose prompts go in apart from it, in their own caches, and join it at their last
+    token."""
 
-    prefill: str | None = None  # the prompt a piece of which goes in: the first that came, while more than its
-    # last token is left
-    join: str | None = None  # the prompt that joins the batch: the first, once its last token is all that is left
-    # and the batch has room for it
+    prefill: tuple[str, ...] = ()  # the prompts a piece of each goes in, in one forward: the first that came,
+    # while more than its last token is left, and every other prompt at its place with a piece as long
+    join: tuple[str, ...] = ()  # the prompts that join the batch, first come first: each once its last token is
+    # all that is left, while the batch has room
     width: int = 0  # the drafts a row the step's verify feeds: the most any row has
     verify: bool = False  # the batch takes a step: it has rows
 
 
 def plan(joining: Sequence[Row], rows: Sequence[Row], room: int) -> Plan:
-    """A batch's step: one piece of the first prompt going in (first come first; the others wait behind it); that
-    prompt joins the batch in the step its last piece goes in, and verifies in it, while the batch has fewer than
-    `room` rows (else it waits, its prompt in, for a row to end); every row verifies as wide as the row with the
-    most drafts (a row with fewer fills the rest with guesses, never kept; no drafts at all, as in a lone row's
-    first step, one place a row)."""
+    """A batch's step: a piece of the first prompt going in (first come first; the others wait behind it), and
+    of every other at the same place whose piece is as long, all in one forward (rows of one shape: no pads;
+    unless `room` is one row: a model served one request at a time never has its caches merged);
+    the prompts join the batch in the step their last piece goes in, first come first, and verify in it, while
+    the batch has fewer than `room` rows (else they wait, their prompts in, for a row to end); every row
+    verifies as wide as the row with the most drafts (a row with fewer fills the rest with guesses, never kept;
+    no drafts at all, as in a lone row's first step, one place a row)."""
     first = joining[0] if joining else None
-    prefill = first if first is not None and first.left > 1 else None
-    join = first if first is not None and first.left - (prefill.piece if prefill else 0) == 1 \
-        and len(rows) < room else None
-    batch = [*rows, *([join] if join else [])]
-    return Plan(prefill and prefill.rid, join and join.rid, max((r.width for r in batch), default=0), bool(batch))
+    prefill = [r for r in joining if r.left > 1 and (r.at, r.piece) == (first.at, first.piece)
+               and (r is first or room > 1)] if first is not None and first.left > 1 else []
+    join: list[Row] = []
+    for r in joining:
+        if r.left - (r.piece if r in prefill else 0) != 1 or len(rows) + len(join) >= room:
+            break
+        join.append(r)
+    batch = [*rows, *join]
+    return Plan(tuple(r.rid for r in prefill), tuple(r.rid for r in join), max((r.width for r in batch), default=0),
+                bool(batch))
 
 
 def ahead(joining: int, plain: Sequence[bool]) -> bool:

@@ -46,24 +46,43 @@ def test_a_step_is_queued_ahead_only_while_every_row_is_plain_and_none_joins(joi
     ((), (), Plan()),  # nothing: no step
     ((), (Row("a", width=5), Row("b", width=2)), Plan(width=5, verify=True)),  # as wide as the most drafts
     ((), (Row("a"), Row("b")), Plan(verify=True)),  # no row has drafts: one place a row
-    ((Row("c", left=9, piece=4),), (), Plan(prefill="c")),  # a piece of the prompt; the rest next step
-    ((Row("c", left=5, piece=4),), (), Plan("c", "c", 0, True)),  # its last piece: joins, verifies
-    ((Row("c"),), (Row("a", width=1),), Plan(None, "c", 1, True)),  # only its last token was left
-    ((Row("c", left=9, piece=4), Row("d")), (Row("a"),), Plan("c", None, 0, True)),  # d waits behind c
-    ((Row("c", left=9, piece=4, width=5),), (Row("a", width=2),), Plan("c", None, 2, True)),  # c not in it yet
+    ((Row("c", left=9, piece=4),), (), Plan(prefill=("c",))),  # a piece of the prompt; the rest next step
+    ((Row("c", left=5, piece=4),), (), Plan(("c",), ("c",), 0, True)),  # its last piece: joins, verifies
+    ((Row("c"),), (Row("a", width=1),), Plan((), ("c",), 1, True)),  # only its last token was left
+    ((Row("c", left=9, piece=4), Row("d")), (Row("a"),), Plan(("c",), (), 0, True)),  # d waits behind c
+    ((Row("c", left=9, piece=4, width=5),), (Row("a", width=2),), Plan(("c",), (), 2, True)),  # c not in it yet
+    # prompts at one place with pieces as long go in together, in one forward of one shape
+    ((Row("c", left=9, piece=4), Row("d", left=7, piece=4)), (), Plan(prefill=("c", "d"))),
+    ((Row("c", left=9, piece=4), Row("d", left=9, piece=4, at=3)), (), Plan(prefill=("c",))),  # d further in
+    ((Row("c", left=9, piece=4), Row("d", left=3, piece=2)), (), Plan(prefill=("c",))),  # d's piece is shorter
+    ((Row("c", left=9, piece=4), Row("d", left=3, piece=2), Row("e", left=5, piece=4)), (),
+     Plan(prefill=("c", "e"))),  # e goes in with c, ahead of d
+    ((Row("c", left=5, piece=4), Row("d", left=5, piece=4)), (Row("a"),), Plan(("c", "d"), ("c", "d"), 0, True)),
+    ((Row("c", left=5, piece=4), Row("d")), (), Plan(("c",), ("c", "d"), 0, True)),  # d in already: both join
+    ((Row("c", left=9, piece=4), Row("d", left=5, piece=4)), (), Plan(prefill=("c", "d"))),  # d waits behind c
 ])
-def test_a_batch_step_prefills_the_first_prompt_joins_it_at_its_last_token_and_verifies_at_the_most_drafts(
+def test_a_batch_step_prefills_the_first_prompt_and_its_like_joins_each_at_its_last_token_verifies_at_the_most_drafts(
         joining, rows, expected):
     assert plan(joining, rows, 16) == expected
 
 
-@pytest.mark.parametrize("joining,expected", [
-    ((Row("c", left=9, piece=4),), Plan("c", None, 0, True)),  # its prompt goes in, in its own caches
-    ((Row("c"),), Plan(None, None, 0, True)),  # in, it waits for a row to end
-    ((Row("c", left=5, piece=4),), Plan("c", None, 0, True)),  # its last piece goes in; it waits, its last token left
+@pytest.mark.parametrize("joining,room,expected", [
+    ((Row("c", left=9, piece=4),), 2, Plan(("c",), (), 0, True)),  # its prompt goes in, in its own caches
+    ((Row("c"),), 2, Plan((), (), 0, True)),  # in, it waits for a row to end
+    ((Row("c", left=5, piece=4),), 2, Plan(("c",), (), 0, True)),  # its last piece goes in; it waits, its last
+    # token left
+    ((Row("c"), Row("d")), 3, Plan((), ("c",), 0, True)),  # room for one: the first that came
 ])
-def test_a_full_batch_takes_no_row_until_one_ends(joining, expected):
-    assert plan(joining, (Row("a"), Row("b")), 2) == expected
+def test_a_full_batch_takes_no_row_until_one_ends(joining, room, expected):
+    assert plan(joining, (Row("a"), Row("b")), room) == expected
+
+
+@pytest.mark.parametrize("room,expected", [
+    (1, Plan(prefill=("c",))),  # one request at a time (--completion-batch-size 1): no caches merged
+    (2, Plan(prefill=("c", "d"))),
+])
+def test_prompts_go_in_together_only_where_the_batch_takes_more_than_one_row(room, expected):
+    assert plan((Row("c", left=9, piece=4), Row("d", left=9, piece=4)), (), room) == expected
 
 
 class FakeRows:
@@ -74,7 +93,7 @@ class FakeRows:
         self.chunk, self.joining, self.rows, self.done = chunk, [], {}, []
 
     def insert(self, rid, prompt, answer, width=0):
-        self.joining.append([rid, prompt, answer, width])
+        self.joining.append([rid, prompt, answer, width, prompt])
 
     def refuse(self, rid):
         """The row's drafting ends: plain from here."""
@@ -85,18 +104,20 @@ class FakeRows:
         self.rows.pop(rid, None)
 
     def seen(self):
-        return ([Row(rid, left, min(self.chunk, left - 1)) for rid, left, _, _ in self.joining],
+        return ([Row(rid, left, min(self.chunk, left - 1), at=prompt - left)
+                 for rid, left, _, _, prompt in self.joining],
                 [Row(rid, width=width if drafted else 0) for rid, (_, width, drafted) in self.rows.items()])
 
     def step(self):
         step = plan(*self.seen(), 16)
         did = []
-        if step.prefill:
-            first = self.joining[0]
-            first[1] -= min(self.chunk, first[1] - 1)
-            did.append(f"prefill {step.prefill} to {first[1]}")
-        if step.join:
-            rid, _, answer, width = self.joining.pop(0)
+        going = [j for j in self.joining if j[0] in step.prefill]
+        for j in going:
+            j[1] -= min(self.chunk, j[1] - 1)
+        if going:
+            did.append("prefill " + ", ".join(f"{j[0]} to {j[1]}" for j in going))
+        for _ in step.join:
+            rid, _, answer, width, _ = self.joining.pop(0)
             self.rows[rid] = [answer, width, False]
             did.append(f"join {rid}")
         if step.verify:
@@ -115,10 +136,10 @@ def test_prompts_go_in_first_come_first_join_at_their_last_piece_and_a_cancel_fr
     batch.insert("b", prompt=3, answer=3)
     batch.insert("c", prompt=9, answer=2, width=2)
     steps = [batch.step()]
-    batch.cancel("c")  # still behind b: never goes in
+    batch.cancel("c")  # part of its prompt in: it goes no further
     steps += [batch.step() for _ in range(4)]
     assert steps == [
-        ["prefill a to 2"],  # a's first piece; b and c wait behind it
+        ["prefill a to 2, c to 5"],  # a's first piece and c's, as long: one forward; b waits behind them
         ["prefill a to 1", "join a", "verify a at 0"],  # a's last piece: it joins and verifies, no drafts yet
         ["prefill b to 1", "join b", "verify ab at 5"],  # a drafted; b is plain: it fills a's width with guesses
         ["verify ab at 5"],  # a ends
@@ -131,8 +152,7 @@ def test_a_row_whose_drafting_ends_narrows_the_verify_and_a_cancelled_row_leaves
     batch = FakeRows()
     batch.insert("a", prompt=1, answer=9, width=3)
     batch.insert("b", prompt=1, answer=9, width=5)
-    assert batch.step() == ["join a", "verify a at 0"]
-    assert batch.step() == ["join b", "verify ab at 3"]  # b's first step: no drafts yet
+    assert batch.step() == ["join a", "join b", "verify ab at 0"]  # both in: they join together, no drafts yet
     assert batch.step() == ["verify ab at 5"]
     batch.refuse("b")
     assert batch.step() == ["verify ab at 3"]

@@ -19,7 +19,7 @@ from common.openai_api import SamplingParams
 from kit.demo_answers import endless
 from kit.ranks import start_mesh
 from kit.waiting import wait_for
-from pinned.dsv4 import OVERLAY, PROMPT, pinned_env
+from pinned.dsv4 import OVERLAY, PROMPT, greedy, pinned_env
 from runtime.engine import rowwise
 from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
@@ -128,6 +128,40 @@ def test_requests_that_ask_for_fewer_drafts_or_none_get_them_alone_joined_and_ro
         for rid, steps in drafts.items():
             assert all(accepted <= proposed <= widths[rid] for proposed, accepted in steps), (rid, steps)
             assert (sum(p for p, _ in steps) > 0) == (widths[rid] > 0), (rid, steps)
+
+
+ALIKE = (Job("e", tuple(range(400, 470)), 20, 7, GREEDY), Job("f", tuple(range(330, 400)), 16, 8, GREEDY),
+         Job("g", tuple(range(150, 195)), 18, 9, GREEDY), Job("h", tuple(range(20, 90)), 24, 10, GREEDY))  # vocab 512
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("asked", [None, 0], ids=["drafted", "undrafted"])
+def test_prompts_at_one_place_go_in_together_and_each_answer_and_next_turn_is_plain_decodings(model, sampling, asked):
+    """Requests sent at once, three of one length and one shorter: each piece of the three goes in in one forward
+    (their caches merged for it and taken back out), the shorter one's apart where its piece differs; every
+    answer, drafted or not, is plain decoding's, and a next turn finds the whole first one in the token tape
+    and answers as the plain decoder does from its own. The model answers from its caches: a wrong one changes
+    the answer."""
+    jobs = [replace(job, sampling=sampling, draft_tokens=asked) for job in ALIKE]
+    plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in jobs}
+    if sampling is GREEDY:
+        assert greedy(model, list(ALIKE[0].prompt), 20, fresh_cache=True) != plain["e"] == greedy(
+            model, list(ALIKE[0].prompt), 20)
+    engine = RowwiseEngine(model, set(), Stages(model), prefixes=PrefixStore(model, prefill_step_size=32),
+                           prefill_step_size=32, log=lambda m: m)
+    together = []  # each prefill forward's rows
+    prefill = engine._prefill
+    engine._prefill = lambda rows, n: together.append("".join(r.rid for r in rows)) or prefill(rows, n)
+    assert decoded(engine, *((job, 0) for job in jobs)) == plain
+    assert together.count("efh") >= 2 and "g" in together, together  # 70 tokens in pieces of 32; g's 45 apart
+    assert len(together) < sum(-(-(len(job.prompt) - 1) // 32) for job in jobs)
+    turn = replace(jobs[1], rid="f2", prompt=jobs[1].prompt + tuple(plain["f"]) + (7, 8, 9))
+    hits, alone = engine.stats()["tape_hit_tokens"], BatchEngine(model, set(), prefill_step_size=32)
+    decoded(alone, (jobs[1], 0))  # the plain decoder's next turn is from its own tape too: V4's caches of a
+    # decoded answer are not those of the same tokens prefilled
+    assert decoded(engine, (turn, 0)) == decoded(alone, (turn, 0))
+    # from the tape: f's prompt and answer, but for the answer's last token where a drafted row never fed it
+    assert engine.stats()["tape_hit_tokens"] - hits >= len(jobs[1].prompt) + len(plain["f"]) - 1
 
 
 def test_a_row_whose_window_is_masked_as_mlx_lm_masks_it_answers_otherwise(model, monkeypatch):
