@@ -118,8 +118,15 @@ def start_generation(agents: list[Agent], generation: int, model: Path, *, http_
     return http_port
 
 
-def wait_mesh_ready(port: int, timeout: float = 120) -> None:
+def wait_mesh_ready(port: int, timeout: float = 120, agents: list[Agent] = (), generation: int | None = None) -> None:
+    """Until rank 0 of the mesh at `port` says it is ready; with the `agents` that started `generation`, a rank of
+    it that exited first fails the wait at once, saying how (a rank that died is not one still loading)."""
     def ready():
+        for a in agents:
+            r = next((r for r in a.ranks() if r["generation"] == generation and r["state"] == "exited"), None)
+            if r:
+                raise AssertionError(f"rank {r['rank']} of generation {generation} exited (code {r['exit_code']}, "
+                                     f"signal {r['exit_signal']}) before the mesh was ready; its log: {r['log_path']}")
         try:
             return requests.get(f"http://127.0.0.1:{port}/internal/ready", timeout=2).status_code == 200
         except requests.RequestException:

@@ -28,7 +28,7 @@ class Gen:
         self.port = start_generation(agents, generation, model,
                                      args={"snapshot_every": EVERY, "heartbeat_interval": 0.05, **args})
         self.url = f"http://127.0.0.1:{self.port}"
-        wait_mesh_ready(self.port, ready_within)
+        wait_mesh_ready(self.port, ready_within, agents, generation)
 
     def status(self, rank):
         (rec,) = [r for r in self.agents[rank].ranks() if r["generation"] == self.generation]
