@@ -7,9 +7,10 @@ from runtime.prefix.store import PrefixStore
 
 
 def drafting(model, eos: set[int], proposer: Proposer, *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
-             log=lambda line: None) -> RowwiseEngine:
+             completion_batch_size: int = 16, log=lambda line: None) -> RowwiseEngine:
     return RowwiseEngine(model, eos, proposer, prefixes=PrefixStore(model, prefill_step_size=prefill_step_size),
-                         num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size, log=log)
+                         num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size,
+                         completion_batch_size=completion_batch_size, log=log)
 
 
 class Counted:

@@ -127,7 +127,9 @@ def prompt(seed: int, n: int) -> list[int]:
     return [3 + (seed * 7919 + i * 104729) % (V - 8) for i in range(n)]
 
 
-PROMPTS = {"p1": prompt(1, 20), "p2": prompt(2, 13), "p3": prompt(3, 24), "p4": prompt(4, 9)}
+PROMPTS = {"p1": prompt(1, 20), "p2": prompt(2, 13), "p3": prompt(3, 24), "p4": prompt(4, 9), "p5": prompt(7, 20)}
+BATCHED = ("p1", "p2", "p3", "p4")  # the batch engine's: p1 alone first, the others joining it
+TOGETHER = ("p1", "p5", "p2")  # sent at once to the drafting engine: p1 and p5, as long, go in together
 
 
 def follow_ups(first_answer: list[int]) -> dict[str, list[int]]:
@@ -207,8 +209,8 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
 
     def batched(batch: int = row["batch_size"]) -> dict:
         """p1 alone for two steps (its prefill and first token), then the other three join it."""
-        later = [job(rid, PROMPTS[rid]) for rid in ("p2", "p3", "p4")]
-        return answer(engine(batch=batch), {0: [job("p1", PROMPTS["p1"])], 2: later})
+        first, *later = (job(rid, PROMPTS[rid]) for rid in BATCHED)
+        return answer(engine(batch=batch), {0: [first], 2: later})
 
     def drafted() -> dict:
         families.refuse(config, draft=str(draft_path), batch=1)
@@ -217,6 +219,14 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
         if e.fallbacks:  # a drafted step raised; the engine went on undrafted (runtime/engine/rowwise.py)
             out["error"] = f"{e.fallbacks} drafted step(s) raised and fell back to plain decoding"
         return out
+
+    def drafted_together() -> dict:
+        """TOGETHER sent at once to the drafting engine, with what each of its prefill forwards took in."""
+        families.refuse(config, draft=str(draft_path), batch=1)
+        e = drafting(model, eos, DraftModel(model, draft), num_draft_tokens=2, completion_batch_size=row["batch_size"])
+        went, prefill = [], e._prefill
+        e._prefill = lambda rows, n: went.append([r.rid for r in rows]) or prefill(rows, n)
+        return {**answer(e, {0: [job(rid, PROMPTS[rid]) for rid in TOGETHER]}), "went_in": went}
 
     def reference(prompts: dict) -> dict:
         """mlx-lm's own greedy decoding of the unsharded model, as [token, top] like the engines'."""
@@ -236,6 +246,7 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
     scenario("tape", taped)
     scenario("batch", batched)
     scenario("speculative", drafted)
+    scenario("drafted_together", drafted_together)
     if group.size() == 1:
         scenario("reference", lambda: reference({**PROMPTS, **cases}))
         if row["batch_size"] == 1:  # what the refusal spares a client

@@ -1,9 +1,10 @@
 """Every model family mlx-lm can shard, each built tiny and random from mlx-lm's own classes
 (tests/kit/families.py): one pair of ring ranks and one rank alone walk them all through meshd's load path,
 and each family's greedy answers are mlx-lm's single process's, and a fresh engine's again through the token
-tape, in a batch of four and drafted by a draft model. Two go through a mesh with agents and the proxy: qwen3_5
-(a recurrent state, ArraysCache) on two nodes and gpt_oss (a sliding window) on one. A family that cannot run
-is refused at load, naming why. `bench/models_table.py` writes docs/MODELS.md from these tests' results."""
+tape, in a batch of four, and drafted by a draft model, alone and three sent at once. Two go through a mesh with
+agents and the proxy: qwen3_5 (a recurrent state, ArraysCache) on two nodes and gpt_oss (a sliding window) on
+one. A family that cannot run is refused at load, naming why. `bench/models_table.py` writes docs/MODELS.md from
+these tests' results."""
 
 import json
 import threading
@@ -11,7 +12,7 @@ import threading
 import pytest
 import requests
 
-from kit.families import FAMILIES, NEAR_TIE, Walk, build_family, disagreement, tokens
+from kit.families import BATCHED, FAMILIES, NEAR_TIE, TOGETHER, Walk, build_family, disagreement, tokens
 from kit.meshctl import mesh_up, meshctl
 from kit.ranks import start_mesh
 from runtime.models.families import PADDING_BLIND, TRIMMABLE, Needs, refusal
@@ -94,7 +95,8 @@ def test_four_concurrent_requests_answer_as_each_alone(matrix, family, world):
     says, and answers as alone that way."""
     r = row(matrix, family, world)
     fresh = answers(r, "fresh")
-    assert {rid: tokens(a) for rid, a in answers(r, "batch").items()} == {rid: tokens(a) for rid, a in fresh.items()}
+    batch = answers(r, "batch")
+    assert {rid: tokens(a) for rid, a in batch.items()} == {rid: tokens(fresh[rid]) for rid in BATCHED}
 
 
 @pytest.mark.parametrize("family", sorted(PADDING_BLIND))
@@ -104,7 +106,7 @@ def test_a_family_served_one_at_a_time_does_answer_otherwise_in_a_batch(matrix, 
     r = row(matrix, family, 1)
     assert r["batch_size"] == 1, "a padding-blind family is served one request at a time"
     fresh, anyway = answers(r, "fresh"), answers(r, "batched_anyway")
-    assert any(tokens(anyway[rid]) != tokens(a) for rid, a in fresh.items()), r["one_at_a_time"]
+    assert any(tokens(anyway[rid]) != tokens(fresh[rid]) for rid in BATCHED), r["one_at_a_time"]
 
 
 @FAMILY
@@ -119,6 +121,20 @@ def test_drafted_answers_are_the_plain_answers(matrix, family, world):
     fresh = answers(r, "fresh")
     assert {rid: tokens(a) for rid, a in answers(r, "speculative").items()} == \
            {rid: tokens(fresh[rid]) for rid in drafted}
+
+
+@FAMILY
+@WORLD
+def test_prompts_sent_together_go_in_together_and_answer_as_each_alone(matrix, family, world):
+    """p1 and p5, as long, and p2 sent at once to the drafting engine: p1's and p5's prompts go in in one forward
+    (their caches merged for it and taken back out, whatever the family's caches are), p2's apart; each answer
+    is the one it gets alone. A family served one request at a time has no caches merged."""
+    r = row(matrix, family, world)
+    if "refused" in r["drafted_together"]:
+        pytest.skip(r["drafted_together"]["refused"])
+    got, fresh = answers(r, "drafted_together"), answers(r, "fresh")
+    assert {rid: tokens(got[rid]) for rid in TOGETHER} == {rid: tokens(fresh[rid]) for rid in TOGETHER}
+    assert (["p1", "p5"] in got["went_in"]) == (r["batch_size"] > 1), got["went_in"]
 
 
 def test_families_whose_caches_a_trim_cannot_cut_back_are_drafted(matrix):
