@@ -29,6 +29,8 @@ COLUMNS = [
     ("tape = fresh (TP2, alone)", "test_the_tape_answers_as_a_fresh_engine", ("TP2", "alone")),
     ("4 at once = alone (TP2, alone)", BATCH, ("TP2", "alone")),
     ("draft model (TP2, alone)", "test_drafted_answers_are_the_plain_answers", ("TP2", "alone")),
+    ("drafted, 3 at once = alone (TP2, alone)", "test_prompts_sent_together_go_in_together_and_answer_as_each_alone",
+     ("TP2", "alone")),
 ]
 
 
@@ -105,6 +107,9 @@ two layers, one of each kind where a family mixes kinds, sliding windows of 8 to
   whatever the family's caches (a verify's writes are undone exactly, a sliding window's and a recurrent
   state's too: runtime/prefix/rollback.py). None of these families has an MTP head in stock mlx-lm (it drops `mtp.*` at load; docs/RUNTIME.md, model
   overlays).
+- **drafted, 3 at once = alone**: three requests sent at once to the drafting engine with a draft model, two of
+  them as long: those two go in in one forward, their caches merged and taken back out, and each answer is the
+  one it gets alone (a family served one request at a time has no caches merged).
 - **mesh with agents**: agents, the controller and meshd-proxy on loopback (`meshctl up`): a conversation,
   its repeat, another question after the same system prompt, its next turn, and four questions at once through
   the proxy, each answered as mlx-lm's single process answers it.
