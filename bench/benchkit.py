@@ -94,16 +94,20 @@ def alternate(meshes: dict, rounds: int, ask) -> tuple[list[dict], dict[str, lis
     return rows, texts, rate, {name: statistics.median(v) for name, v in rate.items()}
 
 
+def _loaded(base: Path, path: str):
+    spec = importlib.util.spec_from_file_location(f"base_{Path(path).stem}", base / path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def base_module(base: Path, path: str, *beside: str):
     """The module at `path` in another checkout `base` (e.g. a git worktree of an older commit), loaded beside
     this tree's, and the name of that checkout: its commit, or its folder's name where git cannot say. What it
     imports from the modules at `beside` (paths in `base` too) is theirs in `base`, not this tree's."""
-    spec = importlib.util.spec_from_file_location(f"base_{Path(path).stem}", base / path)
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _loaded(base, path)
     for other in beside:
-        theirs, _ = base_module(base, other)
-        name = other.removesuffix(".py").replace("/", ".")
+        theirs, name = _loaded(base, other), other.removesuffix(".py").replace("/", ".")
         for key, value in list(vars(module).items()):
             if getattr(value, "__module__", None) == name and hasattr(theirs, key):
                 setattr(module, key, getattr(theirs, key))

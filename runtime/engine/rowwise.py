@@ -185,9 +185,9 @@ class RowwiseEngine:
                 with self._refusals(r):
                     self.proposer.prefilled(r, mine, mx.array(chunk[1:] + r.todo[:1], dtype=mx.uint32))
         mx.eval([c.state for r in rows for c in r.cache])
+        self.prefixes.pump()
         for r in rows:
             r.taken.reached(r.cache, r.base)
-            self.prefixes.pump()
             r.since = self.prefixes.keep(r.job.tenant, r.since, r.tape, r.cache, False)
 
     def _join(self, row: Request) -> None:
