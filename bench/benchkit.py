@@ -104,13 +104,20 @@ def _loaded(base: Path, path: str):
 def base_module(base: Path, path: str, *beside: str):
     """The module at `path` in another checkout `base` (e.g. a git worktree of an older commit), loaded beside
     this tree's, and the name of that checkout: its commit, or its folder's name where git cannot say. What it
-    imports from the modules at `beside` (paths in `base` too) is theirs in `base`, not this tree's."""
-    module = _loaded(base, path)
-    for other in beside:
-        theirs, name = _loaded(base, other), other.removesuffix(".py").replace("/", ".")
-        for key, value in list(vars(module).items()):
-            if getattr(value, "__module__", None) == name and hasattr(theirs, key):
-                setattr(module, key, getattr(theirs, key))
+    imports from the modules at `beside` (paths in `base` too, each loaded in this order, importing the ones before
+    it the same way) is theirs in `base`, not this tree's: each stands in this tree's place while they load."""
+    names = [other.removesuffix(".py").replace("/", ".") for other in beside]
+    ours = {name: sys.modules.get(name) for name in names}
+    try:
+        for other, name in zip(beside, names):
+            sys.modules[name] = _loaded(base, other)
+        module = _loaded(base, path)
+    finally:
+        for name, mine in ours.items():
+            if mine is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = mine
     try:
         top, commit = subprocess.run(["git", "-C", str(base), "rev-parse", "--show-toplevel", "--short", "HEAD"],
                                      capture_output=True, text=True).stdout.split() or ("", "")

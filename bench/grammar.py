@@ -1,11 +1,12 @@
 """Structured output's cost: decode held to a JSON schema against the same decode unheld (one process, the
-runtime's batch engine; the demo model, or with --hidden/--layers/... a Llama shape of random bf16 weights, the
-GPU run), in alternating rounds, as tok/s and the time a token gains, each with its spread over the rounds; the
+runtime's engine; the demo model, or with --hidden/--layers/... a Llama shape of random bf16 weights, the
+GPU run), in alternating rounds, as tok/s and the time a token gains, each with its spread over the rounds (with
+`--base DIR`, the same for the batch engine of a checkout that has one, in the same rounds); the
 compile time of a schema (a cold compile, the cache emptied each time); and the mask's share that grows with
 the vocabulary, applied to a row as wide as Qwen's (151,936 logits).
 
-    .venv/bin/python bench/grammar.py [--rounds 7] [--tokens 256] [--write]
-    python bench/grammar.py --llama --rounds 7 --tokens 256      (one GPU: an 8B shape, 16 GB)
+    .venv/bin/python bench/grammar.py [--rounds 7] [--tokens 256] [--base DIR] [--write]
+    python bench/grammar.py --llama --rounds 7 --tokens 256 [--base DIR]     (one GPU: an 8B shape, 16 GB)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import benchkit  # noqa: F401  (puts the checkout on sys.path)
+import benchkit  # puts the checkout and tests/ on sys.path
 import mlx.core as mx
 import mlx.utils
 import numpy as np
@@ -25,7 +26,7 @@ from mlx_lm import load
 from common.openai_api import SamplingParams
 from runtime.engine import grammar
 from runtime.models.demo_model import build_demo_model
-from runtime.engine.batch import BatchEngine
+from kit.drafters import undrafted
 from runtime.engine.jobs import Job
 from runtime.engine.sampling import GrammarMask
 
@@ -44,11 +45,10 @@ ORDER = {"type": "object", "additionalProperties": False, "required": ["customer
                                       "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}}}
 
 
-def decode(model, eos: set[int], prompt: list[int], tokens: int, text: str | None) -> float:
-    """tok/s of one answer of exactly `tokens` tokens (the end biased away when unheld)."""
+def decode(engine, eos: set[int], prompt: list[int], tokens: int, text: str | None) -> float:
+    """tok/s of one answer of exactly `tokens` tokens by a fresh `engine` (the end biased away when unheld)."""
     sampling = SamplingParams(max_tokens=tokens, logit_bias=tuple((t, -100.0) for t in sorted(eos))).sampling()
     sampling["grammar"] = text
-    engine = BatchEngine(model, eos)
     engine.insert(Job("bench", tuple(prompt), tokens, 0, sampling))
     began, n = time.perf_counter(), 0
     while engine.busy:
@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--write", action="store_true", help="append the result table to docs/BENCHMARKS.md")
+    ap.add_argument("--base", type=Path, help="a checkout whose batch engine decodes too (e.g. 0b5531f's)")
     ap.add_argument("--llama", action="store_true", help="a Llama shape of random bf16 weights (--hidden ...)")
     for flag, default in (("hidden", 4096), ("layers", 32), ("intermediate", 14336), ("heads", 32),
                           ("kv-heads", 8), ("vocab", 128256)):
@@ -96,16 +97,23 @@ def main() -> None:
     eos = set(tokenizer.eos_token_ids)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     held = grammar.builder().json(ENDLESS)
-    rates: dict[str, list[float]] = {"unheld": [], "held": []}
+    engines = {"": lambda: undrafted(model, eos)}
+    if args.base:
+        before, commit = benchkit.base_module(args.base, "runtime/engine/batch.py", *(
+            f"runtime/engine/{name}.py" for name in ("sampling", "scheduler", "request")))
+        engines[f", the batch engine at {commit}"] = lambda: before.BatchEngine(model, eos)
+    rates: dict[str, list[float]] = {f"{kind}{engine}": [] for engine in engines for kind in ("unheld", "held")}
     for n in range(args.rounds + 1):
-        order = ["unheld", "held"] if n % 2 else ["held", "unheld"]
-        row = {name: decode(model, eos, prompt, args.tokens, held if name == "held" else None) for name in order}
+        order = list(rates) if n % 2 else list(rates)[::-1]
+        row = {name: decode(engines[name.removeprefix("unheld").removeprefix("held")](), eos, prompt, args.tokens,
+                            held if name.startswith("held") else None) for name in order}
         benchkit.say(f"round {n}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in row.items()))
         if n:  # round 0 warms both up
             for name, rate in row.items():
                 rates[name].append(rate)
-    cost = [u / h for h, u in zip(rates["held"], rates["unheld"])]  # a held token's time over a free one's
-    added_us = [1e6 * (1 / h - 1 / u) for h, u in zip(rates["held"], rates["unheld"])]
+    # a held token's time over a free one's, and the time it adds
+    cost = {e: [u / h for h, u in zip(rates[f"held{e}"], rates[f"unheld{e}"])] for e in engines}
+    added_us = {e: [1e6 * (1 / h - 1 / u) for h, u in zip(rates[f"held{e}"], rates[f"unheld{e}"])] for e in engines}
 
     compile_ms = []
     for _ in range(20):
@@ -131,16 +139,17 @@ def main() -> None:
         "",
         f"## Structured output: the grammar's cost (bench/grammar.py, {time.strftime('%Y-%m-%d')})",
         "",
-        f"One process, the runtime's batch engine decoding {what} alone, {args.tokens} tokens an answer, {args.rounds} alternating rounds after a warm-up; held: every token held to a JSON "
+        f"One process, the runtime's engine decoding {what} alone, {args.tokens} tokens an answer, {args.rounds} alternating rounds after a warm-up; held: every token held to a JSON "
         "schema (an endless array of objects with an enum and a bounded integer), unheld: the same decode free. "
         "Median (min, max) over the rounds.",
         "",
         "| measure | value |",
         "|---|---|",
-        f"| unheld decode, tok/s | {spread(rates['unheld'])} |",
-        f"| held decode, tok/s | {spread(rates['held'])} |",
-        f"| a held token's time / an unheld one's, per round | {spread(cost)} |",
-        f"| time a held token adds, us | {spread(added_us)} |",
+        *(line for e in engines for line in (
+            f"| unheld decode{e}, tok/s | {spread(rates[f'unheld{e}'])} |",
+            f"| held decode{e}, tok/s | {spread(rates[f'held{e}'])} |",
+            f"| a held token's time / an unheld one's{e}, per round | {spread(cost[e])} |",
+            f"| time a held token adds{e}, us | {spread(added_us[e])} |")),
         f"| compile of a nested schema with $ref, enums and arrays (cold), ms | {spread(compile_ms)} |",
         f"| a held step's mask on a {wide:,}-logit row (GrammarMask: read the answer, the matcher, the mask "
         f"applied), us, over {args.tokens} steps | {spread(steps_us)} |",

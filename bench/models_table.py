@@ -47,7 +47,7 @@ def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
-def table(results: dict[str, tuple[str, str]], caches: dict[str, list[str]]) -> str:
+def table(results: dict[str, tuple[str, str]], caches: dict[str, list[str]], unbatchable: dict[str, list[str]]) -> str:
     """The Markdown table, a refusal's reason once as a numbered note under it."""
     notes: list[str] = []
 
@@ -70,6 +70,8 @@ def table(results: dict[str, tuple[str, str]], caches: dict[str, list[str]]) -> 
             cells.append(", ".join(cell(test, f"{w}-{family}") for w in worlds))
             if test == BATCH and results.get(f"{ONE_AT_A_TIME}[{family}]", ("",))[0] == "passed":
                 cells[-1] += f": one at a time ({PADDING_BLIND[family]} when batched)"
+            elif test == BATCH and unbatchable[family]:
+                cells[-1] += f": one at a time (its {', '.join(unbatchable[family])} cannot be merged)"
         mesh = [f"{nodes} node{'s' * (nodes != '1')}: {cell(MESH, f'{family}-{nodes}')}"
                 for nodes in ("1", "2") if f"{MESH}[{family}-{nodes}]" in results]
         lines.append(f"| {family} | {', '.join(caches[family])} | " + " | ".join(cells) + f" | {'; '.join(mesh)} |")
@@ -85,7 +87,9 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
                         "tests/models/test_families.py", *sys.argv[1:]], cwd=ROOT)
         results = outcomes(junit)
-    caches = {f: sorted(needs_of(config).caches) for f, config in FAMILIES.items()}
+    needs = {f: needs_of(config) for f, config in FAMILIES.items()}
+    caches = {f: sorted(n.caches) for f, n in needs.items()}
+    unbatchable = {f: sorted(n.unbatchable) for f, n in needs.items()}
     device = "Metal" if mx.metal.is_available() else f"{platform.system()} {platform.machine()}, no Metal"
     doc = ROOT / "docs" / "MODELS.md"
     _, heading, written_by_hand = doc.read_text().partition("\n## ") if doc.exists() else ("", "", "")
@@ -116,7 +120,7 @@ two layers, one of each kind where a family mixes kinds, sliding windows of 8 to
 
 A refusal is meshd-rank's own, at load (runtime/models/families.py): the rank exits 1 naming why and the way out.
 
-{table(results, caches)}
+{table(results, caches, unbatchable)}
 """ + (heading + written_by_hand if heading else ""))
     print(doc)
 

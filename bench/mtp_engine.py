@@ -28,9 +28,9 @@ from mlx_lm.utils import load_model
 from common.openai_api import SamplingParams
 import runtime.models.overlays.demo_mtp  # noqa: F401  registers model type demo_mtp
 from runtime.models.demo_model import build_demo_model
-from kit.drafters import drafting
+from kit.drafters import drafting, undrafted
 from runtime.engine.proposers import Head
-from runtime.engine.batch import BatchEngine, Job
+from runtime.engine.jobs import Job
 
 PROMPT = tuple(range(5, 45))
 
@@ -87,7 +87,7 @@ def main() -> None:
     args = ap.parse_args()
     spec = mtp_spec(args.hidden, args.layers, args.train_steps)
     model, _ = load_model(build_demo_model(Path(tempfile.mkdtemp(prefix="meshd-mtp-engine-")) / "model", spec))
-    kinds = {"plain": lambda: BatchEngine(model, set()),
+    kinds = {"plain": lambda: undrafted(model, set()),
              **{f"drafted k={k}": (lambda k=k: drafting(model, set(), Head(model), num_draft_tokens=k))
                 for k in args.draft_tokens}}
     rates, stats, answers = {name: [] for name in kinds}, {}, {}

@@ -1,13 +1,10 @@
 """Row-wise DSpark against undrafted batching, in one process on one device: B requests at once (B = 1, 2, 4, 8),
-greedy, decoded by the engine a DSpark mesh runs (the drafting engine with DSpark's stages: every request drafted
-row by row, a lone one as a batch of one) and by the batch engine alone (what `--drafter off` runs), in alternating rounds.
+greedy, decoded by the engine a DSpark mesh runs (DSpark's stages drafting every request row by row, a lone one
+as a batch of one) and by the same engine with nobody drafting (what `--drafter off` runs), in alternating rounds.
 For each: aggregate tokens/s over the answers (prompts included, as a client meets them), target forwards
 (counted at the model's call) and tokens per forward per row, the acceptance, the verifies whose kept places
 were fed again (none, where every cache's writes replay: one target forward a step); whether every answer was the
 undrafted one, token for token; and the acceptance of each request's next turn (served from the tape) against its first.
-Beside them, undrafted rows: the drafting engine with no proposer (every row's pending token alone through the
-target a step), which is what plain batching would be if the row-wise engine served it instead of mlx-lm's
-BatchGenerator (the batch engine).
 
 The target is omlx's own DeepSeek-V4 (flyto-mlx's, in .venv-omlx) with the DSpark stages of
 tests/standins/dspark_v4, the tiny checkpoint of tests/pinned/dsv4.py: ratio-4 layers with pooled caches, a
@@ -31,29 +28,13 @@ from benchkit import report, say, spread
 
 from common.openai_api import SamplingParams
 from pinned.dsv4 import build_v4_checkpoint, set_up_omlx
-from runtime.engine.batch import BatchEngine
 from runtime.engine.jobs import Job
 from runtime.models.overlay import OMLX
 from runtime.rank import load_sharded
-from kit.drafters import Counted, drafting
-from runtime.engine.proposers import Plain, Stages
+from kit.drafters import Counted, drafting, undrafted
+from runtime.engine.proposers import Stages
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
-
-
-class Undrafted(Plain):
-    """No drafts: a row's pending token alone through the target each step."""
-
-    drafter, who, widest = "", "nobody", 0
-
-    def __init__(self, model):
-        self._model = model
-
-    def context(self, prefix) -> None:
-        return None
-
-    def forward(self, inputs: mx.array, cache: list):
-        return self._model(inputs, cache=cache), None
 
 
 def jobs(batch: int, tokens: int) -> list[Job]:
@@ -81,8 +62,10 @@ def next_acceptance(engine, counted: Counted, batch: int, tokens: int, said: dic
     return (t["draft_accepted"] - s["draft_accepted"]) / max(1, t["draft_proposed"] - s["draft_proposed"])
 
 
-def run(engine, counted: Counted, sent: list[Job]) -> tuple[float, int, dict[str, list[int]]]:
-    """Seconds to answer the requests `sent` at once, the target's forwards, and the answers."""
+def run(engine, counted: Counted, sent: list[Job], firsts: dict[str, float] | None = None
+        ) -> tuple[float, int, dict[str, list[int]]]:
+    """Seconds to answer the requests `sent` at once, the target's forwards, and the answers; into `firsts`, the
+    seconds to each answer's first token."""
     counted.forwards = 0
     said: dict[str, list[int]] = {}
     began = time.perf_counter()
@@ -91,6 +74,8 @@ def run(engine, counted: Counted, sent: list[Job]) -> tuple[float, int, dict[str
     while engine.busy:
         for e in engine.step():
             said.setdefault(e.rid, []).append(e.token)
+            if firsts is not None:
+                firsts.setdefault(e.rid, time.perf_counter() - began)
     mx.synchronize()
     return time.perf_counter() - began, counted.forwards, said
 
@@ -105,9 +90,8 @@ def main() -> None:
     set_up_omlx()
     checkpoint = build_v4_checkpoint(Path(tempfile.mkdtemp(prefix="meshd-rowwise-bench-")) / "v4")
     counted = Counted(load_sharded(checkpoint, mx.distributed.init(), lambda done, total: None, OMLX))
-    engines = {"undrafted": lambda: BatchEngine(counted, set(), prefill_step_size=128),
-               "drafted": lambda: drafting(counted, set(), Stages(counted), prefill_step_size=128),
-               "undrafted rows": lambda: drafting(counted, set(), Undrafted(counted), prefill_step_size=128)}
+    engines = {"undrafted": lambda: undrafted(counted, set(), prefill_step_size=128),
+               "drafted": lambda: drafting(counted, set(), Stages(counted), prefill_step_size=128)}
     rows, same = [], True
     for batch in (int(b) for b in args.batches.split(",")):
         rate = {name: [] for name in engines}
@@ -136,9 +120,7 @@ def main() -> None:
                     f"{statistics.median(rate['drafted']) / statistics.median(rate['undrafted']):.2f}x | "
                     f"{statistics.median(per_forward['undrafted']):.2f} | {statistics.median(per_forward['drafted']):.2f} | "
                     f"{statistics.median(acceptance):.0%} | {statistics.median(follow[False]):.0%} | "
-                    f"{statistics.median(follow[True]):.0%} | {max(refeeds)} | "
-                    f"{spread(rate['undrafted rows'], '{:.1f}')} | "
-                    f"{statistics.median(rate['undrafted rows']) / statistics.median(rate['undrafted']):.2f}x |")
+                    f"{statistics.median(follow[True]):.0%} | {max(refeeds)} |")
     report(["", f"## Row-wise DSpark against undrafted batching, one process (`bench/rowwise.py`, "
             f"{time.strftime('%Y-%m-%d')})", "",
             "omlx's own DeepSeek-V4 (flyto-mlx 0.7.0 at mlx 0.32.3 / mlx-lm 0.31.3; 5 layers 64 wide, compress "
@@ -149,15 +131,12 @@ def main() -> None:
             "target again (a cache whose writes could not be replayed), the most of any round. Acceptance on next "
             "turns: each request's next turn (its prompt, its answer, a new message: served from the token tape), "
             "sent after the timed round, untimed; with its stages' context kept with the tape, and blind (the "
-            "tape's taps dropped first, in an engine of its own that answered the same first turns). Undrafted rows: "
-            "the drafting engine with no proposer, against the batch engine (mlx-lm's BatchGenerator; SoloDecode "
-            "for B = 1).", "",
+            "tape's taps dropped first, in an engine of its own that answered the same first turns).", "",
             "| B | undrafted tok/s | drafted tok/s | drafted / undrafted | tokens a forward a row, undrafted | "
-            "drafted | acceptance | next turns, with context | next turns, blind | re-fed steps | undrafted rows "
-            "tok/s | undrafted rows / batch engine |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "drafted | acceptance | next turns, with context | next turns, blind | re-fed steps |",
+            "|---|---|---|---|---|---|---|---|---|---|",
             *rows, "",
-            "Every drafted answer, and every undrafted row's, was the batch engine's, token for token." if same
+            "Every drafted answer was the undrafted one, token for token." if same
             else "The answers were NOT the same.", "",
             f"Command: `{Path(sys.executable).parent.parent.name}/bin/python bench/rowwise.py --rounds {args.rounds} "
             f"--tokens {args.tokens}`"], args.write)

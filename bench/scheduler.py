@@ -1,14 +1,14 @@
 """The engines of this tree against those of another commit checked out beside it (the engines before the prefix
-store, the request record and the scheduler: 590ba63, or any later one), in one process each on this machine's
-CPU, for each drafter a request alone and B = 2, 4 requests at once: DSpark's stages (omlx's DeepSeek-V4 with
-the DSpark stand-in's stages, tests/pinned/dsv4.py), the model's MTP head and a draft model (the demo model with
-its head distilled, bench/mtp.py's; the draft model is the target itself, so every draft lands), each on the
-engine its tree builds for it (today the drafting engine, every request row by row; before 2026-12-07 a request
-alone took DSpark's single-request engine, and before 2026-12-08 the MTP head and a draft model decoded one
-request at a time, the others waiting); and plain batching at B = 1, 2, 4 on V4 (the batch engine; a lone request
-in SoloDecode). Each round runs both trees, one after the other in a process of its own (the order alternating),
-each case once to warm and once timed; tokens/s over the answers (prompts included), median (min-max), and
-whether both trees said the same tokens.
+store, the request record and the scheduler: 590ba63, or any later one), in one process each on this machine's CPU,
+for each drafter a request alone and B = 2, 4 requests at once: DSpark's stages (omlx's DeepSeek-V4 with the DSpark
+stand-in's stages, tests/pinned/dsv4.py), the model's MTP head and a draft model (the demo model with its head
+distilled, bench/mtp.py's; the draft model is the target itself, so every draft lands), each on the engine its tree
+builds for it (today the drafting engine, every request row by row; before 2026-12-07 a request alone took DSpark's
+single-request engine, and before 2026-12-08 the MTP head and a draft model decoded one request at a time, the
+others waiting); and plain batching at B = 1, 2, 4 on V4 (the engine with nobody drafting; up to 0b5531f the batch
+engine, mlx-lm's BatchGenerator, a lone request in SoloDecode). Each round runs both trees, one after the other in
+a process of its own (the order alternating), each case once to warm and once timed; tokens/s over the answers
+(prompts included), median (min-max), and whether both trees said the same tokens.
 
 Run in .venv-omlx:
 
@@ -34,8 +34,8 @@ from benchkit import ROOT, report, say, spread
 CASES = [(kind, b) for kind in ("dspark", "mtp", "draft model", "plain") for b in (1, 2, 4)]
 # where the engine's parts live: this tree's rooms, and the flat runtime/ of the base commit
 LAYOUTS = {
-    "rooms": {"batch": "runtime.engine.batch", "rowwise": "runtime.engine.rowwise", "jobs": "runtime.engine.jobs",
-              "overlay": "runtime.models.overlay", "store": "runtime.prefix.store"},
+    "rooms": {"rowwise": "runtime.engine.rowwise", "jobs": "runtime.engine.jobs", "overlay": "runtime.models.overlay",
+              "store": "runtime.prefix.store"},
     "flat": {"batch": "runtime.engine", "rowwise": "runtime.rowwise", "jobs": "runtime.jobs",
              "overlay": "runtime.overlay"},
 }
@@ -45,7 +45,9 @@ def worker(root: Path, checkpoint: Path, tokens: int) -> dict:
     """Every case on the engines of the tree at `root`: the seconds of its timed run and its answers.
     `checkpoint` holds V4's (v4/) and the demo model with an MTP head (mtp/)."""
     sys.path[:0] = [str(root), str(root / "tests")]
-    layout = LAYOUTS["rooms" if (root / "runtime" / "engine").is_dir() else "flat"]
+    layout = dict(LAYOUTS["rooms" if (root / "runtime" / "engine").is_dir() else "flat"])
+    if (root / "runtime" / "engine" / "batch.py").exists():  # plain batching up to 0b5531f
+        layout["batch"] = "runtime.engine.batch"
     part = {name: importlib.import_module(module) for name, module in layout.items()}
     dsv4, rank = importlib.import_module("pinned.dsv4"), importlib.import_module("runtime.rank")
     mx = importlib.import_module("mlx.core")
@@ -54,12 +56,18 @@ def worker(root: Path, checkpoint: Path, tokens: int) -> dict:
                               part["overlay"].OMLX)
     importlib.import_module("runtime.models.overlays.demo_mtp")
     mtp = importlib.import_module("mlx_lm.utils").load_model(checkpoint / "mtp")[0]
-    batch, rowwise = part["batch"].BatchEngine, part["rowwise"]
+    rowwise = part["rowwise"]
     quiet = {"prefill_step_size": 128, "log": lambda m: None}
 
     def prefixes(target):  # the prefix store, or before it the batch engine that held the tape
         return part["store"].PrefixStore(target, prefill_step_size=128) if "store" in part else \
-            batch(target, set(), prefill_step_size=128)
+            part["batch"].BatchEngine(target, set(), prefill_step_size=128)
+
+    def plain():  # the engine with nobody drafting, or before it the batch engine
+        if "batch" in part:
+            return part["batch"].BatchEngine(model, set(), prefill_step_size=128)
+        nobody = importlib.import_module("runtime.engine.proposers").Undrafted(model)
+        return rowwise.RowwiseEngine(model, set(), nobody, prefixes=prefixes(model), **quiet)
 
     def drafted(target, proposer: str, width: int, old):
         """The drafting engine with `proposer` (runtime/engine/proposers.py), or `old()` before it."""
@@ -79,7 +87,7 @@ def worker(root: Path, checkpoint: Path, tokens: int) -> dict:
         drafting = importlib.import_module("runtime.engine.drafting" if "store" in part else "runtime.drafting")
         return lambda: getattr(drafting, name)(mtp, *draft, set(), num_draft_tokens=width, **quiet)
 
-    engines = {"plain": lambda: batch(model, set(), prefill_step_size=128),
+    engines = {"plain": plain,
                "dspark": lambda: drafted(model, "dspark", 0, dspark_before),
                "mtp": lambda: drafted(mtp, "mtp", 2, one_at_a_time("MTPEngine", 2)),
                "draft model": lambda: drafted(mtp, "draft model", 3, one_at_a_time("SpeculativeEngine", 3, mtp))}
@@ -151,8 +159,9 @@ def main() -> None:
             "DSpark stand-in's stages) on each tree's DSpark engine; mtp (2 drafts a step) and draft model (3, the "
             "target drafting for itself): the demo model with an MTP head (hidden 64, 2 layers, head distilled 200 "
             "steps) on each tree's engine for that drafter (today every request row by row; before the drafting "
-            "engine, one request at a time); plain: V4 on the batch engine "
-            f"(SoloDecode for B = 1). Before: commit {base}. {args.rounds} alternating rounds, each tree in a "
+            "engine, one request at a time); plain: V4 undrafted (today the same engine with nobody drafting; "
+            f"up to 0b5531f the batch engine, SoloDecode for B = 1). Before: commit {base}. {args.rounds} "
+            "alternating rounds, each tree in a "
             "process of its own, each case warmed once; tokens/s, median (min-max).", "",
             "| engine | B | before tok/s | today tok/s | today / before |", "|---|---|---|---|---|", *rows, "",
             "Both trees said the same tokens in every case." if same else "The answers were NOT the same.", "",

@@ -31,7 +31,8 @@ from kit.demo_answers import endless
 from kit.snapshots import EVERY, Gen, answer_in_flight
 from kit.waiting import wait_for
 from runtime.models.demo_model import DemoModelSpec, build_demo_model
-from runtime.engine.batch import BatchEngine, Job
+from kit.drafters import undrafted
+from runtime.engine.jobs import Job
 from runtime.prefix.snapshot import Identity, Snapshots
 from runtime.prefix.store import PrefixStore
 
@@ -111,7 +112,7 @@ def loop_share(model: Path, work: Path, tokens: int = 512) -> dict:
     share of the loop's time spent in the snapshots' part of it (the writer thread runs beside it)."""
     loaded, tok = load(str(model))
     snaps = TimedSnapshots(work / "loop", Identity("bench", 1, 0, "bench"), 1 << 30, EVERY, log=lambda m: None)
-    engine = BatchEngine(loaded, set(tok.eos_token_ids), prefixes=PrefixStore(loaded, snapshots=snaps))
+    engine = undrafted(loaded, set(tok.eos_token_ids), prefixes=PrefixStore(loaded, snapshots=snaps))
     bias = endless(model)["logit_bias"]
     engine.insert(Job("bench", tuple(tok.encode(SENTENCE * 4)), tokens, 1,
                       SamplingParams(max_tokens=tokens, temperature=1.0,

@@ -27,7 +27,7 @@ from benchkit import report, say, spread
 
 from common.openai_api import SamplingParams
 from pinned.dsv4 import build_v4_checkpoint, set_up_omlx
-from runtime.engine.batch import BatchEngine
+from kit.drafters import undrafted
 from runtime.engine.jobs import Job
 from runtime.models.overlay import OMLX
 from runtime.prefix.store import PrefixStore
@@ -108,7 +108,7 @@ def main() -> None:
     runs: dict[str, list] = {arm: [] for arm in arms}
     for r in range(args.rounds):
         for arm in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
-            engine = BatchEngine(model, set(), prefill_step_size=CHUNK,
+            engine = undrafted(model, set(), prefill_step_size=CHUNK,
                                  prefixes=PrefixStore(model, prefill_step_size=CHUNK, **arms[arm]))
             runs[arm].append(run(engine, Conversation()))
             say(f"round {r + 1} {arm}: {sum(one[0] for one in runs[arm][-1])} tokens cached over ten turns")

@@ -34,8 +34,7 @@ from common.states import RankState
 from common.statusfile import RankStatus
 from runtime.engine import grammar
 from runtime.models import dspark, families
-from runtime.engine.proposers import DraftModel, Head, Proposer, Stages
-from runtime.engine.batch import BatchEngine
+from runtime.engine.proposers import DraftModel, Head, Proposer, Stages, Undrafted
 from runtime.engine.scheduler import adopt_restored
 from runtime.lockstep import Cancel, CompileGrammar, Drain, DrainMode, Insert, Message, RestoreFirst
 from runtime.join import join_mesh
@@ -436,34 +435,32 @@ def load(args, group, hb: Heartbeat, overlay, log) -> tuple:
     return model, loaded_in
 
 
-def make_engine(args, model, eos: set[int], rank: int, world: int, hb: Heartbeat, log):
-    """The engine the args and the model ask for: every request drafted row by row (by a draft model, DSpark's
-    stages or the model's MTP head), or the batch engine. Either takes the one prefix store built here
+def make_engine(args, model, eos: set[int], rank: int, world: int, hb: Heartbeat, log) -> RowwiseEngine:
+    """The engine: every request row by row (a request alone is a batch of one), drafted by a draft model,
+    DSpark's stages or the model's MTP head, or by nobody. It takes the one prefix store built here
     (`engine.prefixes`)."""
     prefixes = prefix_store(args, Path(args.model), model, rank, world, log)
     proposer = proposer_for(args, model)
-    if proposer is None:
-        return BatchEngine(model, eos, prefill_step_size=args.prefill_step_size,
-                           completion_batch_size=args.completion_batch_size, prefixes=prefixes)
     engine = RowwiseEngine(model, eos, proposer, prefixes=prefixes, num_draft_tokens=args.num_draft_tokens or 0,
                            prefill_step_size=args.prefill_step_size,
                            completion_batch_size=args.completion_batch_size, log=log)
     hb.update(**engine.stats())
-    log(f"drafter armed: {proposer.armed(engine.width)}, every request drafted row by row (a request alone is a "
-        "batch of one)")
+    if engine.width:
+        log(f"drafter armed: {proposer.armed(engine.width)}, every request drafted row by row (a request alone is "
+            "a batch of one)")
     return engine
 
 
-def proposer_for(args, model) -> Proposer | None:
-    """Who drafts: the --draft-model, else with --drafter auto DSpark's stages or the model's MTP head; None
-    when nothing drafts."""
+def proposer_for(args, model) -> Proposer:
+    """Who drafts: the --draft-model, else with --drafter auto DSpark's stages or the model's MTP head; nobody
+    (`Undrafted`) when nothing does."""
     if args.draft_model:
         return DraftModel(model, load_whole(args.draft_model)[0], args.prefill_step_size)
     if args.drafter == "auto" and dspark.stages(model):
         return Stages(model)
     if args.drafter == "auto" and hasattr(model, "mtp_draft"):
         return Head(model)
-    return None
+    return Undrafted(model)
 
 
 def restore_behind(prefixes: PrefixStore, model, lockstep: Lockstep, loaded_in: float, log,

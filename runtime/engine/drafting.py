@@ -23,7 +23,7 @@ def place_logprobs(logits: mx.array, processors: list, said: mx.array | None, dr
         rows = []
         for p in range(logits.shape[0]):
             row = logits[p:p + 1]
-            seen = mx.concatenate([said, drafts[:p]])
+            seen = mx.concatenate([said, drafts[:p]]) if p else said
             for processor in processors:
                 row = processor(seen, row)
             rows.append(row)

@@ -1,5 +1,5 @@
-"""Who proposes a row's drafts: DeepSeek-V4's DSpark stages, the model's own MTP head, or a draft model. The
-row-wise engine (runtime/engine/rowwise.py) is the same for each; a proposer says how the target is run
+"""Who proposes a row's drafts: DeepSeek-V4's DSpark stages, the model's own MTP head, a draft model, or nobody
+(plain decoding: `Undrafted`). The row-wise engine (runtime/engine/rowwise.py) is the same for each; a proposer says how the target is run
 (`forward`: its logits, and the states its drafts are made from), what a row's drafter holds (`context`), what
 it learns of a prompt going in (`prefilled`) and the row's next drafts after a verify (`draft`), each taken
 greedily from logits its request's grammar allows. A drafter's mistakes cost only speed: the target keeps a
@@ -102,10 +102,14 @@ class Stages:
 
 
 class Plain:
-    """A proposer that keeps no taps for the tape, arms nothing and learns nothing of a prompt going in; it
-    drafts `widest` a step unless asked for another width."""
+    """A proposer that runs the target as it is (its states: none), keeps no taps for the tape, arms nothing and
+    learns nothing of a prompt going in; it drafts `widest` a step unless asked for another width."""
 
     widest: int
+    _model: object
+
+    def forward(self, inputs: mx.array, cache: list):
+        return self._model(inputs, cache=cache), None
 
     def width(self, asked: int) -> int:
         return asked or self.widest
@@ -121,6 +125,22 @@ class Plain:
 
     def prefilled(self, row: Request, states, following: mx.array) -> None:
         pass
+
+
+class Undrafted(Plain):
+    """Nobody drafts: each step a row's pending token alone through the target (what `--drafter off` and a model
+    with no drafter run)."""
+
+    drafter, who, widest = "", "nobody", 0
+
+    def __init__(self, model):
+        self._model = model
+
+    def width(self, asked: int) -> int:
+        return 0
+
+    def context(self, prefix: Prefix) -> None:
+        return None
 
 
 class Head(Plain):
@@ -177,9 +197,6 @@ class DraftModel(Plain):
 
     def context(self, prefix: Prefix) -> list:
         return make_prompt_cache(self._draft)
-
-    def forward(self, inputs: mx.array, cache: list):
-        return self._model(inputs, cache=cache), None
 
     def draft(self, row: Request, states) -> mx.array:
         cache = row.context

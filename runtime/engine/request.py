@@ -1,5 +1,5 @@
 """The request record: one request as an engine holds it from its first step to its end, through its prompt
-going in, decoding or drafting, its grammar, its snapshots and its hand-over to a batch."""
+going in, decoding or drafting, its grammar, its snapshots and its rows of the batch."""
 
 from __future__ import annotations
 
@@ -28,8 +28,6 @@ class Request:
     grammar: GrammarMask | None
     said: mx.array | None  # what a drafter's processors see: the prompt and the tokens emitted (None without)
     count: int = 0  # tokens emitted
-    uid: int | None = None  # its row of the batch engine's BatchGenerator
-    prompt_left: int = 0  # a batched row's prompt not yet prefilled
     # drafting: the last token (of the prompt, or emitted) not yet through the target, the drafts after it (on
     # the device), whether it is still drafted, its drafter's context (DSpark's stages' committed taps, or
     # the MTP head's cache) and this step's tokens that go out

@@ -1,6 +1,6 @@
-"""The drafting engine: every request drafted row by row, a lone one as a batch of one, its drafts proposed
-by the engine's proposer (runtime/engine/proposers.py: DSpark's stages, the model's MTP head, a draft model),
-one batched verify a step.
+"""The engine: every request a row of one batch, a lone one as a batch of one, its drafts proposed by the
+engine's proposer (runtime/engine/proposers.py: DSpark's stages, the model's MTP head, a draft model; or
+nobody), one batched verify a step.
 
 A request's prompt goes through the target in its own caches, as the plain decoder takes it (in chunks, a
 resumed answer's tokens in the pieces decoding gives: pools.prompt_piece), its drafter learning it as it goes;
@@ -28,15 +28,17 @@ A row that ends leaves the batch at once, its caches taken out of it into the pr
 the next turn of its conversation prefills only its new tokens); a row that comes joins once its prompt is in,
 while the others go on: no answer waits for another, and none is handed over.
 
-While no row drafts (each asked for none, or its drafting was refused), none has processors and no prompt waits
-to join, a step is plain: each row's pending token alone. Then the next step is queued on the device, fed the
-tokens this one sampled there, before this one is read back (as mlx-lm's generate_step and BatchGenerator go a
-step ahead): the host's work of a step runs while the device computes the next. A row that ends meanwhile
-leaves with its last token in its caches (its tape says so), and the queued step's place for it is dropped.
+While no row drafts (each asked for none, or its drafting was refused, or nobody drafts: `--drafter off`) and
+no prompt waits to join, a step is plain: each row's pending token alone. Then the next step is queued on the
+device, fed the tokens this one sampled there, before this one is read back (as mlx-lm's generate_step and
+BatchGenerator go a step ahead): the host's work of a step (a grammar's mask among it) runs while the device
+computes the next. A row that ends meanwhile leaves with its last token in its caches (its tape says so), and
+the queued step's place for it is dropped.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -166,7 +168,8 @@ class RowwiseEngine:
     def _prefill(self, rows: list[Request], n: int) -> None:
         """The next `n` of each row's prompt (rows at one place) through its own caches, in one forward: several
         rows' caches merged for it (of one length, they need no pads) and taken back out after; each row's
-        drafter learning its own."""
+        drafter learning its own; its rate noted for the restores to weigh."""
+        began = time.perf_counter()
         chunks = [r.todo[:n] for r in rows]
         for r in rows:
             r.todo = r.todo[n:]
@@ -185,6 +188,7 @@ class RowwiseEngine:
                 with self._refusals(r):
                     self.proposer.prefilled(r, mine, mx.array(chunk[1:] + r.todo[:1], dtype=mx.uint32))
         mx.eval([c.state for r in rows for c in r.cache])
+        self.prefixes.prefilled(n * len(rows), time.perf_counter() - began)
         self.prefixes.pump()
         for r in rows:
             r.taken.reached(r.cache, r.base)
@@ -259,16 +263,17 @@ class RowwiseEngine:
     # --- plain steps, each queued a step ahead ----------------------------------------------------------------
     def _plain(self) -> bool:
         """Whether the batch's next step is queued before this one is read back (`scheduler.ahead`)."""
-        return ahead(len(self._joining), [not (r.drafting or r.processors) for r in self._rows])
+        return ahead(len(self._joining), [not r.drafting for r in self._rows])
 
     def _queue(self, pending: mx.array, unread: int) -> Queued:
         """Every row's `pending` token (on the device: [rows, 1]) through the target, queued and not waited for;
         each row's token is its answer's token `count + unread` (`unread` tokens still to be read back before
-        it). Its caches hold the pending token from here (`base` counts it)."""
+        it), its processors shown what it said up to its pending token. Its caches hold the pending token from
+        here (`base` counts it)."""
         rows = list(self._rows)
         with mx.stream(generation_stream), pools.decoding():
             logits, states = self.proposer.forward(pending, self._cache)
-            logprobs = [place_logprobs(logits[i], [], None, pending[i, 1:]) for i in range(len(rows))]
+            logprobs = [place_logprobs(logits[i], r.processors, r.said, pending[i, 1:]) for i, r in enumerate(rows)]
             sampled = mx.stack([sample_places(r.job, r.count + unread, lp) for r, lp in zip(rows, logprobs)])
         mx.async_eval([a for a in (states, sampled, *logprobs) if a is not None])
         for r in rows:
@@ -278,11 +283,17 @@ class RowwiseEngine:
     def _read(self, queued: Queued, go_on: bool) -> list[Emission]:
         """The `queued` step read back, its rows' tokens emitted; with `go_on`, the next step is queued first,
         from its tokens still on the device. A row cancelled since it was queued is passed over; one that ended
-        leaves with its last token in its caches (the next step fed it)."""
+        leaves with its last token in its caches (the next step fed it). What a row with processors said takes
+        its token on the device, so that the next step's processors run while this one is read (a grammar's
+        mask is built on the host while the device computes the forward: GrammarMask)."""
         self._queued = None
+        for i, r in enumerate(queued.rows):
+            if r.said is not None and r in self._rows:
+                r.said = mx.concatenate([r.said, queued.sampled[i]])
         if go_on:
             where = [queued.rows.index(r) for r in self._rows]
-            self._queued = self._queue(queued.sampled[mx.array(where)], unread=1)
+            self._queued = self._queue(queued.sampled if where == list(range(len(queued.rows))) else
+                                       queued.sampled[mx.array(where)], unread=1)
         out, ended = [], []
         for i, (r, tokens) in enumerate(zip(queued.rows, queued.sampled.tolist())):
             if r not in self._rows:
@@ -353,8 +364,8 @@ class RowwiseEngine:
                 c.finalize()
 
     def _emit(self, row: Request, logprobs: mx.array, drafts: tuple[int, int]) -> list[Emission]:
-        """The row's kept tokens, the first saying the step's `drafts` (proposed, accepted), which the engine's
-        totals count."""
+        """The row's kept tokens, the first saying the step's `drafts` (proposed, accepted) where the engine
+        drafts, which its totals count."""
         self.proposed += drafts[0]
         self.accepted += drafts[1]
         out = []
@@ -362,7 +373,7 @@ class RowwiseEngine:
             row.count += 1
             reason = finish_reason(token, row.count, row.job.max_tokens, self._eos)
             e = emission(row.job.rid, token, reason, logprobs[i], row.job.logprobs)
-            out.append(e if i else replace(e, drafts=drafts))
+            out.append(e if i or not self.width else replace(e, drafts=drafts))
         row.tape += row.kept
         return out
 
@@ -378,8 +389,8 @@ class RowwiseEngine:
                     self.prefixes.pump()
                     r.since = self.prefixes.keep(r.job.tenant, r.since, r.fed, self._own(i), True, r.taken, r.recent)
         self._rows = [self._rows[i] for i in keep]
-        if not keep:
-            self._cache, self._merged = None, False
+        if not keep:  # a step queued for them is not read back
+            self._cache, self._merged, self._queued = None, False, None
         elif self._merged:
             for c in self._cache:
                 c.filter(keep)

@@ -28,38 +28,24 @@ def token_key(seed: int, i: int) -> mx.array:
     return mx.random.key((z ^ (z >> 31)) & ((1 << 63) - 1))
 
 
-class SeededSampler:
-    """Temperature sampling after top-k, min-p and top-p, with token i drawn from
-    `token_key(seed, i)`: the same seed replays the same tokens, on every rank,
-    whatever else shares the batch, and from any token on."""
-
-    def __init__(self, seed: int, sampling: dict, start: int = 0):
-        self._seed = seed
-        self._i = start
-        self._inv_temp = 1.0 / sampling["temperature"]
-        self._top_p, self._top_k, self._min_p = sampling["top_p"], sampling["top_k"], sampling["min_p"]
-
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        key = token_key(self._seed, self._i)
-        self._i += 1
-        if 0 < self._top_k < logprobs.shape[-1]:
-            logprobs = apply_top_k(logprobs, self._top_k)
-        if self._min_p > 0.0:
-            logprobs = apply_min_p(logprobs, self._min_p)
-        if 0.0 < self._top_p < 1.0:
-            logprobs = apply_top_p(logprobs, self._top_p)
-        return mx.random.categorical(logprobs * self._inv_temp, key=key)
-
-
-def sampler_for(job: Job):
-    return greedy if job.sampling["temperature"] == 0.0 else SeededSampler(job.seed, job.sampling, job.offset)
+def seeded(seed: int, sampling: dict, i: int, logprobs: mx.array) -> mx.array:
+    """Token i of an answer drawn at its temperature after top-k, min-p and top-p, with `token_key(seed, i)`: the
+    same seed replays the same tokens, on every rank, whatever else shares the batch, and from any token on."""
+    top_k, min_p, top_p = sampling["top_k"], sampling["min_p"], sampling["top_p"]
+    if 0 < top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, top_k)
+    if min_p > 0.0:
+        logprobs = apply_min_p(logprobs, min_p)
+    if 0.0 < top_p < 1.0:
+        logprobs = apply_top_p(logprobs, top_p)
+    return mx.random.categorical(logprobs * (1.0 / sampling["temperature"]), key=token_key(seed, i))
 
 
 def sample_at(job: Job, i: int, logprobs: mx.array) -> mx.array:
     """The job's token i from `logprobs` (one row, [1, vocab], as plain decoding holds it), drawn as plain
     decoding draws it: greedy, or with token_key(seed, i)."""
     return greedy(logprobs) if job.sampling["temperature"] == 0.0 else \
-        SeededSampler(job.seed, job.sampling, job.offset + i)(logprobs)
+        seeded(job.seed, job.sampling, job.offset + i, logprobs)
 
 
 REREAD = 64  # the answer's last tokens a mask reads again: only a verify's drafts, fewer, change under it

@@ -1,33 +1,13 @@
-"""The scheduler's decisions, pure: which requests start alone and which batched, when one running alone hands
-over to the batch, each step of a batch whose prompts go in apart (which prompt a piece goes in, which joins,
-how wide the verify drafts, whether the next step is queued before this one is read back), and when the tapes
-restored behind serving join the token tape. Every engine and the rank loop ask here and carry out the answer,
-so each is decided once; every rank asks with the same facts at the same step (the lockstep loop's), so every
-rank decides alike."""
+"""The scheduler's decisions, pure: each step of the batch, whose prompts go in apart from it (which prompts a
+piece goes in, which join, how wide the verify drafts, whether the next step is queued before this one is read
+back), and when the tapes restored behind serving join the token tape. The engine and the rank loop ask here
+and carry out the answer, so each is decided once; every rank asks with the same facts at the same step (the
+lockstep loop's), so every rank decides alike."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Admission:
-    """What the requests waiting at a step boundary do, in this order."""
-
-    alone: bool = False  # the one waiting starts alone, at the plain loop's speed (SoloDecode)
-    hand_over: bool = False  # the request running alone goes on in the batch, its place kept exactly
-    join: int = 0  # how many of the waiting, first come first, join the batch
-
-
-def admit(waiting: int, alone: bool, batched: bool) -> Admission:
-    """A request alone runs alone while nothing else does; a second one ends that: the one alone hands over to
-    the batch and every waiting request joins it. `alone`: a request runs alone; `batched`: the batch has rows."""
-    if not waiting:
-        return Admission()
-    if waiting == 1 and not (alone or batched):
-        return Admission(alone=True)
-    return Admission(hand_over=alone, join=waiting)
 
 
 @dataclass(frozen=True)
@@ -77,8 +57,8 @@ def plan(joining: Sequence[Row], rows: Sequence[Row], room: int) -> Plan:
 
 def ahead(joining: int, plain: Sequence[bool]) -> bool:
     """Whether a batch's next step can be queued on the device before this one is read back, as mlx-lm's
-    generate_step queues the next token: the batch has rows, each `plain` (it drafts nothing and has no
-    processors, which read what was said), and no prompt is `joining` (the batch stays as it is)."""
+    generate_step queues the next token: the batch has rows, each `plain` (it drafts nothing: its next step
+    feeds one token, whatever this one sampled), and no prompt is `joining` (the batch stays as it is)."""
     return bool(plain) and not joining and all(plain)
 
 

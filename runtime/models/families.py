@@ -13,8 +13,9 @@ from pathlib import Path
 TRIMMABLE = frozenset({"KVCache", "QuantizedKVCache", "ConcatenateKVCache"})
 # Families whose mlx-lm 0.32.2 code reads the left padding of a batch, so a prompt shorter than another in the
 # same batch gets another answer than it gets alone (tests/models/test_families.py shows each still does).
+# longcat_flash_ngram's n-gram embedding hashed the padding of mlx-lm's BatchGenerator's prompts; the engine's
+# rows take their prompts in alone, and it answers in a batch as alone.
 PADDING_BLIND = {
-    "longcat_flash_ngram": "its n-gram embedding hashes the padding",
     "minimax_m3_vl": "its sparse attention indexes the padding",
 }
 
@@ -24,7 +25,7 @@ class Needs:
     model_type: str
     metal_kernels: tuple[str, ...] = ()  # mlx-lm's Metal-only kernels (mlx_lm.kernels) its model code calls
     caches: frozenset[str] = frozenset({"KVCache"})  # the cache types of its layers
-    unbatchable: frozenset[str] = frozenset()  # those that cannot join mlx-lm's batches (no `merge`)
+    unbatchable: frozenset[str] = frozenset()  # those that cannot join a batch's caches (no `merge`)
 
 
 def refusal(needs: Needs, *, metal: bool, draft: Needs | None = None, batch: int = 16) -> str | None:
@@ -38,10 +39,10 @@ def refusal(needs: Needs, *, metal: bool, draft: Needs | None = None, batch: int
         return (f"--draft-model (speculative decoding) cannot draft with a {draft.model_type} model: the draft "
                 f"model's {', '.join(untrimmable)} cannot give back the drafts the target rejects, so it would "
                 "draft nothing after its first miss; pick a draft model with plain KV caches, or drop --draft-model")
-    if needs.unbatchable:
-        return (f"{family} models cannot be served: meshd's engines batch every request (mlx-lm's BatchGenerator, "
-                f"or a drafter's rows), which cannot take their {', '.join(sorted(needs.unbatchable))} (no merge in "
-                "this mlx-lm); serve it with an mlx-lm whose cache merges")
+    if needs.unbatchable and batch > 1:
+        return (f"{family} models cannot be batched: the rows of a batch share its caches, and their "
+                f"{', '.join(sorted(needs.unbatchable))} cannot be merged in this mlx-lm; serve one request at a "
+                "time: --completion-batch-size 1 ([runtime] args.completion_batch_size = 1)")
     if family in PADDING_BLIND and batch > 1:
         return (f"{family} models answer differently when batched with a longer prompt in this mlx-lm "
                 f"({PADDING_BLIND[family]}); serve one request at a time: --completion-batch-size 1 "

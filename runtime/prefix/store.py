@@ -1,5 +1,5 @@
 """The prefix store: what a rank keeps of the prompts it served, built once by the rank process and handed to
-whichever engine decodes (the batch engine, DSpark drafting alone and row by row). It holds the token tape
+the engine (runtime/engine/rowwise.py, drafting or not). It holds the token tape
 (runtime/prefix/tape.py), the snapshots on disk (runtime/prefix/snapshot.py), the rates restores weigh
 (runtime/prefix/rates.py) and where prompts stop for checkpoints (runtime/prefix/checkpoints.py). A request's
 own part (its snapshot point, its checkpoints) stays with the request: the store is told it at each call."""
@@ -79,7 +79,7 @@ class PrefixStore:
         return self._kind is not None and due(since[1], told, self.snapshots.every, False, self._kind == "whole")
 
     def prefilled(self, tokens: int, seconds: float) -> None:
-        """A prefill done alone, noted in the rates restores weigh."""
+        """A piece of prompts gone in, noted in the rates restores weigh."""
         self._prefilled = (self._prefilled[0] + tokens, self._prefilled[1] + seconds)
         self.rates.note(prefill_tps=self._prefilled[0] / self._prefilled[1])
 

@@ -1,4 +1,4 @@
-"""The token tape: the batch engine's prefix cache, keyed by post-template token ids.
+"""The token tape: the engine's prefix cache, keyed by post-template token ids.
 
 A cache is reused only where that is exact. A plain KV cache is cut back to
 the prefix a prompt shares with its tape. Some caches cannot be trimmed: a

@@ -140,7 +140,7 @@ def upgrade(dist_info: Path) -> Path:
 
 
 @pytest.mark.parametrize("change", [
-    lambda code: replace_with_a_copy(code / "runtime" / "engine" / "batch.py"),  # a module it imported
+    lambda code: replace_with_a_copy(code / "runtime" / "engine" / "rowwise.py"),  # a module it imported
     lambda code: upgrade(code / "meshd_copy-0.1.dist-info"),  # the distribution its modules come from
 ], ids=["a module replaced", "its distribution upgraded"])
 def test_a_stale_standby_is_replaced(agent, demo_model, change):

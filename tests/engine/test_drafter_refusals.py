@@ -11,8 +11,8 @@ from common.openai_api import SamplingParams
 import runtime.models.overlays.demo_mtp  # noqa: F401  (registers model type demo_mtp)
 from runtime.models.demo_model import DemoModelSpec, build_demo_model
 from runtime.engine.proposers import DraftModel, Head
-from runtime.engine.batch import BatchEngine, Job
-from kit.drafters import drafting
+from runtime.engine.jobs import Job
+from kit.drafters import drafting, undrafted
 
 GREEDY = SamplingParams(max_tokens=1).sampling()
 SEEDED = SamplingParams(max_tokens=1, temperature=0.9, seed=7).sampling()
@@ -56,7 +56,7 @@ def test_a_refusal_in_the_target_or_the_head_falls_back_for_that_request(models,
                                                                          monkeypatch):
     target, _, eos = models
     variable, error = fault
-    plain = {p: answer(BatchEngine(target, eos), Job("x", p, 24, 7, sampling)) for p in (PROMPT, OTHER)}
+    plain = {p: answer(undrafted(target, eos), Job("x", p, 24, 7, sampling)) for p in (PROMPT, OTHER)}
     said = []
     engine = drafter(kind, models, said.append)
     unrefused = answer(engine, Job("a", PROMPT, 24, 7, sampling))

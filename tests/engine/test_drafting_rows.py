@@ -10,8 +10,7 @@ from mlx_lm.utils import load_model
 
 from common.openai_api import SamplingParams
 import runtime.models.overlays.demo_mtp  # noqa: F401  (registers model type demo_mtp)
-from kit.drafters import drafting
-from runtime.engine.batch import BatchEngine
+from kit.drafters import drafting, undrafted
 from runtime.engine.jobs import Job
 from runtime.engine.proposers import DraftModel, Head
 from runtime.engine.rowwise import RowwiseEngine
@@ -49,11 +48,11 @@ def answers(engine, jobs: dict[str, Job], arrivals: dict[int, list[str]]) -> dic
 def test_requests_that_come_join_the_rows_and_each_answer_is_plain_decodings(mtp_demo, proposer, sampling):
     model, eos = mtp_demo
     jobs = {rid: Job(rid, prompt, 40, i, sampling) for i, (rid, prompt) in enumerate(PROMPTS.items())}
-    plain = {rid: answers(BatchEngine(model, eos, prefill_step_size=16), jobs, {0: [rid]})[rid] for rid in jobs}
+    plain = {rid: answers(undrafted(model, eos, prefill_step_size=16), jobs, {0: [rid]})[rid] for rid in jobs}
     # the model reads its context: a's prompt without its middle is answered otherwise (a cache that lost those
     # positions would show in the answer)
     cut = replace(jobs["a"], prompt=PROMPTS["a"][:10] + PROMPTS["a"][30:])
-    assert answers(BatchEngine(model, eos), {"a": cut}, {0: ["a"]})["a"] != plain["a"]
+    assert answers(undrafted(model, eos), {"a": cut}, {0: ["a"]})["a"] != plain["a"]
     # the draft model is the target itself: greedy, every draft lands; seeded, the rows keep different counts
     engine = drafting(model, eos, Head(model) if proposer == "mtp" else DraftModel(model, model, 16),
                       num_draft_tokens=3, prefill_step_size=16)
@@ -71,7 +70,7 @@ def test_a_batch_of_one_row_takes_the_next_request_when_the_first_ends(mtp_demo)
     prompt goes in while the first decodes, and it joins once the first has ended; no verify holds two rows."""
     model, eos = mtp_demo
     jobs = {rid: Job(rid, prompt, 24, i, GREEDY) for i, (rid, prompt) in enumerate(PROMPTS.items()) if rid != "c"}
-    plain = {rid: answers(BatchEngine(model, eos, prefill_step_size=16), jobs, {0: [rid]})[rid] for rid in jobs}
+    plain = {rid: answers(undrafted(model, eos, prefill_step_size=16), jobs, {0: [rid]})[rid] for rid in jobs}
     engine = RowwiseEngine(model, eos, Head(model), prefixes=PrefixStore(model, prefill_step_size=16),
                            num_draft_tokens=3, prefill_step_size=16, completion_batch_size=1, log=lambda line: None)
     said = []  # (rid, token) in the order they came out
@@ -94,7 +93,7 @@ def test_rows_that_ask_for_no_drafts_are_each_stepped_ahead_and_answer_as_plain_
     prompts = {**PROMPTS, "d": tuple(range(160, 180))}
     jobs = {rid: Job(rid, prompt, limits[rid], i, sampling, draft_tokens=0) for i, (rid, prompt) in
             enumerate(prompts.items())}
-    plain = {rid: answers(BatchEngine(model, eos, prefill_step_size=16), jobs, {0: [rid]})[rid] for rid in jobs}
+    plain = {rid: answers(undrafted(model, eos, prefill_step_size=16), jobs, {0: [rid]})[rid] for rid in jobs}
     engine = drafting(model, eos, Head(model), num_draft_tokens=3, prefill_step_size=16)
     out: dict[str, list[int]] = {}
     ahead = []  # of each step that emitted tokens: whether the step after it was on the device when it returned
@@ -116,5 +115,5 @@ def test_rows_that_ask_for_no_drafts_are_each_stepped_ahead_and_answer_as_plain_
     # b's next turn: its prompt, its answer and a new message, every token of the first turn from its tape
     turn = replace(jobs["b"], rid="b2", prompt=prompts["b"] + tuple(plain["b"]) + (7, 8, 9))
     assert engine.insert(turn) == len(prompts["b"]) + limits["b"]
-    assert answers(engine, {}, {}) == answers(BatchEngine(model, eos, prefill_step_size=16), {"b2": turn},
+    assert answers(engine, {}, {}) == answers(undrafted(model, eos, prefill_step_size=16), {"b2": turn},
                                                 {0: ["b2"]})

@@ -1,4 +1,4 @@
-"""The token tape, the seeded sampler, the batch engine's solo path and the lockstep exchange's judgement, on
+"""The token tape, the seeded draws, the engine's plain rows and the lockstep exchange's judgement, on
 real mlx caches, arrays and the demo model."""
 
 from dataclasses import replace
@@ -10,11 +10,11 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from common.openai_api import SamplingParams
 from runtime.models.demo_model import DemoModelSpec, build_demo_model
 from runtime.engine.proposers import DraftModel, Head
-from runtime.engine.batch import BatchEngine, Job
-from kit.drafters import drafting
+from runtime.engine.jobs import Job
+from kit.drafters import drafting, undrafted
 from runtime.engine.jobs import Divergence
 from runtime.lockstep import Lockstep, PeerLost, fold
-from runtime.engine.sampling import SeededSampler
+from runtime.engine.sampling import sample_at
 from runtime.prefix.tape import TokenTape, replaces, reusable_prefix
 
 
@@ -108,17 +108,16 @@ def test_when_a_new_tape_replaces_a_stored_one(shared, stored, new, trimmable, r
 SAMPLING = SamplingParams(max_tokens=1, temperature=1.0).sampling()
 
 
-def test_seeded_sampler_replays_and_differs_by_seed():
+def test_seeded_draws_replay_and_differ_by_seed_and_a_resumed_answer_draws_what_it_would_have():
     logits = mx.zeros((1, 50))
 
-    def draw(seed):
-        sampler = SeededSampler(seed, SAMPLING)
-        return [sampler(logits).item() for _ in range(20)]
+    def draw(seed, offset=0, n=20):
+        job = Job("a", (1,), n, seed, SAMPLING, offset=offset)
+        return [sample_at(job, i, logits).item() for i in range(n)]
 
     assert draw(1) == draw(1)
     assert draw(1) != draw(2)
-    resumed = SeededSampler(1, SAMPLING, start=12)
-    assert [resumed(logits).item() for _ in range(8)] == draw(1)[12:]
+    assert draw(1, offset=12, n=8) == draw(1)[12:]
 
 
 SAMPLINGS = pytest.mark.parametrize("sampling", [
@@ -136,7 +135,7 @@ def demo(demo_model):
 
 def answers(model, eos, jobs: list[Job], join_at: int | None = None, prefill_step_size: int = 512) -> dict:
     """Every job's tokens: the first alone from the start, the others inserted after `join_at` steps."""
-    engine = BatchEngine(model, eos, prefill_step_size=prefill_step_size)
+    engine = undrafted(model, eos, prefill_step_size=prefill_step_size)
     out = {j.rid: [] for j in jobs}
     engine.insert(jobs[0])
     waiting, steps = list(jobs[1:]), 0
@@ -170,7 +169,7 @@ def test_a_solo_answer_is_the_reference_greedy_answer_and_feeds_the_tape(demo, r
     model, tokenizer = demo
     greedy = {**SAMPLING, "temperature": 0.0}
     prompt = tuple(tokenizer.encode("hello"))
-    engine = BatchEngine(model, set(tokenizer.eos_token_ids))
+    engine = undrafted(model, set(tokenizer.eos_token_ids))
     engine.insert(Job("a", prompt, 24, 0, greedy))
     tokens = []
     while engine.busy:
@@ -178,6 +177,34 @@ def test_a_solo_answer_is_the_reference_greedy_answer_and_feeds_the_tape(demo, r
     assert tokenizer.decode(tokens) == reference(list(prompt), 24)
     # a follow-up that extends the answer prefills only what is new
     assert engine.insert(Job("b", prompt + tuple(tokens[:10]) + prompt, 4, 0, greedy)) == len(prompt) + 10
+
+
+@pytest.mark.parametrize("join_at", [None, 6], ids=["alone", "joined mid-answer"])
+def test_rows_with_penalties_and_a_bias_go_a_step_ahead_and_answer_as_mlx_lms_own_decoding(demo, join_at):
+    """A row with logits processors (here a repetition penalty and a logit bias, as a grammar's mask is one) is
+    stepped ahead like any plain row: its processors see what it said on the device, its last token among it.
+    Its greedy answer is mlx-lm's generate_step's with the same processors, alone or with a row joining; a
+    processor one token behind would repeat where the penalty forbids it."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, tokenizer = demo
+    s = {**SAMPLING, "temperature": 0.0, "repetition_penalty": 2.0, "logit_bias": ((5, 3.0),)}
+    prompt = tuple(tokenizer.encode("the mesh of ranks, the mesh of ranks, the mesh"))
+    processors = make_logits_processors(logit_bias={5: 3.0}, repetition_penalty=2.0)
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=24, logits_processors=processors)]
+    engine = undrafted(model, set())
+    jobs, ahead, said, step = {0: [Job("a", prompt, 24, 0, s)], join_at: [Job("b", prompt[:9], 8, 0, s)]}, [], [], 0
+    while engine.busy or step <= 6:
+        for job in jobs.pop(step, []):
+            engine.insert(job)
+        emitted = [e.token for e in engine.step() if e.rid == "a"]
+        said += emitted
+        if emitted:
+            ahead.append(engine._queued is not None)
+        step += 1
+    assert said == want
+    assert sum(ahead) > 0.8 * len(ahead), ahead  # all but the step a prompt waited to join at, and the last
 
 
 def tiny_model(family: str):
@@ -231,15 +258,16 @@ def test_a_repeated_prompt_and_a_partial_prefix_answer_as_a_fresh_engine_whateve
     can be trimmed; else for a prompt that extends its tape, or back to a checkpoint where the new prompt's
     prefill stops too (here the repeated prompt's end); otherwise the prompt is prefilled afresh."""
     model, trimmable = family
-    engine = BatchEngine(model, set())
+    engine = undrafted(model, set())
     prompt = tuple(range(5, 45))
     _, first = ask(engine, "a", prompt)
     assert ask(engine, "b", prompt) == (len(prompt) - 1, first)
     partial = prompt[:30] + tuple(range(60, 70))
-    assert ask(engine, "c", partial) == ((30 if trimmable else 0), ask(BatchEngine(model, set()), "c", partial)[1])
-    turn = prompt + tuple(first) + (7, 8, 9)  # the tape holds the prompt and the answer but its last token
-    assert ask(engine, "d", turn) == (len(prompt) + len(first) - 1, ask(BatchEngine(model, set()), "d", turn)[1])
-    served = len(prompt) - 1 + len(prompt) + len(first) - 1 + (30 if trimmable else 0)
+    assert ask(engine, "c", partial) == ((30 if trimmable else 0), ask(undrafted(model, set()), "c", partial)[1])
+    turn = prompt + tuple(first) + (7, 8, 9)  # the tape holds the prompt and the whole answer: the step queued
+    # ahead of the answer's last read fed its last token
+    assert ask(engine, "d", turn) == (len(prompt) + len(first), ask(undrafted(model, set()), "d", turn)[1])
+    served = len(prompt) - 1 + len(prompt) + len(first) + (30 if trimmable else 0)
     stats = engine.stats()
     assert {k: stats[k] for k in ("tape_hits", "tape_hit_tokens", "tape_misses", "tape_not_reusable",
                                   "tape_checkpoint_hits")} == {
@@ -336,7 +364,7 @@ def test_mtp_drafting_answers_what_plain_decoding_answers(mtp_demo, sampling, k)
     model, eos = mtp_demo
     s = {**SAMPLING, **sampling}
     job = Job("a", tuple(range(5, 45)), 48, 7, s)
-    plain = drain(BatchEngine(model, eos, prefill_step_size=16), job)
+    plain = drain(undrafted(model, eos, prefill_step_size=16), job)
     engine = drafting(model, eos, Head(model), num_draft_tokens=k, prefill_step_size=16)
     assert drain(engine, job) == plain
     stats = engine.stats()
@@ -363,7 +391,7 @@ def test_a_request_that_asks_for_fewer_drafts_or_none_gets_them_and_the_same_ans
     model, eos = mtp_demo
     draft = model if kind == "draft model" else None
     job = Job("a", tuple(range(5, 45)), 48, 7, {**SAMPLING, "temperature": 0.0})
-    plain = drain(BatchEngine(model, eos, prefill_step_size=16), job)
+    plain = drain(undrafted(model, eos, prefill_step_size=16), job)
     for asked, width in ((None, 3), (1, 1), (0, 0), (9, 3)):
         engine = drafting(model, eos, Head(model) if draft is None else DraftModel(model, draft), num_draft_tokens=3,
                           prefill_step_size=16)

@@ -4,20 +4,7 @@ model and no mesh."""
 
 import pytest
 
-from runtime.engine.scheduler import Admission, Plan, Row, admit, adopt_restored, ahead, plan
-
-
-@pytest.mark.parametrize("waiting,alone,batched,expected", [
-    (0, False, False, Admission()),  # nothing waits: nothing changes
-    (0, True, False, Admission()),  # the one alone goes on alone
-    (1, False, False, Admission(alone=True)),  # a lone request runs alone
-    (2, False, False, Admission(join=2)),  # two at once: both batched, neither alone
-    (1, True, False, Admission(hand_over=True, join=1)),  # a second request: the one alone hands over
-    (3, True, False, Admission(hand_over=True, join=3)),
-    (1, False, True, Admission(join=1)),  # the batch runs: a newcomer joins it
-])
-def test_a_request_runs_alone_only_while_nothing_else_does(waiting, alone, batched, expected):
-    assert admit(waiting, alone, batched) == expected
+from runtime.engine.scheduler import Plan, Row, adopt_restored, ahead, plan
 
 
 @pytest.mark.parametrize("warm,draining,busy,awaited,adopts", [
@@ -35,7 +22,7 @@ def test_restored_tapes_join_when_ready_and_idle_or_awaited(warm, draining, busy
     (0, [], False),  # no rows: nothing to queue
     (0, [True], True),  # a lone plain row: the next step queued before this one is read back
     (0, [True, True, True], True),
-    (0, [True, False], False),  # a row drafts (or has processors): its next step needs this one read back
+    (0, [True, False], False),  # a row drafts: its next step needs this one read back
     (1, [True, True], False),  # a prompt waits to join: the batch changes at the next step
 ])
 def test_a_step_is_queued_ahead_only_while_every_row_is_plain_and_none_joins(joining, plain, goes_ahead):

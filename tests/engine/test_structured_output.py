@@ -27,8 +27,7 @@ import runtime.models.overlays.demo_mtp  # noqa: F401  (registers the demo model
 from runtime.engine import grammar
 from runtime.models.demo_model import DemoModelSpec, build_demo_model
 from runtime.engine.proposers import DraftModel, Head
-from kit.drafters import drafting
-from runtime.engine.batch import BatchEngine
+from kit.drafters import drafting, undrafted
 
 ASK = [{"role": "user", "content": "hi"}]
 ORDER = {"type": "object", "additionalProperties": False, "required": ["customer", "items", "rush"], "properties": {
@@ -83,7 +82,7 @@ def one_process(demo):
     model, tokenizer = load(str(demo.home / "demo" / "model"))
     grammar.serve(tokenizer)
     eos = set(tokenizer.eos_token_ids)
-    return lambda body: tokenizer.decode(held_tokens(BatchEngine(model, eos), tokenizer, body))
+    return lambda body: tokenizer.decode(held_tokens(undrafted(model, eos), tokenizer, body))
 
 
 def not_json(text: str) -> bool:
@@ -139,7 +138,7 @@ def test_drafts_held_to_the_grammar_are_accepted_and_the_answer_is_the_plain_one
         drafter = drafting(model, eos, Head(model) if proposer == "mtp" else DraftModel(model, model),
                            num_draft_tokens=2)
         drafted = held_tokens(drafter, tokenizer, body)
-        assert drafted == held_tokens(BatchEngine(model, eos), tokenizer, body)
+        assert drafted == held_tokens(undrafted(model, eos), tokenizer, body)
         jsonschema.validate(json.loads(tokenizer.decode(drafted)), ORDER)
         stats = drafter.stats()
         print(sampling, stats)
@@ -155,7 +154,7 @@ def test_a_model_that_thinks_reasons_freely_then_writes_the_document(tmp_path):
     # the template leaves <think> open; a bias on its close has the random model close it after a while
     body = {"messages": ASK, "max_tokens": 400, "temperature": 1.0, "seed": 5, "logit_bias": {str(think_end): 3},
             "response_format": schema_format("order", ORDER)}
-    said = held_tokens(BatchEngine(model, set(tokenizer.eos_token_ids)), tokenizer, body)
+    said = held_tokens(undrafted(model, set(tokenizer.eos_token_ids)), tokenizer, body)
     reasoning, document = tokenizer.decode(said).split("</think>")
     assert len(tokenizer.encode(reasoning)) > 3 and not_json(reasoning), reasoning
     jsonschema.validate(json.loads(document), ORDER)

@@ -1,16 +1,24 @@
-"""The drafting engine as a rank builds it, with a prefix store of its own: `drafting(model, eos, Head(model))`;
-and a model whose forwards are counted."""
+"""The engine as a rank builds it, with a prefix store of its own: drafting (`drafting(model, eos, Head(model))`)
+or not (`undrafted(model, eos)`, what `--drafter off` runs); and a model whose forwards are counted."""
 
-from runtime.engine.proposers import Proposer
+from runtime.engine.proposers import Proposer, Undrafted
 from runtime.engine.rowwise import RowwiseEngine
 from runtime.prefix.store import PrefixStore
 
 
 def drafting(model, eos: set[int], proposer: Proposer, *, num_draft_tokens: int = 0, prefill_step_size: int = 512,
-             completion_batch_size: int = 16, log=lambda line: None) -> RowwiseEngine:
-    return RowwiseEngine(model, eos, proposer, prefixes=PrefixStore(model, prefill_step_size=prefill_step_size),
+             completion_batch_size: int = 16, prefixes: PrefixStore | None = None,
+             log=lambda line: None) -> RowwiseEngine:
+    return RowwiseEngine(model, eos, proposer,
+                         prefixes=prefixes or PrefixStore(model, prefill_step_size=prefill_step_size),
                          num_draft_tokens=num_draft_tokens, prefill_step_size=prefill_step_size,
                          completion_batch_size=completion_batch_size, log=log)
+
+
+def undrafted(model, eos: set[int], *, prefill_step_size: int = 512, completion_batch_size: int = 16,
+              prefixes: PrefixStore | None = None) -> RowwiseEngine:
+    return drafting(model, eos, Undrafted(model), prefill_step_size=prefill_step_size,
+                    completion_batch_size=completion_batch_size, prefixes=prefixes)
 
 
 class Counted:

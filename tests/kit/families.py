@@ -160,9 +160,9 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
     from mlx_lm.utils import load_config
 
     from runtime.models import families
-    from kit.drafters import drafting
+    from kit.drafters import drafting, undrafted
     from runtime.engine.proposers import DraftModel
-    from runtime.engine.batch import BatchEngine, Job
+    from runtime.engine.jobs import Job
     from runtime.prefix.store import PrefixStore
     from common.openai_api import SamplingParams
     from runtime.rank import load_sharded
@@ -194,7 +194,7 @@ def walk(path: Path, group, draft_path: Path, draft) -> dict:
             row[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
 
     def engine(tape: bool = False, batch: int = row["batch_size"]):
-        return BatchEngine(model, eos, completion_batch_size=batch,
+        return undrafted(model, eos, completion_batch_size=batch,
                            prefixes=PrefixStore(model, tape_capacity=8 if tape else 0))
 
     def alone(prompts: dict) -> dict:

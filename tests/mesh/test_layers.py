@@ -133,7 +133,7 @@ def test_the_rule_itself(module, imported, expected):
 
 
 @pytest.mark.parametrize("module,imported,expected", [
-    ("runtime.rank", {"runtime.engine.batch", "runtime.prefix.snapshot", "runtime.models.dspark"}, []),
+    ("runtime.rank", {"runtime.engine.rowwise", "runtime.prefix.snapshot", "runtime.models.dspark"}, []),
     ("runtime.engine.drafting", {"runtime.prefix.rollback", "runtime.models.pools", "runtime.engine.jobs"}, []),
     ("runtime.engine.drafting", {"runtime.lockstep"}, ["runtime.lockstep"]),
     ("runtime.prefix.tape", {"runtime.engine.jobs", "runtime.models.overlay"}, ["runtime.engine.jobs"]),

@@ -234,9 +234,11 @@ KV, SLIDING, STATE = frozenset({"KVCache"}), frozenset({"KVCache", "RotatingKVCa
     (Needs("qwen3_5", caches=STATE), {"draft": Needs("llama")}, None),
     (Needs("llama"), {"draft": Needs("qwen3_5", caches=STATE)}, "the draft model's ArraysCache cannot give back"),
     (Needs("deepseek_v41", caches=frozenset({"LayerCache"}), unbatchable=frozenset({"LayerCache"})), {},
-     "cannot take their LayerCache"),
+     "their LayerCache cannot be merged in this mlx-lm; serve one request at a time: --completion-batch-size 1"),
+    (Needs("deepseek_v41", caches=frozenset({"LayerCache"}), unbatchable=frozenset({"LayerCache"})), {"batch": 1},
+     None),  # a batch of one row never merges its caches
     (Needs("deepseek_v41", caches=frozenset({"LayerCache"}), unbatchable=frozenset({"LayerCache"})),
-     {"draft": Needs("llama")}, "a drafter's rows"),
+     {"draft": Needs("llama")}, "--completion-batch-size 1"),
     (Needs("minimax_m3_vl", caches=KV), {}, "--completion-batch-size 1"),
     (Needs("minimax_m3_vl", caches=KV), {"batch": 1}, None),
     (Needs("minimax_m3_vl", caches=KV), {"draft": Needs("llama")}, "--completion-batch-size 1"),  # rows pad too

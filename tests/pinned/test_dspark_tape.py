@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from common.openai_api import SamplingParams
-from runtime.engine.batch import BatchEngine
+from kit.drafters import undrafted
 from runtime.engine.jobs import Job
 from runtime.engine.proposers import Stages
 from runtime.engine.rowwise import RowwiseEngine
@@ -55,7 +55,7 @@ def answer(engine, job: Job, fed: Fed | None = None) -> tuple[list[int], int | N
 
 def engines(model, drafted: bool):
     if not drafted:
-        return BatchEngine(model, {1}, prefill_step_size=32)
+        return undrafted(model, {1}, prefill_step_size=32)
     return RowwiseEngine(model, {1}, Stages(model), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32)
 
 

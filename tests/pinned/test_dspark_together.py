@@ -21,7 +21,7 @@ from kit.ranks import start_mesh
 from kit.waiting import wait_for
 from pinned.dsv4 import OVERLAY, PROMPT, greedy, pinned_env
 from runtime.engine import rowwise
-from runtime.engine.batch import BatchEngine
+from kit.drafters import undrafted
 from runtime.engine.jobs import Job
 from runtime.engine.proposers import Stages
 from runtime.engine.rowwise import RowwiseEngine
@@ -50,7 +50,7 @@ def plain(model, prompt: list[int], body: dict, bias: dict) -> list[int]:
     """Plain decoding's answer to `body` (its prompt's ids `prompt`) on one rank, in this process."""
     sampling = SamplingParams(max_tokens=1, temperature=body["temperature"], seed=body.get("seed"),
                               logit_bias=tuple((int(t), float(b)) for t, b in bias.items())).sampling()
-    engine = BatchEngine(model, set(), prefill_step_size=128)
+    engine = undrafted(model, set(), prefill_step_size=128)
     engine.insert(Job("p", tuple(prompt), body["max_tokens"], body.get("seed", 0), sampling))
     tokens = []
     while engine.busy:
@@ -84,7 +84,7 @@ def decoded(engine, *jobs: tuple[Job, int], drafts: dict | None = None) -> dict[
 def test_a_request_joining_a_lone_drafted_answer_in_its_prompt_at_its_first_token_or_mid_way_both_plain_decoding(
         model, sampling):
     a, b = Job("a", A, 40, 3, sampling), Job("b", B, 12, 4, sampling)
-    plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in (a, b)}
+    plain = {job.rid: decoded(undrafted(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in (a, b)}
     engine = RowwiseEngine(model, set(), Stages(model), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32,
                            log=lambda m: m)
     alone = []  # each verify: whether its one row decoded in its own caches
@@ -103,7 +103,7 @@ COMING = (0, 2, 5, 11)  # the step each row comes at: b, c and d join mid-answer
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_rows_drafted_together_joining_and_leaving_mid_answer_each_answer_plain_decoding(model, sampling):
     jobs = [replace(job, sampling=sampling) for job in ROWS]
-    plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in jobs}
+    plain = {job.rid: decoded(undrafted(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in jobs}
     rows = RowwiseEngine(model, set(), Stages(model), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32,
                          log=lambda m: m)
     assert decoded(rows, *zip(jobs, COMING)) == plain
@@ -119,7 +119,7 @@ def test_requests_that_ask_for_fewer_drafts_or_none_get_them_alone_joined_and_ro
     how many of those the answer kept."""
     jobs = [replace(job, draft_tokens=asked) for job, asked in zip(ROWS, (None, 1, 0, 2))]
     widths = {"a": 5, "b": 1, "c": 0, "d": 2}
-    plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in jobs}
+    plain = {job.rid: decoded(undrafted(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in jobs}
     prefixes = PrefixStore(model, prefill_step_size=32)
     for coming in ([(jobs[1], 0), (jobs[2], 4)], list(zip(jobs, COMING))):
         engine = RowwiseEngine(model, set(), Stages(model), prefixes=prefixes, prefill_step_size=32, log=lambda m: m)
@@ -143,7 +143,7 @@ def test_prompts_at_one_place_go_in_together_and_each_answer_and_next_turn_is_pl
     and answers as the plain decoder does from its own. The model answers from its caches: a wrong one changes
     the answer."""
     jobs = [replace(job, sampling=sampling, draft_tokens=asked) for job in ALIKE]
-    plain = {job.rid: decoded(BatchEngine(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in jobs}
+    plain = {job.rid: decoded(undrafted(model, set(), prefill_step_size=32), (job, 0))[job.rid] for job in jobs}
     if sampling is GREEDY:
         assert greedy(model, list(ALIKE[0].prompt), 20, fresh_cache=True) != plain["e"] == greedy(
             model, list(ALIKE[0].prompt), 20)
@@ -156,7 +156,7 @@ def test_prompts_at_one_place_go_in_together_and_each_answer_and_next_turn_is_pl
     assert together.count("efh") >= 2 and "g" in together, together  # 70 tokens in pieces of 32; g's 45 apart
     assert len(together) < sum(-(-(len(job.prompt) - 1) // 32) for job in jobs)
     turn = replace(jobs[1], rid="f2", prompt=jobs[1].prompt + tuple(plain["f"]) + (7, 8, 9))
-    hits, alone = engine.stats()["tape_hit_tokens"], BatchEngine(model, set(), prefill_step_size=32)
+    hits, alone = engine.stats()["tape_hit_tokens"], undrafted(model, set(), prefill_step_size=32)
     decoded(alone, (jobs[1], 0))  # the plain decoder's next turn is from its own tape too: V4's caches of a
     # decoded answer are not those of the same tokens prefilled
     assert decoded(engine, (turn, 0)) == decoded(alone, (turn, 0))
@@ -170,7 +170,7 @@ def test_a_row_whose_window_is_masked_as_mlx_lm_masks_it_answers_otherwise(model
     more than one place, unless the window is put in order first), its seeded answer is not plain decoding's."""
     monkeypatch.setattr(rowwise, "in_order", lambda caches: None)
     jobs = [replace(job, sampling=SEEDED) for job in ROWS]
-    plain = decoded(BatchEngine(model, set(), prefill_step_size=32), (jobs[3], 0))["d"]
+    plain = decoded(undrafted(model, set(), prefill_step_size=32), (jobs[3], 0))["d"]
     rows = RowwiseEngine(model, set(), Stages(model), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32)
     assert decoded(rows, *zip(jobs, COMING))["d"] != plain
 

@@ -3,19 +3,20 @@ V3-shaped head (e_proj/h_proj), not DSpark: at TP2 the ranks serve undrafted and
 get a DSpark checkpoint, both on omlx as published (no DSpark at all) and on an omlx that has DSpark (the
 stand-in's stages: there the load used to split the V3 head as DSpark's stages and crash); omlx's own drafting
 of a lone row (its patch of mlx-lm's GenerationBatch.next, which no other rank joins, and which at this
-version raises on its own DeepSeek-V4) stays off under meshd, while the same model loaded without meshd's
-adapter would take it."""
+version raises on its own DeepSeek-V4) stays off for a model meshd loaded, even in mlx-lm's BatchGenerator
+(meshd's engine does not use it), while the same model loaded without meshd's adapter would take it."""
 
 import mlx.core as mx
 import pytest
 import requests
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load_model
 
 from common.openai_api import SamplingParams
 from kit.ranks import start_mesh
 from pinned.dsv4 import build_v4_checkpoint, pinned_env
 from runtime.models import dspark
-from runtime.engine.batch import BatchEngine
+from kit.drafters import undrafted
 from runtime.engine.jobs import Job
 from runtime.models.overlay import OMLX, set_up
 from runtime.rank import load_sharded
@@ -69,9 +70,8 @@ class Engaged:
 
 
 def answer(model) -> list[int]:
-    """A long answer batched with a short one, so that it goes on alone in mlx-lm's GenerationBatch (a lone
-    request from the start decodes outside it, in meshd's solo loop)."""
-    engine = BatchEngine(model, {1})
+    """meshd's engine's answer to a long request sent with a short one."""
+    engine = undrafted(model, {1})
     engine.insert(Job("a", PROMPT, 12, 0, GREEDY))
     engine.insert(Job("b", PROMPT[:50], 2, 0, GREEDY))
     tokens = []
@@ -80,18 +80,31 @@ def answer(model) -> list[int]:
     return tokens
 
 
+def batched(model) -> None:
+    """The same two requests on mlx-lm's BatchGenerator, which omlx patches: the long answer goes on alone in its
+    GenerationBatch once the short one ends."""
+    gen = BatchGenerator(model, stop_tokens=[[1]], sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
+    long, _ = gen.insert([list(PROMPT), list(PROMPT[:50])], max_tokens=[12, 2])
+    try:
+        while not any(g.uid == long and g.finish_reason for g in gen.next()[1]):
+            pass
+    finally:
+        gen.close()
+
+
 def test_omlxs_own_drafting_of_a_lone_row_is_off_under_meshd(v3_checkpoint):
     said = []
     mlx_lm_mtp.set_mtp_active(True)  # as the adapter's setup leaves it before load
     model = load_sharded(v3_checkpoint, mx.distributed.init(), lambda done, total: None, OMLX, said.append)
     assert said == [f"drafter off, serving undrafted: {NO_STAGES}"]
     assert model.mtp and not dspark.stages(model)  # omlx loaded its V3 head; no stage to split or draft with
+    assert len(answer(model)) == 12  # meshd's engine decodes it, and no BatchGenerator of omlx's is in its way
     with Engaged() as meshd:
-        served = answer(model)
+        batched(model)
     mlx_lm_mtp.set_mtp_active(True)
     bare, _ = load_model(v3_checkpoint)  # the same checkpoint loaded as omlx alone loads it
     with Engaged() as alone:
-        answer(bare)
-    assert len(served) == 12 and meshd.steps == 0
+        batched(bare)
+    assert meshd.steps == 0  # the adapter switched omlx's drafting off: not even its own BatchGenerator takes it
     assert alone.steps > 0  # omlx would draft the row left alone by itself, no other rank agreeing
     assert not mlx_lm_mtp.model_mtp_active(model)

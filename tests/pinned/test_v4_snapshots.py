@@ -17,7 +17,7 @@ from kit.demo_answers import endless
 from kit.snapshots import EVERY, Gen, answer_in_flight
 from kit.waiting import wait_for
 from pinned.dsv4 import PROMPT, pinned_env
-from runtime.engine.batch import BatchEngine
+from kit.drafters import undrafted
 from runtime.engine.jobs import Job
 from runtime.engine.proposers import Stages
 from runtime.engine.rowwise import RowwiseEngine
@@ -122,7 +122,7 @@ def engine(model, drafted: bool, snapshots=None):
     prefixes = PrefixStore(model, prefill_step_size=32, snapshots=snapshots)
     if drafted:
         return RowwiseEngine(model, set(), Stages(model), prefixes=prefixes, prefill_step_size=32)
-    return BatchEngine(model, set(), prefill_step_size=32, prefixes=prefixes)
+    return undrafted(model, set(), prefill_step_size=32, prefixes=prefixes)
 
 
 ANSWER = Job("a", TOKENS, 128, 3, GREEDY, logprobs=0)
@@ -203,7 +203,7 @@ def test_a_drafted_v4_stream_cut_by_a_sigkill_resumes_from_its_snapshot_as_plain
             agent.kill()
     bias = tuple((int(t), float(b)) for t, b in endless(checkpoint)["logit_bias"].items())
     sampling = SamplingParams(max_tokens=1, logit_bias=bias).sampling()
-    plain, _, _ = run(BatchEngine(model, set(), prefill_step_size=128),
+    plain, _, _ = run(undrafted(model, set(), prefill_step_size=128),
                       Job("p", tuple(prompt), len(resumed), 0, sampling))
     assert all(n >= 1 for n in restored) and stats["drafter"] == "dspark", (restored, stats)
     assert resumed == plain  # the ids delivered before the kill, and the rest of it, drafted from the snapshot

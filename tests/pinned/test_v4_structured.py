@@ -18,7 +18,7 @@ import pytest
 from kit.held import held_tokens
 from pinned.test_v4_tools import build_v4_tokenizer_checkpoint, build_v4_weights
 from runtime.engine import grammar
-from runtime.engine.batch import BatchEngine
+from kit.drafters import undrafted
 from runtime.engine.proposers import Stages
 from runtime.engine.rowwise import RowwiseEngine
 from runtime.prefix.store import PrefixStore
@@ -63,7 +63,7 @@ def test_a_forced_call_is_v4_dsml_that_omlxs_parser_reads_and_the_schema_validat
         body["logit_bias"] = {str(tokenizer.convert_tokens_to_ids("</think>")): 4}
     else:
         body["chat_template_kwargs"] = {"enable_thinking": False}
-    text = tokenizer.decode(held_tokens(BatchEngine(model, set(tokenizer.eos_token_ids)), tokenizer, body))
+    text = tokenizer.decode(held_tokens(undrafted(model, set(tokenizer.eos_token_ids)), tokenizer, body))
     if thinking:
         reasoning, text = text.split("</think>")
         assert reasoning and "DSML" not in reasoning, reasoning
@@ -84,7 +84,7 @@ def test_dspark_drafts_under_a_grammar_are_accepted_and_the_answer_is_plain_cons
             "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER}}}
     drafter = RowwiseEngine(model, eos, Stages(model), prefixes=PrefixStore(model, prefill_step_size=32), prefill_step_size=32)
     drafted = held_tokens(drafter, tokenizer, body)
-    assert drafted == held_tokens(BatchEngine(model, eos, prefill_step_size=32), tokenizer, body)
+    assert drafted == held_tokens(undrafted(model, eos, prefill_step_size=32), tokenizer, body)
     jsonschema.validate(json.loads(tokenizer.decode(drafted)), ORDER)
     stats = drafter.stats()
     print(sampling, stats)

@@ -12,7 +12,7 @@ import mlx.core as mx
 import pytest
 
 from common.openai_api import SamplingParams
-from runtime.engine.batch import BatchEngine
+from kit.drafters import undrafted
 from runtime.engine.jobs import Job
 from runtime.engine.proposers import Stages
 from runtime.engine.rowwise import RowwiseEngine
@@ -42,7 +42,7 @@ def engine(model, drafted: bool):
     prefixes = PrefixStore(model, prefill_step_size=CHUNK, markers=MARKERS)
     if drafted:
         return RowwiseEngine(model, {1}, Stages(model), prefixes=prefixes, prefill_step_size=CHUNK)
-    return BatchEngine(model, {1}, prefill_step_size=CHUNK, prefixes=prefixes)
+    return undrafted(model, {1}, prefill_step_size=CHUNK, prefixes=prefixes)
 
 
 def ask(engine, rid: str, prompt: list[int], sampling: dict) -> tuple[list[int], int]:

@@ -22,7 +22,8 @@ from kit.demo_answers import endless
 from kit.smallfs import fill, small_filesystem
 from kit.snapshots import EVERY, Gen, answer_in_flight, metric
 from kit.waiting import wait_for
-from runtime.engine.batch import BatchEngine, Job
+from runtime.engine.jobs import Job
+from kit.drafters import undrafted
 from runtime.lockstep import Cancel, Drain, DrainMode, Insert, RestoreFirst
 from runtime.rank import parse_args
 from runtime.server import WARMUP
@@ -442,7 +443,7 @@ def test_a_long_prompt_is_snapshotted_chunk_by_chunk_as_it_is_prefilled_so_a_dea
     model, tokenizer = load(str(demo_model))
     prompt = tuple(tokenizer.encode(LONG))[:200]
     snaps = Snapshots(tmp_path, ME, 1 << 30, every=16)
-    engine = BatchEngine(model, set(), prefill_step_size=32, prefixes=PrefixStore(model, prefill_step_size=32,
+    engine = undrafted(model, set(), prefill_step_size=32, prefixes=PrefixStore(model, prefill_step_size=32,
                                                                                  snapshots=snaps))
     engine.insert(Job("long", prompt, 8, 0, SamplingParams(max_tokens=8, temperature=0.0).sampling()))
     while not engine.step():  # the prefill, chunk by chunk, up to the answer's first token
@@ -459,6 +460,7 @@ def test_a_long_prompt_is_snapshotted_chunk_by_chunk_as_it_is_prefilled_so_a_dea
                                          fresh=lambda: make_prompt_cache(model))
     assert tokens == prompt[:last.start] and len(tokens) >= 199 - 2 * 32  # all but the last chunk
     again.close()
+    assert engine.prefixes.rates.prefill_tps > 0  # its pieces' rate: what a restore weighs against a prefill
 
 
 def test_batched_answers_are_snapshotted_as_they_stream_and_a_row_restores_exactly(demo_model, tmp_path):
@@ -466,7 +468,7 @@ def test_batched_answers_are_snapshotted_as_they_stream_and_a_row_restores_exact
     sampling = SamplingParams(max_tokens=48, temperature=0.0).sampling()
     prompts = [tuple(tokenizer.encode(LONG))[:40], tuple(tokenizer.encode("Drain before close. " * 4))]
     snaps = Snapshots(tmp_path, ME, 1 << 30, every=16)
-    engine = BatchEngine(model, set(), prefixes=PrefixStore(model, snapshots=snaps))
+    engine = undrafted(model, set(), prefixes=PrefixStore(model, snapshots=snaps))
     for i, prompt in enumerate(prompts):
         engine.insert(Job(f"r{i}", prompt, 48, 0, sampling))  # the second joins the first: a batch of two
     told = {"r0": [], "r1": []}
