@@ -35,7 +35,7 @@ from common.statusfile import RankStatus
 from runtime.engine import grammar
 from runtime.models import dspark, families
 from runtime.engine.proposers import DraftModel, Head, Proposer, Stages, Undrafted
-from runtime.engine.scheduler import adopt_restored
+from runtime.engine.scheduler import adopt_restored, doze_before
 from runtime.lockstep import Cancel, CompileGrammar, Drain, DrainMode, Insert, Message, RestoreFirst
 from runtime.join import join_mesh
 from runtime.engine.jobs import Divergence
@@ -266,11 +266,9 @@ class LockstepLoop:
                     self._active_at = time.monotonic()
                     burst = self.burst if (self.engine.busy and not outbox) else 1
                 else:
-                    # Short dozes right after activity keep a burst of requests
-                    # snappy; a mesh idle for long settles at idle_interval.
-                    idle_for = time.monotonic() - self._active_at
-                    idle_next = min(self.idle_interval, max(0.01, idle_for / 4),
-                                    0.05 if restoring or self.compiles.waiting else 1.0)
+                    idle_next = doze_before(time.monotonic() - self._active_at, self.idle_interval,
+                                            restoring or self.compiles.waiting,
+                                            bool(self.restorer and self.restorer.holding))
             try:
                 msgs, doze, steps = self.lockstep.exchange(outbox, idle_next, burst, self.digest)
             except Divergence as e:

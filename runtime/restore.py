@@ -73,6 +73,7 @@ class Restorer:
         self._queue = list(plan_)
         self._read: dict = {}  # by the thread: tape -> Read, or None when it could not be read
         self._built: dict[str, tuple | None] = {}
+        self._took: dict[str, list[float]] = {}  # each tape's seconds reading it and building its cache
         self._building: tuple | None = None  # the cache being built: its tape, what was read of it and the build's steps
         self.build_bytes = BUILD_BYTES
         self._cv = threading.Condition()
@@ -123,10 +124,12 @@ class Restorer:
                 sid = self._queue.pop(0)
             began = time.monotonic()
             got = self.snaps.read(sid, types)
+            took = time.monotonic() - began
             if got is not None:
-                self.rates.note(read_bps=got.nbytes / max(time.monotonic() - began, 1e-6))
+                self.rates.note(read_bps=got.nbytes / max(took, 1e-6))
             with self._cv:
                 self._read[sid] = got
+                self._took[sid] = [took, 0.0]
 
     def build_some(self) -> None:
         """At most `build_bytes` of the next cache the thread read, a leaf at least, built now (a build stalls the
@@ -151,7 +154,8 @@ class Restorer:
                                 if end.value is not None else None)
             self._building = None
             if end.value is not None:  # its parts' bytes over the wall time they took, the steps between included
-                self.rates.note(build_bps=(built[0] + done) / max(time.monotonic() - began, 1e-6))
+                self._took[sid][1] = time.monotonic() - began
+                self.rates.note(build_bps=(built[0] + done) / max(self._took[sid][1], 1e-6))
         built[0] += done
 
     def first(self, sid: str) -> None:
@@ -173,9 +177,9 @@ class Restorer:
         self.build_some()
         agreed = settled([json.loads(b) for b in gather(json.dumps(
             {sid: built is not None for sid, built in self._built.items()}).encode())])
-        adopted, tokens, points = [], 0, 0
+        adopted, tokens, points, took = [], 0, 0, [0.0, 0.0]
         for sid, ok in agreed.items():
-            built = self._built.pop(sid)
+            built, its = self._built.pop(sid), self._took.pop(sid, (0.0, 0.0))
             self.pending.remove(sid)
             self.awaited.discard(sid)
             self.tokens.pop(sid, None)
@@ -183,6 +187,7 @@ class Restorer:
                 adopted.append(sid)
                 tokens += len(built[0])
                 points += len(built[-1])
+                took = [a + b for a, b in zip(took, its)]
             elif ok:  # the tape filled meanwhile, or a newer tape serves every prompt it serves
                 full = len(self.tape) >= self.tape.capacity
                 self.snaps.skip("capacity" if full else "superseded",
@@ -195,7 +200,7 @@ class Restorer:
         self.restored_tokens += tokens
         if adopted:
             self.log(f"restored {len(adopted)} tape(s) ({tokens} tokens, {points} checkpoints) from snapshots while "
-                     f"serving; {len(self.pending)} pending")
+                     f"serving (read in {took[0]:.2f}s, built in {took[1]:.2f}s); {len(self.pending)} pending")
         if not self.pending:
             self.close()
             self.log(f"restores done in {time.monotonic() - self._began:.1f}s: {self.snaps.restored} tape(s), "

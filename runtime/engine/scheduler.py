@@ -1,6 +1,7 @@
 """The scheduler's decisions, pure: each step of the batch, whose prompts go in apart from it (which prompts a
 piece goes in, which join, how wide the verify drafts, whether the next step is queued before this one is read
-back), and when the tapes restored behind serving join the token tape. The engine and the rank loop ask here
+back), when the tapes restored behind serving join the token tape, and how long idle ranks doze before their
+next exchange. The engine and the rank loop ask here
 and carry out the answer, so each is decided once; every rank asks with the same facts at the same step (the
 lockstep loop's), so every rank decides alike."""
 
@@ -67,3 +68,14 @@ def adopt_restored(warm: bool, draining: bool, busy: bool, awaited: bool) -> boo
     (ready comes first), while nothing is decoding (building a cache stalls the step) unless a request waits
     for one of them (`awaited`), never while draining."""
     return warm and not draining and (not busy or awaited)
+
+
+def doze_before(idle_for: float, idle_interval: float, behind: bool, awaited: bool) -> float:
+    """How long the ranks doze before their next exchange while they have nothing to step, having been idle for
+    `idle_for` seconds: a fourth of that (10 ms at least, so a burst of requests stays snappy), `idle_interval`
+    at most; at most 50 ms while work goes on `behind` serving (restores, grammar compiles), which every
+    exchange moves on; none while a request is `awaited` by a restore: every exchange builds a part of its tape,
+    and a doze between parts is time the request waits for nothing."""
+    if awaited:
+        return 0.0
+    return min(idle_interval, max(0.01, idle_for / 4), 0.05 if behind else 1.0)

@@ -4,7 +4,7 @@ model and no mesh."""
 
 import pytest
 
-from runtime.engine.scheduler import Plan, Row, adopt_restored, ahead, plan
+from runtime.engine.scheduler import Plan, Row, adopt_restored, ahead, doze_before, plan
 
 
 @pytest.mark.parametrize("warm,draining,busy,awaited,adopts", [
@@ -16,6 +16,19 @@ from runtime.engine.scheduler import Plan, Row, adopt_restored, ahead, plan
 ])
 def test_restored_tapes_join_when_ready_and_idle_or_awaited(warm, draining, busy, awaited, adopts):
     assert adopt_restored(warm, draining, busy, awaited) is adopts
+
+
+@pytest.mark.parametrize("idle_for,behind,awaited,doze", [
+    (0.0, False, False, 0.01),  # right after activity: a burst of requests stays snappy
+    (1.0, False, False, 0.25),  # a fourth of the idle time
+    (60.0, False, False, 0.5),  # idle for long: the idle interval
+    (60.0, True, False, 0.05),  # restores or compiles behind serving: every exchange moves them on
+    (0.0, True, True, 0.0),  # a request waits for a restore: no doze between its tape's parts
+    (60.0, True, True, 0.0),
+])
+def test_idle_ranks_doze_less_while_work_goes_on_behind_and_not_while_a_request_waits_for_a_restore(
+        idle_for, behind, awaited, doze):
+    assert doze_before(idle_for, 0.5, behind, awaited) == doze
 
 
 @pytest.mark.parametrize("joining,plain,goes_ahead", [
