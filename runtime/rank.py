@@ -268,7 +268,7 @@ class LockstepLoop:
                 else:
                     idle_next = doze_before(time.monotonic() - self._active_at, self.idle_interval,
                                             restoring or self.compiles.waiting,
-                                            bool(self.restorer and self.restorer.holding))
+                                            bool(self.restorer and self.restorer.holding and self.restorer.buildable))
             try:
                 msgs, doze, steps = self.lockstep.exchange(outbox, idle_next, burst, self.digest)
             except Divergence as e:

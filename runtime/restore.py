@@ -240,6 +240,12 @@ class Restorer:
     def holding(self) -> bool:
         return bool(self._held)
 
+    @property
+    def buildable(self) -> bool:
+        """A tape read and not yet built, or one being built: each exchange of the loop builds a part of it."""
+        with self._cv:
+            return self._building is not None or bool(self._read)
+
     def _worth(self, prompt: tuple, tenant: str) -> str | None:
         """The pending tape of `tenant` a prompt should wait for, if any (`worth_waiting`)."""
         if not self.tokens:

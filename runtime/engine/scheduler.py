@@ -74,8 +74,9 @@ def doze_before(idle_for: float, idle_interval: float, behind: bool, awaited: bo
     """How long the ranks doze before their next exchange while they have nothing to step, having been idle for
     `idle_for` seconds: a fourth of that (10 ms at least, so a burst of requests stays snappy), `idle_interval`
     at most; at most 50 ms while work goes on `behind` serving (restores, grammar compiles), which every
-    exchange moves on; none while a request is `awaited` by a restore: every exchange builds a part of its tape,
-    and a doze between parts is time the request waits for nothing."""
+    exchange moves on; none while a request waits for a restore whose tape is read and being built (`awaited`):
+    every exchange builds a part of it, and a doze between parts is time the request waits for nothing (while
+    the tape is still being read, the doze leaves the reading thread the interpreter)."""
     if awaited:
         return 0.0
     return min(idle_interval, max(0.01, idle_for / 4), 0.05 if behind else 1.0)

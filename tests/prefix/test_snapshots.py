@@ -391,9 +391,12 @@ def test_a_restored_cache_is_built_a_leaf_an_iteration_so_requests_step_between_
     restorer, tape = restorer_over(tmp_path, [tokens], 0, 0)
     restorer.build_bytes = 1  # a leaf an iteration: the cache has two
     wait_for(lambda: restorer._read, 10, "the tape read by the thread")
+    assert restorer.buildable  # a request waiting for it has the loop exchange without a doze from here
     assert restorer.adopt(lambda b: [b]) == [] and len(tape) == 0  # its first leaf built: the loop steps on
+    assert restorer.buildable
     time.sleep(0.5)  # the steps the loop takes between the parts
     assert restorer.adopt(lambda b: [b]) == [tape_id(tokens)] and tape.served(tokens + (1,)) == len(tokens)
+    assert not restorer.buildable
     # the build's rate is over the wall time its parts took, what a request waiting for it would wait
     assert 0 < restorer.rates.build_bps <= restorer.snaps.nbytes_of(tape_id(tokens)) * 4 / 0.5
 
