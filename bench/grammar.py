@@ -1,8 +1,9 @@
 """Structured output's cost: decode held to a JSON schema against the same decode unheld (one process, the
 runtime's engine; the demo model, or with --hidden/--layers/... a Llama shape of random bf16 weights, the
 GPU run), in alternating rounds, as tok/s and the time a token gains, each with its spread over the rounds (with
-`--base DIR`, the same for the batch engine of a checkout that has one, in the same rounds); the
-compile time of a schema (a cold compile, the cache emptied each time); and the mask's share that grows with
+`--base DIR`, the same for the batch engine of a checkout that has one, in the same rounds); where a held
+token's time goes, over one more answer (the engine's step, of it the mask's wait for the answer's newest token
+and the rest of the mask's host work); the compile time of a schema (a cold compile, the cache emptied each time); and the mask's share that grows with
 the vocabulary, applied to a row as wide as Qwen's (151,936 logits).
 
     .venv/bin/python bench/grammar.py [--rounds 7] [--tokens 256] [--base DIR] [--write]
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,6 +59,32 @@ def decode(engine, eos: set[int], prompt: list[int], tokens: int, text: str | No
     return tokens / (time.perf_counter() - began)
 
 
+def held_step_us(engine, eos: set[int], masks: list[type], prompt: list[int], tokens: int,
+                 text: str) -> tuple[float, float, float]:
+    """A held answer's mean time a token (us): the engine's step, of it the time its GrammarMask (each class of
+    `masks` timed) waited reading the answer's newest tokens from the device, and the rest of the mask's work."""
+    spent = {"read": 0.0, "call": 0.0}
+    kept = [(cls, cls.__call__, cls._read) for cls in masks]
+
+    def timed(method, key):
+        def run(self, *args):
+            began = time.perf_counter()
+            try:
+                return method(self, *args)
+            finally:
+                spent[key] += time.perf_counter() - began
+        return run
+
+    for cls, call, read in kept:
+        cls.__call__, cls._read = timed(call, "call"), timed(read, "read")
+    try:
+        seconds = tokens / decode(engine, eos, prompt, tokens, text)
+    finally:
+        for cls, call, read in kept:
+            cls.__call__, cls._read = call, read
+    return tuple(1e6 * x / tokens for x in (seconds, spent["read"], spent["call"] - spent["read"]))
+
+
 def mask_steps_us(text: str, prompt: list[int], width: int, tokens: int) -> list[float]:
     """The host's time of each step of a held answer's mask (GrammarMask on a `width`-wide row, its result
     evaluated), the answer growing by the first token the mask allows."""
@@ -97,11 +125,12 @@ def main() -> None:
     eos = set(tokenizer.eos_token_ids)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     held = grammar.builder().json(ENDLESS)
-    engines = {"": lambda: undrafted(model, eos)}
+    engines, masks = {"": lambda: undrafted(model, eos)}, {"": [GrammarMask]}
     if args.base:
         before, commit = benchkit.base_module(args.base, "runtime/engine/batch.py", *(
             f"runtime/engine/{name}.py" for name in ("sampling", "scheduler", "request")))
         engines[f", the batch engine at {commit}"] = lambda: before.BatchEngine(model, eos)
+        masks[f", the batch engine at {commit}"] = [sys.modules["base_sampling"].GrammarMask]
     rates: dict[str, list[float]] = {f"{kind}{engine}": [] for engine in engines for kind in ("unheld", "held")}
     for n in range(args.rounds + 1):
         order = list(rates) if n % 2 else list(rates)[::-1]
@@ -114,6 +143,7 @@ def main() -> None:
     # a held token's time over a free one's, and the time it adds
     cost = {e: [u / h for h, u in zip(rates[f"held{e}"], rates[f"unheld{e}"])] for e in engines}
     added_us = {e: [1e6 * (1 / h - 1 / u) for h, u in zip(rates[f"held{e}"], rates[f"unheld{e}"])] for e in engines}
+    steps = {e: held_step_us(engines[e](), eos, masks[e], prompt, args.tokens, held) for e in engines}
 
     compile_ms = []
     for _ in range(20):
@@ -149,7 +179,9 @@ def main() -> None:
             f"| unheld decode{e}, tok/s | {spread(rates[f'unheld{e}'])} |",
             f"| held decode{e}, tok/s | {spread(rates[f'held{e}'])} |",
             f"| a held token's time / an unheld one's{e}, per round | {spread(cost[e])} |",
-            f"| time a held token adds{e}, us | {spread(added_us[e])} |")),
+            f"| time a held token adds{e}, us | {spread(added_us[e])} |",
+            f"| a held token{e}, one more answer: its step, us; of it the mask's wait for the newest token; the rest of "
+            f"the mask | {steps[e][0]:.0f}; {steps[e][1]:.0f}; {steps[e][2]:.0f} |")),
         f"| compile of a nested schema with $ref, enums and arrays (cold), ms | {spread(compile_ms)} |",
         f"| a held step's mask on a {wide:,}-logit row (GrammarMask: read the answer, the matcher, the mask "
         f"applied), us, over {args.tokens} steps | {spread(steps_us)} |",
