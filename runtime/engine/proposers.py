@@ -1,9 +1,9 @@
-"""Who proposes a row's drafts: DeepSeek-V4's DSpark stages, the model's own MTP head, a draft model, or nobody
-(plain decoding: `Undrafted`). The row-wise engine (runtime/engine/rowwise.py) is the same for each; a proposer says how the target is run
-(`forward`: its logits, and the states its drafts are made from), what a row's drafter holds (`context`), what
-it learns of a prompt going in (`prefilled`) and the row's next drafts after a verify (`draft`), each taken
-greedily from logits its request's grammar allows. A drafter's mistakes cost only speed: the target keeps a
-draft only where it samples that token itself.
+"""Who proposes a row's drafts: DeepSeek-V4's DSpark stages, the model's own MTP head, a draft model, or nobody (plain
+decoding: `Undrafted`). The row-wise engine (runtime/engine/rowwise.py) is the same for each; a proposer says how the
+target is run (`forward`: its logits, and the states its drafts are made from), what a row's drafter holds
+(`context`), what it learns of a prompt going in (`prefilled`) and the row's next drafts after a verify (`draft`),
+each taken greedily from logits its request's grammar allows. A drafter's mistakes cost only speed: the target keeps
+a draft only where it samples that token itself.
 
 Each method gets the row after its caches took the positions the states are of (`row.base` counts them)."""
 

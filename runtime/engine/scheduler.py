@@ -1,9 +1,8 @@
-"""The scheduler's decisions, pure: each step of the batch, whose prompts go in apart from it (which prompts a
-piece goes in, which join, how wide the verify drafts, whether the next step is queued before this one is read
-back), when the tapes restored behind serving join the token tape, and how long idle ranks doze before their
-next exchange. The engine and the rank loop ask here
-and carry out the answer, so each is decided once; every rank asks with the same facts at the same step (the
-lockstep loop's), so every rank decides alike."""
+"""The scheduler's decisions, pure: each step of the batch, whose prompts go in apart from it (which prompts a piece
+goes in, which join, how wide the verify drafts, whether the next step is queued before this one is read back), when
+the tapes restored behind serving join the token tape, and how long idle ranks doze before their next exchange. The
+engine and the rank loop ask here and carry out the answer, so each is decided once; every rank asks with the same
+facts at the same step (the lockstep loop's), so every rank decides alike."""
 
 from __future__ import annotations
 
