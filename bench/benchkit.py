@@ -127,6 +127,14 @@ def base_module(base: Path, path: str, *beside: str):
     return module, commit if top and Path(top).resolve() == base.resolve() else base.name
 
 
+def batch_engine_at(base: Path):
+    """runtime/engine/batch.py of a checkout that still has the batch engine (0b5531f and before; or a folder
+    holding that commit's runtime/engine/{batch,request,sampling,scheduler}.py), with its own sampling, scheduler
+    and request modules; and the checkout's name (`base_module`)."""
+    return base_module(base, "runtime/engine/batch.py",
+                       *(f"runtime/engine/{name}.py" for name in ("sampling", "scheduler", "request")))
+
+
 def report(lines: list[str], write: bool) -> None:
     """Print the result table; with `write`, append it to docs/BENCHMARKS.md."""
     table = "\n".join(lines)

@@ -127,8 +127,7 @@ def main() -> None:
     held = grammar.builder().json(ENDLESS)
     engines, masks = {"": lambda: undrafted(model, eos)}, {"": [GrammarMask]}
     if args.base:
-        before, commit = benchkit.base_module(args.base, "runtime/engine/batch.py", *(
-            f"runtime/engine/{name}.py" for name in ("sampling", "scheduler", "request")))
+        before, commit = benchkit.batch_engine_at(args.base)
         engines[f", the batch engine at {commit}"] = lambda: before.BatchEngine(model, eos)
         masks[f", the batch engine at {commit}"] = [sys.modules["base_sampling"].GrammarMask]
     rates: dict[str, list[float]] = {f"{kind}{engine}": [] for engine in engines for kind in ("unheld", "held")}

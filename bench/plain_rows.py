@@ -27,7 +27,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import mlx.core as mx
-from benchkit import add_gpu_run_args, base_module, build_llama_shape, report, say, spread
+from benchkit import add_gpu_run_args, batch_engine_at, build_llama_shape, report, say, spread
 from rowwise import jobs, run
 
 from kit.drafters import Counted, undrafted
@@ -75,8 +75,7 @@ def main() -> None:
         path, overlay = build_llama_shape(args, args.out / "model"), None
     counted = Counted(load_sharded(path, mx.distributed.init(), lambda done, total: None, overlay))
 
-    before, commit = base_module(args.base, "runtime/engine/batch.py", *(f"runtime/engine/{name}.py" for name in (
-        "sampling", "scheduler", "request")))
+    before, commit = batch_engine_at(args.base)
     engines = {"batch engine": lambda: before.BatchEngine(counted, set()), "row-wise": lambda: undrafted(counted, set())}
     sent = varied if args.varied else jobs
     names, lines, apart = list(engines), [], []
