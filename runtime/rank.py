@@ -487,6 +487,8 @@ def serve(loop: LockstepLoop, engine, frontend: Frontend | None, hb: Heartbeat, 
         sys.stderr.flush()
         os._exit(1)
     hb.update(state=RankState.DRAINING)
+    if loop.restorer:  # a tape it reads meanwhile is left: the next generation restores it
+        loop.restorer.close()
     mx.synchronize()
     engine.close()
     log("drained, exiting 0")

@@ -8,7 +8,8 @@ of a cache its thread finished (`build_some`: a request that arrives meanwhile w
 whole tape) and the ranks exchange which they have, and a tape every rank has ready joins
 the token tape at that same iteration on all of them (one that any rank could not restore is dropped by
 all). Rank 0 holds back a request whose prompt a pending tape serves further than the token tape, and moves
-that tape to the front of every rank's queue, only when reading it is sooner than prefilling what it adds
+that tape to the front of every rank's queue (and of its builds), only when what is left of reading it (and
+of the tape the thread reads before it) and of building it takes well under prefilling what it adds
 (`worth_waiting`, from the rates this mesh measured); a new conversation never waits for old ones.
 """
 
@@ -25,6 +26,9 @@ from runtime.prefix.tape import TokenTape, common_prefix, reusable_prefix
 
 
 BUILD_BYTES = 64 << 20  # of a restored tape's cache built at one iteration of the loop, at most (a leaf at least)
+# of a prefill's time, what a restore may take for a request to wait for it: one H100 read the same 1.6 GB tape
+# in 1.0-2.0 s within one run (bench/restart_tapes.py), and a wait that misjudges costs more than the prefill
+MARGIN = 0.75
 
 
 # --- the decisions -------------------------------------------------------------------------------------------
@@ -35,15 +39,18 @@ def plan(agreed: list[str], parents: dict[str, str], whole_states: bool, capacit
     return serving(agreed, parents, whole_states)[-capacity:][::-1] if capacity else []
 
 
-def worth_waiting(extra: int, nbytes: int, read_bps: float, build_bps: float, prefill_tps: float) -> bool:
+def worth_waiting(extra: int, to_read: int, to_build: int, read_bps: float, build_bps: float,
+                  prefill_tps: float) -> bool:
     """Whether a request should wait for a tape still being restored, which serves `extra` more tokens of
-    its prompt than the token tape does and takes `nbytes` on disk: when reading it and building its cache (a
-    part an iteration, between the steps of what is served) is sooner than prefilling those tokens, by the
-    rates measured (read and prefill 0: not measured yet, and it does not wait; a build not measured yet is
-    taken to be as slow as the read)."""
-    if extra <= 0 or read_bps <= 0 or prefill_tps <= 0:
+    its prompt than the token tape does, with `to_read` bytes still to read before it is read (its own, and
+    what the thread is reading before it) and `to_build` of its cache still to build (a part an iteration,
+    between the steps of what is served): when that takes at most MARGIN of prefilling those tokens, by the
+    rates measured (read or prefill 0 where bytes are left to read: not measured yet, and it does not wait;
+    a build not measured yet is taken to be as slow as the read)."""
+    if extra <= 0 or prefill_tps <= 0 or (to_read and read_bps <= 0) or (to_build and not (build_bps or read_bps)):
         return False
-    return nbytes / read_bps + nbytes / (build_bps or read_bps) < extra / prefill_tps
+    restore_s = (to_read / read_bps if to_read else 0.0) + (to_build / (build_bps or read_bps) if to_build else 0.0)
+    return restore_s <= MARGIN * extra / prefill_tps
 
 
 def settled(results: list[dict[str, bool]]) -> dict[str, bool]:
@@ -74,7 +81,9 @@ class Restorer:
         self._read: dict = {}  # by the thread: tape -> Read, or None when it could not be read
         self._built: dict[str, tuple | None] = {}
         self._took: dict[str, list[float]] = {}  # each tape's seconds reading it and building its cache
-        self._building: tuple | None = None  # the cache being built: its tape, what was read of it and the build's steps
+        self._reading: tuple[str, int, int] | None = None  # by the thread: the tape it reads, bytes read, its bytes
+        # caches begun: each one's tape -> what was read of it, the build's steps, when it began, bytes built
+        self._building: dict[str, tuple] = {}
         self.build_bytes = BUILD_BYTES
         self._cv = threading.Condition()
         self._closed = False
@@ -122,29 +131,37 @@ class Restorer:
                 if self._closed:
                     return
                 sid = self._queue.pop(0)
-            began = time.monotonic()
-            got = self.snaps.read(sid, types)
+            began, self._reading = time.monotonic(), (sid, 0, self.snaps.nbytes_of(sid))
+            got = self.snaps.read(sid, types, on_part=self._advance)
             took = time.monotonic() - began
             if got is not None:
                 self.rates.note(read_bps=got.nbytes / max(took, 1e-6))
             with self._cv:
                 self._read[sid] = got
                 self._took[sid] = [took, 0.0]
+                self._reading = None
+
+    def _advance(self, nbytes: int) -> None:
+        """A segment of the tape being read, read (by the thread)."""
+        sid, done, total = self._reading
+        self._reading = (sid, done + nbytes, total)
 
     def build_some(self) -> None:
-        """At most `build_bytes` of the next cache the thread read, a leaf at least, built now (a build stalls the
-        loop: the requests it serves step between the parts of a tape, never behind a whole one)."""
-        if self._building is None:
-            with self._cv:
-                sid = next(iter(self._read), None)
-                got = self._read.pop(sid) if sid is not None else None
-            if sid is None:
-                return
+        """At most `build_bytes` of a cache the thread read, a leaf at least, built now (a build stalls the loop:
+        the requests it serves step between the parts of a tape, never behind a whole one): of one a request
+        waits for first, else of the one begun, else of the first read."""
+        with self._cv:
+            ready = [*self._building, *self._read]
+            sid = next((s for s in ready if s in self.awaited), ready[0] if ready else None)
+            got = self._read.pop(sid) if sid in self._read else None
+        if sid is None:
+            return
+        if sid not in self._building:
             if got is None:
                 self._built[sid] = None
                 return
-            self._building = (sid, got, self.snaps.building(got, self.fresh), time.monotonic(), [0])
-        sid, got, steps, began, built = self._building
+            self._building[sid] = (got, self.snaps.building(got, self.fresh), time.monotonic(), [0])
+        got, steps, began, built = self._building[sid]
         done = 0
         try:
             while done < self.build_bytes:
@@ -152,7 +169,7 @@ class Restorer:
         except StopIteration as end:
             self._built[sid] = ((*end.value, got.tenant, got.taps, self.snaps.checkpoints(got))
                                 if end.value is not None else None)
-            self._building = None
+            del self._building[sid]
             if end.value is not None:  # its parts' bytes over the wall time they took, the steps between included
                 self._took[sid][1] = time.monotonic() - began
                 self.rates.note(build_bps=(built[0] + done) / max(self._took[sid][1], 1e-6))
@@ -195,7 +212,9 @@ class Restorer:
                                 f"tape {sid}: a newer tape of its tenant serves every prompt it serves")
             elif built is not None:
                 self.snaps.skip("missing", f"tape {sid}: another rank could not restore its part")
-        self.snaps.restored_as(adopted)
+        # counted, not marked used: the next generation restores the conversations served last first, not the
+        # tapes this one restored behind them
+        self.snaps.restored += len(adopted)
         self.snaps.restores_pending = len(self.pending)
         self.restored_tokens += tokens
         if adopted:
@@ -244,7 +263,7 @@ class Restorer:
     def buildable(self) -> bool:
         """A tape read and not yet built, or one being built: each exchange of the loop builds a part of it."""
         with self._cv:
-            return self._building is not None or bool(self._read)
+            return bool(self._building or self._read)
 
     def _worth(self, prompt: tuple, tenant: str) -> str | None:
         """The pending tape of `tenant` a prompt should wait for, if any (`worth_waiting`)."""
@@ -258,7 +277,21 @@ class Restorer:
             n = reusable_prefix(common_prefix(tokens, prompt), len(tokens), len(prompt), self.trimmable)
             if n > best_len:
                 best, best_len = sid, n
-        if best is None or not worth_waiting(best_len - served, self.snaps.nbytes_of(best), self.rates.read_bps,
+        if best is None or not worth_waiting(best_len - served, *self._left(best), self.rates.read_bps,
                                              self.rates.build_bps, self.rates.prefill_tps):
             return None
         return best
+
+    def _left(self, sid: str) -> tuple[int, int]:
+        """The bytes still to read and to build before pending tape `sid` joins the token tape, once it is
+        first in line: what is left of it, and of the tape the thread reads meanwhile."""
+        nbytes = self.snaps.nbytes_of(sid)
+        with self._cv:
+            if sid in self._built:
+                return 0, 0
+            if sid in self._building:
+                return 0, nbytes - self._building[sid][3][0]
+            if sid in self._read:
+                return 0, nbytes
+            reading, done, total = self._reading or ("", 0, 0)
+        return (nbytes - done, nbytes) if reading == sid else (nbytes + total - done, nbytes)

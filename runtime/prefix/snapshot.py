@@ -46,7 +46,9 @@ from runtime.prefix.rollback import leaves
 FORMAT = "meshd-snapshot/4"  # /3: digests keyed by the node's snapshot key; /4: over each array's own digest
 # how a cache leaf is snapshotted: by its new tokens, appended to its parent's, or as its whole state
 LEAVES = {"KVCache": "append", "RotatingKVCache": "whole", "PoolingCache": "whole"}
-READERS = 4  # threads that read and hash one tape's segments
+# threads that read and hash one tape's segments, as many as the writers: with 4, one H100 machine read a 1.6 GB
+# tape in 1.0-1.3 s (bench/restart_tapes.py's rank logs), about 4 threads' hashing
+READERS = 8
 # threads that hash and write one segment's arrays: each hashes at about 570 MB/s (keyed blake2b, on the cores of
 # one H100 machine), so 4 landed about 600 MB/s behind an 8B model's 890 MB/s prefill; 8 land about 780, and 16
 # no more than 8 (bench/snapshot_writer.py, docs/BENCHMARKS.md)
@@ -620,9 +622,9 @@ class Snapshots:
         except (Unusable, OSError, KeyError, TypeError, ValueError):
             return None
 
-    def read(self, sid: str, types: list[str]) -> Read | None:
-        """A tape's segments read and checked (no MLX: a thread may call it while the model runs); None when
-        one is missing or unusable (deleted, counted)."""
+    def read(self, sid: str, types: list[str], on_part=lambda nbytes: None) -> Read | None:
+        """A tape's segments read and checked (no MLX: a thread may call it while the model runs), `on_part`
+        told each one's bytes as it is; None when one is missing or unusable (deleted, counted)."""
         chain, held = self._chain(sid)
         if not held:  # a segment it shares with a tape before it was unusable
             self.skip("corrupt", f"tape {sid}: a segment of its chain is unusable")
@@ -638,6 +640,7 @@ class Snapshots:
                         self._count_bytes()
                     return None
                 parts.append(part)
+                on_part(seg.nbytes)
         tokens = tuple(np.concatenate([part.arrays["tokens"][0] for part in parts]).tolist())
         if tape_id(tokens, chain[0].tenant) != sid:
             self.skip("corrupt", f"tape {sid}: its tenant and tokens do not hash to its name")
@@ -682,12 +685,6 @@ class Snapshots:
             self.skip("corrupt", f"tape {read.sid}: its checkpoints do not fit its caches; restored without them")
             return ()
         return points
-
-    def restored_as(self, sids: list[str]) -> None:
-        """The tapes every rank restored: counted, and marked as used now."""
-        for sid in sids:
-            self.used(sid)
-        self.restored += len(sids)
 
     def used(self, sid: str) -> None:
         """A tape that served: its chain marked as used now, its files' times by the writer (the loop never

@@ -39,7 +39,8 @@ class PrefixStore:
         self.stopping = Stopping(markers, 4 * prefill_step_size, needed(self.fresh()))
         self.snapshots = snapshots
         self.rates = rates or Rates(None)  # the speed of prefills and reads (restores weigh it: runtime/restore.py)
-        self._prefilled = (0, 0.0)  # tokens prefilled alone and the seconds it took
+        self._chunk = prefill_step_size
+        self._prefilled = (0, 0.0)  # tokens prefilled in whole chunks and the seconds it took
         self._kind = snapshot_kind(leaf_types(self.fresh())) if snapshots else None
 
     def fresh(self) -> list:
@@ -79,7 +80,12 @@ class PrefixStore:
         return self._kind is not None and due(since[1], told, self.snapshots.every, False, self._kind == "whole")
 
     def prefilled(self, tokens: int, seconds: float) -> None:
-        """A piece of prompts gone in, noted in the rates restores weigh."""
+        """A piece of prompts gone in, noted in the rates restores weigh when it is a chunk at least: a
+        restore is weighed against a long prompt's prefill, whose rate is its chunks'; a shorter piece's is
+        mostly a forward's fixed cost (a turn's few new tokens), which would make prefilling look slower than
+        it is and a request wait for a restore slower than its prefill."""
+        if tokens < self._chunk:
+            return
         self._prefilled = (self._prefilled[0] + tokens, self._prefilled[1] + seconds)
         self.rates.note(prefill_tps=self._prefilled[0] / self._prefilled[1])
 

@@ -9,7 +9,11 @@ import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -28,7 +32,7 @@ from runtime.lockstep import Cancel, Drain, DrainMode, Insert, RestoreFirst
 from runtime.rank import parse_args
 from runtime.server import WARMUP
 from runtime.prefix.rates import Rates
-from runtime.restore import Restorer, plan, settled, worth_waiting
+from runtime.restore import MARGIN, Restorer, plan, settled, worth_waiting
 from runtime.prefix.snapshot import (Identity, Segment, Snapshots, agree, digest, due, ends, evict, expired, read_header,
                               read_segment, scan, segment_files, serving, snapshot_key, snapshot_kind, tape_id, whole)
 from runtime.prefix import snapshot
@@ -228,19 +232,37 @@ def test_the_restore_plan_takes_the_most_recent_serving_tapes_first(agreed, pare
     assert plan(agreed, parents, whole_states, capacity) == expect
 
 
-@pytest.mark.parametrize("extra, nbytes, read_bps, build_bps, prefill_tps, expect", [
-    (12000, 1_800_000_000, 2e9, 4e9, 5000, True),  # 0.9 s to read and 0.45 s to build against 2.4 s to prefill
-    (12000, 1_800_000_000, 1e9, 2e9, 5000, False),  # 1.8 s to read: sooner than prefilling, but not with the build
-    (12000, 1_800_000_000, 1e9, 1e9, 8000, False),
-    (12000, 1_800_000_000, 2e9, 0, 5000, True),  # the build not measured yet: taken to be as slow as the read
-    (20, 100_000_000, 1e9, 1e9, 1000, False),  # a short prompt: prefilling 20 tokens beats reading 100 MB
-    (12000, 1_800_000_000, 0, 1e9, 5000, False),  # no rate measured yet: a request never waits on a guess
-    (12000, 1_800_000_000, 1e9, 1e9, 0, False),
-    (0, 1, 1e9, 1e9, 5000, False),  # the tape serves nothing more than the token tape does
+@pytest.mark.parametrize("extra, to_read, to_build, read_bps, build_bps, prefill_tps, expect", [
+    (12000, 1_800_000_000, 1_800_000_000, 2e9, 4e9, 5000, True),  # 0.9 s to read, 0.45 s to build: 2.4 s to prefill
+    (12000, 1_800_000_000, 1_800_000_000, 1e9, 2e9, 5000, False),  # 1.8 s to read: sooner, but not with the build
+    (12000, 1_600_000_000, 1_600_000_000, 1.6e9, 1.6e9, 4600, False),  # 2 s against 2.6 s: within the margin
+    (12000, 400_000_000, 1_600_000_000, 1.6e9, 1.6e9, 4600, True),  # most of it read already: 1.25 s left
+    (12000, 3_200_000_000, 1_600_000_000, 1.6e9, 1.6e9, 4600, False),  # another tape's read before it
+    (12000, 0, 800_000_000, 0, 1.6e9, 4600, True),  # read, half built: nothing left to read needs no read rate
+    (12000, 0, 0, 0, 0, 4600, True),  # built: it joins at this iteration
+    (12000, 1_800_000_000, 1_800_000_000, 1e9, 1e9, 8000, False),
+    (12000, 1_800_000_000, 1_800_000_000, 4e9, 0, 5000, True),  # the build not measured yet: as slow as the read
+    (20, 100_000_000, 100_000_000, 1e9, 1e9, 1000, False),  # a short prompt: prefilling 20 tokens beats reading 100 MB
+    (12000, 1_800_000_000, 1_800_000_000, 0, 1e9, 5000, False),  # no rate measured yet: it never waits on a guess
+    (12000, 0, 1_800_000_000, 0, 0, 5000, False),
+    (12000, 1_800_000_000, 1_800_000_000, 1e9, 1e9, 0, False),
+    (0, 1, 1, 1e9, 1e9, 5000, False),  # the tape serves nothing more than the token tape does
 ])
-def test_a_request_waits_for_a_tape_being_restored_only_when_reading_and_building_it_is_sooner_than_prefilling(
-        extra, nbytes, read_bps, build_bps, prefill_tps, expect):
-    assert worth_waiting(extra, nbytes, read_bps, build_bps, prefill_tps) == expect
+def test_a_request_waits_for_a_tape_being_restored_only_when_what_is_left_of_it_is_well_under_a_prefill(
+        extra, to_read, to_build, read_bps, build_bps, prefill_tps, expect):
+    assert worth_waiting(extra, to_read, to_build, read_bps, build_bps, prefill_tps) == expect
+
+
+@pytest.mark.parametrize("pieces, expect", [
+    ([(512, 0.1), (512, 0.1)], 5120.0),
+    ([(17, 0.03), (3, 0.02)], 0.0),  # a turn's few new tokens: a forward's fixed cost, not a prefill's rate
+    ([(512, 0.1), (17, 0.03), (1024, 0.2)], 5120.0),
+])
+def test_the_prefill_rate_restores_weigh_is_of_whole_chunks(demo_model, pieces, expect):
+    store = PrefixStore(load(str(demo_model))[0], prefill_step_size=512)
+    for tokens, seconds in pieces:
+        store.prefilled(tokens, seconds)
+    assert store.rates.prefill_tps == pytest.approx(expect)
 
 
 def test_the_rates_are_kept_for_the_next_generation(tmp_path):
@@ -354,14 +376,17 @@ def test_a_snapshot_folder_deleted_while_serving_fails_that_write_is_made_again_
     assert {oct(p.stat().st_mode & 0o777) for p in (tmp_path, snaps.folder)} == {"0o700"}  # made again, private
 
 
-def restorer_over(tmp_path, tapes: list[tuple], read_bps: float, prefill_tps: float, taps=None):
+def restorer_over(tmp_path, tapes: list[tuple], read_bps: float, prefill_tps: float, taps=None, reading=None):
     """A rank of one that served `tapes` in its last generation (their last positions' `taps` kept with them),
-    now restoring them while it serves, with these rates measured before."""
+    now restoring them while it serves, with these rates measured before (its thread's reads through
+    `reading(read)`, when given)."""
     snaps = Snapshots(tmp_path, ME, 1 << 24, every=4)
     for tape in tapes:
         snaps.stage(tape, real_cache(len(tape)), ("", 0), final=True, taps=taps)
     snaps.close()
     again = Snapshots(tmp_path, ME, 1 << 24, every=4)
+    if reading:  # what the thread's reads go through
+        again.read = reading(again.read)
     rates = Rates(None)
     rates.note(read_bps=read_bps, prefill_tps=prefill_tps)
     tape = TokenTape(capacity=8)
@@ -439,6 +464,94 @@ def test_a_held_request_cancelled_or_drained_is_never_left_behind(tmp_path):
     assert restorer.screen([cancel], through=WARMUP) == [cancel]  # "a" is gone for good
     assert restorer.screen([drain], through=WARMUP) == [insert("b", old + (2,)), drain]  # refused by the drain
     assert not restorer.holding
+
+
+def test_the_tape_a_request_waits_for_is_built_before_a_tape_read_or_begun_before_it(tmp_path):
+    old, newer = tuple(range(100, 160)), tuple(range(300, 360))
+    restorer, tape = restorer_over(tmp_path, [old, newer], read_bps=1e9, prefill_tps=100.0)
+    assert restorer.pending == [tape_id(newer), tape_id(old)]  # the conversation served last first
+    restorer.build_bytes = 1  # a leaf an iteration: each cache has two
+    wait_for(lambda: len(restorer._read) == 2, 10, "both tapes read")
+    assert restorer.adopt(lambda b: [b]) == []  # the newer one's first leaf
+    assert restorer.screen([insert("turn", old + (7,))], through=WARMUP) == [RestoreFirst(tape_id(old))]
+    restorer.first(tape_id(old))  # as every rank does when the loop's exchange brings it
+    assert restorer.adopt(lambda b: [b]) == []  # the old one's first leaf: the newer one's build set aside
+    assert restorer.adopt(lambda b: [b]) == [tape_id(old)]  # ... and its second: it joins first
+    assert restorer.screen([], through=WARMUP) == [insert("turn", old + (7,))]
+    assert restorer.adopt(lambda b: [b]) == [tape_id(newer)]  # the one set aside goes on where it was
+    assert tape.served(newer + (1,)) == len(newer) and tape.served(old + (1,)) == len(old)
+
+
+def test_a_request_waits_only_when_its_tape_and_what_the_thread_reads_before_it_are_well_under_a_prefill(tmp_path):
+    old, newer = tuple(range(100, 160)), tuple(range(300, 360))
+    gates = {tape_id(newer): threading.Event(), tape_id(old): threading.Event()}
+
+    def each_tape_at_its_gate(read):
+        def reading(sid, types, on_part=lambda nbytes: None):
+            gates[sid].wait(30)
+            return read(sid, types, on_part)
+        return reading
+
+    restorer, _ = restorer_over(tmp_path, [old, newer], 0, 0, reading=each_tape_at_its_gate)
+    nbytes = restorer.snaps.nbytes_of(tape_id(old))  # the newer tape's are as many
+    # reading and building the old tape: 2 * nbytes / 1e6 s; with the newer tape's read before it, 3x that
+    rates = {"read_bps": 1e6, "prefill_tps": MARGIN * len(old) * 1e6 / (2.5 * nbytes)}
+    restorer.rates.note(**rates)
+    wait_for(lambda: restorer._reading, 10, "the thread at the newer tape")
+    assert restorer.screen([insert("turn", old + (7,))], through=WARMUP) == [insert("turn", old + (7,))]
+    gates[tape_id(newer)].set()
+    wait_for(lambda: (restorer._reading or ("",))[0] == tape_id(old), 10, "the thread at the old tape")
+    restorer.rates.note(**rates)  # as before the newer tape's read, which measured its own
+    assert restorer.screen([insert("next", old + (8,))], through=WARMUP) == [RestoreFirst(tape_id(old))]
+    gates[tape_id(old)].set()
+
+
+def test_the_next_generation_restores_the_conversation_served_last_first_not_the_tapes_restored_behind_it(tmp_path):
+    old, newer = tuple(range(100, 160)), tuple(range(300, 360))
+    restorer, _ = restorer_over(tmp_path, [old, newer], 0, 0)
+    adopted = []
+    wait_for(lambda: adopted.extend(restorer.adopt(lambda b: [b])) or not restorer.pending, 10, "the restores")
+    assert adopted == [tape_id(newer), tape_id(old)]  # the old one joined last
+    restorer.snaps.close()
+    assert Snapshots(tmp_path, ME, 1 << 24, every=4).held() == [tape_id(old), tape_id(newer)]  # least recent first
+
+
+def test_a_restorer_closed_at_a_drain_reads_no_further_tape_and_the_rank_exits_without_a_traceback(tmp_path):
+    """A drained rank exits while its thread reads tapes (a real interpreter's end): closed, as the rank closes
+    it once drained, the thread stops before its next tape. Left open, its next read asks the ended
+    interpreter for threads: "Exception in thread snapshot-reader" in the rank's log, every drain on an H100."""
+    script = f"""
+import atexit, sys, time
+from pathlib import Path
+sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+from runtime.prefix.rates import Rates
+from runtime.prefix.snapshot import Identity, Snapshots
+from runtime.prefix.tape import TokenTape
+from runtime.restore import Restorer
+ME = Identity("model", 1, 0, "layout")
+def cache():
+    layers = [KVCache() for _ in range(8)]
+    for c in layers:
+        c.update_and_fetch(mx.ones((1, 2, 4000, 64)), mx.ones((1, 2, 4000, 64)))
+    return layers
+snaps = Snapshots(Path(sys.argv[1]), ME, 1 << 30, every=1 << 20)
+for i in range(8):
+    snaps.stage(tuple(range(i * 5000, i * 5000 + 4000)), cache(), ("", 0), final=True)
+snaps.close()
+again = Snapshots(Path(sys.argv[1]), ME, 1 << 30, every=1 << 20)
+restorer = Restorer.agree(again, lambda b: [b], TokenTape(8), lambda: [KVCache() for _ in range(8)], Rates(None),
+                          print, 0)
+while not restorer._reading:
+    time.sleep(0.001)
+restorer.close()
+atexit.register(time.sleep, 1.0)  # an exit takes a while (a rank's transport), the thread reading meanwhile
+print("exiting with", len(restorer.pending), "pending", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "exiting with 8 pending" in done.stdout, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "Exception" not in done.stderr, done.stderr
 
 
 def test_a_long_prompt_is_snapshotted_chunk_by_chunk_as_it_is_prefilled_so_a_death_loses_one_chunk(
