@@ -5,6 +5,7 @@ the node. The spawn itself, the standby's hand-over and the stop ladder run on r
 
 import asyncio
 import json
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -106,14 +107,22 @@ def test_a_plan_refuses_what_this_agent_does_not_run(name, changes, param, says)
 
 
 class FakeProc:
-    """A spawned rank that exits when the test says."""
+    """A spawned rank that exits when the test says: a real process (a `sleep`) while it runs, so that the
+    supervisor sees a live rank, not one already gone."""
 
-    def __init__(self, pid: int):
-        self.pid = pid
+    def __init__(self):
+        self._sleep = subprocess.Popen(["sleep", "300"])
+        self.pid = self._sleep.pid
         self.code = asyncio.get_running_loop().create_future()
 
     async def wait(self) -> int:
-        return await self.code
+        code = await self.code
+        self.gone()
+        return code
+
+    def gone(self) -> None:
+        self._sleep.kill()
+        self._sleep.wait()
 
 
 class FakeSpawner:
@@ -122,7 +131,7 @@ class FakeSpawner:
 
     async def __call__(self, plan):
         self.plans.append(plan)
-        self.procs.append(FakeProc(4_000_000 + len(self.procs)))  # above any pid_max: no process has it
+        self.procs.append(FakeProc())
         return self.procs[-1], self.warm
 
 
@@ -153,8 +162,9 @@ STARTS = [
 
 @pytest.mark.parametrize("name,specs,warm,answers,spawned", STARTS, ids=[s[0] for s in STARTS])
 def test_a_start(tmp_path, name, specs, warm, answers, spawned):
+    spawner = FakeSpawner(warm)
+
     async def scenario():
-        spawner = FakeSpawner(warm)
         sup = Supervisor(config(tmp_path), spawn=spawner)
         got = []
         for s in specs:
@@ -164,6 +174,7 @@ def test_a_start(tmp_path, name, specs, warm, answers, spawned):
                 assert rec.state == RankState.SPAWNED and rec.pid == spawner.procs[-1].pid
             except (Conflict, BadSpec) as e:
                 got.append(type(e))
+                assert not isinstance(e, Conflict) or "is running here" in str(e), e  # at once, not after a wait
         assert got == answers
         assert len(spawner.plans) == spawned
         started = [e for e in sup.events.since(0) if e["kind"] == "RankStarted"]
@@ -179,4 +190,8 @@ def test_a_start(tmp_path, name, specs, warm, answers, spawned):
         assert [k for k in kinds(sup) if k[0] == "RankExited"] == [
             ("RankExited", r.generation, r.rank) for r in sup.records.values()]
 
-    asyncio.run(scenario())
+    try:
+        asyncio.run(scenario())
+    finally:
+        for p in spawner.procs:
+            p.gone()
