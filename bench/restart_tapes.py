@@ -13,7 +13,8 @@ behind, and snapshots that land while the answer streams (issue 37).
 World 1 by default (one GPU), the rank started by a real agent with its standby; snapshots as their defaults
 give them (a segment every 256 tokens). On the device machine (mlx[cuda13]):
 
-    python bench/restart_tapes.py --out DIR [--part tapes|delays] [--prompt-tokens 12288] [--rounds 2]
+    python bench/restart_tapes.py --out DIR [--part tapes|delays] [--delays 0,0.5,1,2,5] [--prompt-tokens 12288] \\
+        [--rounds 2]
 
 and on CPUs, a small shape:
 
@@ -158,6 +159,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--nodes", type=int, default=1, help="ranks (agents), on the ring beyond one")
     ap.add_argument("--part", choices=["tapes", "delays", "both"], default="both")
+    ap.add_argument("--delays", type=lambda v: tuple(float(d) for d in v.split(",")), default=DELAYS,
+                    help=f"seconds between an answer's end and the SIGKILL, comma-separated (default {DELAYS})")
     ap.add_argument("--write", action="store_true", help="append the tables to docs/BENCHMARKS.md")
     args = ap.parse_args()
     work = args.out / "work"
@@ -181,7 +184,7 @@ def main() -> None:
                     say(json.dumps(result["tapes"][-1]))
                     keep(args, result)
             if args.part in ("delays", "both"):
-                for delay in (DELAYS if n % 2 == 0 else DELAYS[::-1]):
+                for delay in (args.delays if n % 2 == 0 else args.delays[::-1]):
                     result["delays"].append(delay_round(agents, model, tok, args, generation, delay, n))
                     generation += 2
                     say(json.dumps(result["delays"][-1]))

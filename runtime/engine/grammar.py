@@ -263,17 +263,50 @@ def dead_end(text: str, prompt, answer: list[int]) -> str | None:
     return "no token of the model's vocabulary continues it"
 
 
-def allowed_tokens(bitmask: bytes, width: int, eos: list[int]) -> mx.array:
-    """llguidance's bitmask (a bit per token, little-endian words) as one bool per logit of a row `width`
-    wide; a mask that allows nothing allows the end instead, so a stuck grammar ends the answer (which rank
-    0's frontend then reports: `dead_end`). Unpacked on the host: numpy's unpack is cheaper than the
-    device's, whose work would queue behind the step's forward (bench/grammar.py)."""
-    bits = np.zeros(width, dtype=bool)
-    got = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")[:width]
-    bits[:len(got)] = got
-    if not bits.any():
-        bits[[t for t in eos if t < width]] = True
-    return mx.array(bits)
+def unpack_on_host(device: mx.Device) -> bool:
+    """Where a held step's mask is unpacked from llguidance's bits: on the host for a CPU device (numpy's unpack
+    runs beside the step's forward, the device's own would queue behind it); a GPU is sent the bits, an eighth of
+    the bytes, and unpacks them (on CUDA what the host writes reaches the device as page faults of managed memory,
+    behind the step's forward: a held token cost 1.15x a free one on an H100 with the bools sent,
+    bench/grammar.py)."""
+    return device.type == mx.cpu
+
+
+def allowed_tokens(bitmask: bytes, width: int, eos: list[int], on_host: bool = True) -> mx.array:
+    """llguidance's bitmask (a bit per token, little-endian 32-bit words) as one bool per logit of a row `width`
+    wide, unpacked `on_host` or on the device (`unpack_on_host`); a mask that allows nothing allows the end
+    instead, so a stuck grammar ends the answer (which rank 0's frontend then reports: `dead_end`)."""
+    words = np.zeros(-(-width // 32), dtype=np.uint32)
+    got = np.frombuffer(bitmask, dtype=np.uint32)[:len(words)]
+    words[:len(got)] = got
+    if width % 32:  # no bit past the row
+        words[-1] &= np.uint32((1 << width % 32) - 1)
+    if not words.any():
+        for t in eos:
+            if t < width:
+                words[t >> 5] |= np.uint32(1 << (t & 31))
+    if on_host:
+        return mx.array(np.unpackbits(words.view(np.uint8), bitorder="little")[:width].view(bool))
+    word, bit = _bit_places(width)
+    return ((mx.array(words)[word] >> bit) & 1).astype(mx.bool_)
+
+
+@lru_cache(maxsize=8)
+def _bit_places(width: int) -> tuple[mx.array, mx.array]:
+    """Each logit's word of the bitmask and its bit in it, on the device once."""
+    i = mx.arange(width, dtype=mx.uint32)
+    places = (i >> 5, i & 31)
+    mx.eval(places)
+    return places
+
+
+@lru_cache(maxsize=8)
+def refused(dtype: mx.Dtype) -> mx.array:
+    """The logit of a token a mask refuses, made once: a scalar the host writes each step is a page the device
+    faults in on CUDA."""
+    minus_inf = mx.array(-mx.inf, dtype=dtype)
+    mx.eval(minus_inf)
+    return minus_inf
 
 
 @lru_cache(maxsize=8)

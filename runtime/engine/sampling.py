@@ -59,7 +59,7 @@ class GrammarMask:
     may say anything but the end.
 
     Per token it reads from the device only the answer's new tokens (and the last REREAD) and sends the mask
-    as bools. The read is queued first and the step's forward after it, so the host waits for the tokens
+    as bools, or to a GPU as bits (`grammar.unpack_on_host`). The read is queued first and the step's forward after it, so the host waits for the tokens
     alone and builds the mask while the forward runs: queued the other way round, the read waited for the
     forward and a held token cost 1.54x an unheld one's on an H100, not queued at all 1.19x
     (bench/grammar.py, docs/BENCHMARKS.md)."""
@@ -70,6 +70,7 @@ class GrammarMask:
         self._start = answer_start
         self._reasoning_first = grammar.think_open(prompt[:answer_start])
         self._eos = tuple(grammar.eos_tokens())
+        self._on_host = grammar.unpack_on_host(mx.default_device())
         self._answer: list[int] = []  # the answer as the last call read it
         self._said: list[int] = []  # the held tokens the matcher consumed
 
@@ -78,10 +79,11 @@ class GrammarMask:
         if held is None:
             allowed = grammar.reasoning_tokens(logits.shape[-1], self._eos)
         elif self._follow(held) or self._matcher.is_error():  # an errored matcher allows nothing: the end
-            allowed = grammar.allowed_tokens(self._matcher.compute_bitmask(), logits.shape[-1], self._eos)
+            allowed = grammar.allowed_tokens(self._matcher.compute_bitmask(), logits.shape[-1], self._eos,
+                                             self._on_host)
         else:
             return logits  # past a draft the grammar refuses: the verify keeps nothing from this place
-        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+        return mx.where(allowed, logits, grammar.refused(logits.dtype))
 
     def _read(self, tokens: mx.array, logits: mx.array) -> list[int]:
         """The answer in `tokens`: the last call's, but for its last REREAD tokens, and what follows them; the

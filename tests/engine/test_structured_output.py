@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import jsonschema
+import mlx.core as mx
+import numpy as np
 import mlx_lm.utils
 import pytest
 import requests
@@ -144,6 +146,25 @@ def test_drafts_held_to_the_grammar_are_accepted_and_the_answer_is_the_plain_one
         print(sampling, stats)
         # the drafts masked as the verify masks them: the grammar's forced keys and punctuation are taken
         assert stats["draft_accepted"] > stats["draft_proposed"] // 4, stats
+
+
+@pytest.mark.parametrize("width, words", [
+    (151936, 4748),  # Qwen's row: a bit for each logit
+    (1000, 32),  # bits past the row (the tokenizer's vocabulary rounded up to a word) are no logits
+    (1100, 30),  # an embedding padded past the tokenizer's vocabulary: the logits past its bits are refused
+])
+@pytest.mark.parametrize("on_host", [True, False], ids=["unpacked on the host", "unpacked on the device"])
+def test_a_held_steps_mask_allows_the_tokens_the_grammars_bits_allow_wherever_it_is_unpacked(width, words, on_host):
+    bits = np.random.default_rng(width).integers(0, 1 << 32, words, dtype=np.uint32)
+    want = [t < 32 * words and bool(bits[t >> 5] >> (t & 31) & 1) for t in range(width)]
+    assert grammar.allowed_tokens(bits.tobytes(), width, [3], on_host).tolist() == want
+    stuck = grammar.allowed_tokens(bytes(4 * words), width, [3, width + 5], on_host)  # allows nothing: the end
+    assert stuck.tolist() == [t == 3 for t in range(width)]
+
+
+@pytest.mark.parametrize("device, on_host", [(mx.Device(mx.cpu), True), (mx.Device(mx.gpu), False)])
+def test_a_gpu_is_sent_a_masks_bits_and_a_cpu_its_bools(device, on_host):
+    assert grammar.unpack_on_host(device) is on_host
 
 
 def test_a_model_that_thinks_reasons_freely_then_writes_the_document(tmp_path):
