@@ -59,10 +59,10 @@ class GrammarMask:
     may say anything but the end.
 
     Per token it reads from the device only the answer's new tokens (and the last REREAD) and sends the mask
-    as bools, or to a GPU as bits (`grammar.unpack_on_host`). The read is queued first and the step's forward after it, so the host waits for the tokens
-    alone and builds the mask while the forward runs: queued the other way round, the read waited for the
-    forward and a held token cost 1.54x an unheld one's on an H100, not queued at all 1.19x
-    (bench/grammar.py, docs/BENCHMARKS.md)."""
+    as bools, or to a GPU as bits (`grammar.unpack_on_host`). The read is queued first and the step's forward
+    after it, so the host waits for the tokens alone and builds the mask while the forward runs: queued the
+    other way round, the read waited for the forward and a held token cost 1.54x an unheld one's on an H100,
+    not queued at all 1.19x (bench/grammar.py, docs/BENCHMARKS.md)."""
 
     def __init__(self, text: str, prompt, answer_start: int):
         self._text = text
