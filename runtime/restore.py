@@ -47,10 +47,10 @@ def worth_waiting(extra: int, to_read: int, to_build: int, read_bps: float, buil
     between the steps of what is served): when that takes at most MARGIN of prefilling those tokens, by the
     rates measured (read or prefill 0 where bytes are left to read: not measured yet, and it does not wait;
     a build not measured yet is taken to be as slow as the read)."""
-    if extra <= 0 or prefill_tps <= 0 or (to_read and read_bps <= 0) or (to_build and not (build_bps or read_bps)):
+    build_bps = build_bps or read_bps
+    if extra <= 0 or prefill_tps <= 0 or (to_read and read_bps <= 0) or (to_build and build_bps <= 0):
         return False
-    restore_s = (to_read / read_bps if to_read else 0.0) + (to_build / (build_bps or read_bps) if to_build else 0.0)
-    return restore_s <= MARGIN * extra / prefill_tps
+    return (to_read and to_read / read_bps) + (to_build and to_build / build_bps) <= MARGIN * extra / prefill_tps
 
 
 def settled(results: list[dict[str, bool]]) -> dict[str, bool]:
